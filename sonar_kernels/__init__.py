@@ -1,0 +1,8 @@
+"""sonar-kernels: Triton grouped-GEMM kernels for Mixture-of-Experts expert MLPs."""
+
+from sonar_kernels.autograd import MoEMLPFunction, moe_mlp
+from sonar_kernels.nn import SonarExperts
+
+__version__ = "0.1.0"
+
+__all__ = ["MoEMLPFunction", "SonarExperts", "__version__", "moe_mlp"]

@@ -1,0 +1,1 @@
+"""@triton.jit kernels and their fixed configurations; launchers live in ``sonar_kernels.ops``."""

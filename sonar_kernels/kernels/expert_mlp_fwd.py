@@ -1,0 +1,212 @@
+"""Forward kernels of the gated expert MLP: up-projection + GLU, down-projection, weighted combine.
+
+Row r of the grouped GEMMs is the r-th kept slot in expert order (``ops.routing_metadata``). Each grouped
+GEMM is one launch for all experts over a grid of (row tile, column tile) programs; the row tiles come
+from ``tile_offsets`` and programs past the last tile exit at once (the grid is sized for the worst case,
+cdiv(S, BLOCK_M) + min(E, S) row tiles, so no host sync is needed).
+"""
+
+import triton
+import triton.language as tl
+
+from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
+
+# Fixed configurations (no autotuning: see DESIGN.md on autotuning kernels that write in place). Both
+# grouped GEMMs use the row tile of the routing metadata, TILE_M = BLOCK_M. The up-projection's dot is
+# 2 * BLOCK_N wide (gate and up columns together).
+FWD_GEMM_CONFIGS = {
+    "fp32": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 4, "num_stages": 3},
+    "16bit": {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 3},
+}
+TILE_M = 64
+COMBINE_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
+
+
+@triton.jit
+def _glu_fwd(gate, up, ACTIVATION: tl.constexpr):
+    """act(gate) * up in fp32: SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
+    if ACTIVATION == "silu":
+        act = gate / (1.0 + tl.exp(-gate))
+    else:
+        act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+    return act * up
+
+
+@triton.jit
+def _expert_mlp_fwd_up_kernel(
+    # pointers
+    x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
+    w1_ptr,  # [E, 2I, H] activation dtype or fp32, read
+    token_of_row_ptr,  # [S] int32, read
+    expert_offsets_ptr,  # [E + 1] int32, read
+    tile_offsets_ptr,  # [E + 1] int32, read
+    hpre_ptr,  # [S, 2I] activation dtype, written for rows < expert_offsets[E]
+    a_ptr,  # [S, I] activation dtype, written for rows < expert_offsets[E]
+    # sizes
+    E,
+    H,
+    I,
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_we,
+    stride_wn,
+    stride_wh,
+    stride_hs,
+    stride_hn,
+    stride_as,
+    stride_an,
+    # meta-parameters
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Hpre[r] = X[token(r)] @ W1[e(r)]^T; A[r] = act(Hpre[r, :I]) * Hpre[r, I:] from the rounded Hpre.
+
+    Mapping: M -> rows r, N -> I (each program owns gate columns n and up columns I + n, one dot of
+    width 2 * BLOCK_N), K -> H.
+    Grid: (row tiles * cdiv(I, BLOCK_N),), row tile fastest-varying last (programs of one row tile are
+    adjacent and share the gathered X rows).
+    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m >= tl.load(tile_offsets_ptr + E):
+        return
+    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    dtype = hpre_ptr.dtype.element_ty
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    tokens = tl.load(token_of_row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    # Columns j < BLOCK_N of the dot are gate rows n of W1, columns j >= BLOCK_N the up rows I + n.
+    offs_j = tl.arange(0, 2 * BLOCK_N)
+    offs_n = pid_n * BLOCK_N + offs_j % BLOCK_N
+    mask_n = offs_n < I
+    w_rows = (offs_n + (offs_j // BLOCK_N) * I).to(tl.int64)
+    acc = _grouped_mm_acc(
+        x_ptr, tokens, mask_m, stride_xt, stride_xh,
+        w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, stride_wn, stride_wh,
+        H, BLOCK_M, 2 * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
+    )  # fmt: skip  # [BLOCK_M, 2 * BLOCK_N]
+    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    gate = _round_to(gate, dtype, INTERPRET)  # [BLOCK_M, BLOCK_N]
+    up = _round_to(up, dtype, INTERPRET)
+
+    rows = offs_m.to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = mask_m[:, None] & (cols < I)[None, :]
+    h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
+    tl.store(h_ptrs, gate, mask=mask)
+    tl.store(h_ptrs + I * stride_hn, up, mask=mask)
+    # The activation reads the rounded Hpre, exactly what the backward recomputes it from.
+    a = _glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
+    tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, _round_to(a, dtype, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _expert_mlp_fwd_down_kernel(
+    # pointers
+    a_ptr,  # [S, I] activation dtype, read
+    w2_ptr,  # [E, H, I] activation dtype or fp32, read
+    expert_offsets_ptr,  # [E + 1] int32, read
+    tile_offsets_ptr,  # [E + 1] int32, read
+    y_ptr,  # [S, H] activation dtype, written for rows < expert_offsets[E]
+    # sizes
+    E,
+    H,
+    I,
+    # strides
+    stride_as,
+    stride_ai,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_ys,
+    stride_yh,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Y[r] = A[r] @ W2[e(r)]^T.
+
+    Mapping: M -> rows r, N -> H, K -> I.
+    Grid: (row tiles * cdiv(H, BLOCK_N),).
+    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(H, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m >= tl.load(tile_offsets_ptr + E):
+        return
+    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    dtype = y_ptr.dtype.element_ty
+
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = rows < row_end
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = cols < H
+    acc = _grouped_mm_acc(
+        a_ptr, rows, mask_m, stride_as, stride_ai,
+        w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wh, stride_wi,
+        I, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
+    )  # fmt: skip  # [BLOCK_M, BLOCK_N]
+    y_ptrs = y_ptr + rows[:, None] * stride_ys + cols[None, :] * stride_yh
+    tl.store(y_ptrs, _round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _expert_mlp_fwd_combine_kernel(
+    # pointers
+    y_ptr,  # [S, H] activation dtype, read at kept rows only
+    row_of_slot_ptr,  # [S] int32, read
+    weights_ptr,  # [T, top_k] floating, read
+    out_ptr,  # [T, H] activation dtype, written
+    # sizes
+    T,
+    H,
+    top_k,
+    # strides
+    stride_ys,
+    stride_yh,
+    stride_wt,
+    stride_wj,
+    stride_ot,
+    stride_oh,
+    # meta-parameters
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """out[t] = sum_j w[t, j] * Y[row_of_slot(t, j)] over kept slots, in fp32, j in order (no atomics).
+
+    Mapping: M -> tokens t, N -> H.
+    Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)).
+    """
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    offs_t = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_t = offs_t < T
+    offs_h = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_h = offs_h < H
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for j in range(0, top_k):
+        rows = tl.load(row_of_slot_ptr + offs_t * top_k + j, mask=mask_t, other=-1)
+        kept = rows >= 0
+        # A dropped slot's weight is never loaded (it may be NaN), nor its row of Y (never written).
+        w = tl.load(weights_ptr + offs_t * stride_wt + j * stride_wj, mask=kept, other=0.0).to(tl.float32)
+        y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ys + offs_h[None, :] * stride_yh
+        y = tl.load(y_ptrs, mask=kept[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
+        acc += w[:, None] * y
+    out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_h[None, :] * stride_oh
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptrs, _round_to(acc, dtype, INTERPRET), mask=mask_t[:, None] & mask_h[None, :])

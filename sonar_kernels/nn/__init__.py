@@ -1,0 +1,5 @@
+"""nn.Module wrappers."""
+
+from sonar_kernels.nn.experts import SonarExperts
+
+__all__ = ["SonarExperts"]

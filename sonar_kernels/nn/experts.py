@@ -1,0 +1,98 @@
+"""SonarExperts: the experts of one MoE layer as an nn.Module, in the transformers v5 weight layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from sonar_kernels import ops
+from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.reference import ACTIVATIONS
+
+
+class SonarExperts(nn.Module):
+    """E gated expert MLPs stored as two batched tensors, run by :func:`sonar_kernels.moe_mlp`.
+
+    Parameters (the layout of transformers' ``OlmoeExperts`` / ``GraniteMoeExperts``, so a state_dict
+    moves between them unchanged):
+
+    - ``gate_up_proj``: [num_experts, 2 * intermediate_size, hidden_size], gate rows first;
+    - ``down_proj``: [num_experts, hidden_size, intermediate_size].
+
+    Args:
+        num_experts: E >= 1.
+        hidden_size: H >= 1.
+        intermediate_size: I >= 1, per expert.
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU).
+        backend: "auto", "triton" or "torch" (see :func:`sonar_kernels.moe_mlp`).
+        device, dtype: of the parameters (dtype float32, bfloat16 or float16).
+    Raises:
+        ValueError: a size below 1, an unknown activation or backend.
+        TypeError: an unsupported dtype.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        *,
+        activation: str = "silu",
+        backend: str = "auto",
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        for name, value in (
+            ("num_experts", num_experts),
+            ("hidden_size", hidden_size),
+            ("intermediate_size", intermediate_size),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if num_experts > ops.MAX_EXPERTS:
+            raise ValueError(f"num_experts must be at most {ops.MAX_EXPERTS}, got {num_experts}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+        if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
+            raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.activation = activation
+        self.backend = backend
+        factory = {"device": device, "dtype": dtype}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Per expert, the default init of nn.Linear: U(-1/sqrt(fan_in), 1/sqrt(fan_in))."""
+        with torch.no_grad():
+            self.gate_up_proj.uniform_(-1 / math.sqrt(self.hidden_size), 1 / math.sqrt(self.hidden_size))
+            bound = 1 / math.sqrt(self.intermediate_size)
+            self.down_proj.uniform_(-bound, bound)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Args and errors as :func:`sonar_kernels.moe_mlp`: [T, H], [T, top_k], [T, top_k] -> [T, H]."""
+        return moe_mlp(
+            hidden_states,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,
+            self.down_proj,
+            activation=self.activation,
+            backend=self.backend,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
+            f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, backend={self.backend!r}"
+        )

@@ -1,0 +1,135 @@
+"""Pure-PyTorch reference of the MoE expert MLP: the test oracle and the CPU fallback.
+
+Everything here is plain PyTorch, written for clarity rather than speed: a loop over experts, fp32 (or
+wider) accumulation, and the rounding points of the Triton kernels (see DESIGN.md, "Forward"):
+
+1. Hpre = X @ W1[e]^T, accumulated in fp32, rounded to the activation dtype (it is what backward saves);
+2. A = act(Hpre[:, :I]) * Hpre[:, I:], computed in fp32 from the rounded Hpre, rounded to the dtype;
+3. Y = A @ W2[e]^T, accumulated in fp32, rounded to the dtype;
+4. out[t] = sum_j w[t, j] * Y[slot (t, j)] in fp32, rounded to the dtype at the end.
+
+Weights in the Hugging Face transformers v5 layout: ``gate_up_proj`` [E, 2I, H] with the gate rows
+first, ``down_proj`` [E, H, I]. Weights of a wider dtype than ``hidden_states`` (fp32 master weights
+under bf16 compute) are cast to the dtype of ``hidden_states`` first, as the kernels do in registers.
+
+Autograd through :func:`moe_mlp` gives the reference gradients of every input.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+ACTIVATIONS = ("silu", "gelu")
+
+
+class RoutingMetadata(NamedTuple):
+    """Routing metadata of one MoE layer (DESIGN.md, "Forward", step 1).
+
+    S = T * top_k slots; slot s = t * top_k + j. Slots whose expert id lies outside [0, E) are dropped.
+    The kept slots are stably sorted by expert; row r of the sorted order belongs to expert e when
+    ``expert_offsets[e] <= r < expert_offsets[e + 1]``.
+
+    The grouped GEMMs cut each expert's rows into blocks of ``block_m`` rows: tile m (an index over all
+    experts) belongs to expert e when ``tile_offsets[e] <= m < tile_offsets[e + 1]``.
+
+    Attributes:
+        expert_offsets: [E + 1] int32, ``expert_offsets[0] == 0``, ``expert_offsets[E]`` = kept slots.
+        tile_offsets: [E + 1] int32, exclusive prefix sum of ``ceil(rows of e / block_m)``.
+        row_of_slot: [S] int32, the row of each slot, -1 for a dropped slot.
+        token_of_row: [S] int32, the token of each row; rows >= ``expert_offsets[E]`` are unspecified.
+        slot_of_row: [S] int32, the slot of each row; rows >= ``expert_offsets[E]`` are unspecified.
+    """
+
+    expert_offsets: torch.Tensor
+    tile_offsets: torch.Tensor
+    row_of_slot: torch.Tensor
+    token_of_row: torch.Tensor
+    slot_of_row: torch.Tensor
+
+
+def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) -> RoutingMetadata:
+    """Routing metadata by a stable sort (reference; the Triton version is ``ops.routing_metadata``).
+
+    Args:
+        top_k_index: [T, top_k] int32/int64 expert ids; ids outside [0, num_experts) are dropped.
+        num_experts: E.
+        block_m: rows per grouped-GEMM tile, for ``tile_offsets``.
+    Returns:
+        :class:`RoutingMetadata`; here the unspecified tail of ``token_of_row`` / ``slot_of_row`` is -1.
+    """
+    T, top_k = top_k_index.shape
+    flat = top_k_index.reshape(-1).long()
+    kept = (flat >= 0) & (flat < num_experts)
+    key = torch.where(kept, flat, num_experts)
+    order = torch.sort(key, stable=True).indices
+    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    expert_offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
+    expert_offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+    tile_offsets = torch.zeros_like(expert_offsets)
+    tile_offsets[1:] = torch.cumsum(torch.div(counts + block_m - 1, block_m, rounding_mode="floor"), 0)
+    num_rows = int(counts.sum())
+    slot_of_row = torch.full_like(flat, -1, dtype=torch.int32)
+    slot_of_row[:num_rows] = order[:num_rows].to(torch.int32)
+    token_of_row = torch.where(slot_of_row >= 0, torch.div(slot_of_row, top_k, rounding_mode="floor"), -1)
+    row_of_slot = torch.full_like(flat, -1, dtype=torch.int32)
+    row_of_slot[order[:num_rows]] = torch.arange(num_rows, dtype=torch.int32, device=flat.device)
+    return RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row.to(torch.int32), slot_of_row)
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """Gated linear unit: ``act(gate) * up``; SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def moe_mlp(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activation: str = "silu",
+) -> torch.Tensor:
+    """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x)) * up_e(x)).
+
+    Args:
+        hidden_states: [T, H] floating point (float64 gives a float64 evaluation of the same math).
+        top_k_index: [T, top_k] int32/int64 expert ids; ids outside [0, E) are dropped.
+        top_k_weights: [T, top_k] routing weights, any floating dtype (used in fp32 or wider).
+        gate_up_proj: [E, 2I, H], rows [0, I) gate, rows [I, 2I) up.
+        down_proj: [E, H, I].
+        activation: "silu" (SwiGLU) or "gelu" (GeGLU).
+    Returns:
+        [T, H] in the dtype of ``hidden_states``. Differentiable in every floating input.
+    """
+    dtype = hidden_states.dtype
+    acc_dtype = torch.promote_types(dtype, torch.float32)
+    T, H = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    E, two_I, _ = gate_up_proj.shape
+    I = two_I // 2
+    flat_index = top_k_index.reshape(-1)
+    # Expert output of every slot, zero for dropped slots; combined over top_k below.
+    y_slots = hidden_states.new_zeros(T * top_k, H, dtype=acc_dtype)
+    for e in range(E):
+        slots = torch.nonzero(flat_index == e).flatten()
+        if slots.numel() == 0:
+            continue
+        x = hidden_states[torch.div(slots, top_k, rounding_mode="floor")].to(acc_dtype)
+        w1 = gate_up_proj[e].to(dtype).to(acc_dtype)
+        w2 = down_proj[e].to(dtype).to(acc_dtype)
+        hpre = (x @ w1.T).to(dtype).to(acc_dtype)
+        a = glu(hpre[:, :I], hpre[:, I:], activation).to(dtype).to(acc_dtype)
+        y = (a @ w2.T).to(dtype).to(acc_dtype)
+        y_slots = y_slots.index_put((slots,), y)
+    # Dropped slots contribute nothing, even where their weight is NaN or Inf.
+    kept = ((top_k_index >= 0) & (top_k_index < E)).unsqueeze(-1)
+    weights = torch.where(kept, top_k_weights.to(acc_dtype).unsqueeze(-1), 0.0)
+    return (weights * y_slots.reshape(T, top_k, H)).sum(dim=1).to(dtype)
