@@ -7,7 +7,7 @@ import triton
 
 from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
-    FWD_GEMM_CONFIGS,
+    FWD_GEMM_CONFIG,
     TILE_M,
     _expert_mlp_fwd_combine_kernel,
     _expert_mlp_fwd_down_kernel,
@@ -127,10 +127,6 @@ def check_moe_mlp_args(
     return backend
 
 
-def _gemm_config(dtype: torch.dtype) -> dict:
-    return FWD_GEMM_CONFIGS["fp32" if dtype == torch.float32 else "16bit"]
-
-
 def _input_precision(dtype: torch.dtype) -> str:
     # Full fp32 products for fp32 GEMMs: the GPU would otherwise silently use tf32 (DESIGN.md).
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -201,7 +197,7 @@ def moe_mlp_fwd(
     if S == 0:
         return out.zero_(), hpre, meta
 
-    cfg = _gemm_config(dtype)
+    cfg = FWD_GEMM_CONFIG
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
     # Row tiles: sum_e ceil(rows_e / BLOCK_M) <= cdiv(S, BLOCK_M) + min(E, S); extra programs exit.

@@ -1,0 +1,42 @@
+"""Test set-up: the Triton interpreter on CPU-only machines, NaN-filled launcher buffers, seeding."""
+
+import os
+
+import torch
+
+# Triton reads TRITON_INTERPRET when the kernels are decorated, so it must be set before any import of
+# sonar_kernels. On a machine with CUDA the kernels run compiled.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+from sonar_kernels import ops  # noqa: E402
+
+# An int buffer element that a kernel never wrote reads as this.
+UNWRITTEN_INT = -(2**30)
+
+
+@pytest.fixture(autouse=True)
+def poisoned_buffers(monkeypatch):
+    """Every buffer a launcher allocates starts as NaN (floating) or UNWRITTEN_INT (integer)."""
+
+    def poisoned_empty(shape, dtype, device):
+        fill = float("nan") if dtype.is_floating_point else UNWRITTEN_INT
+        return torch.full(shape, fill, dtype=dtype, device=device)
+
+    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

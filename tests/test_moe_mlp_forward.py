@@ -1,0 +1,153 @@
+"""The Triton forward of moe_mlp against a float64 evaluation of reference.py."""
+
+import pytest
+import torch
+from cases import CASES, Case
+from numerics import SAME_ROUNDING_TOLERANCE, assert_close, to_double
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import sonar_kernels
+from sonar_kernels import reference
+
+DTYPES = [
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.bfloat16, id="bf16"),
+    pytest.param(torch.float16, id="fp16"),
+]
+
+
+def _reference64(inputs, activation):
+    return reference.moe_mlp(*to_double(*inputs), activation=activation)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_float64_reference(case, activation, dtype):
+    inputs = case.make(dtype)
+    out = sonar_kernels.moe_mlp(*inputs, activation=activation, backend="triton")
+    assert out.dtype == dtype
+    assert_close(out, _reference64(inputs, activation), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:])
+@pytest.mark.parametrize("case", CASES)
+def test_forward_matches_reference_at_the_same_rounding_points(case, dtype):
+    # reference.py in the same dtype rounds where the kernels round; only the fp32 summation order
+    # differs. A rounding point missing or rounding the wrong way (error ~u) fails this.
+    inputs = case.make(dtype)
+    out = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    assert_close(out, reference.moe_mlp(*inputs), dtype, tolerances=SAME_ROUNDING_TOLERANCE)
+
+
+@pytest.mark.parametrize("case", CASES[2:3] + CASES[-2:-1])
+def test_same_bits_twice(case):
+    inputs = case.make(torch.bfloat16)
+    first = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    second = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    assert torch.equal(first.view(torch.int16), second.view(torch.int16))
+
+
+def test_fp32_master_weights_under_bf16_compute():
+    # fp32 weights with bf16 activations: the kernels round weight tiles to bf16 in registers.
+    inputs = Case(37, 33, 17, 7, 3).make(torch.bfloat16, weight_dtype=torch.float32)
+    out = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    x, index, w, w1, w2 = inputs
+    expected = _reference64((x, index, w, w1.bfloat16(), w2.bfloat16()), "silu")
+    assert out.dtype == torch.bfloat16
+    assert_close(out, expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_index_dtypes(index_dtype):
+    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, index_dtype=index_dtype)
+    out = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    assert_close(out, _reference64(inputs, "silu"), torch.float32)
+
+
+def test_non_contiguous_inputs():
+    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32)
+    # Transposed storage, or every other column of a wider tensor.
+    x_nc = x.T.contiguous().T
+    index_nc = index.T.contiguous().T
+    w_nc = torch.stack([w, w], dim=2)[:, :, 0]
+    w1_nc = w1.transpose(1, 2).contiguous().transpose(1, 2)
+    w2_nc = torch.stack([w2, w2], dim=3)[..., 1]
+    inputs = (x_nc, index_nc, w_nc, w1_nc, w2_nc)
+    assert not any(t.is_contiguous() for t in inputs)
+    out = sonar_kernels.moe_mlp(*inputs, backend="triton")
+    assert_close(out, _reference64((x, index, w, w1, w2), "silu"), torch.float32)
+
+
+def test_no_tokens():
+    x, index, w, w1, w2 = Case(1, 32, 16, 4, 2).make(torch.float32)
+    out = sonar_kernels.moe_mlp(x[:0], index[:0], w[:0], w1, w2, backend="triton")
+    assert out.shape == (0, 32)
+
+
+def test_all_slots_dropped():
+    x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32)
+    out = sonar_kernels.moe_mlp(x, torch.full_like(index, -1), w, w1, w2, backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def test_dropped_slot_weights_are_not_read():
+    x, index, w, w1, w2 = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32)
+    w = torch.where((index < 0) | (index >= 5), float("nan"), w)
+    out = sonar_kernels.moe_mlp(x, index, w, w1, w2, backend="triton")
+    assert_close(out, _reference64((x, index, w, w1, w2), "silu"), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_torch_backend_is_the_reference(backend):
+    inputs = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32)
+    out = sonar_kernels.moe_mlp(*inputs, backend=backend)
+    expected = reference.moe_mlp(*inputs)
+    assert torch.equal(out, expected)
+
+
+class _RecordOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+FORBIDDEN = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm",
+             "_local_scalar_dense", "nonzero", "item"}  # fmt: skip
+
+
+@pytest.mark.parametrize("backend,expect_forbidden", [("triton", False), ("torch", True)])
+def test_triton_forward_runs_no_torch_matmul_and_no_host_sync(backend, expect_forbidden):
+    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32)
+    with _RecordOps() as recorder:
+        sonar_kernels.moe_mlp(*inputs, backend=backend)
+    seen = recorder.ops & FORBIDDEN
+    # The torch backend is the positive control: the recorder does see its matmuls and syncs.
+    assert bool(seen) == expect_forbidden, f"{backend}: {sorted(seen)}"
+
+
+GRAD_CASES = [CASES[2], CASES[5], CASES[7]]
+
+
+@pytest.mark.parametrize("out_grad", ["random", "sum"])  # "sum": out.sum() gives a stride-0 gradient
+@pytest.mark.parametrize("case", GRAD_CASES)
+def test_gradients_match_float64_reference(case, out_grad):
+    inputs = case.make(torch.float32)
+    leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
+    leaves64 = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
+    out = sonar_kernels.moe_mlp(*leaves, backend="triton")
+    out64 = reference.moe_mlp(*leaves64)
+    if out_grad == "sum":
+        out.sum().backward()
+        out64.sum().backward()
+    else:
+        g = torch.randn_like(out)
+        out.backward(g)
+        out64.backward(g.double())
+    for name, leaf, leaf64 in zip(("x", "index", "w", "w1", "w2"), leaves, leaves64, strict=True):
+        if leaf.is_floating_point():
+            assert_close(leaf.grad, leaf64.grad, torch.float32, what=f"grad of {name}")
