@@ -93,18 +93,26 @@ def check_moe_mlp_args(
     if down_proj.dim() != 3:
         raise ValueError(f"down_proj must be [E, H, I], got shape {tuple(down_proj.shape)}")
     if H < 1:
-        raise ValueError(f"hidden_states must have a hidden size H >= 1, got shape {tuple(hidden_states.shape)}")
+        raise ValueError(
+            f"hidden_states must have a hidden size H >= 1, got shape {tuple(hidden_states.shape)}"
+        )
     E, two_I, H1 = gate_up_proj.shape
     if E < 1:
         raise ValueError(f"gate_up_proj must hold at least one expert, got shape {tuple(gate_up_proj.shape)}")
     if E > MAX_EXPERTS:
         raise ValueError(f"at most {MAX_EXPERTS} experts are supported, gate_up_proj has {E}")
     if H1 != H:
-        raise ValueError(f"gate_up_proj.shape[2] must equal the hidden size H = {H} of hidden_states, got {H1}")
+        raise ValueError(
+            f"gate_up_proj.shape[2] must equal the hidden size H = {H} of hidden_states, got {H1}"
+        )
     if down_proj.shape[0] != E:
-        raise ValueError(f"down_proj.shape[0] must equal the number of experts E = {E} of gate_up_proj, got {down_proj.shape[0]}")
+        raise ValueError(
+            f"down_proj.shape[0] must equal the number of experts E = {E} of gate_up_proj, got {down_proj.shape[0]}"
+        )
     if down_proj.shape[1] != H:
-        raise ValueError(f"down_proj.shape[1] must equal the hidden size H = {H} of hidden_states, got {down_proj.shape[1]}")
+        raise ValueError(
+            f"down_proj.shape[1] must equal the hidden size H = {H} of hidden_states, got {down_proj.shape[1]}"
+        )
     if two_I != 2 * down_proj.shape[2] or two_I == 0:
         raise ValueError(
             f"gate_up_proj.shape[1] must be 2 * down_proj.shape[2] = 2I (I >= 1), "
@@ -115,7 +123,9 @@ def check_moe_mlp_args(
     device = hidden_states.device
     for name, t in tensors.items():
         if t.device != device:
-            raise ValueError(f"{name} is on {t.device}, but hidden_states is on {device}: put all tensors on one device")
+            raise ValueError(
+                f"{name} is on {t.device}, but hidden_states is on {device}: put all tensors on one device"
+            )
 
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"

@@ -60,7 +60,7 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) 
     Returns:
         :class:`RoutingMetadata`; here the unspecified tail of ``token_of_row`` / ``slot_of_row`` is -1.
     """
-    T, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     flat = top_k_index.reshape(-1).long()
     kept = (flat >= 0) & (flat < num_experts)
     key = torch.where(kept, flat, num_experts)
@@ -76,7 +76,9 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) 
     token_of_row = torch.where(slot_of_row >= 0, torch.div(slot_of_row, top_k, rounding_mode="floor"), -1)
     row_of_slot = torch.full_like(flat, -1, dtype=torch.int32)
     row_of_slot[order[:num_rows]] = torch.arange(num_rows, dtype=torch.int32, device=flat.device)
-    return RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row.to(torch.int32), slot_of_row)
+    return RoutingMetadata(
+        expert_offsets, tile_offsets, row_of_slot, token_of_row.to(torch.int32), slot_of_row
+    )
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:

@@ -32,7 +32,13 @@ class Case:
         weights = torch.softmax(torch.randn(T, k), dim=1).to(dtype)
         w1 = (torch.randn(E, 2 * I, H) / H**0.5).to(weight_dtype)
         w2 = (torch.randn(E, H, I) / I**0.5).to(weight_dtype)
-        return x.to(device), index.to(index_dtype).to(device), weights.to(device), w1.to(device), w2.to(device)
+        return (
+            x.to(device),
+            index.to(index_dtype).to(device),
+            weights.to(device),
+            w1.to(device),
+            w2.to(device),
+        )
 
 
 CASES = [

@@ -9,9 +9,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from sonar_kernels import ops  # noqa: E402
+from sonar_kernels import ops
 
 # An int buffer element that a kernel never wrote reads as this.
 UNWRITTEN_INT = -(2**30)

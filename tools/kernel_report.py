@@ -131,7 +131,12 @@ def specs() -> list[Spec]:
             Spec(
                 expert_mlp_fwd._expert_mlp_fwd_combine_kernel,
                 f"y={act_dtype} w={act_dtype}",
-                {"y_ptr": act_dtype, "row_of_slot_ptr": "i32", "weights_ptr": act_dtype, "out_ptr": act_dtype},
+                {
+                    "y_ptr": act_dtype,
+                    "row_of_slot_ptr": "i32",
+                    "weights_ptr": act_dtype,
+                    "out_ptr": act_dtype,
+                },
                 {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"], "INTERPRET": False},
                 {"num_warps": cc["num_warps"]},
                 unit_strides=("stride_yh", "stride_wj", "stride_oh"),
@@ -207,7 +212,9 @@ def main(argv=None) -> int:
             f"{r['kernel']:34} {r['variant']:22} {r['specialisation']:9} {r['target']:6} {r['registers']:4d} "
             f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {r['shared_bytes']:6d} {mma}  {cfg}"
         )
-    aligned_spills = [r for r in rows if r["specialisation"] == "aligned" and (r["spill_stores"] or r["spill_loads"])]
+    aligned_spills = [
+        r for r in rows if r["specialisation"] == "aligned" and (r["spill_stores"] or r["spill_loads"])
+    ]
     print(f"\n{len(rows)} builds; aligned builds with spills: {len(aligned_spills)}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

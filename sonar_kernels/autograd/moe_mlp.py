@@ -17,7 +17,9 @@ class MoEMLPFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-        out, _, _ = ops.moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+        out, _, _ = ops.moe_mlp_fwd(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
+        )
         ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
         ctx.activation = activation
         return out
@@ -81,4 +83,6 @@ def moe_mlp(
         return reference.moe_mlp(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation=activation
         )
-    return MoEMLPFunction.apply(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    return MoEMLPFunction.apply(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
+    )

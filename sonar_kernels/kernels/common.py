@@ -14,7 +14,7 @@ import triton.language as tl
 @triton.jit
 def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Cast ``x`` to ``DTYPE`` with round-to-nearest-even (the GPU's cvt.rn), also under the interpreter."""
-    if INTERPRET and DTYPE == tl.bfloat16 and x.dtype == tl.float32:
+    if INTERPRET and tl.bfloat16 == DTYPE and x.dtype == tl.float32:
         bits = x.to(tl.uint32, bitcast=True)
         # Round to nearest even on the 16 bits that stay; a NaN stays a (quiet) NaN.
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16

@@ -104,7 +104,11 @@ def _expert_mlp_fwd_up_kernel(
     tl.store(h_ptrs + I * stride_hn, up, mask=mask)
     # The activation reads the rounded Hpre, exactly what the backward recomputes it from.
     a = _glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
-    tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, _round_to(a, dtype, INTERPRET), mask=mask)
+    tl.store(
+        a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an,
+        _round_to(a, dtype, INTERPRET),
+        mask=mask,
+    )
 
 
 @triton.jit

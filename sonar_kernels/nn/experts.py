@@ -66,7 +66,9 @@ class SonarExperts(nn.Module):
         self.activation = activation
         self.backend = backend
         factory = {"device": device, "dtype": dtype}
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory))
+        self.gate_up_proj = nn.Parameter(
+            torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory)
+        )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
         self.reset_parameters()
 

@@ -1,0 +1,43 @@
+# sonar-kernels: every target does its own set-up in .venv, on a machine that has only Python and pip.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# torch 2.13.0 is the CPU build on the project's machines (a local wheel); on a CUDA machine, set
+# TORCH_SPEC to the build you want. Triton 3.6 is what the GPU machine has; its interpreter (the CPU
+# test lane) fails with numpy >= 2.4.
+TORCH_SPEC ?= torch==2.13.0
+TRITON_SPEC ?= triton==3.6.0
+NUMPY_SPEC ?= numpy<2.4
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint fmt kernel-report demo clean
+
+$(STAMP): pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
+	$(BIN)/python -m pip install -e ".[test]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# The whole suite; Triton kernels run under the interpreter on CPU (tests/conftest.py sets it too).
+test: install
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+# Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma.
+kernel-report: install
+	env -u TRITON_INTERPRET $(BIN)/python tools/kernel_report.py
+
+demo: install
+	$(BIN)/python examples/quickstart.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

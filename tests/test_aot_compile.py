@@ -1,0 +1,65 @@
+"""Every Triton kernel, at every configuration its launcher can choose, compiles to cubin for Hopper and
+Ampere on this CPU-only machine (tools/kernel_report.py, run without the interpreter)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("report") / "kernels.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--json", str(out)],
+        env=env,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return json.loads(out.read_text())
+
+
+def test_every_kernel_and_configuration_builds_for_both_targets(report):
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import kernel_report
+    finally:
+        sys.path.pop(0)
+    kernels = {s.kernel.fn.__name__ for s in kernel_report.specs()}
+    assert kernels == {
+        "_routing_metadata_kernel",
+        "_expert_mlp_fwd_up_kernel",
+        "_expert_mlp_fwd_down_kernel",
+        "_expert_mlp_fwd_combine_kernel",
+    }
+    assert len(report) == 2 * 2 * len(kernel_report.specs())  # x {aligned, unaligned} x {sm_90a, sm_80}
+    assert all(row["cubin_bytes"] > 0 for row in report)
+    # Each BLOCK_E the routing launcher can pick (E = 1 .. 1024) was built.
+    block_e = {row["config"]["BLOCK_E"] for row in report if row["kernel"] == "_routing_metadata_kernel"}
+    assert block_e == {16, 32, 64, 128, 256, 512, 1024}
+
+
+def test_no_register_spills_at_real_model_shapes(report):
+    spills = [
+        r for r in report if r["specialisation"] == "aligned" and (r["spill_stores"] or r["spill_loads"])
+    ]
+    assert not spills, spills
+
+
+def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
+    for row in (r for r in report if r["is_gemm"]):
+        if row["variant"].startswith("x=fp32"):
+            # input_precision="ieee": FMA, never a silent tf32 mma.
+            assert not row["wgmma"] and not row["mma_sync"], row
+        elif row["target"] == "sm_90a":
+            assert row["wgmma"], row
+        else:
+            assert row["mma_sync"], row
