@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 
@@ -83,6 +85,10 @@ def check_moe_mlp_args(
     T, H = hidden_states.shape
     if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
         raise ValueError(f"top_k_index must be [T, top_k] with T = {T}, got shape {tuple(top_k_index.shape)}")
+    if top_k_index.numel() >= 2**31:
+        raise ValueError(
+            f"top_k_index must hold fewer than 2**31 slots (T * top_k), got {top_k_index.numel()}"
+        )
     if top_k_weights.shape != top_k_index.shape:
         raise ValueError(
             f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
@@ -193,6 +199,13 @@ def moe_mlp_fwd(
         (out [T, H] in the dtype of hidden_states, Hpre [S, 2I] in that dtype (rows past
         expert_offsets[E] unwritten), the routing metadata).
     """
+    # Triton launches on the current CUDA device: make it the tensors' one.
+    guard = torch.cuda.device(hidden_states.device) if hidden_states.is_cuda else contextlib.nullcontext()
+    with guard:
+        return _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+
+
+def _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
     T, H = hidden_states.shape
     top_k = top_k_index.shape[1]
     E, two_I, _ = gate_up_proj.shape

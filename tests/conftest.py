@@ -28,6 +28,12 @@ def poisoned_buffers(monkeypatch):
     monkeypatch.setattr(ops, "_empty", poisoned_empty)
 
 
+@pytest.fixture
+def device():
+    """Where the Triton backend runs: CUDA when present (compiled kernels), else CPU (interpreter)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 @pytest.fixture(autouse=True)
 def seed():
     torch.manual_seed(0)

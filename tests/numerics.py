@@ -22,7 +22,7 @@ SAME_ROUNDING_TOLERANCE = {
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    a, b = actual.double(), expected.double()
+    a, b = actual.detach().double(), expected.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(torch.finfo(torch.float64).tiny))
 
 
@@ -31,7 +31,9 @@ def assert_close(actual, expected, dtype, what="output", tolerances=TOLERANCE):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     assert torch.isfinite(actual).all(), f"{what}: non-finite values (an unwritten element reads as NaN)"
     err = rel_err(actual, expected)
-    max_abs = float((actual.double() - expected.double()).abs().max()) if actual.numel() else 0.0
+    max_abs = (
+        float((actual.detach().double() - expected.detach().double()).abs().max()) if actual.numel() else 0.0
+    )
     tol = tolerances[dtype]
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.2e} ({dtype}); max abs error {max_abs:.3e}"
     return err

@@ -23,8 +23,8 @@ def _reference64(inputs, activation):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_matches_float64_reference(case, activation, dtype):
-    inputs = case.make(dtype)
+def test_forward_matches_float64_reference(case, activation, dtype, device):
+    inputs = case.make(dtype, device=device)
     out = sonar_kernels.moe_mlp(*inputs, activation=activation, backend="triton")
     assert out.dtype == dtype
     assert_close(out, _reference64(inputs, activation), dtype)
@@ -32,25 +32,25 @@ def test_forward_matches_float64_reference(case, activation, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("case", CASES)
-def test_forward_matches_reference_at_the_same_rounding_points(case, dtype):
+def test_forward_matches_reference_at_the_same_rounding_points(case, dtype, device):
     # reference.py in the same dtype rounds where the kernels round; only the fp32 summation order
     # differs. A rounding point missing or rounding the wrong way (error ~u) fails this.
-    inputs = case.make(dtype)
+    inputs = case.make(dtype, device=device)
     out = sonar_kernels.moe_mlp(*inputs, backend="triton")
     assert_close(out, reference.moe_mlp(*inputs), dtype, tolerances=SAME_ROUNDING_TOLERANCE)
 
 
 @pytest.mark.parametrize("case", CASES[2:3] + CASES[-2:-1])
-def test_same_bits_twice(case):
-    inputs = case.make(torch.bfloat16)
+def test_same_bits_twice(case, device):
+    inputs = case.make(torch.bfloat16, device=device)
     first = sonar_kernels.moe_mlp(*inputs, backend="triton")
     second = sonar_kernels.moe_mlp(*inputs, backend="triton")
     assert torch.equal(first.view(torch.int16), second.view(torch.int16))
 
 
-def test_fp32_master_weights_under_bf16_compute():
+def test_fp32_master_weights_under_bf16_compute(device):
     # fp32 weights with bf16 activations: the kernels round weight tiles to bf16 in registers.
-    inputs = Case(37, 33, 17, 7, 3).make(torch.bfloat16, weight_dtype=torch.float32)
+    inputs = Case(37, 33, 17, 7, 3).make(torch.bfloat16, weight_dtype=torch.float32, device=device)
     out = sonar_kernels.moe_mlp(*inputs, backend="triton")
     x, index, w, w1, w2 = inputs
     expected = _reference64((x, index, w, w1.bfloat16(), w2.bfloat16()), "silu")
@@ -59,14 +59,14 @@ def test_fp32_master_weights_under_bf16_compute():
 
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
-def test_index_dtypes(index_dtype):
-    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, index_dtype=index_dtype)
+def test_index_dtypes(index_dtype, device):
+    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, index_dtype=index_dtype, device=device)
     out = sonar_kernels.moe_mlp(*inputs, backend="triton")
     assert_close(out, _reference64(inputs, "silu"), torch.float32)
 
 
-def test_non_contiguous_inputs():
-    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32)
+def test_non_contiguous_inputs(device):
+    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32, device=device)
     # Transposed storage, or every other column of a wider tensor.
     x_nc = x.T.contiguous().T
     index_nc = index.T.contiguous().T
@@ -79,20 +79,20 @@ def test_non_contiguous_inputs():
     assert_close(out, _reference64((x, index, w, w1, w2), "silu"), torch.float32)
 
 
-def test_no_tokens():
-    x, index, w, w1, w2 = Case(1, 32, 16, 4, 2).make(torch.float32)
+def test_no_tokens(device):
+    x, index, w, w1, w2 = Case(1, 32, 16, 4, 2).make(torch.float32, device=device)
     out = sonar_kernels.moe_mlp(x[:0], index[:0], w[:0], w1, w2, backend="triton")
     assert out.shape == (0, 32)
 
 
-def test_all_slots_dropped():
-    x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32)
+def test_all_slots_dropped(device):
+    x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32, device=device)
     out = sonar_kernels.moe_mlp(x, torch.full_like(index, -1), w, w1, w2, backend="triton")
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def test_dropped_slot_weights_are_not_read():
-    x, index, w, w1, w2 = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32)
+def test_dropped_slot_weights_are_not_read(device):
+    x, index, w, w1, w2 = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, device=device)
     w = torch.where((index < 0) | (index >= 5), float("nan"), w)
     out = sonar_kernels.moe_mlp(x, index, w, w1, w2, backend="triton")
     assert_close(out, _reference64((x, index, w, w1, w2), "silu"), torch.float32)
@@ -100,6 +100,7 @@ def test_dropped_slot_weights_are_not_read():
 
 @pytest.mark.parametrize("backend", ["torch", "auto"])
 def test_torch_backend_is_the_reference(backend):
+    # On CPU tensors "auto" means the torch reference.
     inputs = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32)
     out = sonar_kernels.moe_mlp(*inputs, backend=backend)
     expected = reference.moe_mlp(*inputs)
@@ -112,17 +113,23 @@ class _RecordOps(TorchDispatchMode):
         self.ops = set()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         self.ops.add(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs)
+        # A copy between devices (.cpu(), .tolist(), .to("cuda")) is a host sync too.
+        tensors = [t for t in (*args, *kwargs.values(), out) if isinstance(t, torch.Tensor)]
+        if len({t.device.type for t in tensors}) > 1:
+            self.ops.add("cross_device_copy")
+        return out
 
 
 FORBIDDEN = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm",
-             "_local_scalar_dense", "nonzero", "item"}  # fmt: skip
+             "_local_scalar_dense", "nonzero", "item", "cross_device_copy"}  # fmt: skip
 
 
 @pytest.mark.parametrize("backend,expect_forbidden", [("triton", False), ("torch", True)])
-def test_triton_forward_runs_no_torch_matmul_and_no_host_sync(backend, expect_forbidden):
-    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32)
+def test_triton_forward_runs_no_torch_matmul_and_no_host_sync(backend, expect_forbidden, device):
+    inputs = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, device=device)
     with _RecordOps() as recorder:
         sonar_kernels.moe_mlp(*inputs, backend=backend)
     seen = recorder.ops & FORBIDDEN
@@ -135,8 +142,8 @@ GRAD_CASES = [CASES[2], CASES[5], CASES[7]]
 
 @pytest.mark.parametrize("out_grad", ["random", "sum"])  # "sum": out.sum() gives a stride-0 gradient
 @pytest.mark.parametrize("case", GRAD_CASES)
-def test_gradients_match_float64_reference(case, out_grad):
-    inputs = case.make(torch.float32)
+def test_gradients_match_float64_reference(case, out_grad, device):
+    inputs = case.make(torch.float32, device=device)
     leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
     leaves64 = [t.detach().double().requires_grad_() if t.is_floating_point() else t for t in inputs]
     out = sonar_kernels.moe_mlp(*leaves, backend="triton")
@@ -151,3 +158,44 @@ def test_gradients_match_float64_reference(case, out_grad):
     for name, leaf, leaf64 in zip(("x", "index", "w", "w1", "w2"), leaves, leaves64, strict=True):
         if leaf.is_floating_point():
             assert_close(leaf.grad, leaf64.grad, torch.float32, what=f"grad of {name}")
+
+
+@pytest.mark.parametrize("shape", ["all-dropped", "T0", "top_k0"])
+def test_gradients_when_no_slot_reaches_an_expert(shape, device):
+    x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32, device=device)
+    if shape == "all-dropped":
+        index = torch.full_like(index, -1)
+    elif shape == "T0":
+        x, index, w = x[:0], index[:0], w[:0]
+    else:
+        index, w = index[:, :0], w[:, :0]
+    leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
+    out = sonar_kernels.moe_mlp(leaves[0], index, leaves[1], leaves[2], leaves[3], backend="triton")
+    assert torch.equal(out, torch.zeros_like(out))
+    out.sum().backward()
+    for leaf in leaves:
+        # No slot reaches an expert: every gradient is zero (None where autograd had nothing to add).
+        assert leaf.grad is None or torch.equal(leaf.grad, torch.zeros_like(leaf))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_autocast_computes_in_the_autocast_dtype(backend, device):
+    if backend == "torch":
+        device = "cpu"
+    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3).make(torch.float32, device=device)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        out = sonar_kernels.moe_mlp(x, index, w, w1, w2, backend=backend)
+    assert out.dtype == torch.bfloat16
+    # The same as bf16 activations with fp32 master weights rounded to bf16 (weights stay fp32).
+    expected = reference.moe_mlp(*to_double(x.bfloat16(), index, w, w1.bfloat16(), w2.bfloat16()))
+    assert_close(out, expected, torch.bfloat16)
+    assert w1.dtype == torch.float32
+
+
+def test_double_backward_is_refused_clearly(device):
+    x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32, device=device)
+    x.requires_grad_()
+    out = sonar_kernels.moe_mlp(x, index, w, w1, w2, backend="triton")
+    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match=r"once_differentiable|does not require grad"):
+        gx.sum().backward()

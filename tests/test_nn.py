@@ -9,12 +9,12 @@ import sonar_kernels
 from sonar_kernels import reference
 
 
-def test_parameters_and_forward():
-    experts = sonar_kernels.SonarExperts(5, 32, 16, backend="triton")
+def test_parameters_and_forward(device):
+    experts = sonar_kernels.SonarExperts(5, 32, 16, backend="triton", device=device)
     assert experts.gate_up_proj.shape == (5, 32, 32)
     assert experts.down_proj.shape == (5, 32, 16)
     assert [n for n, _ in experts.named_parameters()] == ["gate_up_proj", "down_proj"]
-    x, index, w, *_ = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32)
+    x, index, w, *_ = Case(30, 32, 16, 5, 3, "sentinels").make(torch.float32, device=device)
     out = experts(x, index, w)
     expected = reference.moe_mlp(
         *to_double(x, index, w, experts.gate_up_proj.detach(), experts.down_proj.detach())

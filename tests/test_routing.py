@@ -26,20 +26,20 @@ def check_against_reference(index, E):
 
 @pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
 @pytest.mark.parametrize("case", CASES)
-def test_routing_matches_reference(case, index_dtype):
-    _, index, *_ = case.make(torch.float32, index_dtype=index_dtype)
+def test_routing_matches_reference(case, index_dtype, device):
+    _, index, *_ = case.make(torch.float32, index_dtype=index_dtype, device=device)
     check_against_reference(index, case.E)
 
 
 @pytest.mark.parametrize("E", [1, 16, 17, 300, 1024])
-def test_routing_expert_counts_across_block_sizes(E):
+def test_routing_expert_counts_across_block_sizes(E, device):
     # BLOCK_E (and with it BLOCK_S) changes with E; T * top_k spans several BLOCK_S blocks.
-    index = torch.randint(-2, E + 2, (600, 2))
+    index = torch.randint(-2, E + 2, (600, 2), device=device)
     check_against_reference(index, E)
 
 
-def test_routing_non_contiguous_index_and_wide_sentinels():
-    index = torch.randint(0, 6, (4, 50)).T  # [50, 4], column-major
+def test_routing_non_contiguous_index_and_wide_sentinels(device):
+    index = torch.randint(0, 6, (4, 50), device=device).T  # [50, 4], column-major
     index[::7, 1] = 2**33 + 3  # an int64 id whose low 32 bits are the valid id 3: still dropped
     index[::5, 2] = -(2**40)
     assert not index.is_contiguous()

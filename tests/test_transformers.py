@@ -34,11 +34,12 @@ def _experts(kind, E, H, I, dtype):
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", ["olmoe", "granitemoe"])
-def test_forward_equals_transformers_eager(kind, dtype, backend):
+def test_forward_equals_transformers_eager(kind, dtype, backend, device):
+    device = device if backend == "triton" else "cpu"
     E, H, I = 5, 48, 24
-    experts = _experts(kind, E, H, I, dtype)
+    experts = _experts(kind, E, H, I, dtype).to(device)
     assert experts.config.hidden_act == "silu"
-    x, index, w, _, _ = Case(40, H, I, E, 3).make(dtype)
+    x, index, w, _, _ = Case(40, H, I, E, 3).make(dtype, device=device)
     index[::4, 1] = E  # transformers' eager path accepts E (not -1) as the sentinel id
     with torch.no_grad():
         expected = experts(x, index, w)
@@ -47,10 +48,10 @@ def test_forward_equals_transformers_eager(kind, dtype, backend):
     assert_close(out, expected, dtype, what=f"moe_mlp vs {type(experts).__name__}")
 
 
-def test_state_dict_moves_between_sonar_and_transformers():
-    experts = _experts("olmoe", 5, 48, 24, torch.float32)
-    sonar = sonar_kernels.SonarExperts(5, 48, 24, backend="triton")
+def test_state_dict_moves_between_sonar_and_transformers(device):
+    experts = _experts("olmoe", 5, 48, 24, torch.float32).to(device)
+    sonar = sonar_kernels.SonarExperts(5, 48, 24, backend="triton", device=device)
     sonar.load_state_dict(experts.state_dict())
-    x, index, w, _, _ = Case(20, 48, 24, 5, 2).make(torch.float32)
+    x, index, w, _, _ = Case(20, 48, 24, 5, 2).make(torch.float32, device=device)
     with torch.no_grad():
         assert_close(sonar(x, index, w), experts(x, index, w), torch.float32)

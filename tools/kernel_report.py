@@ -93,7 +93,8 @@ def specs() -> list[Spec]:
                 )
             )  # fmt: skip
     # Grouped GEMMs: (activation dtype, weight dtype) pairs the launcher accepts.
-    for act_dtype, w_dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")):
+    pairs = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
+    for act_dtype, w_dtype in pairs:
         cfg = expert_mlp_fwd.FWD_GEMM_CONFIG
         blocks = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
         options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
@@ -126,23 +127,25 @@ def specs() -> list[Spec]:
             )
         )  # fmt: skip
     cc = expert_mlp_fwd.COMBINE_CONFIG
+    # Routing weights may come in any supported dtype, independent of the activations.
     for act_dtype in ("fp32", "bf16", "fp16"):
-        out.append(
-            Spec(
-                expert_mlp_fwd._expert_mlp_fwd_combine_kernel,
-                f"y={act_dtype} w={act_dtype}",
-                {
-                    "y_ptr": act_dtype,
-                    "row_of_slot_ptr": "i32",
-                    "weights_ptr": act_dtype,
-                    "out_ptr": act_dtype,
-                },
-                {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"], "INTERPRET": False},
-                {"num_warps": cc["num_warps"]},
-                unit_strides=("stride_yh", "stride_wj", "stride_oh"),
-                config={"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"]},
+        for w_dtype in ("fp32", "bf16", "fp16"):
+            out.append(
+                Spec(
+                    expert_mlp_fwd._expert_mlp_fwd_combine_kernel,
+                    f"y={act_dtype} w={w_dtype}",
+                    {
+                        "y_ptr": act_dtype,
+                        "row_of_slot_ptr": "i32",
+                        "weights_ptr": w_dtype,
+                        "out_ptr": act_dtype,
+                    },
+                    {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"], "INTERPRET": False},
+                    {"num_warps": cc["num_warps"]},
+                    unit_strides=("stride_yh", "stride_wj", "stride_oh"),
+                    config={"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"]},
+                )
             )
-        )
     return out
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from sonar_kernels import ops, reference
 
@@ -25,16 +26,19 @@ class MoEMLPFunction(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
         differentiable = {0: hidden_states, 2: top_k_weights, 3: gate_up_proj, 4: down_proj}
         wanted = [i for i in differentiable if ctx.needs_input_grad[i]]
         inputs = {i: t.detach().requires_grad_(i in wanted) for i, t in differentiable.items()}
-        with torch.enable_grad():
+        with torch.enable_grad(), torch.autocast(hidden_states.device.type, enabled=False):
             out = reference.moe_mlp(
                 inputs[0], top_k_index, inputs[2], inputs[3], inputs[4], activation=ctx.activation
             )
-            grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out)
+            # allow_unused: with every slot dropped (or T = 0) nothing reaches the inputs; their
+            # gradient is zero, returned as None.
+            grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, allow_unused=True)
         result = [None] * 6
         for i, g in zip(wanted, grads, strict=True):
             result[i] = g
@@ -69,13 +73,32 @@ def moe_mlp(
         activation: "silu" (SwiGLU) or "gelu" (GeGLU with the exact erf GELU).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the
             pure-PyTorch reference), or "auto" (triton on CUDA, torch otherwise).
+    Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
+    nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
+
     Returns:
-        [T, H], dtype of hidden_states. Differentiable in hidden_states, top_k_weights and both weights.
+        [T, H], dtype of hidden_states (the autocast dtype under autocast). Differentiable (once) in
+        hidden_states, top_k_weights and both weights.
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index).
-        ValueError: shapes that disagree (H, I, E, T, top_k), tensors on different devices, an unknown
+        ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on different devices, an unknown
             activation or backend, or backend "triton" on CPU tensors without the interpreter.
     """
+    if (
+        isinstance(hidden_states, torch.Tensor)
+        and hidden_states.dtype in ops.SUPPORTED_DTYPES
+        and hidden_states.device.type in ("cuda", "cpu")
+        and torch.is_autocast_enabled(hidden_states.device.type)
+    ):
+        # Under torch.autocast the expert GEMMs run in the autocast dtype, as nn.Linear's would: the
+        # activations are cast; weights of another dtype (fp32 master weights) are rounded in registers.
+        device_type = hidden_states.device.type
+        hidden_states = hidden_states.to(torch.get_autocast_dtype(device_type))
+        with torch.autocast(device_type, enabled=False):
+            return moe_mlp(
+                hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+                activation=activation, backend=backend,
+            )  # fmt: skip
     backend = ops.check_moe_mlp_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
     )
