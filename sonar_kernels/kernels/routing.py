@@ -5,6 +5,32 @@ import triton.language as tl
 
 
 @triton.jit
+def _slot_block(
+    top_k_index_ptr,
+    s0,
+    S,
+    E,
+    top_k,
+    stride_index_t,
+    stride_index_j,
+    BLOCK_S: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
+    """Slots [s0, s0 + BLOCK_S): their indices, whether kept, and their int32 one-hot expert rows."""
+    offs_s = s0 + tl.arange(0, BLOCK_S)
+    mask_s = offs_s < S
+    ids = tl.load(
+        top_k_index_ptr + (offs_s // top_k) * stride_index_t + (offs_s % top_k) * stride_index_j,
+        mask=mask_s,
+        other=-1,
+    )
+    # Compare in the index dtype before narrowing: a large int64 id must not wrap into [0, E).
+    kept = mask_s & (ids >= 0) & (ids < E)
+    onehot = (ids.to(tl.int32)[:, None] == tl.arange(0, BLOCK_E)[None, :]) & kept[:, None]
+    return offs_s, kept, onehot.to(tl.int32)  # [BLOCK_S], [BLOCK_S], [BLOCK_S, BLOCK_E]
+
+
+@triton.jit
 def _routing_metadata_kernel(
     # pointers
     top_k_index_ptr,  # [T, top_k] int32/int64, read
@@ -40,17 +66,10 @@ def _routing_metadata_kernel(
     # Pass 1: rows per expert.
     counts = tl.zeros((BLOCK_E,), dtype=tl.int32)
     for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask_s = offs_s < S
-        ids = tl.load(
-            top_k_index_ptr + (offs_s // top_k) * stride_index_t + (offs_s % top_k) * stride_index_j,
-            mask=mask_s,
-            other=-1,
+        offs_s, kept, onehot = _slot_block(
+            top_k_index_ptr, s0, S, E, top_k, stride_index_t, stride_index_j, BLOCK_S, BLOCK_E
         )
-        # Compare in the index dtype before narrowing: a large int64 id must not wrap into [0, E).
-        kept = mask_s & (ids >= 0) & (ids < E)
-        onehot = (ids.to(tl.int32)[:, None] == offs_e[None, :]) & kept[:, None]  # [BLOCK_S, BLOCK_E]
-        counts += tl.sum(onehot.to(tl.int32), axis=0)
+        counts += tl.sum(onehot, axis=0)
 
     ends = tl.cumsum(counts, axis=0)
     starts = ends - counts
@@ -63,18 +82,12 @@ def _routing_metadata_kernel(
     # Pass 2: each kept slot's row is its expert's start plus the kept slots of that expert before it.
     next_row = starts  # [BLOCK_E]
     for s0 in range(0, S, BLOCK_S):
-        offs_s = s0 + tl.arange(0, BLOCK_S)
-        mask_s = offs_s < S
-        ids = tl.load(
-            top_k_index_ptr + (offs_s // top_k) * stride_index_t + (offs_s % top_k) * stride_index_j,
-            mask=mask_s,
-            other=-1,
+        offs_s, kept, onehot = _slot_block(
+            top_k_index_ptr, s0, S, E, top_k, stride_index_t, stride_index_j, BLOCK_S, BLOCK_E
         )
-        kept = mask_s & (ids >= 0) & (ids < E)
-        onehot = ((ids.to(tl.int32)[:, None] == offs_e[None, :]) & kept[:, None]).to(tl.int32)
         rank = tl.cumsum(onehot, axis=0) - onehot  # [BLOCK_S, BLOCK_E], exclusive rank in the block
         row = tl.sum(onehot * (rank + next_row[None, :]), axis=1)  # [BLOCK_S]
         next_row += tl.sum(onehot, axis=0)
-        tl.store(row_of_slot_ptr + offs_s, tl.where(kept, row, -1), mask=mask_s)
+        tl.store(row_of_slot_ptr + offs_s, tl.where(kept, row, -1), mask=offs_s < S)
         tl.store(token_of_row_ptr + row, offs_s // top_k, mask=kept)
         tl.store(slot_of_row_ptr + row, offs_s, mask=kept)
