@@ -73,6 +73,7 @@ def moe_mlp(
         activation: "silu" (SwiGLU) or "gelu" (GeGLU with the exact erf GELU).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the
             pure-PyTorch reference), or "auto" (triton on CUDA, torch otherwise).
+
     Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
     nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
 
@@ -81,8 +82,9 @@ def moe_mlp(
         hidden_states, top_k_weights and both weights.
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index).
-        ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on different devices, an unknown
-            activation or backend, or backend "triton" on CPU tensors without the interpreter.
+        ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on
+            different devices, an unknown activation or backend, or backend "triton" on CPU tensors
+            without the interpreter.
     """
     if (
         isinstance(hidden_states, torch.Tensor)
