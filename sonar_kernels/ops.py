@@ -175,13 +175,20 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMeta
         slot_of_row=_empty((S,), torch.int32, device),
     )
     cfg = routing_block_config(num_experts)
-    _routing_metadata_kernel[(1,)](
-        top_k_index, meta.expert_offsets, meta.tile_offsets, meta.row_of_slot, meta.token_of_row, meta.slot_of_row,
-        S, num_experts, top_k,
-        top_k_index.stride(0), top_k_index.stride(1),
-        TILE_M=TILE_M, BLOCK_S=cfg["BLOCK_S"], BLOCK_E=cfg["BLOCK_E"], num_warps=cfg["num_warps"],
-    )  # fmt: skip
+    with _on_device(device):
+        _routing_metadata_kernel[(1,)](
+            top_k_index, meta.expert_offsets, meta.tile_offsets, meta.row_of_slot, meta.token_of_row,
+            meta.slot_of_row,
+            S, num_experts, top_k,
+            top_k_index.stride(0), top_k_index.stride(1),
+            TILE_M=TILE_M, BLOCK_S=cfg["BLOCK_S"], BLOCK_E=cfg["BLOCK_E"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
     return meta
+
+
+def _on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def moe_mlp_fwd(
@@ -199,9 +206,7 @@ def moe_mlp_fwd(
         (out [T, H] in the dtype of hidden_states, Hpre [S, 2I] in that dtype (rows past
         expert_offsets[E] unwritten), the routing metadata).
     """
-    # Triton launches on the current CUDA device: make it the tensors' one.
-    guard = torch.cuda.device(hidden_states.device) if hidden_states.is_cuda else contextlib.nullcontext()
-    with guard:
+    with _on_device(hidden_states.device):
         return _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
 
 
