@@ -2,7 +2,8 @@
 
 from sonar_kernels.autograd import MoEMLPFunction, moe_mlp
 from sonar_kernels.nn import SonarExperts
+from sonar_kernels.optim import ExpertAdamW
 
 __version__ = "0.1.0"
 
-__all__ = ["MoEMLPFunction", "SonarExperts", "__version__", "moe_mlp"]
+__all__ = ["ExpertAdamW", "MoEMLPFunction", "SonarExperts", "__version__", "moe_mlp"]

@@ -3,16 +3,28 @@
 from __future__ import annotations
 
 import contextlib
+import math
+from typing import NamedTuple
 
 import torch
 import triton
+import triton.language as tl
 
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, _adamw_kernel
+from sonar_kernels.kernels.expert_mlp_bwd import (
+    DHPRE_CONFIG,
+    DWEIGHTS_CONFIG,
+    WGRAD_CONFIG,
+    _expert_mlp_bwd_dhpre_kernel,
+    _expert_mlp_bwd_dw_kernel,
+    _expert_mlp_bwd_dweights_kernel,
+)
 from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
     FWD_GEMM_CONFIG,
     TILE_M,
-    _expert_mlp_fwd_combine_kernel,
-    _expert_mlp_fwd_down_kernel,
+    _expert_mlp_combine_kernel,
+    _expert_mlp_grouped_mm_kernel,
     _expert_mlp_fwd_up_kernel,
 )
 from sonar_kernels.kernels.routing import _routing_metadata_kernel
@@ -21,6 +33,7 @@ from sonar_kernels.reference import ACTIVATIONS, RoutingMetadata
 BACKENDS = ("auto", "triton", "torch")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 # The routing kernel holds a [BLOCK_S, BLOCK_E] one-hot tile of the experts in registers.
 MAX_EXPERTS = 1024
 
@@ -244,7 +257,7 @@ def _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_p
     )  # fmt: skip
 
     y = _empty((S, H), dtype, device)
-    _expert_mlp_fwd_down_kernel[(max_row_tiles * triton.cdiv(H, block_n),)](
+    _expert_mlp_grouped_mm_kernel[(max_row_tiles * triton.cdiv(H, block_n),)](
         a, down_proj, meta.expert_offsets, meta.tile_offsets, y,
         E, H, I,
         a.stride(0), a.stride(1),
@@ -256,11 +269,299 @@ def _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_p
     del a
 
     cc = COMBINE_CONFIG
-    _expert_mlp_fwd_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
         y, meta.row_of_slot, top_k_weights, out,
         T, H, top_k,
         y.stride(0), y.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
         out.stride(0), out.stride(1),
-        BLOCK_M=cc["BLOCK_M"], BLOCK_N=cc["BLOCK_N"], INTERPRET=interpret, num_warps=cc["num_warps"],
+        BLOCK_M=cc["BLOCK_M"], BLOCK_N=cc["BLOCK_N"], HAS_WEIGHTS=True, INTERPRET=interpret,
+        num_warps=cc["num_warps"],
     )  # fmt: skip
     return out, hpre, meta
+
+
+class AdamWUpdate(NamedTuple):
+    """The AdamW update of one expert weight tensor, applied by its wgrad launch (DESIGN.md).
+
+    Attributes:
+        exp_avg, exp_avg_sq: the moments: the weight's shape and strides, float32/bfloat16/float16.
+        step: [] float32 on the weight's device, the step count; incremented just before the launch.
+        lr, beta1, beta2, eps, weight_decay: Python floats, as in torch.optim.AdamW (decoupled decay).
+        grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
+        fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
+            wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
+    """
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    lr: float
+    beta1: float
+    beta2: float
+    eps: float
+    weight_decay: float
+    grad_dtype: torch.dtype
+    fused: bool = True
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` storage elements from its first (no gaps, no overlap)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> None:
+    """Validate the in-place AdamW update of ``weight`` (called before any kernel of the backward runs).
+
+    Raises:
+        TypeError: a dtype outside float32/bfloat16/float16, or a step that is not a float32 tensor.
+        ValueError: moments whose shape, strides or device differ from the weight's, a weight that is
+            not dense, a step that is not 0-dim on the weight's device, or hyperparameters outside
+            torch.optim.AdamW's ranges.
+    """
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16 to be updated, got {weight.dtype}")
+    if not is_dense(weight):
+        raise ValueError(f"{name} must be a dense tensor (no gaps or overlaps) to be updated in place")
+    for key in ("exp_avg", "exp_avg_sq"):
+        m = getattr(update, key)
+        if not isinstance(m, torch.Tensor) or m.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{key} of {name} must be a float32/bfloat16/float16 tensor")
+        if m.shape != weight.shape or m.stride() != weight.stride() or m.device != weight.device:
+            raise ValueError(
+                f"{key} of {name} must have the shape, strides and device of the weight "
+                f"({tuple(weight.shape)}, {weight.stride()}, {weight.device}); got "
+                f"({tuple(m.shape)}, {m.stride()}, {m.device})"
+            )
+    step = update.step
+    if not isinstance(step, torch.Tensor) or step.dtype != torch.float32:
+        raise TypeError(f"step of {name} must be a float32 tensor")
+    if step.dim() != 0 or step.device != weight.device:
+        raise ValueError(f"step of {name} must be a 0-dim tensor on {weight.device}, got {step.device}")
+    if update.grad_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"grad_dtype of {name} must be float32, bfloat16 or float16, got {update.grad_dtype}")
+    for key in ("lr", "beta1", "beta2", "eps", "weight_decay"):
+        value = getattr(update, key)
+        if not isinstance(value, float) or not math.isfinite(value) or value < 0.0:
+            raise ValueError(f"{key} of {name} must be a finite float >= 0, got {value!r}")
+    for key in ("beta1", "beta2"):
+        if getattr(update, key) >= 1.0:
+            raise ValueError(f"{key} of {name} must be in [0, 1), got {getattr(update, key)!r}")
+
+
+def _like(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An unfilled tensor with the shape of ``weight`` and, when it is dense, its strides."""
+    if not is_dense(weight):
+        return _empty(weight.shape, dtype, weight.device)
+    return _empty((weight.numel(),), dtype, weight.device).as_strided(weight.shape, weight.stride())
+
+
+def moe_mlp_bwd(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    hpre: torch.Tensor,
+    meta: RoutingMetadata,
+    activation: str,
+    needs_input_grad: tuple[bool, bool, bool, bool],
+    gate_up_proj_update: AdamWUpdate | None = None,
+    down_proj_update: AdamWUpdate | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
+
+    Launch order (DESIGN.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
+    when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
+    (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given). Each wgrad launch covers every
+    expert. No host sync; no atomics.
+
+    Args:
+        grad_out: [T, H] dtype of hidden_states; any strides, 0 included.
+        hidden_states, top_k_weights, gate_up_proj, down_proj: the forward's inputs.
+        hpre, meta: saved by :func:`moe_mlp_fwd`.
+        needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
+        gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
+            returning its gradient (validated before any launch; ``step`` is incremented).
+    Returns:
+        (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj); None where not
+        needed or where the weight was updated in place.
+    Raises:
+        TypeError, ValueError: see :func:`check_adamw_update`.
+    """
+    for name, weight, update in (
+        ("gate_up_proj", gate_up_proj, gate_up_proj_update),
+        ("down_proj", down_proj, down_proj_update),
+    ):
+        if update is not None:
+            check_adamw_update(name, weight, update)
+    with _on_device(hidden_states.device):
+        return _moe_mlp_bwd(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+            needs_input_grad, gate_up_proj_update, down_proj_update,
+        )  # fmt: skip
+
+
+def _moe_mlp_bwd(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+    needs_input_grad, gate_up_proj_update, down_proj_update,
+):  # fmt: skip
+    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    T, H = hidden_states.shape
+    top_k = top_k_weights.shape[1]
+    E, two_I, _ = gate_up_proj.shape
+    I = two_I // 2
+    S = T * top_k
+    dtype = hidden_states.dtype
+    device = hidden_states.device
+    interpret = triton_interpreting()
+    precision = _input_precision(dtype)
+    # Buffers have S rows (the kept rows are fewer; the tail is never written nor read); at least one
+    # row so that no kernel gets a null pointer.
+    num_rows = max(S, 1)
+
+    cfg = DHPRE_CONFIG
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_pid_n = triton.cdiv(I, block_n)
+    need_grad_hpre = need_x or need_w1
+    grad_hpre = _empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
+    a = _empty((num_rows, I), dtype, device) if need_w2 else None
+    dw_partial = _empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
+    if S > 0 and (need_grad_hpre or need_w or need_w2):
+        max_row_tiles = triton.cdiv(S, block_m) + min(E, S)
+        any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
+        grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
+        a_arg = a if a is not None else any_buffer
+        dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
+        _expert_mlp_bwd_dhpre_kernel[(max_row_tiles * num_pid_n,)](
+            grad_out, down_proj, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
+            meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
+            E, H, I, top_k,
+            grad_out.stride(0), grad_out.stride(1),
+            down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
+            hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
+            grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
+            dw_partial_arg.stride(0),
+            ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w,
+            INPUT_PRECISION=precision, INTERPRET=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    grad_w2 = None
+    if need_w2:
+        # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
+        grad_w2 = _wgrad(
+            grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
+            dtype, interpret,
+        )  # fmt: skip
+    del a
+
+    grad_w = None
+    if need_w:
+        grad_w = _empty((T, top_k), top_k_weights.dtype, device)
+        if S > 0:
+            dc = DWEIGHTS_CONFIG
+            _expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
+                dw_partial, meta.row_of_slot, grad_w,
+                S, num_pid_n, dw_partial.stride(0),
+                BLOCK=dc["BLOCK"], INTERPRET=interpret, num_warps=dc["num_warps"],
+            )  # fmt: skip
+    del dw_partial
+
+    grad_x = None
+    if need_x:
+        grad_x = _empty((T, H), dtype, device)
+        if S == 0:
+            grad_x.zero_()
+        else:
+            grad_x = _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret)
+
+    grad_w1 = None
+    if need_w1:
+        # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
+        grad_w1 = _wgrad(
+            grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
+            two_I, H, top_k, dtype, interpret,
+        )  # fmt: skip
+    return grad_x, grad_w, grad_w1, grad_w2
+
+
+def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
+    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM (W1 read as [E, H, 2I]), then
+    its combine without weights."""
+    T, H = grad_x.shape
+    S = T * top_k
+    E, two_I, _ = gate_up_proj.shape
+    cfg = FWD_GEMM_CONFIG
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    max_row_tiles = triton.cdiv(S, block_m) + min(E, S)
+    dx_rows = _empty((S, H), dtype, grad_x.device)
+    _expert_mlp_grouped_mm_kernel[(max_row_tiles * triton.cdiv(H, block_n),)](
+        grad_hpre, gate_up_proj, meta.expert_offsets, meta.tile_offsets, dx_rows,
+        E, H, two_I,
+        grad_hpre.stride(0), grad_hpre.stride(1),
+        gate_up_proj.stride(0), gate_up_proj.stride(2), gate_up_proj.stride(1),
+        dx_rows.stride(0), dx_rows.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    cc = COMBINE_CONFIG
+    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+        dx_rows, meta.row_of_slot, dx_rows, grad_x,
+        T, H, top_k,
+        dx_rows.stride(0), dx_rows.stride(1), 0, 0, grad_x.stride(0), grad_x.stride(1),
+        BLOCK_M=cc["BLOCK_M"], BLOCK_N=cc["BLOCK_N"], HAS_WEIGHTS=False, INTERPRET=interpret,
+        num_warps=cc["num_warps"],
+    )  # fmt: skip
+    return grad_x
+
+
+def _wgrad(p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret):
+    """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
+    ``update`` was applied (fused in the epilogue, or the split path)."""
+    E = weight.shape[0]
+    cfg = WGRAD_CONFIG
+    grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    if update is None:
+        grad = _like(weight, weight.dtype)
+        target, exp_avg, exp_avg_sq, step = grad, grad, grad, meta.expert_offsets
+        hyper = (0.0, 0.0, 0.0, 0.0, 0.0)
+        grad_dtype, fused = weight.dtype, False
+    else:
+        grad = weight if update.fused else _like(weight, update.grad_dtype)
+        target, exp_avg, exp_avg_sq, step = weight, update.exp_avg, update.exp_avg_sq, update.step
+        hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
+        grad_dtype, fused = update.grad_dtype, update.fused
+        # torch's AdamW increments the step before it computes the bias corrections.
+        step.add_(1)
+    _expert_mlp_bwd_dw_kernel[grid](
+        p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
+        grad, target, exp_avg, exp_avg_sq, step,
+        E, M, N, top_k,
+        p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+        top_k_weights.stride(0), top_k_weights.stride(1),
+        grad.stride(0), grad.stride(1), grad.stride(2),
+        *hyper,
+        P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, GRAD_DTYPE=TL_DTYPES[grad_dtype],
+        DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    if update is None:
+        return grad
+    if not update.fused:
+        ac = ADAMW_CONFIG
+        _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
+            weight, grad, update.exp_avg, update.exp_avg_sq, update.step,
+            weight.numel(), *hyper,
+            BLOCK=ac["BLOCK"], INTERPRET=interpret, num_warps=ac["num_warps"],
+        )  # fmt: skip
+    return None

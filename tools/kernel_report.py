@@ -115,7 +115,7 @@ def specs() -> list[Spec]:
             )  # fmt: skip
         out.append(
             Spec(
-                expert_mlp_fwd._expert_mlp_fwd_down_kernel,
+                expert_mlp_fwd._expert_mlp_grouped_mm_kernel,
                 f"x={act_dtype} w={w_dtype}",
                 {"a_ptr": act_dtype, "w2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
                  "y_ptr": act_dtype},
@@ -132,7 +132,7 @@ def specs() -> list[Spec]:
         for w_dtype in ("fp32", "bf16", "fp16"):
             out.append(
                 Spec(
-                    expert_mlp_fwd._expert_mlp_fwd_combine_kernel,
+                    expert_mlp_fwd._expert_mlp_combine_kernel,
                     f"y={act_dtype} w={w_dtype}",
                     {
                         "y_ptr": act_dtype,

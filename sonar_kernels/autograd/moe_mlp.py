@@ -2,47 +2,86 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.function import once_differentiable
+from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops, reference
+from sonar_kernels.optim.expert_adamw import expert_optimizer
+from sonar_kernels.reference import RoutingMetadata
+
+
+# Expert tensor with an in-backward optimizer -> the contexts of the live graphs that will update it.
+_LIVE_CONTEXTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _check_single_live_graph(weight: torch.Tensor, name: str, ctx) -> None:
+    """Refuse to update ``weight`` while another live graph also reads it: that graph's backward would
+    compute its gradient from the already updated weight."""
+    contexts = _LIVE_CONTEXTS.get(weight)
+    if contexts is None:
+        return
+    contexts.discard(ctx)
+    if len(contexts):
+        raise RuntimeError(
+            f"{name}: {len(contexts)} other live autograd graph(s) use this expert tensor, which ExpertAdamW "
+            "updates in this backward; their backward would then see the updated weights. Call the experts "
+            "once per forward (or once per backward), or free the other graph first."
+        )
 
 
 class MoEMLPFunction(torch.autograd.Function):
-    """Triton forward of the gated expert MLP.
+    """The gated expert MLP with Triton forward and backward, and the in-backward AdamW update.
 
-    The backward recomputes the forward with :func:`sonar_kernels.reference.moe_mlp` (plain PyTorch ops)
-    and differentiates it, so every input the forward accepts gets its gradient; the Triton backward
-    with the fused AdamW epilogue replaces it.
+    Forward: routing metadata, up-projection + GLU, down-projection, combine (:func:`ops.moe_mlp_fwd`);
+    it saves Hpre [S, 2I] and the routing metadata, not the expert outputs.
+    Backward (:func:`ops.moe_mlp_bwd`): dX, d top_k_weights, and for each expert weight either its
+    gradient or, when an :class:`sonar_kernels.ExpertAdamW` manages it, the AdamW update applied in the
+    wgrad epilogue (its gradient is then None).
     """
 
     @staticmethod
     def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-        out, _, _ = ops.moe_mlp_fwd(
+        out, hpre, meta = ops.moe_mlp_fwd(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
         )
-        ctx.save_for_backward(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj)
+        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta)
         ctx.activation = activation
+        # The optimizer is looked up now, on the tensors passed in (saved tensors may come back as
+        # other objects, e.g. under activation checkpointing); the contexts are tracked weakly, so a
+        # graph that is discarded without a backward stops counting.
+        ctx.managed = {}
+        for index, weight in ((3, gate_up_proj), (4, down_proj)):
+            if ctx.needs_input_grad[index] and expert_optimizer(weight) is not None:
+                ctx.managed[index] = weight
+                _LIVE_CONTEXTS.setdefault(weight, weakref.WeakSet()).add(ctx)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out):
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj = ctx.saved_tensors
-        differentiable = {0: hidden_states, 2: top_k_weights, 3: gate_up_proj, 4: down_proj}
-        wanted = [i for i in differentiable if ctx.needs_input_grad[i]]
-        inputs = {i: t.detach().requires_grad_(i in wanted) for i, t in differentiable.items()}
-        with torch.enable_grad(), torch.autocast(hidden_states.device.type, enabled=False):
-            out = reference.moe_mlp(
-                inputs[0], top_k_index, inputs[2], inputs[3], inputs[4], activation=ctx.activation
-            )
-            # allow_unused: with every slot dropped (or T = 0) nothing reaches the inputs; their
-            # gradient is zero, returned as None.
-            grads = torch.autograd.grad(out, [inputs[i] for i in wanted], grad_out, allow_unused=True)
-        result = [None] * 6
-        for i, g in zip(wanted, grads, strict=True):
-            result[i] = g
-        return tuple(result)
+        names = {3: "gate_up_proj", 4: "down_proj"}
+        # Before the saved tensors are unpacked (which may recompute the forward under checkpointing).
+        for index, weight in ctx.managed.items():
+            _check_single_live_graph(weight, names[index], ctx)
+        hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta = ctx.saved_tensors
+        updates = {}
+        for index, weight in ctx.managed.items():
+            optimizer = expert_optimizer(weight)
+            if optimizer is not None:
+                updates[index] = (optimizer, weight, optimizer._update_for(weight))
+        needs = ctx.needs_input_grad
+        grad_x, grad_w, grad_w1, grad_w2 = ops.moe_mlp_bwd(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre,
+            RoutingMetadata(*meta), ctx.activation, (needs[0], needs[2], needs[3], needs[4]),
+            gate_up_proj_update=updates[3][2] if 3 in updates else None,
+            down_proj_update=updates[4][2] if 4 in updates else None,
+        )  # fmt: skip
+        for optimizer, weight, _ in updates.values():
+            optimizer._finish_update(weight)
+        return grad_x, None, grad_w, grad_w1, grad_w2, None
 
 
 def moe_mlp(

@@ -1,5 +1,9 @@
 """Forward kernels of the gated expert MLP: up-projection + GLU, down-projection, weighted combine.
 
+The down-projection grouped GEMM and the combine also serve the backward: with B = W1 read through
+transposed strides they give the dX rows dHpre[r] @ W1[e], and the combine without weights sums them
+over top_k into dX.
+
 Row r of the grouped GEMMs is the r-th kept slot in expert order (``ops.routing_metadata``). Each grouped
 GEMM is one launch for all experts over a grid of (row tile, column tile) programs; the row tiles come
 from ``tile_offsets`` and programs past the last tile exit at once (the grid is sized for the worst case,
@@ -112,7 +116,7 @@ def _expert_mlp_fwd_up_kernel(
 
 
 @triton.jit
-def _expert_mlp_fwd_down_kernel(
+def _expert_mlp_grouped_mm_kernel(
     # pointers
     a_ptr,  # [S, I] activation dtype, read
     w2_ptr,  # [E, H, I] activation dtype or fp32, read
@@ -138,7 +142,8 @@ def _expert_mlp_fwd_down_kernel(
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Y[r] = A[r] @ W2[e(r)]^T.
+    """Y[r] = A[r] @ W2[e(r)]^T (forward), or dX rows dHpre[r] @ W1[e(r)] (backward: W1 as [E, H, 2I]
+    through its strides, I -> 2I).
 
     Mapping: M -> rows r, N -> H, K -> I.
     Grid: (row tiles * cdiv(H, BLOCK_N),).
@@ -167,11 +172,11 @@ def _expert_mlp_fwd_down_kernel(
 
 
 @triton.jit
-def _expert_mlp_fwd_combine_kernel(
+def _expert_mlp_combine_kernel(
     # pointers
     y_ptr,  # [S, H] activation dtype, read at kept rows only
     row_of_slot_ptr,  # [S] int32, read
-    weights_ptr,  # [T, top_k] floating, read
+    weights_ptr,  # [T, top_k] floating, read when HAS_WEIGHTS
     out_ptr,  # [T, H] activation dtype, written
     # sizes
     T,
@@ -187,9 +192,12 @@ def _expert_mlp_fwd_combine_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """out[t] = sum_j w[t, j] * Y[row_of_slot(t, j)] over kept slots, in fp32, j in order (no atomics).
+
+    Without HAS_WEIGHTS, w = 1: dX[t] = sum_j of the dX rows.
 
     Mapping: M -> tokens t, N -> H.
     Grid: (cdiv(T, BLOCK_M), cdiv(H, BLOCK_N)).
@@ -205,10 +213,12 @@ def _expert_mlp_fwd_combine_kernel(
         rows = tl.load(row_of_slot_ptr + offs_t * top_k + j, mask=mask_t, other=-1)
         kept = rows >= 0
         # A dropped slot's weight is never loaded (it may be NaN), nor its row of Y (never written).
-        w = tl.load(weights_ptr + offs_t * stride_wt + j * stride_wj, mask=kept, other=0.0).to(tl.float32)
         y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * stride_ys + offs_h[None, :] * stride_yh
         y = tl.load(y_ptrs, mask=kept[:, None] & mask_h[None, :], other=0.0).to(tl.float32)
-        acc += w[:, None] * y
+        if HAS_WEIGHTS:
+            w = tl.load(weights_ptr + offs_t * stride_wt + j * stride_wj, mask=kept, other=0.0)
+            y = w.to(tl.float32)[:, None] * y
+        acc += y
     out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_h[None, :] * stride_oh
     dtype = out_ptr.dtype.element_ty
     tl.store(out_ptrs, _round_to(acc, dtype, INTERPRET), mask=mask_t[:, None] & mask_h[None, :])

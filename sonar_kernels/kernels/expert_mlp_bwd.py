@@ -1,0 +1,373 @@
+"""Backward kernels of the gated expert MLP: dHpre and the routing-weight gradient, wgrad with the fused
+AdamW epilogue, and the reduction of the routing-weight partial sums.
+
+Order of the backward (DESIGN.md, "Backward and the fused update"); the dX rows reuse the forward's
+grouped GEMM and combine kernels (``expert_mlp_fwd``):
+
+1. ``_expert_mlp_bwd_dhpre_kernel``: G = dO[token] @ W2[e] per row (reads W2 before its update), the
+   partial sums of d w = <G, A>, A recomputed from the saved Hpre, dHpre from dA = w * G.
+2. ``_expert_mlp_bwd_dw_kernel`` for W2: dW2[e] = sum_r (w_r dO[token_r])^T A_r, AdamW in the epilogue.
+3. dX rows = dHpre @ W1[e] (reads W1 before its update), then dX[t] = sum_j of them, in j order.
+4. ``_expert_mlp_bwd_dw_kernel`` for W1: dW1[e] = sum_r dHpre_r^T X[token_r], AdamW in the epilogue.
+"""
+
+import triton
+import triton.language as tl
+
+from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile
+from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
+from sonar_kernels.kernels.expert_mlp_fwd import _glu_fwd
+
+# dHpre is a grouped GEMM over row tiles, like the forward: it uses the routing metadata's TILE_M rows.
+DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
+# The wgrad kernels have their own tiles (M and N are weight dimensions, K runs over an expert's rows).
+# The AdamW epilogue updates the accumulator EPILOGUE_SPLIT column slices at a time, so W, exp_avg and
+# exp_avg_sq tiles of only BLOCK_N / EPILOGUE_SPLIT columns are live beside it. Chosen by
+# `make kernel-report`: no register spills on sm_90a and sm_80 at aligned shapes.
+WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "EPILOGUE_SPLIT": 4, "num_warps": 8, "num_stages": 3}
+DWEIGHTS_CONFIG = {"BLOCK": 256, "num_warps": 4}
+
+
+@triton.jit
+def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr):
+    """(d gate, d up) of A = act(gate) * up, fp32 in and out; silu (SwiGLU) or exact erf gelu (GeGLU)."""
+    if ACTIVATION == "silu":
+        sig = 1.0 / (1.0 + tl.exp(-gate))
+        act = gate * sig
+        act_grad = sig * (1.0 + gate * (1.0 - sig))
+    else:
+        cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
+        act = gate * cdf
+        # d/dx x * Phi(x) = Phi(x) + x * phi(x), phi the standard normal density.
+        act_grad = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327
+    return grad_a * up * act_grad, grad_a * act
+
+
+@triton.jit
+def _expert_mlp_bwd_dhpre_kernel(
+    # pointers
+    grad_out_ptr,  # [T, H] activation dtype, read (rows gathered by token; any strides, 0 included)
+    w2_ptr,  # [E, H, I] activation dtype or fp32, read
+    hpre_ptr,  # [S, 2I] activation dtype, read (saved by the forward)
+    weights_ptr,  # [T, top_k] floating, read at kept slots
+    token_of_row_ptr,  # [S] int32, read
+    slot_of_row_ptr,  # [S] int32, read
+    expert_offsets_ptr,  # [E + 1] int32, read
+    tile_offsets_ptr,  # [E + 1] int32, read
+    grad_hpre_ptr,  # [S, 2I] activation dtype, written for rows < expert_offsets[E] when STORE_GRAD_HPRE
+    a_ptr,  # [S, I] activation dtype, written for rows < expert_offsets[E] when STORE_A
+    dw_partial_ptr,  # [cdiv(I, BLOCK_N), S] fp32, written for rows < expert_offsets[E] when COMPUTE_DW
+    # sizes
+    E,
+    H,
+    I,
+    top_k,
+    # strides
+    stride_got,
+    stride_goh,
+    stride_we,
+    stride_wh,
+    stride_wi,
+    stride_hs,
+    stride_hn,
+    stride_wt,
+    stride_wj,
+    stride_gs,
+    stride_gn,
+    stride_as,
+    stride_an,
+    stride_dwp,
+    # meta-parameters
+    ACTIVATION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STORE_GRAD_HPRE: tl.constexpr,
+    STORE_A: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """G[r] = dO[token(r)] @ W2[e(r)]; dw partial = sum_n G * A; dHpre = GLU'(Hpre) applied to w * G.
+
+    A = act(Hpre[:, :I]) * Hpre[:, I:] is recomputed exactly as the forward computed it (same code, same
+    rounding). dA = w * G is rounded to the activation dtype, as the gradient of the rounded A is.
+    Mapping: M -> rows r, N -> I, K -> H.
+    Grid: (row tiles * cdiv(I, BLOCK_N),).
+    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m >= tl.load(tile_offsets_ptr + E):
+        return
+    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    dtype = hpre_ptr.dtype.element_ty
+
+    rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
+    mask_m = rows < row_end
+    tokens = tl.load(token_of_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
+    cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_n = cols < I
+    grad_proj = _grouped_mm_acc(
+        grad_out_ptr, tokens, mask_m, stride_got, stride_goh,
+        w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wi, stride_wh,
+        H, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
+    )  # fmt: skip  # [BLOCK_M, BLOCK_N] G
+
+    mask = mask_m[:, None] & mask_n[None, :]
+    h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
+    gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(h_ptrs + I * stride_hn, mask=mask, other=0.0).to(tl.float32)
+    a = _round_to(_glu_fwd(gate, up, ACTIVATION), dtype, INTERPRET)
+    if STORE_A:
+        tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, a, mask=mask)
+    if COMPUTE_DW:
+        # <dO[t], Y[r]> = <G[r], A[r]>: the routing-weight gradient without the expert outputs Y.
+        partial = tl.sum(tl.where(mask, grad_proj * a.to(tl.float32), 0.0), axis=1)  # [BLOCK_M]
+        tl.store(dw_partial_ptr + pid_n * stride_dwp + rows, partial, mask=mask_m)
+
+    if STORE_GRAD_HPRE:
+        slots = tl.load(slot_of_row_ptr + rows, mask=mask_m, other=0)
+        w = tl.load(
+            weights_ptr + (slots // top_k).to(tl.int64) * stride_wt + (slots % top_k) * stride_wj,
+            mask=mask_m,
+            other=0.0,
+        ).to(tl.float32)
+        grad_a = _round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
+        grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION)
+        g_ptrs = grad_hpre_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gn
+        tl.store(g_ptrs, _round_to(grad_gate, dtype, INTERPRET), mask=mask)
+        tl.store(g_ptrs + I * stride_gn, _round_to(grad_up, dtype, INTERPRET), mask=mask)
+
+
+@triton.jit
+def _split_columns(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] -> its column halves [BLOCK_M, BLOCK_N // 2] (left, right)."""
+    half: tl.constexpr = BLOCK_N // 2
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, half)), (0, 2, 1)))
+
+
+@triton.jit
+def _dw_epilogue_slice(
+    acc,  # [BLOCK_M, SLICE_N] fp32 wgrad
+    offs_m,  # [BLOCK_M] int64
+    col0,
+    M,
+    N,
+    dw_ptr,
+    w_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    stride_m,
+    stride_n,
+    lr_wd,
+    step_size,
+    bc2_sqrt,
+    beta1,
+    beta2,
+    eps,
+    SLICE_N: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    FUSE_ADAMW: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored."""
+    offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    offs = offs_m[:, None] * stride_m + offs_n[None, :] * stride_n
+    grad = _round_to(acc, GRAD_DTYPE, INTERPRET)
+    if FUSE_ADAMW:
+        _adamw_tile(
+            grad.to(tl.float32), offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, INTERPRET,
+        )  # fmt: skip
+    else:
+        tl.store(dw_ptr + offs, grad, mask=mask)
+
+
+@triton.jit
+def _expert_mlp_bwd_dw_kernel(
+    # pointers
+    p_ptr,  # left operand rows: grad_out [T, H] (P_FROM_TOKENS) or grad_hpre [S, 2I]; activation dtype
+    q_ptr,  # right operand rows: A [S, I] or hidden_states [T, H] (Q_FROM_TOKENS); activation dtype
+    weights_ptr,  # [T, top_k] floating, read when P_FROM_TOKENS
+    slot_of_row_ptr,  # [S] int32, read
+    expert_offsets_ptr,  # [E + 1] int32, read
+    dw_ptr,  # [E, M, N] GRAD_DTYPE, written when not FUSE_ADAMW
+    w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written when FUSE_ADAMW
+    exp_avg_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
+    exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
+    step_ptr,  # [] fp32, read when FUSE_ADAMW (already incremented)
+    # sizes
+    E,
+    M,
+    N,
+    top_k,
+    # strides
+    stride_pr,
+    stride_pm,
+    stride_qr,
+    stride_qn,
+    stride_wt,
+    stride_wj,
+    stride_e,  # dW, W, exp_avg and exp_avg_sq share their strides
+    stride_m,
+    stride_n,
+    # AdamW hyperparameters (Python floats; rounded to fp32 in the kernel)
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    # meta-parameters
+    P_FROM_TOKENS: tl.constexpr,
+    Q_FROM_TOKENS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr,
+    FUSE_ADAMW: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """dW[e] = sum over rows r of expert e of P[r]^T Q[r] -> [E, M, N]; AdamW in the epilogue.
+
+    dW2: M -> H, N -> I, P[r] = w_r * dO[token_r] (rounded to DOT_DTYPE), Q[r] = A[r].
+    dW1: M -> 2I, N -> H, P[r] = dHpre[r], Q[r] = X[token_r]. K -> the rows of expert e.
+    Each program owns one [BLOCK_M, BLOCK_N] tile of one expert and reduces over all of that expert's
+    rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
+    GRAD_DTYPE, it is either stored to dW or, with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
+    EPILOGUE_SPLIT column slices. An expert with no rows gets a zero gradient (still a full AdamW step).
+    Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
+    """
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    expert = pid // (num_pid_m * num_pid_n)
+    tile = pid % (num_pid_m * num_pid_n)
+    pid_m = tile // num_pid_n
+    pid_n = tile % num_pid_n
+    row_start = tl.load(expert_offsets_ptr + expert)
+    row_end = tl.load(expert_offsets_ptr + expert + 1)
+
+    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for r0 in range(row_start, row_end, BLOCK_K):
+        rows = r0 + offs_k
+        mask_k = rows < row_end
+        slots = tl.load(slot_of_row_ptr + rows, mask=mask_k, other=0)
+        tokens = (slots // top_k).to(tl.int64)
+        p_rows = tokens if P_FROM_TOKENS else rows.to(tl.int64)
+        p = tl.load(
+            p_ptr + p_rows[None, :] * stride_pr + offs_m[:, None] * stride_pm,
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )  # [BLOCK_M, BLOCK_K]
+        if P_FROM_TOKENS:
+            w = tl.load(
+                weights_ptr + tokens * stride_wt + (slots % top_k) * stride_wj, mask=mask_k, other=0.0
+            ).to(tl.float32)
+            p = _round_to(p.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRET)
+        q_rows = tokens if Q_FROM_TOKENS else rows.to(tl.int64)
+        q = tl.load(
+            q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn,
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0.0,
+        )  # [BLOCK_K, BLOCK_N]
+        if INTERPRET:
+            p = p.to(tl.float32)
+            q = q.to(tl.float32)
+        acc = tl.dot(p, q, acc, input_precision=INPUT_PRECISION)
+
+    lr_wd = 0.0
+    step_size = 0.0
+    bc2_sqrt = 1.0
+    if FUSE_ADAMW:
+        lr_wd, step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, weight_decay, INTERPRET)
+    base = expert.to(tl.int64) * stride_e
+    dw_ptr += base
+    w_ptr += base
+    exp_avg_ptr += base
+    exp_avg_sq_ptr += base
+    col0 = pid_n * BLOCK_N
+    # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr).
+    if EPILOGUE_SPLIT == 1:
+        _dw_epilogue_slice(
+            acc, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+        )  # fmt: skip
+    elif EPILOGUE_SPLIT == 2:
+        half: tl.constexpr = BLOCK_N // 2
+        left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+        _dw_epilogue_slice(
+            left, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+        )  # fmt: skip
+        _dw_epilogue_slice(
+            right, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+        )  # fmt: skip
+    else:
+        tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
+        half: tl.constexpr = BLOCK_N // 2
+        quarter: tl.constexpr = BLOCK_N // 4
+        left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+        q0, q1 = _split_columns(left, BLOCK_M, half)
+        _dw_epilogue_slice(
+            q0, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+        )  # fmt: skip
+        _dw_epilogue_slice(
+            q1, offs_m, col0 + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+        )  # fmt: skip
+        q2, q3 = _split_columns(right, BLOCK_M, half)
+        _dw_epilogue_slice(
+            q2, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            stride_n, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW,
+            INTERPRET,
+        )  # fmt: skip
+        _dw_epilogue_slice(
+            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            stride_n, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW,
+            INTERPRET,
+        )  # fmt: skip
+
+
+@triton.jit
+def _expert_mlp_bwd_dweights_kernel(
+    # pointers
+    dw_partial_ptr,  # [num_partials, S] fp32, read at kept rows
+    row_of_slot_ptr,  # [S] int32, read
+    grad_weights_ptr,  # [S] (contiguous [T, top_k]) routing-weight dtype, written
+    # sizes
+    S,
+    num_partials,
+    # strides
+    stride_dwp,
+    # meta-parameters
+    BLOCK: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """d w[s] = sum_p partial[p, row_of_slot(s)] in p order (deterministic); 0 for a dropped slot.
+
+    Grid: (cdiv(S, BLOCK),).
+    """
+    offs_s = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask_s = offs_s < S
+    rows = tl.load(row_of_slot_ptr + offs_s, mask=mask_s, other=-1)
+    kept = rows >= 0
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for p in range(0, num_partials):
+        acc += tl.load(dw_partial_ptr + p * stride_dwp + rows, mask=kept, other=0.0)
+    tl.store(
+        grad_weights_ptr + offs_s, _round_to(acc, grad_weights_ptr.dtype.element_ty, INTERPRET), mask=mask_s
+    )
