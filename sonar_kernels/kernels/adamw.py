@@ -1,22 +1,26 @@
 """AdamW in registers: the arithmetic shared by the fused wgrad epilogue and the standalone AdamW kernel.
 
-The arithmetic is torch's fused CUDA AdamW (``torch.optim.AdamW(fused=True)``, same-dtype path,
-ATen/native/cuda/fused_adam_utils.cuh as shipped with torch 2.13), everything in fp32:
+The arithmetic is that of torch's fused CUDA AdamW as DESIGN.md spells it out (fused_adam_utils.cuh with
+the hyperparameters as C++ doubles): with p, g, m, v loaded as fp32 and lr, beta1, beta2, eps,
+weight_decay as fp64,
 
-    lr, beta1, beta2, eps, weight_decay rounded to fp32;  step read as fp32 after its increment
-    bc1 = 1 - powf(beta1, step);  bc2_sqrt = sqrtf(1 - powf(beta2, step));  step_size = lr / bc1
-    p = fma(-(lr * weight_decay), p, p)                 (skipped when weight_decay == 0)
-    m = fma(beta1, m, fma(-beta1, g, g))
-    v = fma(beta2, v, fma(-beta2, g * g, g * g))
-    p = p - (step_size * m) / (sqrt(v) / bc2_sqrt + eps)
+    bc1 = fp32(1 - pow(beta1, step));  bc2 = fp32(1 - pow(beta2, step));  bc2_sqrt = sqrtf(bc2)
+    step_size = fp32(lr / bc1)
+    p = fp32(p - lr * weight_decay * p)                 (fp64; skipped when weight_decay == 0)
+    m = fp32(beta1 * m + (1 - beta1) * g)               (fp64)
+    v = fp32(beta2 * v + (1 - beta2) * g * g)           (fp64)
+    denom = fp32(fp32(sqrtf(v) / bc2_sqrt) + eps)       (the sum in fp64)
+    p = p - (step_size * m) / denom                     (fp32, IEEE division)
 
-with IEEE division and square root (``div_rn`` / ``sqrt_rn``), p, m and v loaded as fp32 and rounded
-to their own dtypes once, at the store. Both kernels call :func:`_adamw_math`, so the fused epilogue and
-the split path (wgrad written to memory, then :func:`_adamw_kernel`) give the same bits.
+p, m and v are rounded to their own dtypes once, at the store. torch 2.13's fused CUDA kernel rounds the
+hyperparameters to fp32 and uses fma instead; torch's CPU AdamW evaluates in fp32 with fp64 scalars.
+Both kernels below call :func:`_adamw_math`, so the fused epilogue and the split path (wgrad written
+to memory, then :func:`_adamw_kernel`) give the same bits.
 
-Under the interpreter (``INTERPRET``) ``tl.fma`` is a multiply and an add (two roundings) and libdevice
-is not available, so fma is evaluated exactly in fp64 and rounded once, and powf as exp2(step * log2(beta))
-in fp64 rounded to fp32.
+The hyperparameters must reach the kernels as fp64: kernel parameters annotated ``tl.float64`` (a plain
+float parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
+pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
+torch's bias corrections).
 """
 
 import triton
@@ -29,46 +33,46 @@ ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 4}
 
 
 @triton.jit
-def _fma(a, b, c, INTERPRET: tl.constexpr):
-    """fp32 a * b + c with one rounding."""
+def _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET: tl.constexpr):
+    """The fp64 kernel arguments as fp64 values. The interpreter passes Python floats, which would be
+    rounded to fp32 constants where they meet a tensor; make them fp64 tensors first."""
     if INTERPRET:
-        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
-    else:
-        return tl.fma(a, b, c)
+        lr = tl.full((), lr, tl.float64)
+        beta1 = tl.full((), beta1, tl.float64)
+        beta2 = tl.full((), beta2, tl.float64)
+        eps = tl.full((), eps, tl.float64)
+        weight_decay = tl.full((), weight_decay, tl.float64)
+    return lr, beta1, beta2, eps, weight_decay
 
 
 @triton.jit
-def _powf(base, exponent, INTERPRET: tl.constexpr):
-    """fp32 base ** exponent (libdevice powf, as torch's kernel calls it) for 0 <= base < 1."""
+def _pow64(base, exponent, INTERPRET: tl.constexpr):
+    """fp64 base ** exponent for 0 <= base < 1 (libdevice pow, the device pow torch's kernel calls)."""
     if INTERPRET:
-        return tl.exp2(exponent.to(tl.float64) * tl.log2(base.to(tl.float64))).to(tl.float32)
+        return tl.exp2(exponent.to(tl.float64) * tl.log2(base))
     else:
-        return libdevice.pow(base, exponent)
+        return libdevice.pow(base, exponent.to(tl.float64))
 
 
 @triton.jit
-def _adamw_scalars(step_ptr, lr, beta1, beta2, weight_decay, INTERPRET: tl.constexpr):
-    """(lr * weight_decay, step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32)."""
+def _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET: tl.constexpr):
+    """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented)."""
     step = tl.load(step_ptr).to(tl.float32)
-    lr = lr.to(tl.float32)
-    bias_correction1 = 1.0 - _powf(beta1.to(tl.float32), step, INTERPRET)
-    bias_correction2 = 1.0 - _powf(beta2.to(tl.float32), step, INTERPRET)
-    step_size = tl.div_rn(lr, bias_correction1)
-    bc2_sqrt = tl.sqrt_rn(bias_correction2)
-    return lr * weight_decay.to(tl.float32), step_size, bc2_sqrt
+    bias_correction1 = (1.0 - _pow64(beta1, step, INTERPRET)).to(tl.float32)
+    bias_correction2 = (1.0 - _pow64(beta2, step, INTERPRET)).to(tl.float32)
+    step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
+    return step_size, tl.sqrt_rn(bias_correction2)
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, INTERPRET: tl.constexpr):
-    """One AdamW step on fp32 tiles; returns the new (p, m, v) in fp32. See the module docstring."""
-    beta1 = beta1.to(tl.float32)
-    beta2 = beta2.to(tl.float32)
-    if lr_wd != 0.0:
-        p = _fma(-lr_wd, p, p, INTERPRET)
-    m = _fma(beta1, m, _fma(-beta1, g, g, INTERPRET), INTERPRET)
-    gg = g * g
-    v = _fma(beta2, v, _fma(-beta2, gg, gg, INTERPRET), INTERPRET)
-    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
+def _adamw_math(p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay):
+    """One AdamW step on fp32 tiles (fp64 hyperparameters); returns the new (p, m, v) in fp32."""
+    if weight_decay != 0.0:
+        p = (p.to(tl.float64) - lr * weight_decay * p.to(tl.float64)).to(tl.float32)
+    g64 = g.to(tl.float64)
+    m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
+    v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
+    denom = (tl.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
     p = p - tl.div_rn(step_size * m, denom)
     return p, m, v
 
@@ -81,19 +85,20 @@ def _adamw_tile(
     w_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    lr_wd,
     step_size,
     bc2_sqrt,
+    lr,
     beta1,
     beta2,
     eps,
+    weight_decay,
     INTERPRET: tl.constexpr,
 ):
     """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three."""
     p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p, m, v = _adamw_math(p, grad, m, v, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, INTERPRET)
+    p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay)
     tl.store(w_ptr + offs, _round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_ptr + offs, _round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, _round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -109,12 +114,12 @@ def _adamw_kernel(
     step_ptr,  # [] fp32, read (already incremented)
     # sizes
     numel,
-    # hyperparameters (Python floats; rounded to fp32 in the kernel)
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
+    # hyperparameters, fp64
+    lr: tl.float64,
+    beta1: tl.float64,
+    beta2: tl.float64,
+    eps: tl.float64,
+    weight_decay: tl.float64,
     # meta-parameters
     BLOCK: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -128,9 +133,10 @@ def _adamw_kernel(
     pid = tl.program_id(0)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    lr_wd, step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, weight_decay, INTERPRET)
+    lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
+    step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-        lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, INTERPRET,
+        step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, INTERPRET,
     )  # fmt: skip

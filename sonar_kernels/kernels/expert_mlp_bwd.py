@@ -14,7 +14,7 @@ grouped GEMM and combine kernels (``expert_mlp_fwd``):
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile
+from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile, _hyperparameters
 from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
 from sonar_kernels.kernels.expert_mlp_fwd import _glu_fwd
 
@@ -162,12 +162,13 @@ def _dw_epilogue_slice(
     exp_avg_sq_ptr,
     stride_m,
     stride_n,
-    lr_wd,
     step_size,
     bc2_sqrt,
+    lr,
     beta1,
     beta2,
     eps,
+    weight_decay,
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
@@ -181,7 +182,7 @@ def _dw_epilogue_slice(
     if FUSE_ADAMW:
         _adamw_tile(
             grad.to(tl.float32), offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, INTERPRET,
         )  # fmt: skip
     else:
         tl.store(dw_ptr + offs, grad, mask=mask)
@@ -215,12 +216,12 @@ def _expert_mlp_bwd_dw_kernel(
     stride_e,  # dW, W, exp_avg and exp_avg_sq share their strides
     stride_m,
     stride_n,
-    # AdamW hyperparameters (Python floats; rounded to fp32 in the kernel)
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
+    # AdamW hyperparameters, fp64 (DESIGN.md: torch's fused AdamW takes them as C++ doubles)
+    lr: tl.float64,
+    beta1: tl.float64,
+    beta2: tl.float64,
+    eps: tl.float64,
+    weight_decay: tl.float64,
     # meta-parameters
     P_FROM_TOKENS: tl.constexpr,
     Q_FROM_TOKENS: tl.constexpr,
@@ -287,11 +288,11 @@ def _expert_mlp_bwd_dw_kernel(
             q = q.to(tl.float32)
         acc = tl.dot(p, q, acc, input_precision=INPUT_PRECISION)
 
-    lr_wd = 0.0
     step_size = 0.0
     bc2_sqrt = 1.0
     if FUSE_ADAMW:
-        lr_wd, step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, weight_decay, INTERPRET)
+        lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
+        step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET)
     base = expert.to(tl.int64) * stride_e
     dw_ptr += base
     w_ptr += base
@@ -302,18 +303,18 @@ def _expert_mlp_bwd_dw_kernel(
     if EPILOGUE_SPLIT == 1:
         _dw_epilogue_slice(
             acc, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         _dw_epilogue_slice(
             left, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             right, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -323,21 +324,21 @@ def _expert_mlp_bwd_dw_kernel(
         q0, q1 = _split_columns(left, BLOCK_M, half)
         _dw_epilogue_slice(
             q0, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             q1, offs_m, col0 + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         _dw_epilogue_slice(
             q2, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
             INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             q3, offs_m, col0 + half + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, lr_wd, step_size, bc2_sqrt, beta1, beta2, eps, quarter, GRAD_DTYPE, FUSE_ADAMW,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
             INTERPRET,
         )  # fmt: skip
 
