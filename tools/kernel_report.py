@@ -6,12 +6,15 @@ and shared memory. The interpreter accepts code that the compiler rejects, so th
 kernels are GPU code.
 
 Each kernel is compiled in two specialisations, as Triton's JIT would compile it:
-- ``aligned``: pointers 16-byte aligned, sizes and strides multiples of 16, unit innermost strides: the
-  real model shapes (OLMoE-1B-7B, Granite-3.1-3B-A800M). These must not spill.
+- ``aligned``: pointers 16-byte aligned, integer sizes and strides multiples of 16, unit innermost
+  strides: the real model shapes (OLMoE-1B-7B, Granite-3.1-3B-A800M). These must not spill.
 - ``unaligned``: no divisibility known (H or I not a multiple of 16): correct but slow code whose spills
   are reported, not gated.
 
-Usage: ``python tools/kernel_report.py`` prints a table; ``--json PATH`` also writes the rows.
+Scalar arguments are i32, or the type their annotation gives (``lr: tl.float64`` -> fp64).
+
+Usage: ``python tools/kernel_report.py`` prints a table; ``--json PATH`` also writes the rows; ``--jobs N``
+compiles in N processes (default: one per CPU).
 Must run without TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled).
 """
 
@@ -19,24 +22,30 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sonar_kernels import ops
-from sonar_kernels.kernels import expert_mlp_fwd, routing
+from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, routing
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-TL_TYPES = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+# (activation dtype, weight dtype) pairs the launchers accept: weights in the activation dtype, or fp32
+# master weights.
+DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
 
 
 @dataclass
@@ -54,17 +63,25 @@ class Spec:
 
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
+    """The kernel as the JIT would specialise it: pointers from ``spec.pointers``, scalars i32 unless
+    annotated (``lr: tl.float64`` -> "fp64"), divisibility 16 on pointers and, if aligned, on integers."""
     fn = spec.kernel
     constexprs = dict(spec.constexprs)
     constexprs.update({name: 1 for name in spec.unit_strides})
     signature, attrs = {}, {}
-    for i, name in enumerate(fn.arg_names):
+    for param in fn.params:
+        name = param.name
         if name in constexprs:
             signature[name] = "constexpr"
             continue
-        signature[name] = f"*{spec.pointers[name]}" if name in spec.pointers else "i32"
-        if name in spec.pointers or aligned:
-            attrs[(i,)] = [["tt.divisibility", 16]]
+        if param.is_constexpr:
+            raise ValueError(f"{fn.__name__}: constexpr {name} has no value in spec {spec.variant!r}")
+        if name in spec.pointers:
+            signature[name] = f"*{spec.pointers[name]}"
+        else:
+            signature[name] = param.annotation or "i32"
+        if name in spec.pointers or (aligned and signature[name] == "i32"):
+            attrs[(param.num,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, signature, constexprs, attrs)
 
 
@@ -92,13 +109,26 @@ def specs() -> list[Spec]:
                     config={"BLOCK_E": cfg["BLOCK_E"], "BLOCK_S": cfg["BLOCK_S"]},
                 )
             )  # fmt: skip
-    # Grouped GEMMs: (activation dtype, weight dtype) pairs the launcher accepts.
-    pairs = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
-    for act_dtype, w_dtype in pairs:
-        cfg = expert_mlp_fwd.FWD_GEMM_CONFIG
-        blocks = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-        options = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-        common = {"INPUT_PRECISION": "ieee" if act_dtype == "fp32" else "tf32", "INTERPRET": False} | blocks
+    return out + _forward_specs() + _backward_specs() + _adamw_specs()
+
+
+def _gemm_launch(cfg: dict) -> tuple[dict, dict]:
+    """(BLOCK_* constexprs, launch options) of a GEMM config dict."""
+    blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK") or k == "EPILOGUE_SPLIT"}
+    return blocks, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def _precision(act_dtype: str) -> dict:
+    # ops._input_precision: full fp32 products for fp32, never a silent tf32.
+    return {"INPUT_PRECISION": "ieee" if act_dtype == "fp32" else "tf32", "INTERPRET": False}
+
+
+def _forward_specs() -> list[Spec]:
+    """ops._moe_mlp_fwd, and ops._dx (the grouped GEMM with W1's strides swapped, the unweighted combine)."""
+    out = []
+    blocks, options = _gemm_launch(expert_mlp_fwd.FWD_GEMM_CONFIG)
+    for act_dtype, w_dtype in DTYPE_PAIRS:
+        common = _precision(act_dtype) | blocks
         for activation in ("silu", "gelu") if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
             out.append(
                 Spec(
@@ -113,39 +143,147 @@ def specs() -> list[Spec]:
                     config=blocks,
                 )
             )  # fmt: skip
+        pointers = {"a_ptr": act_dtype, "w2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
+                    "y_ptr": act_dtype}  # fmt: skip
+        # Forward: Y = A @ W2[e]^T, W2 [E, H, I] contiguous (unit stride along I, the reduction).
         out.append(
             Spec(
                 expert_mlp_fwd._expert_mlp_grouped_mm_kernel,
-                f"x={act_dtype} w={w_dtype}",
-                {"a_ptr": act_dtype, "w2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
-                 "y_ptr": act_dtype},
+                f"x={act_dtype} w={w_dtype} fwd",
+                pointers,
                 common,
                 options,
                 unit_strides=("stride_ai", "stride_wi", "stride_yh"),
                 is_gemm=True,
                 config=blocks,
             )
-        )  # fmt: skip
+        )
+        # dX rows = dHpre @ W1[e], W1 [E, 2I, H] read as [E, H, 2I]: the unit stride is along H (N).
+        out.append(
+            Spec(
+                expert_mlp_fwd._expert_mlp_grouped_mm_kernel,
+                f"x={act_dtype} w={w_dtype} dX",
+                pointers,
+                common,
+                options,
+                unit_strides=("stride_ai", "stride_wh", "stride_yh"),
+                is_gemm=True,
+                config=blocks,
+            )
+        )
     cc = expert_mlp_fwd.COMBINE_CONFIG
-    # Routing weights may come in any supported dtype, independent of the activations.
-    for act_dtype in ("fp32", "bf16", "fp16"):
-        for w_dtype in ("fp32", "bf16", "fp16"):
+    combine = {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"]}
+    for act_dtype in TL_DTYPES:
+        # Routing weights may come in any supported dtype, independent of the activations.
+        for w_dtype in TL_DTYPES:
             out.append(
                 Spec(
                     expert_mlp_fwd._expert_mlp_combine_kernel,
                     f"y={act_dtype} w={w_dtype}",
-                    {
-                        "y_ptr": act_dtype,
-                        "row_of_slot_ptr": "i32",
-                        "weights_ptr": w_dtype,
-                        "out_ptr": act_dtype,
-                    },
-                    {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"], "INTERPRET": False},
+                    {"y_ptr": act_dtype, "row_of_slot_ptr": "i32", "weights_ptr": w_dtype, "out_ptr": act_dtype},
+                    combine | {"HAS_WEIGHTS": True, "INTERPRET": False},
                     {"num_warps": cc["num_warps"]},
                     unit_strides=("stride_yh", "stride_wj", "stride_oh"),
-                    config={"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"]},
+                    config=combine,
                 )
+            )  # fmt: skip
+        # dX = sum_j of the dX rows: no weights (ops._dx passes the rows again, with strides 0).
+        out.append(
+            Spec(
+                expert_mlp_fwd._expert_mlp_combine_kernel,
+                f"y={act_dtype} unweighted",
+                {"y_ptr": act_dtype, "row_of_slot_ptr": "i32", "weights_ptr": act_dtype, "out_ptr": act_dtype},
+                combine | {"HAS_WEIGHTS": False, "INTERPRET": False},
+                {"num_warps": cc["num_warps"]},
+                unit_strides=("stride_yh", "stride_oh"),
+                config=combine,
             )
+        )  # fmt: skip
+    return out
+
+
+def _backward_specs() -> list[Spec]:
+    """ops._moe_mlp_bwd and ops._wgrad. Routing weights are given the activation dtype (any is accepted;
+    the pointer dtype only changes one load)."""
+    out = []
+    blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
+    flags = {"STORE_GRAD_HPRE": True, "STORE_A": True, "COMPUTE_DW": True}
+    for act_dtype, w_dtype in DTYPE_PAIRS:
+        for activation in ("silu", "gelu") if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
+            out.append(
+                Spec(
+                    expert_mlp_bwd._expert_mlp_bwd_dhpre_kernel,
+                    f"x={act_dtype} w={w_dtype} {activation}",
+                    {"grad_out_ptr": act_dtype, "w2_ptr": w_dtype, "hpre_ptr": act_dtype, "weights_ptr": act_dtype,
+                     "token_of_row_ptr": "i32", "slot_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
+                     "tile_offsets_ptr": "i32", "grad_hpre_ptr": act_dtype, "a_ptr": act_dtype,
+                     "dw_partial_ptr": "fp32"},
+                    _precision(act_dtype) | blocks | flags | {"ACTIVATION": activation},
+                    options,
+                    unit_strides=("stride_goh", "stride_wi", "stride_hn", "stride_wj", "stride_gn", "stride_an"),
+                    is_gemm=True,
+                    config=blocks,
+                )
+            )  # fmt: skip
+
+    blocks, options = _gemm_launch(expert_mlp_bwd.WGRAD_CONFIG)
+    # (activation, weight, moments) dtypes; the gradient is rounded to the weight dtype.
+    wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
+    # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
+    roles = {"dW2": (True, False), "dW1": (False, True)}
+    for act_dtype, w_dtype, m_dtype in wgrad_dtypes:
+        for role, (p_from_tokens, q_from_tokens) in roles.items():
+            for fuse in (True, False) if m_dtype == w_dtype else (True,):
+                moments = f" m={m_dtype}" if m_dtype != w_dtype else ""
+                out.append(
+                    Spec(
+                        expert_mlp_bwd._expert_mlp_bwd_dw_kernel,
+                        f"x={act_dtype} w={w_dtype}{moments} {role} {'adamw' if fuse else 'grad'}",
+                        {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+                         "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "w_ptr": w_dtype, "exp_avg_ptr": m_dtype,
+                         "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32"},
+                        _precision(act_dtype) | blocks
+                        | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
+                           "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
+                        options,
+                        unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                        is_gemm=True,
+                        config=blocks,
+                    )
+                )  # fmt: skip
+
+    dc = expert_mlp_bwd.DWEIGHTS_CONFIG
+    for g_dtype in TL_DTYPES:
+        out.append(
+            Spec(
+                expert_mlp_bwd._expert_mlp_bwd_dweights_kernel,
+                f"grad_w={g_dtype}",
+                {"dw_partial_ptr": "fp32", "row_of_slot_ptr": "i32", "grad_weights_ptr": g_dtype},
+                {"BLOCK": dc["BLOCK"], "INTERPRET": False},
+                {"num_warps": dc["num_warps"]},
+                config={"BLOCK": dc["BLOCK"]},
+            )
+        )
+    return out
+
+
+def _adamw_specs() -> list[Spec]:
+    """The split path's standalone AdamW (ops._wgrad with a non-fused update): gradient in the weight dtype,
+    moments in the weight dtype or fp32."""
+    ac = adamw.ADAMW_CONFIG
+    out = []
+    for w_dtype, m_dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")):
+        out.append(
+            Spec(
+                adamw._adamw_kernel,
+                f"w={w_dtype} m={m_dtype}",
+                {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
+                 "step_ptr": "fp32"},
+                {"BLOCK": ac["BLOCK"], "INTERPRET": False},
+                {"num_warps": ac["num_warps"]},
+                config={"BLOCK": ac["BLOCK"]},
+            )
+        )  # fmt: skip
     return out
 
 
@@ -172,47 +310,55 @@ def _ptxas_stats(ptx: str, arch: str) -> dict:
     }
 
 
-def compile_all() -> list[dict]:
-    rows = []
-    for spec in specs():
-        for aligned in (True, False):
-            for arch, target in TARGETS.items():
-                compiled = triton.compile(_source(spec, aligned), target=target, options=spec.options)
-                ptx = compiled.asm["ptx"]
-                rows.append(
-                    {
-                        "kernel": spec.kernel.fn.__name__,
-                        "variant": spec.variant,
-                        "config": spec.config | spec.options,
-                        "specialisation": "aligned" if aligned else "unaligned",
-                        "target": arch,
-                        "cubin_bytes": len(compiled.asm["cubin"]),
-                        "shared_bytes": compiled.metadata.shared,
-                        "is_gemm": spec.is_gemm,
-                        "wgmma": "wgmma.mma_async" in ptx,
-                        "mma_sync": "mma.sync" in ptx,
-                        **_ptxas_stats(ptx, arch),
-                    }
-                )
-    return rows
+def _build(task: tuple[int, bool, str]) -> dict:
+    """Compile specs()[index] for one specialisation and target; one row of the report."""
+    index, aligned, arch = task
+    spec = specs()[index]
+    compiled = triton.compile(_source(spec, aligned), target=TARGETS[arch], options=spec.options)
+    ptx = compiled.asm["ptx"]
+    return {
+        "kernel": spec.kernel.fn.__name__,
+        "variant": spec.variant,
+        "config": spec.config | spec.options,
+        "specialisation": "aligned" if aligned else "unaligned",
+        "target": arch,
+        "cubin_bytes": len(compiled.asm["cubin"]),
+        "shared_bytes": compiled.metadata.shared,
+        "is_gemm": spec.is_gemm,
+        "input_precision": spec.constexprs.get("INPUT_PRECISION"),
+        "wgmma": "wgmma.mma_async" in ptx,
+        "mma_sync": "mma.sync" in ptx,
+        **_ptxas_stats(ptx, arch),
+    }
+
+
+def compile_all(jobs: int = 1) -> list[dict]:
+    """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes."""
+    tasks = [(i, aligned, arch) for i in range(len(specs())) for aligned in (True, False) for arch in TARGETS]
+    if jobs <= 1:
+        return [_build(task) for task in tasks]
+    # spawn: a fresh interpreter per worker, nothing inherited from this process's threads.
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(_build, tasks, chunksize=1))
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
-    rows = compile_all()
-    header = f"{'kernel':34} {'variant':22} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
+    rows = compile_all(args.jobs)
+    header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))
     for r in rows:
         mma = "wgmma" if r["wgmma"] else ("mma.sync" if r["mma_sync"] else "-")
-        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items() if k.startswith("BLOCK"))
+        cfg = ",".join(f"{k}={v}" for k, v in r["config"].items())
         print(
-            f"{r['kernel']:34} {r['variant']:22} {r['specialisation']:9} {r['target']:6} {r['registers']:4d} "
+            f"{r['kernel']:34} {r['variant']:30} {r['specialisation']:9} {r['target']:6} {r['registers']:4d} "
             f"{r['spill_stores']:5d}/{r['spill_loads']:<5d} {r['shared_bytes']:6d} {mma}  {cfg}"
         )
     aligned_spills = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 import torch
+from torch.optim.adamw import adamw as torch_adamw
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops
@@ -52,7 +53,8 @@ class ExpertAdamW(torch.optim.Optimizer):
     wgrad kernel of the backward applies AdamW in its epilogue and stores W, exp_avg and exp_avg_sq: the
     gradient exists only in registers and ``.grad`` stays None. Any other gradient that reaches a managed
     tensor (the torch backend, or a tensor used outside the expert MLP) is applied as soon as it is
-    accumulated, through torch's own AdamW (``torch.optim.adamw.adamw``), and released: the
+    accumulated, through torch's own AdamW (``torch.optim.adamw.adamw``; for tensors that required grad when they
+    were given to the optimizer), and released: the
     optimizer-in-backward of the Sonar-MoE paper, one tensor's gradient alive at a time.
 
     The update is torch.optim.AdamW's (decoupled weight decay, bias correction, ``step`` incremented
@@ -152,7 +154,9 @@ class ExpertAdamW(torch.optim.Optimizer):
                 "exp_avg_sq": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
             }
             _MANAGER[p] = this
-            self._hook_handles.append(p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this)))
+            if p.requires_grad:
+                # A hook needs requires_grad; a tensor frozen now is never updated by the torch path.
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this)))
 
     def _group_of(self, p: torch.Tensor) -> dict:
         for group in self.param_groups:
@@ -200,7 +204,7 @@ class ExpertAdamW(torch.optim.Optimizer):
         grad = p.grad
         p.grad = None
         with torch.no_grad():
-            torch.optim.adamw.adamw(
+            torch_adamw(
                 [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
                 foreach=False, capturable=p.device.type != "cpu", amsgrad=False,
                 beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,

@@ -1,0 +1,390 @@
+"""ExpertAdamW: the AdamW update applied in the backward, against torch.optim.AdamW and the split path."""
+
+import math
+
+import pytest
+import torch
+from cases import Case
+from numerics import TOLERANCE, assert_close, rel_err
+from torch.utils.checkpoint import checkpoint
+
+import sonar_kernels
+from sonar_kernels import ops, reference
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+E, H, I, TOP_K, T = 4, 33, 17, 2, 24
+
+
+def _batch(step, dtype, device):
+    """Random data for one step; expert E - 1 gets tokens in steps 0 and 1 and none in step 2."""
+    generator = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(T, H, generator=generator).to(dtype)
+    scores = torch.rand(T, E, generator=generator)
+    if step >= 2:
+        scores[:, E - 1] = -1.0
+    index = scores.topk(TOP_K, dim=1).indices
+    weights = torch.softmax(torch.randn(T, TOP_K, generator=generator), dim=1).to(dtype)
+    grad_out = torch.randn(T, H, generator=generator).to(dtype)
+    return x.to(device), index.to(device), weights.to(device), grad_out.to(device)
+
+
+def _weights(dtype, device):
+    generator = torch.Generator().manual_seed(7)
+    w1 = (torch.randn(E, 2 * I, H, generator=generator) / H**0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=generator) / I**0.5).to(dtype)
+    return torch.nn.Parameter(w1.to(device)), torch.nn.Parameter(w2.to(device))
+
+
+def _backward(step, w1, w2, dtype, device, **kwargs):
+    x, index, weights, grad_out = _batch(step, dtype, device)
+    sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton", **kwargs).backward(grad_out)
+
+
+def _plain_grads(step, w1, w2, dtype, device):
+    """dW1, dW2 of the same kernels without an optimizer (what the split path writes), at these weights."""
+    x, index, weights, grad_out = _batch(step, dtype, device)
+    a, b = w1.detach().clone().requires_grad_(), w2.detach().clone().requires_grad_()
+    out = sonar_kernels.moe_mlp(x, index, weights, a, b, backend="triton")
+    return torch.autograd.grad(out, [a, b], grad_out)
+
+
+def _torch_adamw_step(param, state, grad):
+    """torch.optim.AdamW (single-tensor) from a copy of ``param`` and ``state``, fed ``grad``."""
+    q = torch.nn.Parameter(param.detach().clone())
+    optimizer = torch.optim.AdamW([q], fused=True, **HYPER)
+    optimizer.state[q] = {
+        "step": state["step"].detach().clone(),
+        "exp_avg": state["exp_avg"].clone(),
+        "exp_avg_sq": state["exp_avg_sq"].clone(),
+    }
+    q.grad = grad.to(q.dtype)
+    optimizer.step()
+    return q.detach(), optimizer.state[q]["exp_avg"], optimizer.state[q]["exp_avg_sq"]
+
+
+# torch's CPU AdamW and DESIGN.md's arithmetic (torch's fused CUDA kernel) round differently: the decay
+# as p * fp32(1 - lr * wd) vs p - lr * wd * p in fp64, the update as step_size * (m / denom) vs
+# (step_size * m) / denom, and the bias corrections in fp64 vs fp32. Each rounding is within half an ulp;
+# exp_avg and exp_avg_sq go through two of them, W through up to six (measured worst: 3).
+ULP_BOUND = {"W": 3.0, "exp_avg": 2.0, "exp_avg_sq": 2.0}
+
+
+def _ulps(actual, expected, scale):
+    """Elementwise |actual - expected| in units in the last place of ``expected``'s dtype at ``scale``."""
+    tiny = torch.finfo(expected.dtype).tiny
+    _, exponent = torch.frexp(scale.detach().abs().float().clamp_min(tiny))
+    mantissa_bits = round(-math.log2(torch.finfo(expected.dtype).eps))
+    ulp = torch.ldexp(torch.ones_like(scale, dtype=torch.float32), exponent - 1 - mantissa_bits)
+    return (actual.double() - expected.double()).abs() / ulp.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_three_steps_match_torch_adamw_fed_the_split_path_gradient(dtype, device):
+    w1, w2 = _weights(dtype, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    for step in range(3):
+        grads = _plain_grads(step, w1, w2, dtype, device)
+        expected = [_torch_adamw_step(p, optimizer.state[p], g) for p, g in zip((w1, w2), grads, strict=True)]
+        before = [(p.detach().clone(), optimizer.state[p]["exp_avg"].clone()) for p in (w1, w2)]
+        _backward(step, w1, w2, dtype, device)
+        assert w1.grad is None and w2.grad is None
+        optimizer.step()
+        optimizer.zero_grad()
+        for p, g, (p_old, m_old), (p_ref, m_ref, v_ref) in zip((w1, w2), grads, before, expected, strict=True):
+            state = optimizer.state[p]
+            assert float(state["step"]) == step + 1
+            got = (p.detach(), state["exp_avg"], state["exp_avg_sq"])
+            if dtype == torch.float32:
+                # ulps at the magnitude of the operands: a result that cancels to ~0 keeps their ulp.
+                # The update of W scales with exp_avg's operands, which cancel too.
+                beta1, beta2 = HYPER["betas"]
+                scale_m = torch.maximum(torch.maximum(m_old.abs() * beta1, g.abs() * (1 - beta1)), m_ref.abs())
+                count = step + 1
+                denom = v_ref.sqrt() / math.sqrt(1 - beta2**count) + HYPER["eps"]
+                scale_update = HYPER["lr"] / (1 - beta1**count) * scale_m / denom
+                scales = (torch.maximum(torch.maximum(p_old.abs(), p_ref.abs()), scale_update), scale_m, v_ref)
+                for name, a, b, scale in zip(("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), scales, strict=True):
+                    worst = float(_ulps(a, b, scale).max())
+                    assert worst <= ULP_BOUND[name], f"step {step}: {name} differs from torch.optim.AdamW by {worst:.2f} ulp"
+            else:
+                for name, a, b in zip(("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), strict=True):
+                    assert_close(a, b, dtype, what=f"step {step}: {name}")
+    # Expert E - 1 got no token in the last step: still decayed and moved by its moments.
+    assert optimizer.state[w1]["exp_avg"][E - 1].abs().sum() > 0
+
+
+def test_three_steps_match_torch_adamw_fed_float64_reference_gradients(device):
+    w1, w2 = _weights(torch.float32, device)
+    q1, q2 = (torch.nn.Parameter(p.detach().clone()) for p in (w1, w2))
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    reference_optimizer = torch.optim.AdamW([q1, q2], foreach=False, **HYPER)
+    for step in range(3):
+        _backward(step, w1, w2, torch.float32, device)
+        optimizer.step()
+        x, index, weights, grad_out = _batch(step, torch.float64, device)
+        a, b = q1.detach().double().requires_grad_(), q2.detach().double().requires_grad_()
+        out = reference.moe_mlp(x, index, weights, a, b)
+        q1.grad, q2.grad = (g.float() for g in torch.autograd.grad(out, [a, b], grad_out))
+        reference_optimizer.step()
+    for p, q in ((w1, q1), (w2, q2)):
+        assert rel_err(p, q) <= 2e-5
+        for key in ("exp_avg", "exp_avg_sq"):
+            err = rel_err(optimizer.state[p][key], reference_optimizer.state[q][key])
+            assert err <= 2e-5, f"{key}: {err:.2e}"
+
+
+FUSED_VS_SPLIT = [
+    pytest.param(torch.float32, None, None, id="fp32"),
+    pytest.param(torch.bfloat16, None, None, id="bf16"),
+    pytest.param(torch.bfloat16, torch.float32, None, id="bf16-fp32-moments"),
+    pytest.param(torch.bfloat16, torch.float32, torch.float32, id="bf16-fp32-moments-fp32-grad"),
+]
+
+
+def _run(dtype, device, steps=3, **options):
+    w1, w2 = _weights(dtype, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, **options)
+    for step in range(steps):
+        _backward(step, w1, w2, dtype, device)
+        optimizer.step()
+    return [t.clone() for p in (w1, w2) for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
+
+
+def _bits(t):
+    return t.view(torch.int32) if t.dtype == torch.float32 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize(("dtype", "moments_dtype", "grad_dtype"), FUSED_VS_SPLIT)
+def test_fused_and_split_paths_give_identical_bits(dtype, moments_dtype, grad_dtype, device):
+    options = {"moments_dtype": moments_dtype, "grad_dtype": grad_dtype}
+    fused = _run(dtype, device, **options)
+    split = _run(dtype, device, fused_epilogue=False, **options)
+    again = _run(dtype, device, **options)
+    assert fused[1].dtype == (moments_dtype or dtype)
+    for a, b, c in zip(fused, split, again, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        assert torch.equal(_bits(a), _bits(c))
+
+
+def test_fp32_gradient_option_changes_the_update(device):
+    # grad_dtype=float32 keeps the fp32 accumulator; the default rounds it to bf16 first.
+    default = _run(torch.bfloat16, device, steps=1, moments_dtype=torch.float32)
+    fp32_grad = _run(torch.bfloat16, device, steps=1, moments_dtype=torch.float32, grad_dtype=torch.float32)
+    assert not torch.equal(default[1], fp32_grad[1])
+    assert rel_err(default[1], fp32_grad[1]) < 2.0**-8
+
+
+def test_hyperparameters_are_read_from_param_groups_when_backward_runs(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 0.0 if epoch >= 1 else 1.0)
+    _backward(0, w1, w2, torch.float32, device)
+    optimizer.step()
+    scheduler.step()
+    # load_state_dict replaces the group dicts: the new ones must be the ones read.
+    optimizer.load_state_dict(optimizer.state_dict())
+    assert optimizer.param_groups[0]["lr"] == 0.0
+    optimizer.param_groups[0]["weight_decay"] = 0.5
+    before = w1.detach().clone()
+    _backward(1, w1, w2, torch.float32, device)
+    # lr = 0: the weights stay (decay lr * wd = 0 too), the moments and the step move on.
+    assert torch.equal(w1.detach(), before)
+    assert float(optimizer.state[w1]["step"]) == 2
+
+
+def test_state_layout_is_torch_adamws(device):
+    w1, w2 = _weights(torch.bfloat16, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2])
+    for p in (w1, w2):
+        state = optimizer.state[p]
+        assert set(state) == {"step", "exp_avg", "exp_avg_sq"}
+        assert state["step"].dim() == 0 and state["step"].dtype == torch.float32
+        assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.bfloat16
+        assert state["exp_avg"].shape == p.shape
+    fp32 = sonar_kernels.ExpertAdamW([torch.nn.Parameter(w1.detach().clone())], moments_dtype=torch.float32)
+    assert next(iter(fp32.state.values()))["exp_avg"].dtype == torch.float32
+    # torch.optim.AdamW's state_dict loads, and the moments keep their dtype.
+    assert set(torch.optim.AdamW([w1]).state_dict()["param_groups"][0]) >= {"lr", "betas", "eps", "weight_decay"}
+
+
+def test_step_and_zero_grad_never_update_twice(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    _backward(0, w1, w2, torch.float32, device)
+    after_backward = w1.detach().clone()
+    optimizer.step()
+    optimizer.zero_grad()
+    optimizer.step()
+    assert torch.equal(w1.detach(), after_backward)
+    assert float(optimizer.state[w1]["step"]) == 1
+
+
+def test_second_backward_before_step_raises_and_writes_nothing(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    _backward(0, w1, w2, torch.float32, device)
+    snapshot = [w1.detach().clone(), optimizer.state[w1]["exp_avg"].clone(), optimizer.state[w1]["step"].clone()]
+    with pytest.raises(RuntimeError, match="already updated"):
+        _backward(1, w1, w2, torch.float32, device)
+    now = [w1.detach(), optimizer.state[w1]["exp_avg"], optimizer.state[w1]["step"]]
+    assert all(torch.equal(a, b) for a, b in zip(snapshot, now, strict=True))
+
+
+def test_frozen_experts_are_neither_updated_nor_given_a_gradient(device):
+    w1, w2 = _weights(torch.float32, device)
+    w1.requires_grad_(False)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    before = w1.detach().clone()
+    _backward(0, w1, w2, torch.float32, device)
+    assert torch.equal(w1, before) and w1.grad is None
+    assert float(optimizer.state[w1]["step"]) == 0
+    assert float(optimizer.state[w2]["step"]) == 1 and w2.grad is None
+
+
+def test_stale_saved_weights_fail_loudly_after_the_update(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)  # noqa: F841
+    other = (w1 * w1).sum()  # saves w1
+    _backward(0, w1, w2, torch.float32, device)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        other.backward()
+
+
+def test_two_live_graphs_over_the_same_experts_raise(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    x, index, weights, grad_out = _batch(0, torch.float32, device)
+    before = w1.detach().clone()
+    out = sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
+    out = out + sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
+    with pytest.raises(RuntimeError, match="other live autograd graph"):
+        out.backward(grad_out)
+    assert torch.equal(w1.detach(), before)
+    del out
+    # Once those graphs are gone, one forward and one backward work again.
+    _backward(0, w1, w2, torch.float32, device)
+    assert float(optimizer.state[w1]["step"]) == 1
+
+
+def test_discarded_graph_does_not_trip_the_guard(device):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    x, index, weights, _ = _batch(0, torch.float32, device)
+    sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")  # graph dropped at once
+    _backward(0, w1, w2, torch.float32, device)
+    assert float(optimizer.state[w1]["step"]) == 1
+
+
+def test_non_reentrant_checkpointing_updates_once_with_the_same_bits(device):
+    results = []
+    for use_checkpoint in (False, True):
+        w1, w2 = _weights(torch.float32, device)
+        optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+        for step in range(2):
+            x, index, weights, grad_out = _batch(step, torch.float32, device)
+
+            def layer(x, w1=w1, w2=w2, index=index, weights=weights):
+                return sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
+
+            x.requires_grad_()
+            out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+            out.backward(grad_out)
+            optimizer.step()
+        assert float(optimizer.state[w1]["step"]) == 2
+        results.append((w1.detach().clone(), w2.detach().clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_torch_backend_updates_in_backward_with_torchs_adamw(device):
+    # backend="torch": the gradient of the whole batched tensor is applied through torch's AdamW as soon
+    # as it is accumulated, then released (the paper's method).
+    experts = sonar_kernels.SonarExperts(E, H, I, backend="torch")
+    twin = sonar_kernels.SonarExperts(E, H, I, backend="torch")
+    twin.load_state_dict(experts.state_dict())
+    optimizer = sonar_kernels.ExpertAdamW(experts.parameters(), **HYPER)
+    reference_optimizer = torch.optim.AdamW(twin.parameters(), foreach=False, **HYPER)
+    for step in range(2):
+        x, index, weights, grad_out = _batch(step, torch.float32, "cpu")
+        experts(x, index, weights).backward(grad_out)
+        assert experts.gate_up_proj.grad is None and experts.down_proj.grad is None
+        optimizer.step()
+        twin(x, index, weights).backward(grad_out)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for a, b in zip(experts.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_fp32_weights_under_bf16_autocast(device):
+    results = {}
+    for fused in (True, False):
+        w1, w2 = _weights(torch.float32, device)
+        optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, fused_epilogue=fused)
+        x, index, weights, grad_out = _batch(0, torch.float32, device)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            out = sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
+        assert out.dtype == torch.bfloat16
+        out.backward(grad_out.bfloat16())
+        assert w1.dtype == torch.float32 and w1.grad is None
+        assert optimizer.state[w1]["exp_avg"].dtype == torch.float32
+        results[fused] = (w1.detach().clone(), w2.detach().clone())
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
+    # Against the plain gradient of the same bf16 compute (fp32 weights) fed to torch.optim.AdamW.
+    w1, w2 = _weights(torch.float32, device)
+    q = torch.nn.Parameter(w1.detach().clone())
+    reference_optimizer = torch.optim.AdamW([q], foreach=False, **HYPER)
+    x, index, weights, grad_out = _batch(0, torch.float32, device)
+    out = sonar_kernels.moe_mlp(x.bfloat16(), index, weights, q, w2.detach(), backend="triton")
+    out.backward(grad_out.bfloat16())
+    reference_optimizer.step()
+    assert rel_err(results[True][0], q) <= 1e-6
+
+
+BAD_OPTIONS = [
+    pytest.param({"lr": -1.0}, ValueError, "lr", id="lr"),
+    pytest.param({"betas": (0.9, 1.0)}, ValueError, "betas", id="beta2"),
+    pytest.param({"betas": (0.9,)}, ValueError, "betas", id="betas-shape"),
+    pytest.param({"eps": -1e-8}, ValueError, "eps", id="eps"),
+    pytest.param({"weight_decay": -0.1}, ValueError, "weight_decay", id="weight_decay"),
+    pytest.param({"moments_dtype": torch.float64}, TypeError, "moments_dtype", id="moments_dtype"),
+    pytest.param({"grad_dtype": torch.int32}, TypeError, "grad_dtype", id="grad_dtype"),
+]
+
+
+@pytest.mark.parametrize(("options", "error", "words"), BAD_OPTIONS)
+def test_bad_options_are_refused(options, error, words):
+    with pytest.raises(error, match=words):
+        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 4, 4))], **options)
+
+
+def test_bad_tensors_are_refused():
+    with pytest.raises(TypeError, match="float32, bfloat16 or float16"):
+        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 4, 4, dtype=torch.float64))])
+    with pytest.raises(ValueError, match="dense"):
+        sonar_kernels.ExpertAdamW([torch.zeros(2, 4, 8)[..., ::2]])
+    p = torch.nn.Parameter(torch.zeros(2, 4, 4))
+    first = sonar_kernels.ExpertAdamW([p])  # noqa: F841
+    with pytest.raises(ValueError, match="another ExpertAdamW"):
+        sonar_kernels.ExpertAdamW([p])
+
+
+def test_mismatched_moments_are_refused_before_any_kernel(device):
+    x, index, weights, w1, w2 = Case(20, 32, 16, 4, 2).make(torch.float32, device=device)
+    w1.requires_grad_()
+    out, hpre, meta = ops.moe_mlp_fwd(x, index, weights, w1, w2, "silu")
+    update = ops.AdamWUpdate(
+        exp_avg=torch.zeros_like(w1), exp_avg_sq=torch.zeros(4, 16, 32, device=device),
+        step=torch.zeros((), device=device), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        grad_dtype=torch.float32,
+    )  # fmt: skip
+    before = w1.detach().clone()
+    with pytest.raises(ValueError, match="exp_avg_sq of gate_up_proj"):
+        ops.moe_mlp_bwd(
+            torch.ones_like(out), x, weights, w1, w2, hpre, meta, "silu", (True, True, True, True),
+            gate_up_proj_update=update,
+        )  # fmt: skip
+    assert torch.equal(w1.detach(), before) and float(update.step) == 0
+
+
+def test_tolerance_table_is_the_one_for_bf16():
+    assert TOLERANCE[torch.bfloat16] == 4 * 2.0**-8
