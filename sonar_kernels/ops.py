@@ -24,8 +24,8 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     FWD_GEMM_CONFIG,
     TILE_M,
     _expert_mlp_combine_kernel,
-    _expert_mlp_grouped_mm_kernel,
     _expert_mlp_fwd_up_kernel,
+    _expert_mlp_grouped_mm_kernel,
 )
 from sonar_kernels.kernels.routing import _routing_metadata_kernel
 from sonar_kernels.reference import ACTIVATIONS, RoutingMetadata
@@ -523,7 +523,9 @@ def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
     return grad_x
 
 
-def _wgrad(p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret):
+def _wgrad(
+    p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret
+):
     """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
     ``update`` was applied (fused in the epilogue, or the split path)."""
     E = weight.shape[0]

@@ -90,7 +90,9 @@ def test_three_steps_match_torch_adamw_fed_the_split_path_gradient(dtype, device
         assert w1.grad is None and w2.grad is None
         optimizer.step()
         optimizer.zero_grad()
-        for p, g, (p_old, m_old), (p_ref, m_ref, v_ref) in zip((w1, w2), grads, before, expected, strict=True):
+        for p, g, (p_old, m_old), (p_ref, m_ref, v_ref) in zip(
+            (w1, w2), grads, before, expected, strict=True
+        ):
             state = optimizer.state[p]
             assert float(state["step"]) == step + 1
             got = (p.detach(), state["exp_avg"], state["exp_avg_sq"])
@@ -98,16 +100,28 @@ def test_three_steps_match_torch_adamw_fed_the_split_path_gradient(dtype, device
                 # ulps at the magnitude of the operands: a result that cancels to ~0 keeps their ulp.
                 # The update of W scales with exp_avg's operands, which cancel too.
                 beta1, beta2 = HYPER["betas"]
-                scale_m = torch.maximum(torch.maximum(m_old.abs() * beta1, g.abs() * (1 - beta1)), m_ref.abs())
+                scale_m = torch.maximum(
+                    torch.maximum(m_old.abs() * beta1, g.abs() * (1 - beta1)), m_ref.abs()
+                )
                 count = step + 1
                 denom = v_ref.sqrt() / math.sqrt(1 - beta2**count) + HYPER["eps"]
                 scale_update = HYPER["lr"] / (1 - beta1**count) * scale_m / denom
-                scales = (torch.maximum(torch.maximum(p_old.abs(), p_ref.abs()), scale_update), scale_m, v_ref)
-                for name, a, b, scale in zip(("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), scales, strict=True):
+                scales = (
+                    torch.maximum(torch.maximum(p_old.abs(), p_ref.abs()), scale_update),
+                    scale_m,
+                    v_ref,
+                )
+                for name, a, b, scale in zip(
+                    ("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), scales, strict=True
+                ):
                     worst = float(_ulps(a, b, scale).max())
-                    assert worst <= ULP_BOUND[name], f"step {step}: {name} differs from torch.optim.AdamW by {worst:.2f} ulp"
+                    assert worst <= ULP_BOUND[name], (
+                        f"step {step}: {name} differs from torch.optim.AdamW by {worst:.2f} ulp"
+                    )
             else:
-                for name, a, b in zip(("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), strict=True):
+                for name, a, b in zip(
+                    ("W", "exp_avg", "exp_avg_sq"), got, (p_ref, m_ref, v_ref), strict=True
+                ):
                     assert_close(a, b, dtype, what=f"step {step}: {name}")
     # Expert E - 1 got no token in the last step: still decayed and moved by its moments.
     assert optimizer.state[w1]["exp_avg"][E - 1].abs().sum() > 0
@@ -147,7 +161,11 @@ def _run(dtype, device, steps=3, **options):
     for step in range(steps):
         _backward(step, w1, w2, dtype, device)
         optimizer.step()
-    return [t.clone() for p in (w1, w2) for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])]
+    return [
+        t.clone()
+        for p in (w1, w2)
+        for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
+    ]
 
 
 def _bits(t):
@@ -204,7 +222,12 @@ def test_state_layout_is_torch_adamws(device):
     fp32 = sonar_kernels.ExpertAdamW([torch.nn.Parameter(w1.detach().clone())], moments_dtype=torch.float32)
     assert next(iter(fp32.state.values()))["exp_avg"].dtype == torch.float32
     # torch.optim.AdamW's state_dict loads, and the moments keep their dtype.
-    assert set(torch.optim.AdamW([w1]).state_dict()["param_groups"][0]) >= {"lr", "betas", "eps", "weight_decay"}
+    assert set(torch.optim.AdamW([w1]).state_dict()["param_groups"][0]) >= {
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+    }
 
 
 def test_step_and_zero_grad_never_update_twice(device):
@@ -223,7 +246,11 @@ def test_second_backward_before_step_raises_and_writes_nothing(device):
     w1, w2 = _weights(torch.float32, device)
     optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
     _backward(0, w1, w2, torch.float32, device)
-    snapshot = [w1.detach().clone(), optimizer.state[w1]["exp_avg"].clone(), optimizer.state[w1]["step"].clone()]
+    snapshot = [
+        w1.detach().clone(),
+        optimizer.state[w1]["exp_avg"].clone(),
+        optimizer.state[w1]["step"].clone(),
+    ]
     with pytest.raises(RuntimeError, match="already updated"):
         _backward(1, w1, w2, torch.float32, device)
     now = [w1.detach(), optimizer.state[w1]["exp_avg"], optimizer.state[w1]["step"]]

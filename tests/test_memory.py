@@ -66,4 +66,3 @@ def test_the_split_path_shows_up_as_a_temporary_gradient(device):
     peak = _peak(lambda: split(x, index, weights).sum().backward(), split, optimizer)
     assert peak[_MemRefType.GRAD] == 0
     assert peak[_MemRefType.TEMP] >= min(p.numel() * p.element_size() for p in split.parameters())
-    assert standard_peak["Total"] - sonar_peak["Total"] >= sum(weight_bytes)

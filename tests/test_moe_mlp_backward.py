@@ -3,7 +3,7 @@
 import pytest
 import torch
 from cases import CASES, Case
-from numerics import assert_close, to_double
+from numerics import assert_close
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonar_kernels
@@ -81,7 +81,9 @@ def test_same_bits_twice(device):
 
 def test_fp32_master_weights_under_bf16_compute(device):
     # bf16 activations with fp32 weights: the weight gradients are fp32 (the parameter's dtype).
-    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3).make(torch.bfloat16, weight_dtype=torch.float32, device=device)
+    x, index, w, w1, w2 = Case(37, 33, 17, 7, 3).make(
+        torch.bfloat16, weight_dtype=torch.float32, device=device
+    )
     grad_out = torch.randn(37, 33).bfloat16().to(device)
     _, grads = _grads((x, index, w, w1, w2), grad_out, "silu", "triton")
     _, expected = _grads((x, index, w, w1.bfloat16(), w2.bfloat16()), grad_out, "silu", "reference64")

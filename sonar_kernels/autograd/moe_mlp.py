@@ -12,7 +12,6 @@ from sonar_kernels import ops, reference
 from sonar_kernels.optim.expert_adamw import expert_optimizer
 from sonar_kernels.reference import RoutingMetadata
 
-
 # Expert tensor with an in-backward optimizer -> the contexts of the live graphs that will update it.
 _LIVE_CONTEXTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 

@@ -24,7 +24,14 @@ DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "nu
 # The AdamW epilogue updates the accumulator EPILOGUE_SPLIT column slices at a time, so W, exp_avg and
 # exp_avg_sq tiles of only BLOCK_N / EPILOGUE_SPLIT columns are live beside it. Chosen by
 # `make kernel-report`: no register spills on sm_90a and sm_80 at aligned shapes.
-WGRAD_CONFIG = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 32, "EPILOGUE_SPLIT": 4, "num_warps": 8, "num_stages": 3}
+WGRAD_CONFIG = {
+    "BLOCK_M": 128,
+    "BLOCK_N": 128,
+    "BLOCK_K": 32,
+    "EPILOGUE_SPLIT": 4,
+    "num_warps": 8,
+    "num_stages": 3,
+}
 DWEIGHTS_CONFIG = {"BLOCK": 256, "num_warps": 4}
 
 

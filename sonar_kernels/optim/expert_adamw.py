@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 from torch.utils.weak import WeakIdKeyDictionary
@@ -107,7 +108,9 @@ class ExpertAdamW(torch.optim.Optimizer):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
-                raise TypeError(f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype}")
+                raise TypeError(
+                    f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+                )
         self.moments_dtype = moments_dtype
         self.grad_dtype = grad_dtype
         self.fused_epilogue = bool(fused_epilogue)
@@ -262,4 +265,3 @@ def _apply_accumulated_grad(optimizer_ref):
             optimizer._apply_grad(p)
 
     return hook
-
