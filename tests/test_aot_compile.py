@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+FP64_HYPERPARAMETER_KERNELS = {"_expert_mlp_bwd_dw_kernel", "_adamw_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,19 @@ def test_every_kernel_and_configuration_builds_for_both_targets(report):
         "_expert_mlp_fwd_up_kernel",
         "_expert_mlp_grouped_mm_kernel",
         "_expert_mlp_combine_kernel",
+        "_expert_mlp_bwd_dhpre_kernel",
+        "_expert_mlp_bwd_dw_kernel",
+        "_expert_mlp_bwd_dweights_kernel",
+        "_adamw_kernel",
     }
     assert len(report) == 2 * 2 * len(kernel_report.specs())  # x {aligned, unaligned} x {sm_90a, sm_80}
+    assert [(r["kernel"], r["variant"]) for r in report[::4]] == [
+        (s.kernel.fn.__name__, s.variant) for s in kernel_report.specs()
+    ]
     assert all(row["cubin_bytes"] > 0 for row in report)
+    # The AdamW hyperparameters (lr, beta1, beta2, eps, weight_decay) reach the GPU as doubles.
+    for row in report:
+        assert row["f64_params"] == (5 if row["kernel"] in FP64_HYPERPARAMETER_KERNELS else 0), row
     # Each BLOCK_E the routing launcher can pick (E = 1 .. 1024) was built.
     block_e = {row["config"]["BLOCK_E"] for row in report if row["kernel"] == "_routing_metadata_kernel"}
     assert block_e == {16, 32, 64, 128, 256, 512, 1024}
@@ -55,9 +66,19 @@ def test_no_register_spills_at_real_model_shapes(report):
 
 
 def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
-    for row in (r for r in report if r["is_gemm"]):
-        if row["variant"].startswith("x=fp32"):
-            # input_precision="ieee": FMA, never a silent tf32 mma.
+    gemms = [r for r in report if r["is_gemm"]]
+    # The grouped GEMMs (forward, dHpre, dX) and the wgrad kernels, with or without the AdamW epilogue.
+    assert {r["kernel"] for r in gemms} == {
+        "_expert_mlp_fwd_up_kernel",
+        "_expert_mlp_grouped_mm_kernel",
+        "_expert_mlp_bwd_dhpre_kernel",
+        "_expert_mlp_bwd_dw_kernel",
+    }
+    for row in gemms:
+        # Variants name the activation dtype first: fp32 activations are the ieee GEMMs.
+        assert (row["input_precision"] == "ieee") == row["variant"].startswith("x=fp32"), row
+        if row["input_precision"] == "ieee":
+            # FMA, never a silent tf32 mma.
             assert not row["wgmma"] and not row["mma_sync"], row
         elif row["target"] == "sm_90a":
             assert row["wgmma"], row

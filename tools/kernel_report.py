@@ -207,13 +207,22 @@ def _backward_specs() -> list[Spec]:
     the pointer dtype only changes one load)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
-    flags = {"STORE_GRAD_HPRE": True, "STORE_A": True, "COMPUTE_DW": True}
+    # STORE_GRAD_HPRE (dX or dW1 needed), STORE_A (dW2), COMPUTE_DW (routing weights): all three for
+    # every dtype pair; for bf16 also without the routing-weight gradient and without dW2.
+    all_flags = {"STORE_GRAD_HPRE": True, "STORE_A": True, "COMPUTE_DW": True}
     for act_dtype, w_dtype in DTYPE_PAIRS:
-        for activation in ("silu", "gelu") if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
+        variants = [("silu", all_flags, "")]
+        if (act_dtype, w_dtype) == ("bf16", "bf16"):
+            variants += [
+                ("gelu", all_flags, ""),
+                ("silu", all_flags | {"COMPUTE_DW": False}, " no-dw"),
+                ("silu", all_flags | {"STORE_A": False}, " no-A"),
+            ]
+        for activation, flags, suffix in variants:
             out.append(
                 Spec(
                     expert_mlp_bwd._expert_mlp_bwd_dhpre_kernel,
-                    f"x={act_dtype} w={w_dtype} {activation}",
+                    f"x={act_dtype} w={w_dtype} {activation}{suffix}",
                     {"grad_out_ptr": act_dtype, "w2_ptr": w_dtype, "hpre_ptr": act_dtype, "weights_ptr": act_dtype,
                      "token_of_row_ptr": "i32", "slot_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
                      "tile_offsets_ptr": "i32", "grad_hpre_ptr": act_dtype, "a_ptr": act_dtype,
@@ -328,6 +337,8 @@ def _build(task: tuple[int, bool, str]) -> dict:
         "input_precision": spec.constexprs.get("INPUT_PRECISION"),
         "wgmma": "wgmma.mma_async" in ptx,
         "mma_sync": "mma.sync" in ptx,
+        # Kernel parameters passed as doubles (the fp64 AdamW hyperparameters).
+        "f64_params": len(re.findall(r"\.param \.f64\b", ptx)),
         **_ptxas_stats(ptx, arch),
     }
 

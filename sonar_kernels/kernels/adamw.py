@@ -29,7 +29,7 @@ from triton.language.extra import libdevice
 
 from sonar_kernels.kernels.common import _round_to
 
-ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 4}
+ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 8}
 
 
 @triton.jit
