@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -290,6 +291,8 @@ class AdamWUpdate(NamedTuple):
         grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
         fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
             wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
+        on_done: called right after this weight's update is launched, before any later launch of the
+            backward (so a failure further on cannot leave an applied update unrecorded).
     """
 
     exp_avg: torch.Tensor
@@ -302,6 +305,7 @@ class AdamWUpdate(NamedTuple):
     weight_decay: float
     grad_dtype: torch.dtype
     fused: bool = True
+    on_done: Callable[[], None] | None = None
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -527,7 +531,7 @@ def _wgrad(
     p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret
 ):
     """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
-    ``update`` was applied (fused in the epilogue, or the split path)."""
+    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done."""
     E = weight.shape[0]
     cfg = WGRAD_CONFIG
     grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
@@ -543,27 +547,35 @@ def _wgrad(
         grad_dtype, fused = update.grad_dtype, update.fused
         # torch's AdamW increments the step before it computes the bias corrections.
         step.add_(1)
-    _expert_mlp_bwd_dw_kernel[grid](
-        p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
-        grad, target, exp_avg, exp_avg_sq, step,
-        E, M, N, top_k,
-        p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-        top_k_weights.stride(0), top_k_weights.stride(1),
-        grad.stride(0), grad.stride(1), grad.stride(2),
-        *hyper,
-        P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, GRAD_DTYPE=TL_DTYPES[grad_dtype],
-        DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+    try:
+        _expert_mlp_bwd_dw_kernel[grid](
+            p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
+            grad, target, exp_avg, exp_avg_sq, step,
+            E, M, N, top_k,
+            p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+            top_k_weights.stride(0), top_k_weights.stride(1),
+            grad.stride(0), grad.stride(1), grad.stride(2),
+            *hyper,
+            P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, GRAD_DTYPE=TL_DTYPES[grad_dtype],
+            DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+        if update is not None and not update.fused:
+            ac = ADAMW_CONFIG
+            _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
+                weight, grad, exp_avg, exp_avg_sq, step,
+                weight.numel(), *hyper,
+                BLOCK=ac["BLOCK"], INTERPRET=interpret, num_warps=ac["num_warps"],
+            )  # fmt: skip
+    except BaseException:
+        # A launch that was refused (compile error, bad argument) wrote nothing: take the step back.
+        if update is not None:
+            step.sub_(1)
+        raise
     if update is None:
         return grad
-    if not update.fused:
-        ac = ADAMW_CONFIG
-        _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
-            weight, grad, update.exp_avg, update.exp_avg_sq, update.step,
-            weight.numel(), *hyper,
-            BLOCK=ac["BLOCK"], INTERPRET=interpret, num_warps=ac["num_warps"],
-        )  # fmt: skip
+    if update.on_done is not None:
+        update.on_done()
     return None

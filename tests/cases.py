@@ -60,4 +60,6 @@ CASES = [
     pytest.param(Case(30, 32, 16, 5, 3, "sentinels"), id="T30-H32-I16-E5-k3-sentinels"),
     # H and I wider than one column tile (64), K loop over several blocks.
     pytest.param(Case(20, 96, 80, 3, 2), id="T20-H96-I80-E3-k2"),
+    # Several wgrad tiles per expert (dW1 is [140, 136], dW2 [136, 70]; tiles of 128 x 64).
+    pytest.param(Case(12, 136, 70, 3, 2), id="T12-H136-I70-E3-k2"),
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -70,16 +71,15 @@ class MoEMLPFunction(torch.autograd.Function):
         for index, weight in ctx.managed.items():
             optimizer = expert_optimizer(weight)
             if optimizer is not None:
-                updates[index] = (optimizer, weight, optimizer._update_for(weight))
+                # Recorded (and version counters bumped) as soon as that weight's launch is done.
+                update = optimizer._update_for(weight)
+                updates[index] = update._replace(on_done=functools.partial(optimizer._finish_update, weight))
         needs = ctx.needs_input_grad
         grad_x, grad_w, grad_w1, grad_w2 = ops.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre,
             RoutingMetadata(*meta), ctx.activation, (needs[0], needs[2], needs[3], needs[4]),
-            gate_up_proj_update=updates[3][2] if 3 in updates else None,
-            down_proj_update=updates[4][2] if 4 in updates else None,
+            gate_up_proj_update=updates.get(3), down_proj_update=updates.get(4),
         )  # fmt: skip
-        for optimizer, weight, _ in updates.values():
-            optimizer._finish_update(weight)
         return grad_x, None, grad_w, grad_w1, grad_w2, None
 
 

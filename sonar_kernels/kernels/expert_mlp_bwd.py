@@ -134,7 +134,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     if COMPUTE_DW:
         # <dO[t], Y[r]> = <G[r], A[r]>: the routing-weight gradient without the expert outputs Y.
         partial = tl.sum(tl.where(mask, grad_proj * a.to(tl.float32), 0.0), axis=1)  # [BLOCK_M]
-        tl.store(dw_partial_ptr + pid_n * stride_dwp + rows, partial, mask=mask_m)
+        tl.store(dw_partial_ptr + pid_n.to(tl.int64) * stride_dwp + rows, partial, mask=mask_m)
 
     if STORE_GRAD_HPRE:
         slots = tl.load(slot_of_row_ptr + rows, mask=mask_m, other=0)
@@ -375,8 +375,10 @@ def _expert_mlp_bwd_dweights_kernel(
     rows = tl.load(row_of_slot_ptr + offs_s, mask=mask_s, other=-1)
     kept = rows >= 0
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for p in range(0, num_partials):
-        acc += tl.load(dw_partial_ptr + p * stride_dwp + rows, mask=kept, other=0.0)
+    partial_ptrs = dw_partial_ptr + rows  # advanced by pointer increments: no int32 product
+    for _ in range(0, num_partials):
+        acc += tl.load(partial_ptrs, mask=kept, other=0.0)
+        partial_ptrs += stride_dwp
     tl.store(
         grad_weights_ptr + offs_s, _round_to(acc, grad_weights_ptr.dtype.element_ty, INTERPRET), mask=mask_s
     )

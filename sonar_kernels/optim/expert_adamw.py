@@ -74,6 +74,10 @@ class ExpertAdamW(torch.optim.Optimizer):
     raises before anything is written (accumulate gradients over micro-batches another way). Tensors
     with ``requires_grad=False`` are neither updated nor given a gradient.
 
+    Loss scaling (``torch.amp.GradScaler``) cannot be combined with it: the update happens inside the
+    backward, before a scaler could unscale the gradient or skip the step, so a scaled loss gives a
+    scaled update. Train in bf16 (or fp32), which needs no loss scaling.
+
     Args:
         params: tensors or parameter groups, as for torch.optim.AdamW; float32/bfloat16/float16, dense.
         lr: learning rate, >= 0.
@@ -116,7 +120,8 @@ class ExpertAdamW(torch.optim.Optimizer):
         self.fused_epilogue = bool(fused_epilogue)
         # Managed tensors updated since the last step().
         self._updated = WeakIdKeyDictionary()
-        self._hook_handles = []
+        # Managed tensor -> handle of its post-accumulate-grad hook.
+        self._hooked = WeakIdKeyDictionary()
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 
@@ -125,6 +130,7 @@ class ExpertAdamW(torch.optim.Optimizer):
         registers them for the in-backward update."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = {**param_group, "params": params}  # a generator is consumed once, here
         for p in params:
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"ExpertAdamW params must be tensors, got {type(p).__name__}")
@@ -157,9 +163,16 @@ class ExpertAdamW(torch.optim.Optimizer):
                 "exp_avg_sq": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
             }
             _MANAGER[p] = this
-            if p.requires_grad:
-                # A hook needs requires_grad; a tensor frozen now is never updated by the torch path.
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this)))
+        self._register_hooks()
+
+    def _register_hooks(self) -> None:
+        """The in-backward update of gradients accumulated into managed tensors (the torch backend). A
+        hook needs requires_grad: tensors frozen now get theirs at the next step()."""
+        this = weakref.ref(self)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad and p not in self._hooked:
+                    self._hooked[p] = p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this))
 
     def _group_of(self, p: torch.Tensor) -> dict:
         for group in self.param_groups:
@@ -217,7 +230,11 @@ class ExpertAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """Ends the optimizer step: the expert tensors were updated in the backward, nothing is applied.
+        """Ends the optimizer step: the expert tensors were updated in the backward.
+
+        A gradient found on a managed tensor (one that had requires_grad=False when it was given to the
+        optimizer, so its in-backward hook came later) is applied here, once, through torch's AdamW and
+        released.
 
         Args:
             closure: optional, re-evaluates the model and returns the loss (its backward applies the
@@ -225,37 +242,70 @@ class ExpertAdamW(torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        self._updated = WeakIdKeyDictionary()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    self._apply_grad(p)
+        self._updated = WeakIdKeyDictionary()
+        self._register_hooks()
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """As torch.optim.Optimizer.load_state_dict, except that exp_avg and exp_avg_sq keep the dtype they
-        were saved with (torch casts them to the parameter's dtype) and ``step`` becomes a float32 tensor on
-        the parameter's device."""
+        """As torch.optim.Optimizer.load_state_dict (a torch.optim.AdamW state_dict loads too), except:
+        exp_avg and exp_avg_sq keep the dtype they were saved with (torch casts them to the parameter's
+        dtype), or become ``moments_dtype`` when it was given; ``step`` becomes a float32 tensor on the
+        parameter's device.
+
+        Raises:
+            ValueError: a group with amsgrad, maximize, or non-decoupled weight decay (Adam), which
+                ExpertAdamW does not implement; moments whose shape is not the parameter's.
+        """
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        super().load_state_dict(state_dict)
+        for group in saved_groups:
+            for key, unsupported in (
+                ("amsgrad", True),
+                ("maximize", True),
+                ("decoupled_weight_decay", False),
+            ):
+                if key in group and bool(group[key]) == unsupported:
+                    raise ValueError(
+                        f"cannot load a state_dict with {key}={group[key]}: ExpertAdamW implements AdamW "
+                        "without amsgrad and maximize"
+                    )
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
+        if len(ids) != len(params):
+            raise ValueError(f"the state_dict holds {len(ids)} parameters, this optimizer {len(params)}")
         for param_id, p in zip(ids, params, strict=True):
-            saved = saved_state.get(param_id)
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = saved_state.get(param_id, {}).get(key)
+                if isinstance(value, torch.Tensor) and value.shape != p.shape:
+                    raise ValueError(
+                        f"{key} of parameter {param_id} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
+                    )
+        super().load_state_dict(state_dict)
+        for param_id, p in zip(ids, params, strict=True):
+            saved = saved_state.get(param_id, {})
             state = self.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
-                value = saved[key] if saved is not None else None
+                value = saved.get(key)
                 if isinstance(value, torch.Tensor) and value.dtype in ops.SUPPORTED_DTYPES:
-                    state[key] = torch.empty_like(p, dtype=value.dtype).copy_(value)
-                elif key not in state:
+                    dtype = self.moments_dtype or value.dtype
+                    state[key] = torch.empty_like(p, dtype=dtype).copy_(value)
+                else:
                     state[key] = torch.zeros_like(p, dtype=self.moments_dtype or p.dtype)
-            step = state.get("step")
+            step = saved.get("step")
             state["step"] = (
-                torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(())
-                if step is not None
-                else torch.zeros((), dtype=torch.float32, device=p.device)
+                torch.as_tensor(0.0 if step is None else step, dtype=torch.float32).to(p.device).reshape(())
             )
+            for key in list(state):
+                if key not in ("step", "exp_avg", "exp_avg_sq"):
+                    del state[key]
 
 
 def _apply_accumulated_grad(optimizer_ref):
