@@ -117,7 +117,10 @@ def moe_mlp(
 
     Returns:
         [T, H], dtype of hidden_states (the autocast dtype under autocast). Differentiable (once) in
-        hidden_states, top_k_weights and both weights.
+        hidden_states, top_k_weights and both weights; on the triton backend the backward runs Triton
+        kernels only. A weight managed by :class:`sonar_kernels.ExpertAdamW` is updated inside that
+        backward and gets no gradient (see ExpertAdamW for the rules: one backward per step, one live
+        graph over the weights when it runs).
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index).
         ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on
