@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
@@ -308,6 +310,29 @@ class AdamWUpdate(NamedTuple):
     on_done: Callable[[], None] | None = None
 
 
+@functools.cache
+def torch_fused_adamw_arithmetic() -> str:
+    """How the installed torch's fused CUDA AdamW computes, read from the ATen header its wheel ships.
+
+    Returns:
+        "fp32" when its same-dtype kernel rounds the hyperparameters to fp32 and uses fma (torch 2.13),
+        "fp64" when it keeps them as C++ doubles (DESIGN.md's account) or the header is not there.
+    """
+    header = Path(torch.__file__).parent / "include" / "ATen" / "native" / "cuda" / "fused_adam_utils.cuh"
+    try:
+        source = "".join(header.read_text().split())
+    except OSError:
+        return "fp64"
+    return "fp32" if "std::fma(-beta1,grad,grad)" in source else "fp64"
+
+
+def adamw_arithmetic(device: torch.device) -> str:
+    """The arithmetic of the in-backward AdamW on ``device`` (see sonar_kernels/kernels/adamw.py): on
+    CUDA that of torch's fused AdamW there (the bit-exact target); elsewhere "fp64", within a few ulps
+    of torch's CPU AdamW."""
+    return torch_fused_adamw_arithmetic() if device.type == "cuda" else "fp64"
+
+
 def is_dense(t: torch.Tensor) -> bool:
     """True when ``t`` covers exactly ``numel`` storage elements from its first (no gaps, no overlap)."""
     dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
@@ -539,12 +564,13 @@ def _wgrad(
         grad = _like(weight, weight.dtype)
         target, exp_avg, exp_avg_sq, step = grad, grad, grad, meta.expert_offsets
         hyper = (0.0, 0.0, 0.0, 0.0, 0.0)
-        grad_dtype, fused = weight.dtype, False
+        grad_dtype, fused, arithmetic = weight.dtype, False, "fp64"
     else:
         grad = weight if update.fused else _like(weight, update.grad_dtype)
         target, exp_avg, exp_avg_sq, step = weight, update.exp_avg, update.exp_avg_sq, update.step
         hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
         grad_dtype, fused = update.grad_dtype, update.fused
+        arithmetic = adamw_arithmetic(weight.device)
         # torch's AdamW increments the step before it computes the bias corrections.
         step.add_(1)
     try:
@@ -558,7 +584,8 @@ def _wgrad(
             *hyper,
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, GRAD_DTYPE=TL_DTYPES[grad_dtype],
+            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, ARITHMETIC=arithmetic,
+            GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
@@ -567,7 +594,7 @@ def _wgrad(
             _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
                 weight, grad, exp_avg, exp_avg_sq, step,
                 weight.numel(), *hyper,
-                BLOCK=ac["BLOCK"], INTERPRET=interpret, num_warps=ac["num_warps"],
+                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
             )  # fmt: skip
     except BaseException:
         # A launch that was refused (compile error, bad argument) wrote nothing: take the step back.

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from cases import Case
@@ -526,3 +527,61 @@ def test_unsupported_adamw_options_in_a_loaded_state_are_refused(key, value):
     optimizer = sonar_kernels.ExpertAdamW([torch.nn.Parameter(p.detach().clone())])
     with pytest.raises(ValueError, match=key):
         optimizer.load_state_dict(state)
+
+
+def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
+    """torch 2.13's fused CUDA AdamW (fused_adam_utils.cuh, same-dtype kernel), evaluated with numpy
+    (IEEE fp32 operations; torch's CPU kernels turn a division by a scalar into a multiplication):
+    fp32 hyperparameters, fp32 powf, fma (evaluated exactly in fp64, rounded once), IEEE division and
+    square root. Returns fp32 tensors."""
+    f32, f64 = np.float32, np.float64
+
+    def fma(a, b, c):
+        return (f64(a) * b.astype(f64) + c.astype(f64)).astype(f32)
+
+    lr, eps, wd = f32(hyper["lr"]), f32(hyper["eps"]), f32(hyper["weight_decay"])
+    beta1, beta2 = (f32(b) for b in hyper["betas"])
+    bias_correction1 = f32(1) - f32(f64(beta1) ** step)
+    bias_correction2_sqrt = np.sqrt(f32(1) - f32(f64(beta2) ** step))
+    step_size = lr / bias_correction1
+    p, g, m, v = (t.detach().float().cpu().numpy() for t in (p, g, m, v))
+    if hyper["weight_decay"] != 0:
+        p = fma(-(lr * wd), p, p)
+    m = fma(beta1, m, fma(-beta1, g, g))
+    gg = g * g
+    v = fma(beta2, v, fma(-beta2, gg, gg))
+    p = p - (step_size * m) / (np.sqrt(v) / bias_correction2_sqrt + eps)
+    return tuple(torch.from_numpy(np.ascontiguousarray(t)) for t in (p, m, v))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
+    # On CUDA the update follows the arithmetic of the installed torch's fused AdamW; check the "fp32"
+    # variant (torch 2.13's) here against an independent evaluation of its formula, and fused == split.
+    monkeypatch.setattr(ops, "adamw_arithmetic", lambda device: "fp32")
+    results = {}
+    for fused in (True, False):
+        w1, w2 = _weights(dtype, device)
+        optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, fused_epilogue=fused)
+        for step in range(2):
+            grads = _plain_grads(step, w1, w2, dtype, device)
+            expected = [
+                _torch_2_13_cuda_fused_adamw(
+                    p.detach(),
+                    g,
+                    optimizer.state[p]["exp_avg"],
+                    optimizer.state[p]["exp_avg_sq"],
+                    step + 1,
+                    HYPER,
+                )
+                for p, g in zip((w1, w2), grads, strict=True)
+            ]
+            _backward(step, w1, w2, dtype, device)
+            optimizer.step()
+            for p, (p_ref, m_ref, v_ref) in zip((w1, w2), expected, strict=True):
+                got = (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"])
+                for a, b in zip(got, (p_ref, m_ref, v_ref), strict=True):
+                    b = b.to(a.device, a.dtype)
+                    assert torch.equal(a, b), f"step {step}: {(a.float() - b.float()).abs().max():.3e}"
+        results[fused] = [t.clone() for p in (w1, w2) for t in (p.detach(), optimizer.state[p]["exp_avg"])]
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))

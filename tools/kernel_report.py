@@ -21,6 +21,7 @@ Must run without TRITON_INTERPRET (kernels decorated under the interpreter canno
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing
 import os
@@ -240,19 +241,23 @@ def _backward_specs() -> list[Spec]:
     wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
     # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
     roles = {"dW2": (True, False), "dW1": (False, True)}
+    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py); the plain gradient has none.
+    variants = [(True, "fp64"), (True, "fp32"), (False, "fp64")]
     for act_dtype, w_dtype, m_dtype in wgrad_dtypes:
         for role, (p_from_tokens, q_from_tokens) in roles.items():
-            for fuse in (True, False) if m_dtype == w_dtype else (True,):
+            for fuse, arithmetic in variants if m_dtype == w_dtype else variants[:2]:
                 moments = f" m={m_dtype}" if m_dtype != w_dtype else ""
+                kind = f"adamw-{arithmetic}" if fuse else "grad"
                 out.append(
                     Spec(
                         expert_mlp_bwd._expert_mlp_bwd_dw_kernel,
-                        f"x={act_dtype} w={w_dtype}{moments} {role} {'adamw' if fuse else 'grad'}",
+                        f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "w_ptr": w_dtype, "exp_avg_ptr": m_dtype,
                          "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
+                           "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         options,
                         unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
@@ -281,14 +286,15 @@ def _adamw_specs() -> list[Spec]:
     moments in the weight dtype or fp32."""
     ac = adamw.ADAMW_CONFIG
     out = []
-    for w_dtype, m_dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32")):
+    pairs = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"))
+    for (w_dtype, m_dtype), arithmetic in itertools.product(pairs, ("fp64", "fp32")):
         out.append(
             Spec(
                 adamw._adamw_kernel,
-                f"w={w_dtype} m={m_dtype}",
+                f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
                  "step_ptr": "fp32"},
-                {"BLOCK": ac["BLOCK"], "INTERPRET": False},
+                {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": ac["num_warps"]},
                 config={"BLOCK": ac["BLOCK"]},
             )

@@ -1,8 +1,10 @@
 """AdamW in registers: the arithmetic shared by the fused wgrad epilogue and the standalone AdamW kernel.
 
-The arithmetic is that of torch's fused CUDA AdamW as DESIGN.md spells it out (fused_adam_utils.cuh with
-the hyperparameters as C++ doubles): with p, g, m, v loaded as fp32 and lr, beta1, beta2, eps,
-weight_decay as fp64,
+Two arithmetics, chosen by the constexpr ``ARITHMETIC`` (``ops.adamw_arithmetic`` picks one per device).
+
+"fp64", torch's fused CUDA AdamW as DESIGN.md spells it out (fused_adam_utils.cuh with the
+hyperparameters as C++ doubles); within a few ulps of torch's CPU AdamW. With p, g, m, v loaded as fp32
+and lr, beta1, beta2, eps, weight_decay as fp64:
 
     bc1 = fp32(1 - pow(beta1, step));  bc2 = fp32(1 - pow(beta2, step));  bc2_sqrt = sqrtf(bc2)
     step_size = fp32(lr / bc1)
@@ -12,15 +14,23 @@ weight_decay as fp64,
     denom = fp32(fp32(sqrtf(v) / bc2_sqrt) + eps)       (the sum in fp64)
     p = p - (step_size * m) / denom                     (fp32, IEEE division)
 
-p, m and v are rounded to their own dtypes once, at the store. torch 2.13's fused CUDA kernel rounds the
-hyperparameters to fp32 and uses fma instead; torch's CPU AdamW evaluates in fp32 with fp64 scalars.
-Both kernels below call :func:`_adamw_math`, so the fused epilogue and the split path (wgrad written
-to memory, then :func:`_adamw_kernel`) give the same bits.
+"fp32", torch 2.13's fused CUDA AdamW (the same-dtype ``FusedAdamMathFunctor`` of the
+fused_adam_utils.cuh that torch 2.13 ships): the hyperparameters rounded to fp32 and, all in fp32,
+
+    bc1 = 1 - powf(beta1, step);  bc2_sqrt = sqrtf(1 - powf(beta2, step));  step_size = lr / bc1
+    p = fma(-(lr * weight_decay), p, p)                 (skipped when weight_decay == 0)
+    m = fma(beta1, m, fma(-beta1, g, g))
+    v = fma(beta2, v, fma(-beta2, g * g, g * g))
+    p = p - (step_size * m) / (sqrtf(v) / bc2_sqrt + eps)
+
+p, m and v are rounded to their own dtypes once, at the store. Both kernels below call
+:func:`_adamw_math`, so the fused epilogue and the split path (wgrad written to memory, then
+:func:`_adamw_kernel`) give the same bits.
 
 The hyperparameters must reach the kernels as fp64: kernel parameters annotated ``tl.float64`` (a plain
 float parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
 pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
-torch's bias corrections).
+torch's bias corrections), and an fp32 fma exactly in fp64 (the interpreter's own fma rounds twice).
 """
 
 import triton
@@ -55,24 +65,62 @@ def _pow64(base, exponent, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET: tl.constexpr):
+def _powf(base, exponent, INTERPRET: tl.constexpr):
+    """fp32 base ** exponent for 0 <= base < 1 (libdevice powf, the device powf torch's kernel calls)."""
+    if INTERPRET:
+        return tl.exp2(exponent.to(tl.float64) * tl.log2(base.to(tl.float64))).to(tl.float32)
+    else:
+        return libdevice.pow(base, exponent)
+
+
+@triton.jit
+def _fma(a, b, c, INTERPRET: tl.constexpr):
+    """fp32 a * b + c with one rounding."""
+    if INTERPRET:
+        return (a.to(tl.float64) * b.to(tl.float64) + c.to(tl.float64)).to(tl.float32)
+    else:
+        return tl.fma(a, b, c)
+
+
+@triton.jit
+def _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
     """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented)."""
     step = tl.load(step_ptr).to(tl.float32)
-    bias_correction1 = (1.0 - _pow64(beta1, step, INTERPRET)).to(tl.float32)
-    bias_correction2 = (1.0 - _pow64(beta2, step, INTERPRET)).to(tl.float32)
-    step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
+    if ARITHMETIC == "fp32":
+        lr = lr.to(tl.float32)
+        bias_correction1 = 1.0 - _powf(beta1.to(tl.float32), step, INTERPRET)
+        bias_correction2 = 1.0 - _powf(beta2.to(tl.float32), step, INTERPRET)
+        step_size = tl.div_rn(lr, bias_correction1)
+    else:
+        bias_correction1 = (1.0 - _pow64(beta1, step, INTERPRET)).to(tl.float32)
+        bias_correction2 = (1.0 - _pow64(beta2, step, INTERPRET)).to(tl.float32)
+        step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
     return step_size, tl.sqrt_rn(bias_correction2)
 
 
 @triton.jit
-def _adamw_math(p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay):
+def _adamw_math(
+    p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+    ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
     """One AdamW step on fp32 tiles (fp64 hyperparameters); returns the new (p, m, v) in fp32."""
-    if weight_decay != 0.0:
-        p = (p.to(tl.float64) - lr * weight_decay * p.to(tl.float64)).to(tl.float32)
-    g64 = g.to(tl.float64)
-    m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
-    v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
-    denom = (tl.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
+    if ARITHMETIC == "fp32":
+        beta1 = beta1.to(tl.float32)
+        beta2 = beta2.to(tl.float32)
+        if weight_decay != 0.0:
+            lr_wd = lr.to(tl.float32) * weight_decay.to(tl.float32)
+            p = _fma(-lr_wd, p, p, INTERPRET)
+        m = _fma(beta1, m, _fma(-beta1, g, g, INTERPRET), INTERPRET)
+        gg = g * g
+        v = _fma(beta2, v, _fma(-beta2, gg, gg, INTERPRET), INTERPRET)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
+    else:
+        if weight_decay != 0.0:
+            p = (p.to(tl.float64) - lr * weight_decay * p.to(tl.float64)).to(tl.float32)
+        g64 = g.to(tl.float64)
+        m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
+        v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
+        denom = (tl.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
     p = p - tl.div_rn(step_size * m, denom)
     return p, m, v
 
@@ -92,13 +140,16 @@ def _adamw_tile(
     beta2,
     eps,
     weight_decay,
+    ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three."""
     p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay)
+    p, m, v = _adamw_math(
+        p, grad, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET
+    )
     tl.store(w_ptr + offs, _round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_ptr + offs, _round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, _round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -122,6 +173,7 @@ def _adamw_kernel(
     weight_decay: tl.float64,
     # meta-parameters
     BLOCK: tl.constexpr,
+    ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad.
@@ -134,9 +186,9 @@ def _adamw_kernel(
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
-    step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET)
+    step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-        step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, INTERPRET,
+        step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
     )  # fmt: skip

@@ -180,6 +180,7 @@ def _dw_epilogue_slice(
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
+    ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored."""
@@ -190,7 +191,7 @@ def _dw_epilogue_slice(
     if FUSE_ADAMW:
         _adamw_tile(
             grad.to(tl.float32), offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.store(dw_ptr + offs, grad, mask=mask)
@@ -238,6 +239,7 @@ def _expert_mlp_bwd_dw_kernel(
     BLOCK_K: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
+    ARITHMETIC: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -250,7 +252,8 @@ def _expert_mlp_bwd_dw_kernel(
     Each program owns one [BLOCK_M, BLOCK_N] tile of one expert and reduces over all of that expert's
     rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
     GRAD_DTYPE, it is either stored to dW or, with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
-    EPILOGUE_SPLIT column slices. An expert with no rows gets a zero gradient (still a full AdamW step).
+    EPILOGUE_SPLIT column slices, in the arithmetic ARITHMETIC names (see kernels/adamw.py). An expert
+    with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
     """
     pid = tl.program_id(0)
@@ -300,7 +303,7 @@ def _expert_mlp_bwd_dw_kernel(
     bc2_sqrt = 1.0
     if FUSE_ADAMW:
         lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
-        step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, INTERPRET)
+        step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     base = expert.to(tl.int64) * stride_e
     dw_ptr += base
     w_ptr += base
@@ -311,18 +314,18 @@ def _expert_mlp_bwd_dw_kernel(
     if EPILOGUE_SPLIT == 1:
         _dw_epilogue_slice(
             acc, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         _dw_epilogue_slice(
             left, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             right, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -332,22 +335,22 @@ def _expert_mlp_bwd_dw_kernel(
         q0, q1 = _split_columns(left, BLOCK_M, half)
         _dw_epilogue_slice(
             q0, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             q1, offs_m, col0 + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         _dw_epilogue_slice(
             q2, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
             stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            INTERPRET,
+            ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
             q3, offs_m, col0 + half + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
             stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            INTERPRET,
+            ARITHMETIC, INTERPRET,
         )  # fmt: skip
 
 

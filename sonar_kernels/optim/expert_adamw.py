@@ -59,8 +59,8 @@ class ExpertAdamW(torch.optim.Optimizer):
     optimizer-in-backward of the Sonar-MoE paper, one tensor's gradient alive at a time.
 
     The update is torch.optim.AdamW's (decoupled weight decay, bias correction, ``step`` incremented
-    first). The fused kernels use the arithmetic of torch's fused CUDA AdamW (see
-    ``sonar_kernels/kernels/adamw.py``); by default the fp32 wgrad is first rounded to the parameter's
+    first). The fused kernels use the arithmetic of torch's fused AdamW on the device (on CUDA, that of
+    the installed torch; see ``sonar_kernels/kernels/adamw.py``); by default the fp32 wgrad is first rounded to the parameter's
     dtype, so the update is the one standard training makes from a ``.grad`` of that dtype.
 
     lr, betas, eps and weight_decay are read from the parameter's group in ``param_groups`` when the
