@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -316,21 +317,30 @@ def torch_fused_adamw_arithmetic() -> str:
 
     Returns:
         "fp32" when its same-dtype kernel rounds the hyperparameters to fp32 and uses fma (torch 2.13),
-        "fp64" when it keeps them as C++ doubles (DESIGN.md's account) or the header is not there.
+        "fp64" otherwise (hyperparameters as C++ doubles, DESIGN.md's account; also when the header is
+        missing, with a warning).
     """
     header = Path(torch.__file__).parent / "include" / "ATen" / "native" / "cuda" / "fused_adam_utils.cuh"
     try:
         source = "".join(header.read_text().split())
     except OSError:
+        warnings.warn(
+            f"{header} not found: the in-backward AdamW uses the fp64 arithmetic, which may differ from "
+            "torch.optim.AdamW(fused=True) in the last bits",
+            stacklevel=2,
+        )
         return "fp64"
-    return "fp32" if "std::fma(-beta1,grad,grad)" in source else "fp64"
+    markers = ("std::fma(-beta1,grad,grad)", "beta1_opmath=static_cast<opmath_t>(beta1)")
+    return "fp32" if all(m in source for m in markers) else "fp64"
 
 
 def adamw_arithmetic(device: torch.device) -> str:
     """The arithmetic of the in-backward AdamW on ``device`` (see sonar_kernels/kernels/adamw.py): on
-    CUDA that of torch's fused AdamW there (the bit-exact target); elsewhere "fp64", within a few ulps
-    of torch's CPU AdamW."""
-    return torch_fused_adamw_arithmetic() if device.type == "cuda" else "fp64"
+    NVIDIA CUDA that of torch's fused AdamW there (the bit-exact target); elsewhere (CPU, ROCm) "fp64",
+    within a few ulps of torch's AdamW."""
+    if device.type == "cuda" and torch.version.hip is None:
+        return torch_fused_adamw_arithmetic()
+    return "fp64"
 
 
 def is_dense(t: torch.Tensor) -> bool:
@@ -573,6 +583,10 @@ def _wgrad(
         arithmetic = adamw_arithmetic(weight.device)
         # torch's AdamW increments the step before it computes the bias corrections.
         step.add_(1)
+    # AdamW options: the fused epilogue and the standalone kernel compile without automatic fma
+    # contraction, so the arithmetic is the one written in kernels/adamw.py (explicit fmas only).
+    no_fusion = {"enable_fp_fusion": False} if update is not None else {}
+    applied = False
     try:
         _expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
@@ -587,18 +601,21 @@ def _wgrad(
             EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **no_fusion,
         )  # fmt: skip
+        applied = fused
         if update is not None and not update.fused:
             ac = ADAMW_CONFIG
             _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
                 weight, grad, exp_avg, exp_avg_sq, step,
                 weight.numel(), *hyper,
                 BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
+                **no_fusion,
             )  # fmt: skip
+            applied = True
     except BaseException:
-        # A launch that was refused (compile error, bad argument) wrote nothing: take the step back.
-        if update is not None:
+        # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
+        if update is not None and not applied:
             step.sub_(1)
         raise
     if update is None:

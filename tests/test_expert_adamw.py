@@ -585,3 +585,44 @@ def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
                     assert torch.equal(a, b), f"step {step}: {(a.float() - b.float()).abs().max():.3e}"
         results[fused] = [t.clone() for p in (w1, w2) for t in (p.detach(), optimizer.state[p]["exp_avg"])]
     assert all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("start_step", [0, 9, 999, 99_999])
+def test_bitwise_equal_to_torch_fused_adamw_on_cuda(dtype, start_step):
+    # The goal on CUDA: the same bits as torch.optim.AdamW(fused=True) given the same rounded gradient.
+    w1, w2 = _weights(dtype, "cuda")
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    for p in (w1, w2):
+        optimizer.state[p]["step"].fill_(start_step)
+        optimizer.state[p]["exp_avg"].normal_(0, 1e-3)
+        optimizer.state[p]["exp_avg_sq"].uniform_(0, 1e-5)
+    grads = _plain_grads(0, w1, w2, dtype, "cuda")
+    expected = [_torch_adamw_step(p, optimizer.state[p], g) for p, g in zip((w1, w2), grads, strict=True)]
+    _backward(0, w1, w2, dtype, "cuda")
+    for p, (p_ref, m_ref, v_ref) in zip((w1, w2), expected, strict=True):
+        state = optimizer.state[p]
+        for a, b in ((p.detach(), p_ref), (state["exp_avg"], m_ref), (state["exp_avg_sq"], v_ref)):
+            assert torch.equal(a, b), f"{float((a != b).float().mean()):.2e} of the elements differ"
+
+
+def test_loaded_state_without_moments_or_with_bad_hyperparameters_is_refused():
+    p = torch.nn.Parameter(torch.randn(2, 4, 4))
+    optimizer = sonar_kernels.ExpertAdamW([p])
+    state = optimizer.state_dict()
+    broken = {"state": {0: {"step": torch.tensor(3.0)}}, "param_groups": state["param_groups"]}
+    with pytest.raises(ValueError, match="no exp_avg"):
+        optimizer.load_state_dict(broken)
+    bad_lr = {"state": state["state"], "param_groups": [dict(state["param_groups"][0], lr=-1.0)]}
+    with pytest.raises(ValueError, match="lr"):
+        optimizer.load_state_dict(bad_lr)
+    # fp64 moments (not a kernel dtype) load as the parameter's dtype.
+    fp64 = {
+        "state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.ones(2, 4, 4, dtype=torch.float64),
+                      "exp_avg_sq": torch.ones(2, 4, 4, dtype=torch.float64)}},
+        "param_groups": state["param_groups"],
+    }  # fmt: skip
+    optimizer.load_state_dict(fp64)
+    assert optimizer.state[p]["exp_avg"].dtype == torch.float32
+    assert torch.equal(optimizer.state[p]["exp_avg"], torch.ones(2, 4, 4))

@@ -259,7 +259,8 @@ def _backward_specs() -> list[Spec]:
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
                            "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
-                        options,
+                        # ops._wgrad compiles the AdamW kernels without automatic fma contraction.
+                        options | ({"enable_fp_fusion": False} if fuse else {}),
                         unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                         is_gemm=True,
                         config=blocks,
@@ -295,7 +296,7 @@ def _adamw_specs() -> list[Spec]:
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
                  "step_ptr": "fp32"},
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
-                {"num_warps": ac["num_warps"]},
+                {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip

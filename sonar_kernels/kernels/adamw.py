@@ -30,7 +30,14 @@ p, m and v are rounded to their own dtypes once, at the store. Both kernels belo
 The hyperparameters must reach the kernels as fp64: kernel parameters annotated ``tl.float64`` (a plain
 float parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
 pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
-torch's bias corrections), and an fp32 fma exactly in fp64 (the interpreter's own fma rounds twice).
+torch's bias corrections), and an fp32 fma as an exact fp64 product plus an fp64 sum rounded to fp32 (the
+interpreter's own fma rounds the product to fp32 first; this form can still round twice, in rare
+near-halfway cases). On the GPU both kernels are compiled without automatic fma contraction
+(``enable_fp_fusion=False`` in ops.py), so only the fmas written here are fused.
+
+Mixed dtypes (moments in another dtype than the weight) use the same arithmetic; torch's fused kernel
+has a separate mixed-precision functor for them, with bias corrections in fp64, so the bit-exact target
+on CUDA is the same-dtype case.
 """
 
 import triton

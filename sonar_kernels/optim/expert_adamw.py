@@ -219,10 +219,12 @@ class ExpertAdamW(torch.optim.Optimizer):
         update = self._update_for(p)
         grad = p.grad
         p.grad = None
+        # On CUDA torch's fused kernel: the arithmetic the Triton epilogue reproduces there.
+        fused = p.device.type == "cuda"
         with torch.no_grad():
             torch_adamw(
                 [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
-                foreach=False, capturable=p.device.type != "cpu", amsgrad=False,
+                foreach=False, fused=fused, capturable=False, amsgrad=False,
                 beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
                 eps=update.eps, maximize=False,
             )  # fmt: skip
@@ -243,15 +245,18 @@ class ExpertAdamW(torch.optim.Optimizer):
             The closure's loss, or None.
         """
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    self._apply_grad(p)
-        self._updated = WeakIdKeyDictionary()
-        self._register_hooks()
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        self._apply_grad(p)
+        finally:
+            # The step ends even when a gradient above was refused (a tensor updated twice).
+            self._updated = WeakIdKeyDictionary()
+            self._register_hooks()
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -262,7 +267,8 @@ class ExpertAdamW(torch.optim.Optimizer):
 
         Raises:
             ValueError: a group with amsgrad, maximize, or non-decoupled weight decay (Adam), which
-                ExpertAdamW does not implement; moments whose shape is not the parameter's.
+                ExpertAdamW does not implement, or hyperparameters outside their ranges; a parameter
+                state without moments, or moments whose shape is not the parameter's.
         """
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
@@ -277,13 +283,17 @@ class ExpertAdamW(torch.optim.Optimizer):
                         f"cannot load a state_dict with {key}={group[key]}: ExpertAdamW implements AdamW "
                         "without amsgrad and maximize"
                     )
+            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         if len(ids) != len(params):
             raise ValueError(f"the state_dict holds {len(ids)} parameters, this optimizer {len(params)}")
         for param_id, p in zip(ids, params, strict=True):
+            saved = saved_state.get(param_id, {})
             for key in ("exp_avg", "exp_avg_sq"):
-                value = saved_state.get(param_id, {}).get(key)
+                value = saved.get(key)
+                if saved and not isinstance(value, torch.Tensor):
+                    raise ValueError(f"the state of parameter {param_id} has no {key} tensor")
                 if isinstance(value, torch.Tensor) and value.shape != p.shape:
                     raise ValueError(
                         f"{key} of parameter {param_id} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
@@ -294,10 +304,11 @@ class ExpertAdamW(torch.optim.Optimizer):
             state = self.state[p]
             for key in ("exp_avg", "exp_avg_sq"):
                 value = saved.get(key)
-                if isinstance(value, torch.Tensor) and value.dtype in ops.SUPPORTED_DTYPES:
-                    dtype = self.moments_dtype or value.dtype
-                    state[key] = torch.empty_like(p, dtype=dtype).copy_(value)
-                else:
+                if isinstance(value, torch.Tensor):
+                    # Kept in their dtype when the kernels take it; other dtypes (fp64) as the parameter's.
+                    kept = value.dtype if value.dtype in ops.SUPPORTED_DTYPES else p.dtype
+                    state[key] = torch.empty_like(p, dtype=self.moments_dtype or kept).copy_(value)
+                else:  # a parameter without state: fresh moments, step 0
                     state[key] = torch.zeros_like(p, dtype=self.moments_dtype or p.dtype)
             step = saved.get("step")
             state["step"] = (
