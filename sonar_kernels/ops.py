@@ -203,6 +203,12 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMeta
     return meta
 
 
+def _max_row_tiles(S: int, E: int, block_m: int) -> int:
+    """Grid rows of a grouped GEMM without a host sync: sum_e ceil(rows_e / block_m) <= cdiv(S, block_m)
+    + min(E, S); the programs past tile_offsets[E] exit at once."""
+    return triton.cdiv(S, block_m) + min(E, S)
+
+
 def _on_device(device: torch.device):
     """Triton launches on the current CUDA device: make it the tensors' one."""
     return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
@@ -245,8 +251,7 @@ def _moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_p
     cfg = FWD_GEMM_CONFIG
     block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    # Row tiles: sum_e ceil(rows_e / BLOCK_M) <= cdiv(S, BLOCK_M) + min(E, S); extra programs exit.
-    max_row_tiles = triton.cdiv(S, block_m) + min(E, S)
+    max_row_tiles = _max_row_tiles(S, E, block_m)
     precision = _input_precision(dtype)
 
     a = _empty((S, I), dtype, device)
@@ -472,7 +477,7 @@ def _moe_mlp_bwd(
     a = _empty((num_rows, I), dtype, device) if need_w2 else None
     dw_partial = _empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
     if S > 0 and (need_grad_hpre or need_w or need_w2):
-        max_row_tiles = triton.cdiv(S, block_m) + min(E, S)
+        max_row_tiles = _max_row_tiles(S, E, block_m)
         any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
@@ -539,7 +544,7 @@ def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
     E, two_I, _ = gate_up_proj.shape
     cfg = FWD_GEMM_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    max_row_tiles = triton.cdiv(S, block_m) + min(E, S)
+    max_row_tiles = _max_row_tiles(S, E, block_m)
     dx_rows = _empty((S, H), dtype, grad_x.device)
     _expert_mlp_grouped_mm_kernel[(max_row_tiles * triton.cdiv(H, block_n),)](
         grad_hpre, gate_up_proj, meta.expert_offsets, meta.tile_offsets, dx_rows,
