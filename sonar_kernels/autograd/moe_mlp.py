@@ -10,7 +10,7 @@ from torch.autograd.function import once_differentiable
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops, reference
-from sonar_kernels.optim.expert_adamw import expert_optimizer
+from sonar_kernels.optim.in_backward import expert_optimizer
 from sonar_kernels.reference import RoutingMetadata
 
 # Expert tensor with an in-backward optimizer -> the contexts of the live graphs that will update it.
