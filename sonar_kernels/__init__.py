@@ -2,8 +2,8 @@
 
 from sonar_kernels.autograd import MoEMLPFunction, moe_mlp
 from sonar_kernels.nn import SonarExperts
-from sonar_kernels.optim import ExpertAdamW
+from sonar_kernels.optim import ExpertAdamW, SonarAdamW
 
 __version__ = "0.1.0"
 
-__all__ = ["ExpertAdamW", "MoEMLPFunction", "SonarExperts", "__version__", "moe_mlp"]
+__all__ = ["ExpertAdamW", "MoEMLPFunction", "SonarAdamW", "SonarExperts", "__version__", "moe_mlp"]

@@ -9,6 +9,7 @@ from torch import nn
 
 from sonar_kernels import ops
 from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.optim.in_backward import mark_expert_tensors
 from sonar_kernels.reference import ACTIVATIONS
 
 
@@ -70,6 +71,8 @@ class SonarExperts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
+        # SonarAdamW updates these in the backward.
+        mark_expert_tensors(self.gate_up_proj, self.down_proj)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -92,6 +95,10 @@ class SonarExperts(nn.Module):
             activation=self.activation,
             backend=self.backend,
         )
+
+    def expert_tensors(self) -> tuple[nn.Parameter, nn.Parameter]:
+        """(gate_up_proj, down_proj): the tensors :class:`sonar_kernels.SonarAdamW` updates in the backward."""
+        return self.gate_up_proj, self.down_proj
 
     def extra_repr(self) -> str:
         return (

@@ -18,6 +18,20 @@ from sonar_kernels import ops
 
 # Managed tensor -> weak reference to the optimizer that updates it in the backward (at most one).
 _MANAGER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Tensors that are expert weights (registered by SonarExperts), which SonarAdamW updates in the backward.
+_EXPERT_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_expert_tensors(*tensors: torch.Tensor) -> None:
+    """Register tensors as expert weights, so that :class:`sonar_kernels.SonarAdamW` updates them in the
+    backward pass (SonarExperts registers its parameters)."""
+    for t in tensors:
+        _EXPERT_TENSORS[t] = True
+
+
+def is_expert_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` was registered with :func:`mark_expert_tensors`."""
+    return t in _EXPERT_TENSORS
 
 
 def expert_optimizer(param: torch.Tensor) -> InBackwardAdamW | None:

@@ -1,0 +1,130 @@
+"""SonarAdamW: one optimizer for the whole model, expert weights updated in the backward pass."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from sonar_kernels.optim.in_backward import (
+    InBackwardAdamW,
+    _check_hyperparameters,
+    is_expert_tensor,
+    mark_expert_tensors,
+)
+
+
+class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
+    """torch.optim.AdamW for the whole model, with the expert weights updated inside the backward pass.
+
+    It goes where torch.optim.AdamW was. The expert tensors among the parameters (those of
+    :class:`sonar_kernels.SonarExperts` modules) are updated in the backward, as :class:`ExpertAdamW`
+    does it: in the wgrad epilogue on the Triton backend (no gradient tensor), through torch's AdamW with
+    this optimizer's foreach/fused flags as soon as their gradient is accumulated otherwise. ``step()``
+    clips the other (dense) parameters by their global norm when ``max_grad_norm`` is set, and applies
+    torch.optim.AdamW to them. Expert gradients are not clipped: they never exist as a whole (the
+    Sonar-MoE paper clips the dense parameters only).
+
+    The parameter groups and their order are the user's, as given (no hidden group), so the state
+    indices of ``state_dict()`` are torch.optim.AdamW's, and a torch.optim.AdamW state_dict of the same
+    model loads (and the reverse). LR schedulers drive both kinds of parameters: the backward reads the
+    expert tensors' group when it runs. Expert tensors' state is created here (``step`` a 0-dim float32
+    tensor on the parameter's device); the dense parameters' state is torch's, created at their first
+    step. Each expert tensor may be updated once between two ``step()`` calls (no gradient accumulation
+    yet); see ExpertAdamW for the other rules (one live graph, no loss scaling).
+
+    Args:
+        params_or_model: an nn.Module (its parameters, in order) or parameters / parameter groups.
+        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        max_grad_norm: clip the dense parameters' gradients to this global L2 norm in ``step()`` (as
+            ``torch.nn.utils.clip_grad_norm_``); None: no clipping. The norm before clipping is kept in
+            ``last_dense_grad_norm``.
+        foreach, fused: torch.optim.AdamW's flags, with its defaults; they also pick the torch AdamW path
+            of expert tensors updated outside the Triton kernels.
+        moments_dtype, grad_dtype, fused_epilogue: for the expert tensors, as in ExpertAdamW.
+    Raises:
+        ValueError: a hyperparameter outside its range (max_grad_norm must be a finite float > 0), a
+            non-dense expert tensor or one already managed by another in-backward optimizer.
+        TypeError: an expert tensor of an unsupported dtype.
+    """
+
+    def __init__(
+        self,
+        params_or_model,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        *,
+        max_grad_norm: float | None = None,
+        foreach: bool | None = None,
+        fused: bool | None = None,
+        moments_dtype: torch.dtype | None = None,
+        grad_dtype: torch.dtype | None = None,
+        fused_epilogue: bool = True,
+    ):
+        _check_hyperparameters(lr, betas, eps, weight_decay)
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool)
+            or not isinstance(max_grad_norm, (int, float))
+            or not math.isfinite(max_grad_norm)
+            or max_grad_norm <= 0
+        ):
+            raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
+        self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.last_dense_grad_norm: torch.Tensor | None = None
+        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue)
+        params = params_or_model
+        if isinstance(params_or_model, nn.Module):
+            # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included.
+            for module in params_or_model.modules():
+                if callable(getattr(module, "expert_tensors", None)):
+                    mark_expert_tensors(*module.expert_tensors())
+            params = params_or_model.parameters()
+        super().__init__(
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
+            foreach=foreach, capturable=False, differentiable=False, fused=fused,
+        )  # fmt: skip
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
+        in-backward update (state created now)."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group = {**param_group, "params": params}  # a generator is consumed once, here
+        experts = [p for p in params if is_expert_tensor(p)]
+        self._check_managed(experts)
+        super().add_param_group(param_group)
+        self._manage(experts)
+
+    def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
+        # The flags torch.optim.AdamW.step would use for this group: the same arithmetic as standard training.
+        return group["foreach"], group["fused"]
+
+    def dense_parameters(self) -> list[torch.Tensor]:
+        """The parameters updated by ``step()`` (not in the backward), in param_groups order."""
+        return [p for group in self.param_groups for p in group["params"] if p not in self._managed]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Clip the dense parameters' gradients (``max_grad_norm``) and apply torch.optim.AdamW to them.
+
+        The expert tensors were updated in the backward; a gradient found on one (it had
+        requires_grad=False when the optimizer was built) is applied here, once, unclipped.
+
+        Args:
+            closure: optional, re-evaluates the model and returns the loss.
+        Returns:
+            The closure's loss, or None.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._end_step()
+        if self.max_grad_norm is not None:
+            dense = [p for p in self.dense_parameters() if p.grad is not None]
+            self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+        super().step()
+        return loss

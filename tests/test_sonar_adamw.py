@@ -1,0 +1,184 @@
+"""SonarAdamW: the whole-model optimizer against torch.optim.AdamW with dense-only clipping."""
+
+import io
+
+import pytest
+import torch
+from numerics import rel_err
+from torch import nn
+
+import sonar_kernels
+
+H, I, E, TOP_K, T = 16, 8, 4, 2, 12
+HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+STEPS = 20
+
+
+class TinyMoE(nn.Module):
+    """Dense layers around one SonarExperts layer, routed by a softmax top-k router."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.embed = nn.Linear(H, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+        self.head = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+        h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
+        return self.head(h)
+
+
+def _model(backend, seed=0):
+    torch.manual_seed(seed)
+    return TinyMoE(backend)
+
+
+def _batch(step):
+    generator = torch.Generator().manual_seed(1000 + step)
+    return 3 * torch.randn(T, H, generator=generator), torch.randn(T, H, generator=generator)
+
+
+def _dense(model):
+    return [p for name, p in model.named_parameters() if not name.startswith("experts.")]
+
+
+def _standard(model):
+    optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+
+def _sonar(model):
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5)
+    return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
+
+
+def _train(model, optimizer, scheduler, steps, start=0, sonar=True):
+    norms = []
+    for step in range(start, start + steps):
+        x, y = _batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        if sonar:
+            assert model.experts.gate_up_proj.grad is None
+        else:
+            norms.append(float(nn.utils.clip_grad_norm_(_dense(model), 0.5)))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if sonar:
+            norms.append(float(optimizer.last_dense_grad_norm))
+    return norms
+
+
+def _assert_same(a, b):
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q), f"{name}: max diff {(p - q).abs().max():.3e}"
+
+
+def test_twenty_steps_equal_standard_training_with_dense_clipping_bitwise():
+    standard, sonar = _model("torch"), _model("torch")
+    norms = _train(standard, *_standard(standard), STEPS, sonar=False)
+    sonar_norms = _train(sonar, *_sonar(sonar), STEPS)
+    assert max(norms) > 0.5  # clipping did change the gradients
+    assert norms == sonar_norms
+    _assert_same(sonar, standard)
+
+
+def test_twenty_steps_on_the_triton_backend_match_within_the_tolerance(device):
+    standard = _model("torch")
+    _train(standard, *_standard(standard), STEPS, sonar=False)
+    sonar = _model("triton").to(device)
+    optimizer, scheduler = _sonar(sonar)
+    for step in range(STEPS):
+        x, y = (t.to(device) for t in _batch(step))
+        nn.functional.mse_loss(sonar(x), y).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert rel_err(p.cpu(), q) <= 1e-5, name
+
+
+def _state(model, optimizer, scheduler):
+    buffer = io.BytesIO()
+    torch.save(
+        {"model": model.state_dict(), "opt": optimizer.state_dict(), "sched": scheduler.state_dict()}, buffer
+    )
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+def test_stop_save_rebuild_resume_is_bitwise_equal_to_not_stopping():
+    straight = _model("torch")
+    _train(straight, *_sonar(straight), STEPS)
+    first = _model("torch")
+    optimizer, scheduler = _sonar(first)
+    _train(first, optimizer, scheduler, STEPS // 2)
+    saved = _state(first, optimizer, scheduler)
+    resumed = _model("torch", seed=123)  # other initial weights: everything comes from the checkpoint
+    resumed.load_state_dict(saved["model"])
+    optimizer, scheduler = _sonar(resumed)
+    optimizer.load_state_dict(saved["opt"])
+    scheduler.load_state_dict(saved["sched"])
+    _train(resumed, optimizer, scheduler, STEPS // 2, start=STEPS // 2)
+    _assert_same(resumed, straight)
+
+
+@pytest.mark.parametrize("direction", ["torch-to-sonar", "sonar-to-torch"])
+def test_moving_between_torch_adamw_and_sonar_on_resume(direction):
+    # Dense clipping is what both runs do, so the interchange is exact.
+    straight = _model("torch")
+    _train(straight, *_standard(straight), STEPS, sonar=False)
+    first = _model("torch")
+    build_first, build_second = (_standard, _sonar) if direction == "torch-to-sonar" else (_sonar, _standard)
+    optimizer, scheduler = build_first(first)
+    _train(first, optimizer, scheduler, STEPS // 2, sonar=build_first is _sonar)
+    saved = _state(first, optimizer, scheduler)
+    second = _model("torch", seed=123)
+    second.load_state_dict(saved["model"])
+    optimizer, scheduler = build_second(second)
+    optimizer.load_state_dict(saved["opt"])
+    scheduler.load_state_dict(saved["sched"])
+    _train(second, optimizer, scheduler, STEPS // 2, start=STEPS // 2, sonar=build_second is _sonar)
+    _assert_same(second, straight)
+
+
+def test_param_groups_are_kept_as_given():
+    model = _model("torch")
+    groups = [
+        {"params": [model.embed.weight, model.experts.down_proj], "lr": 1e-3},
+        {
+            "params": [
+                model.embed.bias,
+                model.router.weight,
+                model.experts.gate_up_proj,
+                *model.head.parameters(),
+            ]
+        },
+    ]
+    optimizer = sonar_kernels.SonarAdamW(groups, **HYPER)
+    reference = torch.optim.AdamW(groups, **HYPER)
+    assert [len(g["params"]) for g in optimizer.param_groups] == [
+        len(g["params"]) for g in reference.param_groups
+    ]
+    assert (
+        optimizer.state_dict()["param_groups"][0]["params"]
+        == reference.state_dict()["param_groups"][0]["params"]
+    )
+    # The experts were found by their registration (no module given) and have state already.
+    assert set(optimizer.state) == {model.experts.down_proj, model.experts.gate_up_proj}
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [
+        ({"max_grad_norm": 0.0}, ValueError),
+        ({"max_grad_norm": float("nan")}, ValueError),
+        ({"amsgrad": True}, TypeError),
+    ],
+)
+def test_bad_options_are_refused(options, error):
+    with pytest.raises(error):
+        sonar_kernels.SonarAdamW(_model("torch"), **options)
