@@ -301,6 +301,9 @@ class AdamWUpdate(NamedTuple):
             wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
         on_done: called right after this weight's update is launched, before any later launch of the
             backward (so a failure further on cannot leave an applied update unrecorded).
+        grad_in: the gradient of earlier micro-batches (gradient accumulation), in ``grad_dtype`` with
+            the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
+            them in ``.grad``. None: this backward's gradient alone.
     """
 
     exp_avg: torch.Tensor
@@ -314,6 +317,7 @@ class AdamWUpdate(NamedTuple):
     grad_dtype: torch.dtype
     fused: bool = True
     on_done: Callable[[], None] | None = None
+    grad_in: torch.Tensor | None = None
 
 
 @functools.cache
@@ -389,6 +393,18 @@ def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> 
         raise ValueError(f"step of {name} must be a 0-dim tensor on {weight.device}, got {step.device}")
     if update.grad_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grad_dtype of {name} must be float32, bfloat16 or float16, got {update.grad_dtype}")
+    g = update.grad_in
+    if g is not None and (
+        not isinstance(g, torch.Tensor)
+        or g.dtype != update.grad_dtype
+        or g.shape != weight.shape
+        or g.stride() != weight.stride()
+        or g.device != weight.device
+    ):
+        raise ValueError(
+            f"grad_in of {name} must be a {update.grad_dtype} tensor with the shape, strides and device of the "
+            f"weight ({tuple(weight.shape)}, {weight.stride()}, {weight.device})"
+        )
     for key in ("lr", "beta1", "beta2", "eps", "weight_decay"):
         value = getattr(update, key)
         if not isinstance(value, float) or not math.isfinite(value) or value < 0.0:
@@ -578,10 +594,12 @@ def _wgrad(
     if update is None:
         grad = _like(weight, weight.dtype)
         target, exp_avg, exp_avg_sq, step = grad, grad, grad, meta.expert_offsets
+        grad_in = None
         hyper = (0.0, 0.0, 0.0, 0.0, 0.0)
         grad_dtype, fused, arithmetic = weight.dtype, False, "fp64"
     else:
         grad = weight if update.fused else _like(weight, update.grad_dtype)
+        grad_in = update.grad_in
         target, exp_avg, exp_avg_sq, step = weight, update.exp_avg, update.exp_avg_sq, update.step
         hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
         grad_dtype, fused = update.grad_dtype, update.fused
@@ -595,7 +613,7 @@ def _wgrad(
     try:
         _expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
-            grad, target, exp_avg, exp_avg_sq, step,
+            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
@@ -603,7 +621,8 @@ def _wgrad(
             *hyper,
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, ARITHMETIC=arithmetic,
+            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, HAS_GRAD_IN=grad_in is not None,
+            ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **no_fusion,

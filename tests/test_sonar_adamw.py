@@ -182,3 +182,57 @@ def test_param_groups_are_kept_as_given():
 def test_bad_options_are_refused(options, error):
     with pytest.raises(error):
         sonar_kernels.SonarAdamW(_model("torch"), **options)
+
+
+def _accumulate(model, optimizer, steps, k, sonar, device="cpu"):
+    for step in range(steps):
+        for micro in range(k):
+            x, y = (t.to(device) for t in _batch(100 * step + micro))
+            (nn.functional.mse_loss(model(x), y) / k).backward()
+        if not sonar:
+            nn.utils.clip_grad_norm_(_dense(model), 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def test_gradient_accumulation_equals_standard_accumulation():
+    k = 4
+    standard, sonar = _model("torch"), _model("torch")
+    _accumulate(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, k, sonar=False)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5, accumulation_steps=k)
+    _accumulate(sonar, optimizer, 3, k, sonar=True)
+    _assert_same(sonar, standard)
+
+
+def test_gradient_accumulation_on_the_triton_backend(device):
+    k = 4
+    standard = _model("torch")
+    _accumulate(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, k, sonar=False)
+    results = []
+    for fused_epilogue in (True, False):
+        sonar = _model("triton").to(device)
+        optimizer = sonar_kernels.SonarAdamW(
+            sonar, **HYPER, max_grad_norm=0.5, accumulation_steps=k, fused_epilogue=fused_epilogue
+        )
+        _accumulate(sonar, optimizer, 3, k, sonar=True, device=device)
+        assert sonar.experts.gate_up_proj.grad is None  # consumed by the update of the k-th micro-batch
+        results.append([p.detach().clone() for p in sonar.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))  # fused == split, grad_in included
+    for (name, _), p, q in zip(standard.named_parameters(), results[0], standard.parameters(), strict=True):
+        assert rel_err(p.cpu(), q) <= 1e-5, name
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_one_backward_more_than_the_accumulation_window_raises(backend):
+    model = _model(backend)
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, accumulation_steps=2)
+    for micro in range(2):
+        x, y = _batch(micro)
+        nn.functional.mse_loss(model(x), y).backward()
+    before = model.experts.down_proj.detach().clone()
+    x, y = _batch(2)
+    with pytest.raises(RuntimeError, match="accumulation_steps"):
+        nn.functional.mse_loss(model(x), y).backward()
+    assert torch.equal(model.experts.down_proj, before)
+    optimizer.step()
+    optimizer.zero_grad()

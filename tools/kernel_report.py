@@ -241,23 +241,29 @@ def _backward_specs() -> list[Spec]:
     wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
     # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
     roles = {"dW2": (True, False), "dW1": (False, True)}
-    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py); the plain gradient has none.
-    variants = [(True, "fp64"), (True, "fp32"), (False, "fp64")]
+    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py); the plain gradient has none. The
+    # last micro-batch of gradient accumulation adds the earlier ones' gradient (HAS_GRAD_IN).
+    variants = [(True, "fp64", False), (True, "fp32", False), (False, "fp64", False)]
+    accumulation = [(True, "fp64", True), (True, "fp32", True)]
     for act_dtype, w_dtype, m_dtype in wgrad_dtypes:
         for role, (p_from_tokens, q_from_tokens) in roles.items():
-            for fuse, arithmetic in variants if m_dtype == w_dtype else variants[:2]:
+            chosen = variants if m_dtype == w_dtype else variants[:2]
+            if act_dtype == w_dtype == m_dtype and w_dtype in ("fp32", "bf16"):
+                chosen = chosen + accumulation
+            for fuse, arithmetic, has_grad_in in chosen:
                 moments = f" m={m_dtype}" if m_dtype != w_dtype else ""
                 kind = f"adamw-{arithmetic}" if fuse else "grad"
+                kind += " +grad_in" if has_grad_in else ""
                 out.append(
                     Spec(
                         expert_mlp_bwd._expert_mlp_bwd_dw_kernel,
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
-                         "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "w_ptr": w_dtype, "exp_avg_ptr": m_dtype,
-                         "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32"},
+                         "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
+                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
-                           "ARITHMETIC": arithmetic,
+                           "HAS_GRAD_IN": has_grad_in, "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops._wgrad compiles the AdamW kernels without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if fuse else {}),

@@ -70,7 +70,8 @@ class MoEMLPFunction(torch.autograd.Function):
         updates = {}
         for index, weight in ctx.managed.items():
             optimizer = expert_optimizer(weight)
-            if optimizer is not None:
+            # Micro-batches before the last of a gradient-accumulation window return the gradient.
+            if optimizer is not None and not optimizer._accumulating(weight):
                 # Recorded (and version counters bumped) as soon as that weight's launch is done.
                 update = optimizer._update_for(weight)
                 updates[index] = update._replace(on_done=functools.partial(optimizer._finish_update, weight))

@@ -165,6 +165,7 @@ def _dw_epilogue_slice(
     M,
     N,
     dw_ptr,
+    grad_in_ptr,
     w_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
@@ -180,14 +181,22 @@ def _dw_epilogue_slice(
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored."""
+    """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored.
+
+    With HAS_GRAD_IN the gradient of earlier micro-batches (GRAD_DTYPE) is added first, as autograd adds
+    a new gradient to ``.grad``: round(previous + round(acc)).
+    """
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     offs = offs_m[:, None] * stride_m + offs_n[None, :] * stride_n
     grad = _round_to(acc, GRAD_DTYPE, INTERPRET)
+    if HAS_GRAD_IN:
+        previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        grad = _round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
     if FUSE_ADAMW:
         _adamw_tile(
             grad.to(tl.float32), offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
@@ -206,6 +215,7 @@ def _expert_mlp_bwd_dw_kernel(
     slot_of_row_ptr,  # [S] int32, read
     expert_offsets_ptr,  # [E + 1] int32, read
     dw_ptr,  # [E, M, N] GRAD_DTYPE, written when not FUSE_ADAMW
+    grad_in_ptr,  # [E, M, N] GRAD_DTYPE, read when HAS_GRAD_IN (earlier micro-batches' gradient)
     w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written when FUSE_ADAMW
     exp_avg_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
     exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
@@ -239,6 +249,7 @@ def _expert_mlp_bwd_dw_kernel(
     BLOCK_K: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -251,7 +262,8 @@ def _expert_mlp_bwd_dw_kernel(
     dW1: M -> 2I, N -> H, P[r] = dHpre[r], Q[r] = X[token_r]. K -> the rows of expert e.
     Each program owns one [BLOCK_M, BLOCK_N] tile of one expert and reduces over all of that expert's
     rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
-    GRAD_DTYPE, it is either stored to dW or, with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
+    GRAD_DTYPE (plus the gradient of earlier micro-batches, HAS_GRAD_IN), it is either stored to dW or,
+    with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
     EPILOGUE_SPLIT column slices, in the arithmetic ARITHMETIC names (see kernels/adamw.py). An expert
     with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
@@ -306,6 +318,7 @@ def _expert_mlp_bwd_dw_kernel(
         step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     base = expert.to(tl.int64) * stride_e
     dw_ptr += base
+    grad_in_ptr += base
     w_ptr += base
     exp_avg_ptr += base
     exp_avg_sq_ptr += base
@@ -313,19 +326,19 @@ def _expert_mlp_bwd_dw_kernel(
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr).
     if EPILOGUE_SPLIT == 1:
         _dw_epilogue_slice(
-            acc, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
+            acc, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         _dw_epilogue_slice(
-            left, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
+            left, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
-            right, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
+            right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -334,23 +347,23 @@ def _expert_mlp_bwd_dw_kernel(
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _split_columns(left, BLOCK_M, half)
         _dw_epilogue_slice(
-            q0, offs_m, col0, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
+            q0, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
-            q1, offs_m, col0 + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, ARITHMETIC, INTERPRET,
+            q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         _dw_epilogue_slice(
-            q2, offs_m, col0 + half, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            q2, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
             stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            ARITHMETIC, INTERPRET,
+            HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         _dw_epilogue_slice(
-            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
             stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            ARITHMETIC, INTERPRET,
+            HAS_GRAD_IN, ARITHMETIC, INTERPRET,
         )  # fmt: skip
 
 

@@ -31,8 +31,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
     here, not lazily.
 
     ``step()`` applies nothing (the updates happened in the backward); it ends the step. Each managed
-    tensor may be updated at most once between two calls of ``step()``: a second backward through it
-    raises before anything is written (accumulate gradients over micro-batches another way). Tensors
+    tensor may be updated at most once between two calls of ``step()``: one backward more than
+    ``accumulation_steps`` raises before anything is written. Tensors
     with ``requires_grad=False`` are neither updated nor given a gradient.
 
     Loss scaling (``torch.amp.GradScaler``) cannot be combined with it: the update happens inside the
@@ -52,6 +52,11 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         fused_epilogue: True: AdamW in the wgrad epilogue. False: DESIGN.md's split path, the same
             wgrad kernel writing a temporary gradient (one weight tensor's worth), then a standalone
             AdamW kernel; bit-identical to the fused path, for checking it.
+        accumulation_steps: k micro-batches per optimizer step (gradient accumulation). The gradients
+            of micro-batches 1 .. k-1 are summed in ``.grad`` as autograd does (the parameter's dtype:
+            one gradient tensor per expert tensor lives between micro-batches); the k-th backward adds
+            its own wgrad to that sum in the epilogue and applies the update. ``step()`` applies a window
+            cut short. Default 1: no ``.grad`` is ever allocated.
     Raises:
         ValueError: a hyperparameter outside its range, a tensor that is not dense, or one already
             managed by another live ExpertAdamW.
@@ -69,9 +74,10 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         moments_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
+        accumulation_steps: int = 1,
     ):
         _check_hyperparameters(lr, betas, eps, weight_decay)
-        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue)
+        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 

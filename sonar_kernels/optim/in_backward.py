@@ -74,7 +74,16 @@ class InBackwardAdamW:
     :meth:`_end_step` at the end of its ``step()``.
     """
 
-    def _init_in_backward(self, moments_dtype, grad_dtype, fused_epilogue) -> None:
+    def _init_in_backward(self, moments_dtype, grad_dtype, fused_epilogue, accumulation_steps=1) -> None:
+        if (
+            isinstance(accumulation_steps, bool)
+            or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1
+        ):
+            raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
+        self.accumulation_steps = accumulation_steps
+        # Managed tensor -> micro-batch gradients accumulated into its .grad since the last step().
+        self._micro = WeakIdKeyDictionary()
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
                 raise TypeError(
@@ -139,12 +148,24 @@ class InBackwardAdamW:
             raise RuntimeError(
                 f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} was already updated in a backward "
                 "since the last optimizer.step(); call step() between backward passes (the update is applied "
-                "in the backward, so a second backward would update it twice)"
+                "in the backward, so another backward would update it twice), or set accumulation_steps to "
+                "the number of micro-batches per step"
             )
 
-    def _update_for(self, p: torch.Tensor) -> ops.AdamWUpdate:
-        """The update the backward applies to ``p`` now; raises if ``p`` was updated since step()."""
+    def _accumulating(self, p: torch.Tensor) -> bool:
+        """Whether this backward's gradient of ``p`` goes into ``p.grad`` (micro-batches 1 .. k-1 of
+        ``accumulation_steps`` = k) instead of into an update; raises if ``p`` was updated since step()."""
         self._check_not_updated(p)
+        return self._micro.get(p, 0) + 1 < self.accumulation_steps
+
+    def _update_for(self, p: torch.Tensor, with_grad_in: bool = True) -> ops.AdamWUpdate:
+        """The update the backward applies to ``p`` now, with the gradient accumulated in ``p.grad`` (if
+        any) added; raises if ``p`` was updated since step()."""
+        self._check_not_updated(p)
+        grad_dtype = self.grad_dtype or p.dtype
+        grad_in = p.grad if with_grad_in else None
+        if grad_in is not None and (grad_in.dtype != grad_dtype or grad_in.stride() != p.stride()):
+            grad_in = torch.empty_like(p, dtype=grad_dtype).copy_(grad_in)
         group = self._group_of(p)
         state = self.state[p]
         beta1, beta2 = group["betas"]
@@ -157,20 +178,23 @@ class InBackwardAdamW:
             beta2=_as_float(beta2, "beta2"),
             eps=_as_float(group["eps"], "eps"),
             weight_decay=_as_float(group["weight_decay"], "weight_decay"),
-            grad_dtype=self.grad_dtype or p.dtype,
+            grad_dtype=grad_dtype,
             fused=self.fused_epilogue,
+            grad_in=grad_in,
         )
 
     def _finish_update(self, p: torch.Tensor) -> None:
         """After the kernels wrote p and its moments: record it, and bump the version counters (Triton
         writes do not), so a graph that saved the old p fails loudly instead of using new values."""
         self._updated[p] = True
+        self._micro.pop(p, None)
+        p.grad = None  # the accumulated gradient, consumed by the update
         state = self.state[p]
         torch.autograd.graph.increment_version([p, state["exp_avg"], state["exp_avg_sq"]])
 
     def _apply_grad(self, p: torch.Tensor) -> None:
         """torch's own AdamW on an accumulated ``p.grad``, which is then released (torch backend)."""
-        update = self._update_for(p)
+        update = self._update_for(p, with_grad_in=False)
         grad = p.grad
         p.grad = None
         foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
@@ -182,6 +206,16 @@ class InBackwardAdamW:
                 eps=update.eps, maximize=False,
             )  # fmt: skip
         self._updated[p] = True
+        self._micro.pop(p, None)
+
+    def _on_grad_accumulated(self, p: torch.Tensor) -> None:
+        """A gradient was added to ``p.grad`` (torch backend, or a micro-batch before the last): keep it
+        until the k-th micro-batch, then apply torch's AdamW and release it."""
+        self._check_not_updated(p)
+        count = self._micro.get(p, 0) + 1
+        self._micro[p] = count
+        if count >= self.accumulation_steps:
+            self._apply_grad(p)
 
     def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
         """(foreach, fused) for torch's AdamW on a managed tensor: by default torch's fused kernel on CUDA
@@ -194,11 +228,15 @@ class InBackwardAdamW:
         so its hook came later), then end the step: each managed tensor may be updated again."""
         try:
             for p in list(self._managed.keys()):
-                if p.grad is not None:
+                if p.grad is not None and p in self._updated:
+                    # Left by a backward that already raised (one more than accumulation_steps).
+                    p.grad = None
+                elif p.grad is not None:
                     self._apply_grad(p)
         finally:
             # The step ends even when a gradient above was refused (a tensor updated twice).
             self._updated = WeakIdKeyDictionary()
+            self._micro = WeakIdKeyDictionary()
             self._register_hooks()
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -270,6 +308,6 @@ def _apply_accumulated_grad(optimizer_ref):
     def hook(p: torch.Tensor) -> None:
         optimizer = optimizer_ref()
         if optimizer is not None and p.grad is not None:
-            optimizer._apply_grad(p)
+            optimizer._on_grad_accumulated(p)
 
     return hook

@@ -31,8 +31,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     model loads (and the reverse). LR schedulers drive both kinds of parameters: the backward reads the
     expert tensors' group when it runs. Expert tensors' state is created here (``step`` a 0-dim float32
     tensor on the parameter's device); the dense parameters' state is torch's, created at their first
-    step. Each expert tensor may be updated once between two ``step()`` calls (no gradient accumulation
-    yet); see ExpertAdamW for the other rules (one live graph, no loss scaling).
+    step. Each expert tensor is updated once between two ``step()`` calls, at the last of its
+    ``accumulation_steps`` backward passes; see ExpertAdamW for the other rules (one live graph, no loss
+    scaling).
 
     Args:
         params_or_model: an nn.Module (its parameters, in order) or parameters / parameter groups.
@@ -42,7 +43,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             ``last_dense_grad_norm``.
         foreach, fused: torch.optim.AdamW's flags, with its defaults; they also pick the torch AdamW path
             of expert tensors updated outside the Triton kernels.
-        moments_dtype, grad_dtype, fused_epilogue: for the expert tensors, as in ExpertAdamW.
+        moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
+            ExpertAdamW (with accumulation_steps=k, call ``step()`` once per k backward passes, as for
+            standard accumulation).
     Raises:
         ValueError: a hyperparameter outside its range (max_grad_norm must be a finite float > 0), a
             non-dense expert tensor or one already managed by another in-backward optimizer.
@@ -63,6 +66,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         moments_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
+        accumulation_steps: int = 1,
     ):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and (
@@ -74,7 +78,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         self.last_dense_grad_norm: torch.Tensor | None = None
-        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue)
+        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included.
