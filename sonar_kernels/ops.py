@@ -304,6 +304,8 @@ class AdamWUpdate(NamedTuple):
         grad_in: the gradient of earlier micro-batches (gradient accumulation), in ``grad_dtype`` with
             the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
             them in ``.grad``. None: this backward's gradient alone.
+        grad_norm_sq: a 0-dim float32 tensor on the weight's device that receives the squared L2 norm of
+            the gradient the update used (per-program partial sums, added in a fixed order; no atomics).
     """
 
     exp_avg: torch.Tensor
@@ -318,6 +320,7 @@ class AdamWUpdate(NamedTuple):
     fused: bool = True
     on_done: Callable[[], None] | None = None
     grad_in: torch.Tensor | None = None
+    grad_norm_sq: torch.Tensor | None = None
 
 
 @functools.cache
@@ -393,6 +396,14 @@ def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> 
         raise ValueError(f"step of {name} must be a 0-dim tensor on {weight.device}, got {step.device}")
     if update.grad_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grad_dtype of {name} must be float32, bfloat16 or float16, got {update.grad_dtype}")
+    n = update.grad_norm_sq
+    if n is not None and (
+        not isinstance(n, torch.Tensor)
+        or n.dtype != torch.float32
+        or n.dim() != 0
+        or n.device != weight.device
+    ):
+        raise ValueError(f"grad_norm_sq of {name} must be a 0-dim float32 tensor on {weight.device}")
     g = update.grad_in
     if g is not None and (
         not isinstance(g, torch.Tensor)
@@ -609,11 +620,13 @@ def _wgrad(
     # AdamW options: the fused epilogue and the standalone kernel compile without automatic fma
     # contraction, so the arithmetic is the one written in kernels/adamw.py (explicit fmas only).
     no_fusion = {"enable_fp_fusion": False} if update is not None else {}
+    norm_out = None if update is None else update.grad_norm_sq
+    norm_partial = _empty(grid, torch.float32, weight.device) if norm_out is not None else step
     applied = False
     try:
         _expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
-            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step,
+            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, norm_partial,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
@@ -622,6 +635,7 @@ def _wgrad(
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
             EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, HAS_GRAD_IN=grad_in is not None,
+            HAS_NORM=norm_out is not None,
             ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
@@ -644,6 +658,8 @@ def _wgrad(
         raise
     if update is None:
         return grad
+    if norm_out is not None:
+        norm_out.copy_(norm_partial.sum())
     if update.on_done is not None:
         update.on_done()
     return None

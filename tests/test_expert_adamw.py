@@ -626,3 +626,22 @@ def test_loaded_state_without_moments_or_with_bad_hyperparameters_is_refused():
     optimizer.load_state_dict(fp64)
     assert optimizer.state[p]["exp_avg"].dtype == torch.float32
     assert torch.equal(optimizer.state[p]["exp_avg"], torch.ones(2, 4, 4))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_expert_gradient_norms_equal_the_reference_gradient_norms(backend, device):
+    device = device if backend == "triton" else "cpu"
+    x, index, weights, w1, w2 = Case(37, 33, 17, 7, 3).make(torch.float32, device=device)
+    grad_out = torch.randn(37, 33).to(device)
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], **HYPER)
+    sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grad_out)
+    a, b = w1.double().requires_grad_(), w2.double().requires_grad_()
+    out = reference.moe_mlp(x.double(), index, weights.double(), a, b)
+    g1, g2 = torch.autograd.grad(out, [a, b], grad_out.double())
+    assert_close(optimizer.expert_grad_norm([p1]), g1.norm(), torch.float32, what="||dW1||")
+    assert_close(optimizer.expert_grad_norm([p2]), g2.norm(), torch.float32, what="||dW2||")
+    total = torch.sqrt(g1.norm() ** 2 + g2.norm() ** 2)
+    assert_close(optimizer.expert_grad_norm(), total, torch.float32, what="total")
+    with pytest.raises(ValueError, match="not an expert tensor"):
+        optimizer.expert_grad_norm([torch.nn.Parameter(torch.zeros(2))])

@@ -236,3 +236,20 @@ def test_one_backward_more_than_the_accumulation_window_raises(backend):
     assert torch.equal(model.experts.down_proj, before)
     optimizer.step()
     optimizer.zero_grad()
+
+
+def test_clipping_by_the_true_global_norm_sees_the_expert_gradients():
+    standard, sonar = _model("torch"), _model("torch")
+    x, y = _batch(0)
+    nn.functional.mse_loss(standard(x), y).backward()
+    expected = nn.utils.clip_grad_norm_(list(standard.parameters()), 0.5)  # all parameters, standard training
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True)
+    nn.functional.mse_loss(sonar(x), y).backward()
+    dense_grads = [p.grad.clone() for p in optimizer.dense_parameters()]
+    optimizer.step()
+    assert rel_err(optimizer.last_grad_norm, expected) <= 1e-6
+    assert optimizer.last_grad_norm > optimizer.last_dense_grad_norm
+    # The dense gradients were scaled by max_norm / total, as clip_grad_norm_ over everything scales them.
+    scale = 0.5 / (float(optimizer.last_grad_norm) + 1e-6)
+    for g, q in zip(dense_grads, _dense(standard), strict=True):
+        assert torch.allclose(g * scale, q.grad, rtol=1e-6, atol=0)

@@ -260,10 +260,11 @@ def _backward_specs() -> list[Spec]:
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
-                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32"},
+                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32",
+                         "norm_partial_ptr": "fp32"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
-                           "HAS_GRAD_IN": has_grad_in, "ARITHMETIC": arithmetic,
+                           "HAS_GRAD_IN": has_grad_in, "HAS_NORM": fuse, "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops._wgrad compiles the AdamW kernels without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if fuse else {}),

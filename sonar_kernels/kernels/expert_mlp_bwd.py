@@ -182,13 +182,15 @@ def _dw_epilogue_slice(
     GRAD_DTYPE: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
     HAS_GRAD_IN: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored.
 
     With HAS_GRAD_IN the gradient of earlier micro-batches (GRAD_DTYPE) is added first, as autograd adds
-    a new gradient to ``.grad``: round(previous + round(acc)).
+    a new gradient to ``.grad``: round(previous + round(acc)). Returns the slice's sum of squared gradient
+    entries (fp32) when HAS_NORM, else 0.
     """
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -197,13 +199,18 @@ def _dw_epilogue_slice(
     if HAS_GRAD_IN:
         previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         grad = _round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
+    grad32 = grad.to(tl.float32)
+    norm_sq = 0.0
+    if HAS_NORM:
+        norm_sq = tl.sum(tl.sum(tl.where(mask, grad32 * grad32, 0.0), axis=1), axis=0)
     if FUSE_ADAMW:
         _adamw_tile(
-            grad.to(tl.float32), offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+            grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.store(dw_ptr + offs, grad, mask=mask)
+    return norm_sq
 
 
 @triton.jit
@@ -220,6 +227,7 @@ def _expert_mlp_bwd_dw_kernel(
     exp_avg_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
     exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
     step_ptr,  # [] fp32, read when FUSE_ADAMW (already incremented)
+    norm_partial_ptr,  # [grid] fp32, written when HAS_NORM: each program's sum of squared gradient entries
     # sizes
     E,
     M,
@@ -250,6 +258,7 @@ def _expert_mlp_bwd_dw_kernel(
     EPILOGUE_SPLIT: tl.constexpr,
     FUSE_ADAMW: tl.constexpr,
     HAS_GRAD_IN: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
@@ -264,8 +273,9 @@ def _expert_mlp_bwd_dw_kernel(
     rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
     GRAD_DTYPE (plus the gradient of earlier micro-batches, HAS_GRAD_IN), it is either stored to dW or,
     with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
-    EPILOGUE_SPLIT column slices, in the arithmetic ARITHMETIC names (see kernels/adamw.py). An expert
-    with no rows gets a zero gradient (still a full AdamW step).
+    EPILOGUE_SPLIT column slices, in the arithmetic ARITHMETIC names (see kernels/adamw.py). With HAS_NORM
+    each program also writes the sum of its squared gradient entries (telemetry; summed in a fixed order
+    by the launcher). An expert with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
     """
     pid = tl.program_id(0)
@@ -323,22 +333,26 @@ def _expert_mlp_bwd_dw_kernel(
     exp_avg_ptr += base
     exp_avg_sq_ptr += base
     col0 = pid_n * BLOCK_N
-    # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr).
+    # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
+    # are added in a fixed order.
     if EPILOGUE_SPLIT == 1:
-        _dw_epilogue_slice(
+        norm_sq = _dw_epilogue_slice(
             acc, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
-        _dw_epilogue_slice(
+        norm_sq = _dw_epilogue_slice(
             left, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        _dw_epilogue_slice(
-            right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+        norm_sq += _dw_epilogue_slice(
+            right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -346,25 +360,29 @@ def _expert_mlp_bwd_dw_kernel(
         quarter: tl.constexpr = BLOCK_N // 4
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _split_columns(left, BLOCK_M, half)
-        _dw_epilogue_slice(
+        norm_sq = _dw_epilogue_slice(
             q0, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        _dw_epilogue_slice(
-            q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+        norm_sq += _dw_epilogue_slice(
+            q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
-        _dw_epilogue_slice(
+        norm_sq += _dw_epilogue_slice(
             q2, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        _dw_epilogue_slice(
-            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, quarter, GRAD_DTYPE, FUSE_ADAMW,
-            HAS_GRAD_IN, ARITHMETIC, INTERPRET,
+        norm_sq += _dw_epilogue_slice(
+            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+            stride_m, stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
+            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
+    if HAS_NORM:
+        tl.store(norm_partial_ptr + pid, norm_sq)
 
 
 @triton.jit

@@ -96,6 +96,8 @@ class InBackwardAdamW:
         self._managed = WeakIdKeyDictionary()
         self._updated = WeakIdKeyDictionary()
         self._hooked = WeakIdKeyDictionary()
+        # Managed tensor -> squared L2 norm of the gradient of its last update (telemetry).
+        self._grad_norm_sq = WeakIdKeyDictionary()
 
     def _check_managed(self, params) -> None:
         name = type(self).__name__
@@ -126,6 +128,7 @@ class InBackwardAdamW:
                 "exp_avg_sq": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
             }
             self._managed[p] = True
+            self._grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
             _MANAGER[p] = this
         self._register_hooks()
 
@@ -181,6 +184,7 @@ class InBackwardAdamW:
             grad_dtype=grad_dtype,
             fused=self.fused_epilogue,
             grad_in=grad_in,
+            grad_norm_sq=self._grad_norm_sq[p],
         )
 
     def _finish_update(self, p: torch.Tensor) -> None:
@@ -199,6 +203,7 @@ class InBackwardAdamW:
         p.grad = None
         foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
         with torch.no_grad():
+            self._grad_norm_sq[p].copy_(grad.float().square().sum())
             torch_adamw(
                 [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
                 foreach=foreach, fused=fused, capturable=False, amsgrad=False,
@@ -216,6 +221,35 @@ class InBackwardAdamW:
         self._micro[p] = count
         if count >= self.accumulation_steps:
             self._apply_grad(p)
+
+    def expert_grad_norm(self, params=None) -> torch.Tensor:
+        """L2 norm of the expert gradients applied by the last update of each tensor (in the backward, so
+        no gradient tensor holds them): a 0-dim float32 tensor on the tensors' device, summed in
+        param_groups order from per-tensor squared norms that the wgrad kernels sum deterministically.
+        Reading it (``float()``) syncs with the device.
+
+        Args:
+            params: the expert tensors to include (e.g. one layer's ``SonarExperts.parameters()``); None:
+                all of this optimizer's expert tensors.
+        Raises:
+            ValueError: a tensor this optimizer does not update in the backward.
+        """
+        chosen = None if params is None else list(params)
+        if chosen is not None:
+            for p in chosen:
+                if p not in self._managed:
+                    raise ValueError(
+                        f"a tensor of shape {tuple(p.shape)} is not an expert tensor of this optimizer"
+                    )
+        ordered = [p for group in self.param_groups for p in group["params"] if p in self._managed]
+        if chosen is not None:
+            ordered = [p for p in ordered if any(p is q for q in chosen)]
+        if not ordered:
+            return torch.zeros((), dtype=torch.float32)
+        total = self._grad_norm_sq[ordered[0]].clone()
+        for p in ordered[1:]:
+            total += self._grad_norm_sq[p].to(total.device)
+        return total.sqrt()
 
     def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
         """(foreach, fused) for torch's AdamW on a managed tensor: by default torch's fused kernel on CUDA

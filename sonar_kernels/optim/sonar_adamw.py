@@ -41,6 +41,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         max_grad_norm: clip the dense parameters' gradients to this global L2 norm in ``step()`` (as
             ``torch.nn.utils.clip_grad_norm_``); None: no clipping. The norm before clipping is kept in
             ``last_dense_grad_norm``.
+        clip_norm_includes_experts: measure the global norm over the dense gradients and the expert
+            gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
+            clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
+            expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
         foreach, fused: torch.optim.AdamW's flags, with its defaults; they also pick the torch AdamW path
             of expert tensors updated outside the Triton kernels.
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
@@ -67,6 +71,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
+        clip_norm_includes_experts: bool = False,
     ):
         _check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and (
@@ -77,7 +82,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         ):
             raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        self.clip_norm_includes_experts = bool(clip_norm_includes_experts)
         self.last_dense_grad_norm: torch.Tensor | None = None
+        self.last_grad_norm: torch.Tensor | None = None
         self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
@@ -129,6 +136,13 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self._end_step()
         if self.max_grad_norm is not None:
             dense = [p for p in self.dense_parameters() if p.grad is not None]
-            self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+            if self.clip_norm_includes_experts:
+                dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
+                expert_norm = self.expert_grad_norm().to(dense_norm.device)
+                total = torch.sqrt(dense_norm.square() + expert_norm.square())
+                torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, total)
+                self.last_dense_grad_norm, self.last_grad_norm = dense_norm, total
+            else:
+                self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
         super().step()
         return loss
