@@ -253,3 +253,39 @@ def test_clipping_by_the_true_global_norm_sees_the_expert_gradients():
     scale = 0.5 / (float(optimizer.last_grad_norm) + 1e-6)
     for g, q in zip(dense_grads, _dense(standard), strict=True):
         assert torch.allclose(g * scale, q.grad, rtol=1e-6, atol=0)
+
+
+class CheckpointedMoE(TinyMoE):
+    """TinyMoE with the expert layer under torch.utils.checkpoint."""
+
+    def __init__(self, backend, use_reentrant):
+        super().__init__(backend)
+        self.use_reentrant = use_reentrant
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+
+        def moe(h):
+            weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+            return h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
+
+        return self.head(torch.utils.checkpoint.checkpoint(moe, h, use_reentrant=self.use_reentrant))
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_activation_checkpointing_updates_each_expert_tensor_once(backend, use_reentrant, device):
+    device = device if backend == "triton" else "cpu"
+    results = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = (CheckpointedMoE(backend, use_reentrant) if checkpointed else TinyMoE(backend)).to(device)
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5)
+        for step in range(3):
+            x, y = (t.to(device) for t in _batch(step))
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert float(optimizer.state[model.experts.down_proj]["step"]) == 3
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
