@@ -520,7 +520,9 @@ def test_state_dict_round_trip_and_torch_adamw_state_loads(device):
     assert sonar.param_groups[0]["lr"] == HYPER["lr"]
 
 
-@pytest.mark.parametrize(("key", "value"), [("amsgrad", True), ("maximize", True)])
+@pytest.mark.parametrize(
+    ("key", "value"), [("amsgrad", True), ("maximize", True), ("capturable", True), ("differentiable", True)]
+)
 def test_unsupported_adamw_options_in_a_loaded_state_are_refused(key, value):
     p = torch.nn.Parameter(torch.randn(2, 4, 4))
     state = torch.optim.AdamW([p], **{key: value}).state_dict()

@@ -280,9 +280,10 @@ class InBackwardAdamW:
         their ``step`` becomes a float32 tensor on the parameter's device (the kernels read it there).
 
         Raises:
-            ValueError: a group with amsgrad, maximize, or non-decoupled weight decay (Adam), which
-                ExpertAdamW does not implement, or hyperparameters outside their ranges; a parameter
-                state without moments, or moments whose shape is not the parameter's.
+            ValueError: a group with amsgrad, maximize, capturable, differentiable, or non-decoupled
+                weight decay (Adam), which these optimizers do not implement, or hyperparameters outside
+                their ranges; a parameter state without moments, or moments whose shape is not the
+                parameter's.
         """
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
@@ -291,11 +292,13 @@ class InBackwardAdamW:
                 ("amsgrad", True),
                 ("maximize", True),
                 ("decoupled_weight_decay", False),
+                ("capturable", True),
+                ("differentiable", True),
             ):
                 if key in group and bool(group[key]) == unsupported:
                     raise ValueError(
                         f"cannot load a state_dict with {key}={group[key]}: {type(self).__name__} implements AdamW "
-                        "without amsgrad and maximize"
+                        "without amsgrad, maximize, capturable and differentiable"
                     )
             _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         ids = [i for g in saved_groups for i in g["params"]]
