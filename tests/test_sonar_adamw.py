@@ -1,5 +1,6 @@
 """SonarAdamW: the whole-model optimizer against torch.optim.AdamW with dense-only clipping."""
 
+import copy
 import io
 
 import pytest
@@ -191,6 +192,8 @@ def _accumulate(model, optimizer, steps, k, sonar, device="cpu"):
             (nn.functional.mse_loss(model(x), y) / k).backward()
         if not sonar:
             nn.utils.clip_grad_norm_(_dense(model), 0.5)
+        else:  # consumed by the k-th micro-batch's update
+            assert model.experts.gate_up_proj.grad is None and model.experts.down_proj.grad is None
         optimizer.step()
         optimizer.zero_grad()
 
@@ -215,7 +218,6 @@ def test_gradient_accumulation_on_the_triton_backend(device):
             sonar, **HYPER, max_grad_norm=0.5, accumulation_steps=k, fused_epilogue=fused_epilogue
         )
         _accumulate(sonar, optimizer, 3, k, sonar=True, device=device)
-        assert sonar.experts.gate_up_proj.grad is None  # consumed by the update of the k-th micro-batch
         results.append([p.detach().clone() for p in sonar.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))  # fused == split, grad_in included
     for (name, _), p, q in zip(standard.named_parameters(), results[0], standard.parameters(), strict=True):
@@ -289,3 +291,36 @@ def test_activation_checkpointing_updates_each_expert_tensor_once(backend, use_r
         assert float(optimizer.state[model.experts.down_proj]["step"]) == 3
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_step_hooks_run_once_per_step():
+    torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # torch wraps AdamW.step once one exists
+    model = _model("torch")
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+    calls = []
+    optimizer.register_step_post_hook(lambda *args: calls.append(1))
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert calls == [1]
+
+
+def test_expert_norm_counts_zero_for_a_step_without_expert_gradients():
+    model = _model("torch")
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    assert float(optimizer.expert_grad_norm()) > 0
+    optimizer.zero_grad()
+    nn.functional.mse_loss(model.head(model.embed(x)), y).backward()  # the experts get no gradient
+    dense_norm = nn.utils.get_total_norm([p.grad for p in optimizer.dense_parameters() if p.grad is not None])
+    optimizer.step()
+    assert float(optimizer.expert_grad_norm()) == 0.0
+    assert torch.equal(optimizer.last_grad_norm, dense_norm)
+
+
+def test_experts_of_a_deep_copy_are_found_from_its_parameters():
+    model = copy.deepcopy(_model("torch"))
+    optimizer = sonar_kernels.SonarAdamW(list(model.parameters()), **HYPER)
+    assert set(optimizer.state) == {model.experts.gate_up_proj, model.experts.down_proj}

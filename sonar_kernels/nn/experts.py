@@ -96,6 +96,11 @@ class SonarExperts(nn.Module):
             backend=self.backend,
         )
 
+    def __setstate__(self, state) -> None:
+        # copy.deepcopy and unpickling rebuild the module without __init__: register the new tensors.
+        super().__setstate__(state)
+        mark_expert_tensors(self.gate_up_proj, self.down_proj)
+
     def expert_tensors(self) -> tuple[nn.Parameter, nn.Parameter]:
         """(gate_up_proj, down_proj): the tensors :class:`sonar_kernels.SonarAdamW` updates in the backward."""
         return self.gate_up_proj, self.down_proj

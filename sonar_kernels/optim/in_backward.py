@@ -24,7 +24,7 @@ _EXPERT_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 def mark_expert_tensors(*tensors: torch.Tensor) -> None:
     """Register tensors as expert weights, so that :class:`sonar_kernels.SonarAdamW` updates them in the
-    backward pass (SonarExperts registers its parameters)."""
+    backward pass (SonarExperts registers its parameters, also in copies and unpickled modules)."""
     for t in tensors:
         _EXPERT_TENSORS[t] = True
 
@@ -96,8 +96,10 @@ class InBackwardAdamW:
         self._managed = WeakIdKeyDictionary()
         self._updated = WeakIdKeyDictionary()
         self._hooked = WeakIdKeyDictionary()
-        # Managed tensor -> squared L2 norm of the gradient of its last update (telemetry).
+        # Managed tensor -> squared L2 norm of the gradient of its update in the last step (0 if none).
         self._grad_norm_sq = WeakIdKeyDictionary()
+        # Managed tensors updated by the Triton epilogue since the last step().
+        self._updated_in_backward = WeakIdKeyDictionary()
 
     def _check_managed(self, params) -> None:
         name = type(self).__name__
@@ -191,6 +193,7 @@ class InBackwardAdamW:
         """After the kernels wrote p and its moments: record it, and bump the version counters (Triton
         writes do not), so a graph that saved the old p fails loudly instead of using new values."""
         self._updated[p] = True
+        self._updated_in_backward[p] = True
         self._micro.pop(p, None)
         p.grad = None  # the accumulated gradient, consumed by the update
         state = self.state[p]
@@ -200,22 +203,34 @@ class InBackwardAdamW:
         """torch's own AdamW on an accumulated ``p.grad``, which is then released (torch backend)."""
         update = self._update_for(p, with_grad_in=False)
         grad = p.grad
-        p.grad = None
         foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
+        step_before = update.step.clone()
         with torch.no_grad():
-            self._grad_norm_sq[p].copy_(grad.float().square().sum())
-            torch_adamw(
-                [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
-                foreach=foreach, fused=fused, capturable=False, amsgrad=False,
-                beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
-                eps=update.eps, maximize=False,
-            )  # fmt: skip
+            try:
+                torch_adamw(
+                    [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
+                    foreach=foreach, fused=fused, capturable=False, amsgrad=False,
+                    beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
+                    eps=update.eps, maximize=False,
+                )  # fmt: skip
+            except BaseException:
+                # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
+                update.step.copy_(step_before)
+                raise
+            self._grad_norm_sq[p].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        p.grad = None
         self._updated[p] = True
         self._micro.pop(p, None)
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         """A gradient was added to ``p.grad`` (torch backend, or a micro-batch before the last): keep it
         until the k-th micro-batch, then apply torch's AdamW and release it."""
+        if p in self._updated and self._updated_in_backward.get(p, False):
+            raise RuntimeError(
+                f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} received a gradient from "
+                "outside the expert MLP (e.g. a penalty on the weights) after the MLP's backward updated it; a "
+                "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
+            )
         self._check_not_updated(p)
         count = self._micro.get(p, 0) + 1
         self._micro[p] = count
@@ -223,10 +238,11 @@ class InBackwardAdamW:
             self._apply_grad(p)
 
     def expert_grad_norm(self, params=None) -> torch.Tensor:
-        """L2 norm of the expert gradients applied by the last update of each tensor (in the backward, so
-        no gradient tensor holds them): a 0-dim float32 tensor on the tensors' device, summed in
-        param_groups order from per-tensor squared norms that the wgrad kernels sum deterministically.
-        Reading it (``float()``) syncs with the device.
+        """L2 norm of the expert gradients of the current step (read it after the backward, or after
+        ``step()``, until the next step's backward writes new values): a 0-dim float32 tensor on the
+        tensors' device, summed in param_groups order from per-tensor squared norms that the wgrad
+        kernels sum deterministically. A tensor that got no gradient in that step counts as 0. Reading it
+        (``float()``) syncs with the device.
 
         Args:
             params: the expert tensors to include (e.g. one layer's ``SonarExperts.parameters()``); None:
@@ -267,9 +283,13 @@ class InBackwardAdamW:
                     p.grad = None
                 elif p.grad is not None:
                     self._apply_grad(p)
+            for p in list(self._managed.keys()):
+                if p not in self._updated:
+                    self._grad_norm_sq[p].zero_()  # no gradient this step: it counts as 0
         finally:
             # The step ends even when a gradient above was refused (a tensor updated twice).
             self._updated = WeakIdKeyDictionary()
+            self._updated_in_backward = WeakIdKeyDictionary()
             self._micro = WeakIdKeyDictionary()
             self._register_hooks()
 

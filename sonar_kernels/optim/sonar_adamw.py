@@ -31,7 +31,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     model loads (and the reverse). LR schedulers drive both kinds of parameters: the backward reads the
     expert tensors' group when it runs. Expert tensors' state is created here (``step`` a 0-dim float32
     tensor on the parameter's device); the dense parameters' state is torch's, created at their first
-    step. Each expert tensor is updated once between two ``step()`` calls, at the last of its
+    step. An expert tensor that gets no gradient in a step is not updated in that step (with
+    ``zero_grad(set_to_none=False)`` torch.optim.AdamW would still decay it with a zero gradient). Each expert tensor is updated once between two ``step()`` calls, at the last of its
     ``accumulation_steps`` backward passes; see ExpertAdamW for the other rules (one live graph, no loss
     scaling).
 
@@ -82,6 +83,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         ):
             raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
+        if clip_norm_includes_experts and max_grad_norm is None:
+            raise ValueError("clip_norm_includes_experts=True needs max_grad_norm")
         self.clip_norm_includes_experts = bool(clip_norm_includes_experts)
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
@@ -130,10 +133,12 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             The closure's loss, or None.
         """
         loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        self._end_step()
+        try:
+            if closure is not None:
+                with torch.enable_grad():
+                    loss = closure()
+        finally:
+            self._end_step()
         if self.max_grad_norm is not None:
             dense = [p for p in self.dense_parameters() if p.grad is not None]
             if self.clip_norm_includes_experts:
@@ -144,5 +149,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 self.last_dense_grad_norm, self.last_grad_norm = dense_norm, total
             else:
                 self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
-        super().step()
+        # torch.optim.AdamW's own step, unwrapped: Optimizer hooks wrap it once another AdamW exists, and
+        # they already ran around this step().
+        adamw_step = torch.optim.AdamW.step
+        getattr(adamw_step, "__wrapped__", adamw_step)(self)
         return loss
