@@ -620,6 +620,8 @@ def _wgrad(
     # AdamW options: the fused epilogue and the standalone kernel compile without automatic fma
     # contraction, so the arithmetic is the one written in kernels/adamw.py (explicit fmas only).
     no_fusion = {"enable_fp_fusion": False} if update is not None else {}
+    # The wgrad kernel's own AdamW epilogue needs it; its split-path variant only sums squares.
+    wgrad_fusion = no_fusion if fused else {}
     norm_out = None if update is None else update.grad_norm_sq
     norm_partial = _empty(grid, torch.float32, weight.device) if norm_out is not None else step
     applied = False
@@ -639,7 +641,7 @@ def _wgrad(
             ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **no_fusion,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **wgrad_fusion,
         )  # fmt: skip
         applied = fused
         if update is not None and not update.fused:

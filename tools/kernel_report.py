@@ -243,16 +243,23 @@ def _backward_specs() -> list[Spec]:
     roles = {"dW2": (True, False), "dW1": (False, True)}
     # The fused epilogue in both AdamW arithmetics (kernels/adamw.py); the plain gradient has none. The
     # last micro-batch of gradient accumulation adds the earlier ones' gradient (HAS_GRAD_IN).
-    variants = [(True, "fp64", False), (True, "fp32", False), (False, "fp64", False)]
-    accumulation = [(True, "fp64", True), (True, "fp32", True)]
+    # (FUSE_ADAMW, ARITHMETIC, HAS_GRAD_IN, HAS_NORM): fused update; plain gradient; and, for fp32 and
+    # bf16, the split path (gradient written, its norm summed) and the accumulation variants.
+    variants = [(True, "fp64", False, True), (True, "fp32", False, True), (False, "fp64", False, False)]
+    accumulation = [
+        (True, "fp64", True, True),
+        (True, "fp32", True, True),
+        (False, "fp64", False, True),
+        (False, "fp64", True, True),
+    ]
     for act_dtype, w_dtype, m_dtype in wgrad_dtypes:
         for role, (p_from_tokens, q_from_tokens) in roles.items():
             chosen = variants if m_dtype == w_dtype else variants[:2]
             if act_dtype == w_dtype == m_dtype and w_dtype in ("fp32", "bf16"):
                 chosen = chosen + accumulation
-            for fuse, arithmetic, has_grad_in in chosen:
+            for fuse, arithmetic, has_grad_in, has_norm in chosen:
                 moments = f" m={m_dtype}" if m_dtype != w_dtype else ""
-                kind = f"adamw-{arithmetic}" if fuse else "grad"
+                kind = f"adamw-{arithmetic}" if fuse else ("split" if has_norm else "grad")
                 kind += " +grad_in" if has_grad_in else ""
                 out.append(
                     Spec(
@@ -264,7 +271,7 @@ def _backward_specs() -> list[Spec]:
                          "norm_partial_ptr": "fp32"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
-                           "HAS_GRAD_IN": has_grad_in, "HAS_NORM": fuse, "ARITHMETIC": arithmetic,
+                           "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops._wgrad compiles the AdamW kernels without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if fuse else {}),

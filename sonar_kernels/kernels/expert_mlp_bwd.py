@@ -202,7 +202,7 @@ def _dw_epilogue_slice(
     grad32 = grad.to(tl.float32)
     norm_sq = 0.0
     if HAS_NORM:
-        norm_sq = tl.sum(tl.sum(tl.where(mask, grad32 * grad32, 0.0), axis=1), axis=0)
+        norm_sq = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
     if FUSE_ADAMW:
         _adamw_tile(
             grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
