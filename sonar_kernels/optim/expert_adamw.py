@@ -111,11 +111,5 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        try:
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-        finally:
-            self._end_step()
+        loss = self._run_closure_and_end_step(closure)
         return loss

@@ -273,6 +273,17 @@ class InBackwardAdamW:
         fused = p.device.type == "cuda"
         return False, fused
 
+    def _run_closure_and_end_step(self, closure):
+        """Run ``closure`` (with grad enabled, as torch.optim does) if given, then :meth:`_end_step`, also
+        when the closure raises. Returns the closure's loss or None."""
+        try:
+            if closure is None:
+                return None
+            with torch.enable_grad():
+                return closure()
+        finally:
+            self._end_step()
+
     def _end_step(self) -> None:
         """Apply once a gradient found on a managed tensor (it had requires_grad=False when it was given,
         so its hook came later), then end the step: each managed tensor may be updated again."""

@@ -132,13 +132,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         Returns:
             The closure's loss, or None.
         """
-        loss = None
-        try:
-            if closure is not None:
-                with torch.enable_grad():
-                    loss = closure()
-        finally:
-            self._end_step()
+        loss = self._run_closure_and_end_step(closure)
         if self.max_grad_norm is not None:
             dense = [p for p in self.dense_parameters() if p.grad is not None]
             if self.clip_norm_includes_experts:
