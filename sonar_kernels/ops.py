@@ -305,7 +305,15 @@ class AdamWUpdate(NamedTuple):
             the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
             them in ``.grad``. None: this backward's gradient alone.
         grad_norm_sq: a 0-dim float32 tensor on the weight's device that receives the squared L2 norm of
-            the gradient the update used (per-program partial sums, added in a fixed order; no atomics).
+            the gradient the update used (per-program partial sums, added in a fixed order; no atomics),
+            or inf when the update was skipped.
+        skipped: a 0-dim int64 tensor on the weight's device, incremented when the update is skipped.
+
+    Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
+    unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
+    ``grad_in``, is NaN, infinite, or larger in magnitude than :func:`grad_limit` of exp_avg_sq's dtype
+    (so that g * g, and exp_avg_sq, stay finite). The decision is made on the device before the update's
+    launch, with no host sync (see :func:`_wgrad`).
     """
 
     exp_avg: torch.Tensor
@@ -321,6 +329,15 @@ class AdamWUpdate(NamedTuple):
     on_done: Callable[[], None] | None = None
     grad_in: torch.Tensor | None = None
     grad_norm_sq: torch.Tensor | None = None
+    skipped: torch.Tensor | None = None
+
+
+def grad_limit(moments_dtype: torch.dtype) -> float:
+    """The largest gradient magnitude an in-backward AdamW update takes with exp_avg_sq in
+    ``moments_dtype``: the largest power of two whose square that dtype holds (2**63 for float32 and
+    bfloat16, 2**7 for float16). exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g then stays
+    finite for every beta2."""
+    return 2.0 ** (math.floor(math.log2(torch.finfo(moments_dtype).max)) // 2)
 
 
 @functools.cache
@@ -404,6 +421,11 @@ def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> 
         or n.device != weight.device
     ):
         raise ValueError(f"grad_norm_sq of {name} must be a 0-dim float32 tensor on {weight.device}")
+    c = update.skipped
+    if c is not None and (
+        not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0 or c.device != weight.device
+    ):
+        raise ValueError(f"skipped of {name} must be a 0-dim int64 tensor on {weight.device}")
     g = update.grad_in
     if g is not None and (
         not isinstance(g, torch.Tensor)
@@ -503,8 +525,12 @@ def _moe_mlp_bwd(
     grad_hpre = _empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
     a = _empty((num_rows, I), dtype, device) if need_w2 else None
     dw_partial = _empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
+    # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
+    has_update = gate_up_proj_update is not None or down_proj_update is not None
+    absmax = None
     if S > 0 and (need_grad_hpre or need_w or need_w2):
         max_row_tiles = _max_row_tiles(S, E, block_m)
+        absmax = _empty((max_row_tiles * num_pid_n, 2), torch.float32, device) if has_update else None
         any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
@@ -512,6 +538,7 @@ def _moe_mlp_bwd(
         _expert_mlp_bwd_dhpre_kernel[(max_row_tiles * num_pid_n,)](
             grad_out, down_proj, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
             meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
+            any_buffer if absmax is None else absmax,
             E, H, I, top_k,
             grad_out.stride(0), grad_out.stride(1),
             down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
@@ -519,17 +546,31 @@ def _moe_mlp_bwd(
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0),
             ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
-            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w,
+            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
             INPUT_PRECISION=precision, INTERPRET=interpret,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         )  # fmt: skip
+
+    # The magnitudes that bound each updated weight's gradient: (largest |P|, largest |Q|, most rows).
+    bounds = {}
+    if has_update:
+        largest = absmax.amax(0) if absmax is not None else torch.zeros(2, dtype=torch.float32, device=device)
+        most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
+        if down_proj_update is not None:
+            # P = w * dO[token] (rounded), Q = A.
+            p_max = _inf_norm(top_k_weights) * _inf_norm(grad_out)
+            bounds["down_proj"] = (p_max, largest[0], most_rows)
+        if gate_up_proj_update is not None:
+            # P = dHpre, Q = X[token].
+            bounds["gate_up_proj"] = (largest[1], _inf_norm(hidden_states), most_rows)
+    del absmax
 
     grad_w2 = None
     if need_w2:
         # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
         grad_w2 = _wgrad(
             grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
-            dtype, interpret,
+            dtype, interpret, bounds.get("down_proj"),
         )  # fmt: skip
     del a
 
@@ -558,7 +599,7 @@ def _moe_mlp_bwd(
         # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
         grad_w1 = _wgrad(
             grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
-            two_I, H, top_k, dtype, interpret,
+            two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"),
         )  # fmt: skip
     return grad_x, grad_w, grad_w1, grad_w2
 
@@ -594,74 +635,135 @@ def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
     return grad_x
 
 
+def _inf_norm(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim float32 tensor (NaN when x holds a NaN; 0 for an empty x)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def _overflow_possible(
+    bound: tuple, grad_in: torch.Tensor | None, limit: float, operand_limit: float
+) -> torch.Tensor:
+    """0.0 (a 0-dim fp32 device tensor) when no entry of the wgrad, rounded, can exceed ``limit`` in
+    magnitude and no GEMM operand can overflow ``operand_limit`` when rounded to the GEMM dtype, else
+    1.0: the cheap test that spares the exact check pass in :func:`_wgrad`.
+
+    An entry of sum_r P[r]^T Q[r] over at most n rows with |P| <= p, |Q| <= q is at most n * p * q in
+    magnitude; the fp32 accumulation adds at most a factor 1 + n * 2**-23 (2 n unit roundoffs), the
+    roundings to the GEMM and gradient dtypes (and of the sum with grad_in) under 1.03 together. A NaN
+    or inf anywhere makes the bound NaN or inf, so the check pass runs.
+    """
+    p_max, q_max, most_rows = bound
+    total = most_rows * p_max * q_max * (1.0 + most_rows * 2.0**-23)
+    if grad_in is not None:
+        total = total + _inf_norm(grad_in)
+    safe = (total * 1.03 <= limit) & (p_max * 1.01 <= operand_limit)
+    return (~safe).float()
+
+
 def _wgrad(
-    p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret
-):
+    p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret,
+    bound=None,
+):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
-    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done."""
+    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done.
+
+    With an update the decision to skip it (non-finite or too large gradient, see
+    :class:`AdamWUpdate`) is made on the device before the update's launch: on the split path from the
+    gradient it wrote; on the fused path by a check pass of the same kernel (EPILOGUE "check": it
+    recomputes each tile's gradient and flags the tiles with an entry beyond :func:`grad_limit`), which
+    returns at once unless ``bound`` (largest |P|, largest |Q|, most rows of an expert) says the
+    gradient may exceed the limit. No host sync.
+    """
     E = weight.shape[0]
     cfg = WGRAD_CONFIG
     grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
-    if update is None:
-        grad = _like(weight, weight.dtype)
-        target, exp_avg, exp_avg_sq, step = grad, grad, grad, meta.expert_offsets
-        grad_in = None
-        hyper = (0.0, 0.0, 0.0, 0.0, 0.0)
-        grad_dtype, fused, arithmetic = weight.dtype, False, "fp64"
-    else:
-        grad = weight if update.fused else _like(weight, update.grad_dtype)
-        grad_in = update.grad_in
-        target, exp_avg, exp_avg_sq, step = weight, update.exp_avg, update.exp_avg_sq, update.step
-        hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
-        grad_dtype, fused = update.grad_dtype, update.fused
-        arithmetic = adamw_arithmetic(weight.device)
-        # torch's AdamW increments the step before it computes the bias corrections.
-        step.add_(1)
-    # AdamW options: the fused epilogue and the standalone kernel compile without automatic fma
-    # contraction, so the arithmetic is the one written in kernels/adamw.py (explicit fmas only).
-    no_fusion = {"enable_fp_fusion": False} if update is not None else {}
-    # The wgrad kernel's own AdamW epilogue needs it; its split-path variant only sums squares.
-    wgrad_fusion = no_fusion if fused else {}
-    norm_out = None if update is None else update.grad_norm_sq
-    norm_partial = _empty(grid, torch.float32, weight.device) if norm_out is not None else step
-    applied = False
-    try:
+
+    def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
+               grad_dtype, arithmetic, has_norm, **options):  # fmt: skip
         _expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
-            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, norm_partial,
+            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
             grad.stride(0), grad.stride(1), grad.stride(2),
-            *hyper,
+            *hyper, limit,
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], FUSE_ADAMW=fused, HAS_GRAD_IN=grad_in is not None,
-            HAS_NORM=norm_out is not None,
-            ARITHMETIC=arithmetic,
+            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
+            HAS_NORM=has_norm, ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=_input_precision(dtype), INTERPRET=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **wgrad_fusion,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options,
         )  # fmt: skip
-        applied = fused
-        if update is not None and not update.fused:
+
+    if update is None:
+        grad = _like(weight, weight.dtype)
+        offsets = meta.expert_offsets
+        launch(
+            "store", grad, None, offsets, offsets, grad, grad, grad, offsets, (0.0,) * 5, 0.0, weight.dtype,
+            "fp64", False,
+        )  # fmt: skip
+        return grad
+
+    hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
+    limit = grad_limit(update.exp_avg_sq.dtype)
+    arithmetic = adamw_arithmetic(weight.device)
+    state = (weight, update.exp_avg, update.exp_avg_sq, update.step)
+    # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
+    # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
+    no_fusion = {"enable_fp_fusion": False}
+    # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
+    partial = _empty(grid, torch.float32, weight.device)
+    if update.fused:
+        if bound is None:
+            raise ValueError("a fused update needs the bound of its gradient")
+        # A gradient entry beyond the limit, or beyond what the gradient dtype holds (it would round to inf).
+        entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
+        maybe = _overflow_possible(bound, update.grad_in, entry_limit, torch.finfo(dtype).max)
+        launch(
+            "check", weight, update.grad_in, maybe, partial, *state, hyper, limit, update.grad_dtype,
+            arithmetic, False,
+        )  # fmt: skip
+        skip = partial.amax()
+        grad = None
+    else:
+        grad = _like(weight, update.grad_dtype)
+        launch(
+            "store", grad, update.grad_in, update.step, partial, *state, hyper, limit, update.grad_dtype,
+            arithmetic, update.grad_norm_sq is not None,
+        )  # fmt: skip
+        skip = (~(_inf_norm(grad) <= limit)).float()
+    # torch's AdamW increments the step before it computes the bias corrections; a skipped update
+    # leaves it (as torch's fused AdamW does with found_inf).
+    advance = 1.0 - skip
+    update.step.add_(advance)
+    applied = False
+    try:
+        if update.fused:
+            launch(
+                "adamw", weight, update.grad_in, skip, partial, *state, hyper, limit, update.grad_dtype,
+                arithmetic, update.grad_norm_sq is not None, **no_fusion,
+            )  # fmt: skip
+        else:
             ac = ADAMW_CONFIG
             _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
-                weight, grad, exp_avg, exp_avg_sq, step,
+                weight, grad, update.exp_avg, update.exp_avg_sq, update.step, skip,
                 weight.numel(), *hyper,
                 BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
                 **no_fusion,
             )  # fmt: skip
-            applied = True
-    except BaseException:
-        # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
-        if update is not None and not applied:
-            step.sub_(1)
-        raise
-    if update is None:
-        return grad
-    if norm_out is not None:
-        norm_out.copy_(norm_partial.sum())
+        applied = True
+    finally:
+        if not applied:
+            # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
+            update.step.sub_(advance)
+    if update.grad_norm_sq is not None:
+        update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
+    if update.skipped is not None:
+        update.skipped.add_(skip.long())
     if update.on_done is not None:
         update.on_done()
     return None

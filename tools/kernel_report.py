@@ -208,9 +208,10 @@ def _backward_specs() -> list[Spec]:
     the pointer dtype only changes one load)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
-    # STORE_GRAD_HPRE (dX or dW1 needed), STORE_A (dW2), COMPUTE_DW (routing weights): all three for
-    # every dtype pair; for bf16 also without the routing-weight gradient and without dW2.
-    all_flags = {"STORE_GRAD_HPRE": True, "STORE_A": True, "COMPUTE_DW": True}
+    # STORE_GRAD_HPRE (dX or dW1 needed), STORE_A (dW2), COMPUTE_DW (routing weights), HAS_ABSMAX (an
+    # update follows): all four for every dtype pair; for bf16 also without the routing-weight gradient,
+    # without dW2, and without an update (plain gradients).
+    all_flags = {"STORE_GRAD_HPRE": True, "STORE_A": True, "COMPUTE_DW": True, "HAS_ABSMAX": True}
     for act_dtype, w_dtype in DTYPE_PAIRS:
         variants = [("silu", all_flags, "")]
         if (act_dtype, w_dtype) == ("bf16", "bf16"):
@@ -218,6 +219,7 @@ def _backward_specs() -> list[Spec]:
                 ("gelu", all_flags, ""),
                 ("silu", all_flags | {"COMPUTE_DW": False}, " no-dw"),
                 ("silu", all_flags | {"STORE_A": False}, " no-A"),
+                ("silu", all_flags | {"HAS_ABSMAX": False}, " no-update"),
             ]
         for activation, flags, suffix in variants:
             out.append(
@@ -227,7 +229,7 @@ def _backward_specs() -> list[Spec]:
                     {"grad_out_ptr": act_dtype, "w2_ptr": w_dtype, "hpre_ptr": act_dtype, "weights_ptr": act_dtype,
                      "token_of_row_ptr": "i32", "slot_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
                      "tile_offsets_ptr": "i32", "grad_hpre_ptr": act_dtype, "a_ptr": act_dtype,
-                     "dw_partial_ptr": "fp32"},
+                     "dw_partial_ptr": "fp32", "absmax_ptr": "fp32"},
                     _precision(act_dtype) | blocks | flags | {"ACTIVATION": activation},
                     options,
                     unit_strides=("stride_goh", "stride_wi", "stride_hn", "stride_wj", "stride_gn", "stride_an"),
@@ -241,25 +243,30 @@ def _backward_specs() -> list[Spec]:
     wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
     # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
     roles = {"dW2": (True, False), "dW1": (False, True)}
-    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py); the plain gradient has none. The
-    # last micro-batch of gradient accumulation adds the earlier ones' gradient (HAS_GRAD_IN).
-    # (FUSE_ADAMW, ARITHMETIC, HAS_GRAD_IN, HAS_NORM): fused update; plain gradient; and, for fp32 and
-    # bf16, the split path (gradient written, its norm summed) and the accumulation variants.
-    variants = [(True, "fp64", False, True), (True, "fp32", False, True), (False, "fp64", False, False)]
+    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py), its check pass (ops._wgrad: the
+    # skip decision for non-finite gradients); the plain gradient. The last micro-batch of gradient
+    # accumulation adds the earlier ones' gradient (HAS_GRAD_IN).
+    # (EPILOGUE, ARITHMETIC, HAS_GRAD_IN, HAS_NORM): fused update and its check; plain gradient; and, for
+    # fp32 and bf16, the split path (gradient written, its norm summed) and the accumulation variants.
+    variants = [("adamw", "fp64", False, True), ("adamw", "fp32", False, True), ("check", "fp64", False, False),
+                ("store", "fp64", False, False)]  # fmt: skip
     accumulation = [
-        (True, "fp64", True, True),
-        (True, "fp32", True, True),
-        (False, "fp64", False, True),
-        (False, "fp64", True, True),
+        ("adamw", "fp64", True, True),
+        ("adamw", "fp32", True, True),
+        ("check", "fp64", True, False),
+        ("store", "fp64", False, True),
+        ("store", "fp64", True, True),
     ]
     for act_dtype, w_dtype, m_dtype in wgrad_dtypes:
         for role, (p_from_tokens, q_from_tokens) in roles.items():
-            chosen = variants if m_dtype == w_dtype else variants[:2]
+            chosen = variants if m_dtype == w_dtype else variants[:3]
             if act_dtype == w_dtype == m_dtype and w_dtype in ("fp32", "bf16"):
                 chosen = chosen + accumulation
-            for fuse, arithmetic, has_grad_in, has_norm in chosen:
+            for epilogue, arithmetic, has_grad_in, has_norm in chosen:
                 moments = f" m={m_dtype}" if m_dtype != w_dtype else ""
-                kind = f"adamw-{arithmetic}" if fuse else ("split" if has_norm else "grad")
+                kind = {"adamw": f"adamw-{arithmetic}", "check": "check"}.get(
+                    epilogue, "split" if has_norm else "grad"
+                )
                 kind += " +grad_in" if has_grad_in else ""
                 out.append(
                     Spec(
@@ -267,14 +274,14 @@ def _backward_specs() -> list[Spec]:
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
-                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32",
-                         "norm_partial_ptr": "fp32"},
+                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32", "flag_ptr": "fp32",
+                         "partial_ptr": "fp32"},
                         _precision(act_dtype) | blocks
-                        | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "FUSE_ADAMW": fuse,
+                        | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
-                        # ops._wgrad compiles the AdamW kernels without automatic fma contraction.
-                        options | ({"enable_fp_fusion": False} if fuse else {}),
+                        # ops._wgrad compiles the AdamW launch without automatic fma contraction.
+                        options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
                         unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                         is_gemm=True,
                         config=blocks,
@@ -308,7 +315,7 @@ def _adamw_specs() -> list[Spec]:
                 adamw._adamw_kernel,
                 f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
-                 "step_ptr": "fp32"},
+                 "step_ptr": "fp32", "skip_ptr": "fp32"},
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},

@@ -170,6 +170,7 @@ def _adamw_kernel(
     exp_avg_ptr,  # [numel] moments dtype, read and written
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
     step_ptr,  # [] fp32, read (already incremented)
+    skip_ptr,  # [] fp32, read: the update is skipped when != 0
     # sizes
     numel,
     # hyperparameters, fp64
@@ -183,13 +184,16 @@ def _adamw_kernel(
     ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad.
+    """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad, unless the
+    flag at ``skip_ptr`` is set.
 
     Grid: (cdiv(numel, BLOCK),).
     Preconditions: the four tensors are dense with identical strides (element i of the storage order is
     the same element in each), so they are walked as flat arrays.
     """
     pid = tl.program_id(0)
+    if tl.load(skip_ptr) != 0.0:
+        return
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)

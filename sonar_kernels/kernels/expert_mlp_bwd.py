@@ -52,6 +52,12 @@ def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _absmax(x, mask):
+    """max |x| over the masked entries of an fp32 tile, a NaN counting as inf (0 for an empty mask)."""
+    return tl.max(tl.where(mask, tl.where(x == x, tl.abs(x), float("inf")), 0.0))
+
+
+@triton.jit
 def _expert_mlp_bwd_dhpre_kernel(
     # pointers
     grad_out_ptr,  # [T, H] activation dtype, read (rows gathered by token; any strides, 0 included)
@@ -65,6 +71,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     grad_hpre_ptr,  # [S, 2I] activation dtype, written for rows < expert_offsets[E] when STORE_GRAD_HPRE
     a_ptr,  # [S, I] activation dtype, written for rows < expert_offsets[E] when STORE_A
     dw_partial_ptr,  # [cdiv(I, BLOCK_N), S] fp32, written for rows < expert_offsets[E] when COMPUTE_DW
+    absmax_ptr,  # [grid, 2] fp32, written when HAS_ABSMAX: per program max |A| and max |dHpre| (NaN -> inf)
     # sizes
     E,
     H,
@@ -93,6 +100,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     STORE_GRAD_HPRE: tl.constexpr,
     STORE_A: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    HAS_ABSMAX: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -101,6 +109,9 @@ def _expert_mlp_bwd_dhpre_kernel(
     A = act(Hpre[:, :I]) * Hpre[:, I:] is recomputed exactly as the forward computed it (same code, same
     rounding). dA = w * G is rounded to the activation dtype, as the gradient of the rounded A is.
     Mapping: M -> rows r, N -> I, K -> H.
+    With HAS_ABSMAX each program writes the largest magnitude of the A and dHpre entries it computed
+    (rounded; a NaN counts as inf; 0 where it has none): the wgrad launches bound their gradients
+    with them (``ops._overflow_possible``).
     Grid: (row tiles * cdiv(I, BLOCK_N),).
     Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
     """
@@ -109,6 +120,8 @@ def _expert_mlp_bwd_dhpre_kernel(
     pid_m = pid // num_pid_n
     pid_n = pid % num_pid_n
     if pid_m >= tl.load(tile_offsets_ptr + E):
+        if HAS_ABSMAX:
+            tl.store(absmax_ptr + 2 * pid + tl.arange(0, 2), tl.zeros((2,), tl.float32))
         return
     expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
     dtype = hpre_ptr.dtype.element_ty
@@ -131,6 +144,8 @@ def _expert_mlp_bwd_dhpre_kernel(
     a = _round_to(_glu_fwd(gate, up, ACTIVATION), dtype, INTERPRET)
     if STORE_A:
         tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, a, mask=mask)
+    if HAS_ABSMAX:
+        tl.store(absmax_ptr + 2 * pid, _absmax(a.to(tl.float32), mask))
     if COMPUTE_DW:
         # <dO[t], Y[r]> = <G[r], A[r]>: the routing-weight gradient without the expert outputs Y.
         partial = tl.sum(tl.where(mask, grad_proj * a.to(tl.float32), 0.0), axis=1)  # [BLOCK_M]
@@ -145,9 +160,16 @@ def _expert_mlp_bwd_dhpre_kernel(
         ).to(tl.float32)
         grad_a = _round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
         grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION)
+        grad_gate = _round_to(grad_gate, dtype, INTERPRET)
+        grad_up = _round_to(grad_up, dtype, INTERPRET)
         g_ptrs = grad_hpre_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gn
-        tl.store(g_ptrs, _round_to(grad_gate, dtype, INTERPRET), mask=mask)
-        tl.store(g_ptrs + I * stride_gn, _round_to(grad_up, dtype, INTERPRET), mask=mask)
+        tl.store(g_ptrs, grad_gate, mask=mask)
+        tl.store(g_ptrs + I * stride_gn, grad_up, mask=mask)
+        if HAS_ABSMAX:
+            largest = tl.maximum(_absmax(grad_gate.to(tl.float32), mask), _absmax(grad_up.to(tl.float32), mask))
+            tl.store(absmax_ptr + 2 * pid + 1, largest)
+    elif HAS_ABSMAX:
+        tl.store(absmax_ptr + 2 * pid + 1, 0.0)
 
 
 @triton.jit
@@ -178,19 +200,22 @@ def _dw_epilogue_slice(
     beta2,
     eps,
     weight_decay,
+    grad_limit,
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
-    FUSE_ADAMW: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     HAS_GRAD_IN: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Columns [col0, col0 + SLICE_N) of the tile: AdamW on W and its moments, or the gradient stored.
+    """Columns [col0, col0 + SLICE_N) of the tile: the gradient stored ("store"), AdamW applied to W and
+    its moments ("adamw"), or the gradient only checked ("check").
 
     With HAS_GRAD_IN the gradient of earlier micro-batches (GRAD_DTYPE) is added first, as autograd adds
-    a new gradient to ``.grad``: round(previous + round(acc)). Returns the slice's sum of squared gradient
-    entries (fp32) when HAS_NORM, else 0.
+    a new gradient to ``.grad``: round(previous + round(acc)). Returns, for "check", the number of
+    entries that are not <= grad_limit in magnitude (NaN included); otherwise the slice's sum of squared
+    gradient entries (fp32) when HAS_NORM, else 0.
     """
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -200,17 +225,20 @@ def _dw_epilogue_slice(
         previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         grad = _round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
     grad32 = grad.to(tl.float32)
-    norm_sq = 0.0
-    if HAS_NORM:
-        norm_sq = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
-    if FUSE_ADAMW:
-        _adamw_tile(
-            grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
-        )  # fmt: skip
+    result = 0.0
+    if EPILOGUE == "check":
+        result = tl.sum(tl.where(mask & ~(tl.abs(grad32) <= grad_limit), 1.0, 0.0))
     else:
-        tl.store(dw_ptr + offs, grad, mask=mask)
-    return norm_sq
+        if HAS_NORM:
+            result = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
+        if EPILOGUE == "adamw":
+            _adamw_tile(
+                grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+                step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
+            )  # fmt: skip
+        else:
+            tl.store(dw_ptr + offs, grad, mask=mask)
+    return result
 
 
 @triton.jit
@@ -221,13 +249,15 @@ def _expert_mlp_bwd_dw_kernel(
     weights_ptr,  # [T, top_k] floating, read when P_FROM_TOKENS
     slot_of_row_ptr,  # [S] int32, read
     expert_offsets_ptr,  # [E + 1] int32, read
-    dw_ptr,  # [E, M, N] GRAD_DTYPE, written when not FUSE_ADAMW
+    dw_ptr,  # [E, M, N] GRAD_DTYPE, written by "store" (may be grad_in_ptr: each entry is read first)
     grad_in_ptr,  # [E, M, N] GRAD_DTYPE, read when HAS_GRAD_IN (earlier micro-batches' gradient)
-    w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written when FUSE_ADAMW
-    exp_avg_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
-    exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written when FUSE_ADAMW
-    step_ptr,  # [] fp32, read when FUSE_ADAMW (already incremented)
-    norm_partial_ptr,  # [grid] fp32, written when HAS_NORM: each program's sum of squared gradient entries
+    w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written by "adamw"
+    exp_avg_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
+    exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
+    step_ptr,  # [] fp32, read by "adamw" (already incremented)
+    flag_ptr,  # [] fp32, read by "adamw" (skip the update when != 0) and "check" (run only when != 0)
+    partial_ptr,  # [grid] fp32, written by "check" (1.0: the tile has a gradient entry beyond grad_limit)
+    #               and, with HAS_NORM, by the others (each program's sum of squared gradient entries)
     # sizes
     E,
     M,
@@ -249,6 +279,8 @@ def _expert_mlp_bwd_dw_kernel(
     beta2: tl.float64,
     eps: tl.float64,
     weight_decay: tl.float64,
+    # the largest gradient magnitude an update takes ("check")
+    grad_limit: tl.float32,
     # meta-parameters
     P_FROM_TOKENS: tl.constexpr,
     Q_FROM_TOKENS: tl.constexpr,
@@ -256,7 +288,7 @@ def _expert_mlp_bwd_dw_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
-    FUSE_ADAMW: tl.constexpr,
+    EPILOGUE: tl.constexpr,
     HAS_GRAD_IN: tl.constexpr,
     HAS_NORM: tl.constexpr,
     ARITHMETIC: tl.constexpr,
@@ -271,14 +303,23 @@ def _expert_mlp_bwd_dw_kernel(
     dW1: M -> 2I, N -> H, P[r] = dHpre[r], Q[r] = X[token_r]. K -> the rows of expert e.
     Each program owns one [BLOCK_M, BLOCK_N] tile of one expert and reduces over all of that expert's
     rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
-    GRAD_DTYPE (plus the gradient of earlier micro-batches, HAS_GRAD_IN), it is either stored to dW or,
-    with FUSE_ADAMW, applied to W, exp_avg and exp_avg_sq in
-    EPILOGUE_SPLIT column slices, in the arithmetic ARITHMETIC names (see kernels/adamw.py). With HAS_NORM
-    each program also writes the sum of its squared gradient entries (telemetry; summed in a fixed order
-    by the launcher). An expert with no rows gets a zero gradient (still a full AdamW step).
+    GRAD_DTYPE (plus the gradient of earlier micro-batches, HAS_GRAD_IN), it is, in EPILOGUE_SPLIT
+    column slices, either stored to dW (EPILOGUE "store"), or applied to W, exp_avg and exp_avg_sq in the
+    arithmetic ARITHMETIC names (see kernels/adamw.py; "adamw"), or only checked against grad_limit
+    ("check": the pass that decides, before the update's launch, whether the whole tensor's update is
+    skipped, since one tile cannot skip it once other tiles are stored). With HAS_NORM each program also
+    writes the sum of its squared gradient entries (telemetry; summed in a fixed order by the launcher).
+    An expert with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
     """
     pid = tl.program_id(0)
+    if EPILOGUE == "adamw":
+        if tl.load(flag_ptr) != 0.0:
+            return
+    if EPILOGUE == "check":
+        if tl.load(flag_ptr) == 0.0:
+            tl.store(partial_ptr + pid, 0.0)
+            return
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     expert = pid // (num_pid_m * num_pid_n)
@@ -323,7 +364,7 @@ def _expert_mlp_bwd_dw_kernel(
 
     step_size = 0.0
     bc2_sqrt = 1.0
-    if FUSE_ADAMW:
+    if EPILOGUE == "adamw":
         lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
         step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     base = expert.to(tl.int64) * stride_e
@@ -334,25 +375,25 @@ def _expert_mlp_bwd_dw_kernel(
     exp_avg_sq_ptr += base
     col0 = pid_n * BLOCK_N
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
-    # are added in a fixed order.
+    # (or out-of-range counts) are added in a fixed order.
     if EPILOGUE_SPLIT == 1:
-        norm_sq = _dw_epilogue_slice(
+        total = _dw_epilogue_slice(
             acc, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            BLOCK_N, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
-        norm_sq = _dw_epilogue_slice(
+        total = _dw_epilogue_slice(
             left, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        norm_sq += _dw_epilogue_slice(
+        total += _dw_epilogue_slice(
             right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            half, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -360,29 +401,31 @@ def _expert_mlp_bwd_dw_kernel(
         quarter: tl.constexpr = BLOCK_N // 4
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _split_columns(left, BLOCK_M, half)
-        norm_sq = _dw_epilogue_slice(
+        total = _dw_epilogue_slice(
             q0, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        norm_sq += _dw_epilogue_slice(
+        total += _dw_epilogue_slice(
             q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
-        norm_sq += _dw_epilogue_slice(
+        total += _dw_epilogue_slice(
             q2, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-        norm_sq += _dw_epilogue_slice(
+        total += _dw_epilogue_slice(
             q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            stride_m, stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-            quarter, GRAD_DTYPE, FUSE_ADAMW, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
+            stride_m, stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
-    if HAS_NORM:
-        tl.store(norm_partial_ptr + pid, norm_sq)
+    if EPILOGUE == "check":
+        tl.store(partial_ptr + pid, tl.where(total > 0.0, 1.0, 0.0))
+    elif HAS_NORM:
+        tl.store(partial_ptr + pid, total)
 
 
 @triton.jit

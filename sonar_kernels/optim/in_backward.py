@@ -96,8 +96,11 @@ class InBackwardAdamW:
         self._managed = WeakIdKeyDictionary()
         self._updated = WeakIdKeyDictionary()
         self._hooked = WeakIdKeyDictionary()
-        # Managed tensor -> squared L2 norm of the gradient of its update in the last step (0 if none).
+        # Managed tensor -> squared L2 norm of the gradient of its update in the last step (0 if none,
+        # inf if the update was skipped).
         self._grad_norm_sq = WeakIdKeyDictionary()
+        # Managed tensor -> number of its updates skipped for a non-finite or too large gradient.
+        self._skipped = WeakIdKeyDictionary()
         # Managed tensors updated by the Triton epilogue since the last step().
         self._updated_in_backward = WeakIdKeyDictionary()
 
@@ -131,6 +134,7 @@ class InBackwardAdamW:
             }
             self._managed[p] = True
             self._grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
+            self._skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
             _MANAGER[p] = this
         self._register_hooks()
 
@@ -187,6 +191,7 @@ class InBackwardAdamW:
             fused=self.fused_epilogue,
             grad_in=grad_in,
             grad_norm_sq=self._grad_norm_sq[p],
+            skipped=self._skipped[p],
         )
 
     def _finish_update(self, p: torch.Tensor) -> None:
@@ -200,24 +205,35 @@ class InBackwardAdamW:
         torch.autograd.graph.increment_version([p, state["exp_avg"], state["exp_avg_sq"]])
 
     def _apply_grad(self, p: torch.Tensor) -> None:
-        """torch's own AdamW on an accumulated ``p.grad``, which is then released (torch backend)."""
+        """torch's own AdamW on an accumulated ``p.grad``, which is then released (torch backend).
+
+        Skipped, as the Triton update is (see ops.AdamWUpdate), when the gradient has an entry that is
+        not finite or beyond ops.grad_limit: with fused=True through torch's ``found_inf`` (no host
+        sync); torch's other AdamW paths have no such input, so the decision is read on the host there
+        (a sync on a GPU).
+        """
         update = self._update_for(p, with_grad_in=False)
         grad = p.grad
         foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
         step_before = update.step.clone()
         with torch.no_grad():
+            found = ~(ops._inf_norm(grad) <= ops.grad_limit(update.exp_avg_sq.dtype))
+            apply = True if fused else not bool(found)
             try:
-                torch_adamw(
-                    [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [], [update.step],
-                    foreach=foreach, fused=fused, capturable=False, amsgrad=False,
-                    beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
-                    eps=update.eps, maximize=False,
-                )  # fmt: skip
+                if apply:
+                    torch_adamw(
+                        [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [],
+                        [update.step], foreach=foreach, fused=fused, capturable=False, amsgrad=False,
+                        beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
+                        eps=update.eps, maximize=False, found_inf=found.float() if fused else None,
+                    )  # fmt: skip
             except BaseException:
                 # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
                 update.step.copy_(step_before)
                 raise
-            self._grad_norm_sq[p].copy_(torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            self._grad_norm_sq[p].copy_(torch.where(found, float("inf"), norm_sq))
+            self._skipped[p].add_(found.long())
         p.grad = None
         self._updated[p] = True
         self._micro.pop(p, None)
@@ -241,8 +257,9 @@ class InBackwardAdamW:
         """L2 norm of the expert gradients of the current step (read it after the backward, or after
         ``step()``, until the next step's backward writes new values): a 0-dim float32 tensor on the
         tensors' device, summed in param_groups order from per-tensor squared norms that the wgrad
-        kernels sum deterministically. A tensor that got no gradient in that step counts as 0. Reading it
-        (``float()``) syncs with the device.
+        kernels sum deterministically. A tensor that got no gradient in that step counts as 0; one whose
+        update was skipped (see :meth:`expert_skipped_updates`) as inf. Reading it (``float()``) syncs
+        with the device.
 
         Args:
             params: the expert tensors to include (e.g. one layer's ``SonarExperts.parameters()``); None:
@@ -250,6 +267,34 @@ class InBackwardAdamW:
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
+        ordered = self._managed_in_order(params)
+        if not ordered:
+            return torch.zeros((), dtype=torch.float32)
+        total = self._grad_norm_sq[ordered[0]].clone()
+        for p in ordered[1:]:
+            total += self._grad_norm_sq[p].to(total.device)
+        return total.sqrt()
+
+    def expert_skipped_updates(self, params=None) -> torch.Tensor:
+        """How many in-backward updates were skipped because the gradient had an entry that was NaN,
+        infinite, or beyond ``sonar_kernels.ops.grad_limit`` (the update is then not applied at all:
+        weights, moments and step stay as they were; see ``ops.AdamWUpdate``). Counted on the device
+        since this optimizer was built (not saved in ``state_dict()``): a 0-dim int64 tensor, summed over
+        ``params`` (None: all expert tensors of this optimizer). Reading it syncs with the device.
+
+        Raises:
+            ValueError: a tensor this optimizer does not update in the backward.
+        """
+        ordered = self._managed_in_order(params)
+        if not ordered:
+            return torch.zeros((), dtype=torch.int64)
+        total = self._skipped[ordered[0]].clone()
+        for p in ordered[1:]:
+            total += self._skipped[p].to(total.device)
+        return total
+
+    def _managed_in_order(self, params) -> list[torch.Tensor]:
+        """``params`` (None: all managed tensors) in param_groups order; each must be managed."""
         chosen = None if params is None else list(params)
         if chosen is not None:
             for p in chosen:
@@ -260,12 +305,7 @@ class InBackwardAdamW:
         ordered = [p for group in self.param_groups for p in group["params"] if p in self._managed]
         if chosen is not None:
             ordered = [p for p in ordered if any(p is q for q in chosen)]
-        if not ordered:
-            return torch.zeros((), dtype=torch.float32)
-        total = self._grad_norm_sq[ordered[0]].clone()
-        for p in ordered[1:]:
-            total += self._grad_norm_sq[p].to(total.device)
-        return total.sqrt()
+        return ordered
 
     def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
         """(foreach, fused) for torch's AdamW on a managed tensor: by default torch's fused kernel on CUDA

@@ -7,6 +7,7 @@ import math
 import torch
 from torch import nn
 
+from sonar_kernels import ops
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
     _check_hyperparameters,
@@ -35,6 +36,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     ``zero_grad(set_to_none=False)`` torch.optim.AdamW would still decay it with a zero gradient). Each expert tensor is updated once between two ``step()`` calls, at the last of its
     ``accumulation_steps`` backward passes; see ExpertAdamW for the other rules (one live graph, no loss
     scaling).
+
+    Non-finite gradients never reach the parameters or the optimizer state. An expert tensor's update
+    is skipped when its gradient has an entry that is NaN, infinite or beyond ``ops.grad_limit``
+    (decided on the device before the update; counted by ``expert_skipped_updates()``). The dense update
+    of ``step()`` is skipped as a whole (all dense parameters, their moments and steps unchanged) when a
+    dense gradient, after clipping, has such an entry or the clipping norm is not finite; counted in
+    ``dense_skipped_steps`` (a 0-dim int64 tensor). With fused=True torch's fused AdamW skips it on the
+    device (its ``found_inf`` input, as torch.amp.GradScaler uses it); torch's foreach and single-tensor
+    AdamW have no such input, so ``step()`` reads the decision on the host there (one sync per step on
+    a GPU).
 
     Args:
         params_or_model: an nn.Module (its parameters, in order) or parameters / parameter groups.
@@ -88,6 +99,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.clip_norm_includes_experts = bool(clip_norm_includes_experts)
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
+        self.dense_skipped_steps: torch.Tensor | None = None
         self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
@@ -100,6 +112,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
             foreach=foreach, capturable=False, differentiable=False, fused=fused,
         )  # fmt: skip
+        dense = self.dense_parameters()
+        device = dense[0].device if dense else torch.device("cpu")
+        self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
@@ -133,18 +148,50 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             The closure's loss, or None.
         """
         loss = self._run_closure_and_end_step(closure)
+        dense = [p for p in self.dense_parameters() if p.grad is not None]
+        norm = None
         if self.max_grad_norm is not None:
-            dense = [p for p in self.dense_parameters() if p.grad is not None]
             if self.clip_norm_includes_experts:
                 dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
                 expert_norm = self.expert_grad_norm().to(dense_norm.device)
-                total = torch.sqrt(dense_norm.square() + expert_norm.square())
-                torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, total)
-                self.last_dense_grad_norm, self.last_grad_norm = dense_norm, total
+                norm = torch.sqrt(dense_norm.square() + expert_norm.square())
+                torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
+                self.last_dense_grad_norm, self.last_grad_norm = dense_norm, norm
             else:
-                self.last_dense_grad_norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+                norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
+                self.last_dense_grad_norm = norm
+        if not dense:
+            return loss
+        found = _found_inf(dense, norm).to(self.dense_skipped_steps.device)
         # torch.optim.AdamW's own step, unwrapped: Optimizer hooks wrap it once another AdamW exists, and
         # they already ran around this step().
         adamw_step = torch.optim.AdamW.step
-        getattr(adamw_step, "__wrapped__", adamw_step)(self)
+        adamw_step = getattr(adamw_step, "__wrapped__", adamw_step)
+        if all(group["fused"] for group in self.param_groups if any(p.grad is not None for p in group["params"])):
+            # torch's fused AdamW skips every parameter (step included) when found_inf is 1.
+            self.found_inf = found.float()
+            try:
+                adamw_step(self)
+            finally:
+                del self.found_inf
+        elif not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
+            adamw_step(self)
+        self.dense_skipped_steps += found.long()
         return loss
+
+
+def _found_inf(params: list[torch.Tensor], norm: torch.Tensor | None) -> torch.Tensor:
+    """A 0-dim bool tensor on the first parameter's device: True when a gradient of ``params`` has an entry
+    that is NaN, infinite, or beyond ``ops.grad_limit`` of the parameter's dtype (torch.optim.AdamW keeps
+    the moments in it), or when ``norm`` is given and not finite."""
+    device = params[0].grad.device
+    found = torch.zeros((), dtype=torch.bool, device=device)
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault((p.grad.device, p.dtype), []).append(p.grad)
+    for (_, dtype), grads in groups.items():
+        largest = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).amax()
+        found |= (~(largest <= ops.grad_limit(dtype))).to(device)
+    if norm is not None:
+        found |= ~torch.isfinite(norm).to(device)
+    return found
