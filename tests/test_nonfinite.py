@@ -8,7 +8,8 @@ import pytest
 import torch
 from test_expert_adamw import HYPER, _batch, _bits, _weights
 from test_sonar_adamw import HYPER as SONAR_HYPER
-from test_sonar_adamw import TinyMoE, _batch as _sonar_batch
+from test_sonar_adamw import TinyMoE
+from test_sonar_adamw import _batch as _sonar_batch
 
 import sonar_kernels
 from sonar_kernels import ops
@@ -20,7 +21,12 @@ def _state(optimizer, params):
     return [
         t.clone()
         for p in params
-        for t in (p.detach(), optimizer.state[p]["exp_avg"], optimizer.state[p]["exp_avg_sq"], optimizer.state[p]["step"])
+        for t in (
+            p.detach(),
+            optimizer.state[p]["exp_avg"],
+            optimizer.state[p]["exp_avg_sq"],
+            optimizer.state[p]["step"],
+        )
     ]
 
 
@@ -174,7 +180,9 @@ def test_non_finite_micro_batch_skips_the_accumulated_update(device):
     optimizer.step()
 
 
-@pytest.mark.parametrize("flags", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"])
+@pytest.mark.parametrize(
+    "flags", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"]
+)
 @pytest.mark.parametrize("where", ["dense", "experts"])
 def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags):
     model = TinyMoE("torch")
@@ -184,7 +192,9 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags)
     optimizer.step()
     optimizer.zero_grad()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    states = {name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()}
+    states = {
+        name: {k: v.clone() for k, v in optimizer.state[p].items()} for name, p in model.named_parameters()
+    }
 
     x, y = _sonar_batch(1)
     if where == "experts":
@@ -238,7 +248,9 @@ def _assert_same_parameters(a, b):
 
 def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_update_was_skipped():
     model = TinyMoE("torch")
-    optimizer = sonar_kernels.SonarAdamW(model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True)
+    optimizer = sonar_kernels.SonarAdamW(
+        model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True
+    )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     handle = model.experts.gate_up_proj.register_hook(lambda g: torch.full_like(g, float("inf")))
     x, y = _sonar_batch(0)

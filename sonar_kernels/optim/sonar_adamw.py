@@ -167,7 +167,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         # they already ran around this step().
         adamw_step = torch.optim.AdamW.step
         adamw_step = getattr(adamw_step, "__wrapped__", adamw_step)
-        if all(group["fused"] for group in self.param_groups if any(p.grad is not None for p in group["params"])):
+        if all(
+            group["fused"] for group in self.param_groups if any(p.grad is not None for p in group["params"])
+        ):
             # torch's fused AdamW skips every parameter (step included) when found_inf is 1.
             self.found_inf = found.float()
             try:
