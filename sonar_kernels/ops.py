@@ -332,6 +332,23 @@ class AdamWUpdate(NamedTuple):
     skipped: torch.Tensor | None = None
 
 
+class GradAccumulator(NamedTuple):
+    """A gradient-accumulation buffer the wgrad launch adds this backward's gradient of a weight to
+    (micro-batches before the last one, when the buffer's dtype is not the weight's, e.g. float32 for
+    bfloat16 weights; ``.grad`` must have the weight's dtype).
+
+    Attributes:
+        buffer: the weight's shape and strides, float32/bfloat16/float16; receives round(buffer +
+            wgrad) when ``add``, round(wgrad) otherwise, rounded to its dtype.
+        add: whether the buffer holds earlier micro-batches' gradient.
+        on_done: called right after the launch.
+    """
+
+    buffer: torch.Tensor
+    add: bool
+    on_done: Callable[[], None] | None = None
+
+
 def grad_limit(moments_dtype: torch.dtype) -> float:
     """The largest gradient magnitude an in-backward AdamW update takes with exp_avg_sq in
     ``moments_dtype``: the largest power of two whose square that dtype holds (2**63 for float32 and
@@ -466,6 +483,8 @@ def moe_mlp_bwd(
     needs_input_grad: tuple[bool, bool, bool, bool],
     gate_up_proj_update: AdamWUpdate | None = None,
     down_proj_update: AdamWUpdate | None = None,
+    gate_up_proj_accumulator: GradAccumulator | None = None,
+    down_proj_accumulator: GradAccumulator | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
@@ -481,28 +500,50 @@ def moe_mlp_bwd(
         needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
         gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
             returning its gradient (validated before any launch; ``step`` is incremented).
+        gate_up_proj_accumulator, down_proj_accumulator: add that weight's gradient to a buffer instead
+            of returning it.
     Returns:
         (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj); None where not
-        needed or where the weight was updated in place.
+        needed, where the weight was updated in place, or where its gradient went to an accumulator.
     Raises:
-        TypeError, ValueError: see :func:`check_adamw_update`.
+        TypeError, ValueError: see :func:`check_adamw_update`; an accumulator whose buffer does not have
+            the weight's shape, strides and device or a supported dtype, or a weight with both an
+            update and an accumulator.
     """
-    for name, weight, update in (
-        ("gate_up_proj", gate_up_proj, gate_up_proj_update),
-        ("down_proj", down_proj, down_proj_update),
+    for name, weight, update, accumulator in (
+        ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
+        ("down_proj", down_proj, down_proj_update, down_proj_accumulator),
     ):
         if update is not None:
             check_adamw_update(name, weight, update)
+        if accumulator is not None:
+            if update is not None:
+                raise ValueError(f"{name}: an update and an accumulator are exclusive")
+            b = accumulator.buffer
+            if (
+                not isinstance(b, torch.Tensor)
+                or b.dtype not in SUPPORTED_DTYPES
+                or b.shape != weight.shape
+                or b.stride() != weight.stride()
+                or b.device != weight.device
+            ):
+                raise ValueError(
+                    f"the accumulator buffer of {name} must be a float32/bfloat16/float16 tensor with the "
+                    f"shape, strides and device of the weight ({tuple(weight.shape)}, {weight.stride()}, "
+                    f"{weight.device})"
+                )
     with _on_device(hidden_states.device):
         return _moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
-            needs_input_grad, gate_up_proj_update, down_proj_update,
+            needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
+            down_proj_accumulator,
         )  # fmt: skip
 
 
 def _moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
-    needs_input_grad, gate_up_proj_update, down_proj_update,
+    needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
+    down_proj_accumulator=None,
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     T, H = hidden_states.shape
@@ -570,7 +611,7 @@ def _moe_mlp_bwd(
         # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
         grad_w2 = _wgrad(
             grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
-            dtype, interpret, bounds.get("down_proj"),
+            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator,
         )  # fmt: skip
     del a
 
@@ -599,7 +640,7 @@ def _moe_mlp_bwd(
         # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
         grad_w1 = _wgrad(
             grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
-            two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"),
+            two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
         )  # fmt: skip
     return grad_x, grad_w, grad_w1, grad_w2
 
@@ -664,10 +705,11 @@ def _overflow_possible(
 
 def _wgrad(
     p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret,
-    bound=None,
+    bound=None, accumulator=None,
 ):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
-    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done.
+    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, or
+    when the gradient was added to ``accumulator``.
 
     With an update the decision to skip it (non-finite or too large gradient, see
     :class:`AdamWUpdate`) is made on the device before the update's launch: on the split path from the
@@ -700,13 +742,21 @@ def _wgrad(
         )  # fmt: skip
 
     if update is None:
-        grad = _like(weight, weight.dtype)
         offsets = meta.expert_offsets
+        if accumulator is None:
+            grad, grad_in = _like(weight, weight.dtype), None
+        else:
+            grad = accumulator.buffer
+            grad_in = grad if accumulator.add else None
         launch(
-            "store", grad, None, offsets, offsets, grad, grad, grad, offsets, (0.0,) * 5, 0.0, weight.dtype,
+            "store", grad, grad_in, offsets, offsets, grad, grad, grad, offsets, (0.0,) * 5, 0.0, grad.dtype,
             "fp64", False,
         )  # fmt: skip
-        return grad
+        if accumulator is None:
+            return grad
+        if accumulator.on_done is not None:
+            accumulator.on_done()
+        return None
 
     hyper = (update.lr, update.beta1, update.beta2, update.eps, update.weight_decay)
     limit = grad_limit(update.exp_avg_sq.dtype)

@@ -494,6 +494,11 @@ def test_state_dict_round_trip_and_torch_adamw_state_loads(device):
     _backward(0, w1, w2, torch.bfloat16, device)
     optimizer.step()
     saved = optimizer.state_dict()
+    for index, p in enumerate((w1, w2)):
+        # The step is saved as a CPU copy, as a non-fused torch.optim.AdamW keeps it.
+        step = saved["state"][index]["step"]
+        assert step.device.type == "cpu" and step is not optimizer.state[p]["step"]
+        assert optimizer.state[p]["step"].device == p.device
     other = sonar_kernels.ExpertAdamW(
         [torch.nn.Parameter(w1.detach().clone()), torch.nn.Parameter(w2.detach().clone())]
     )
@@ -647,3 +652,76 @@ def test_expert_gradient_norms_equal_the_reference_gradient_norms(backend, devic
     assert_close(optimizer.expert_grad_norm(), total, torch.float32, what="total")
     with pytest.raises(ValueError, match="not an expert tensor"):
         optimizer.expert_grad_norm([torch.nn.Parameter(torch.zeros(2))])
+
+
+def _micro_batch(micro, dtype, device):
+    x, index, weights, grad_out = _batch(micro, dtype, device)
+    return x, index, weights, grad_out / 4
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_float32_accumulation_buffer_sums_micro_batches_in_float32(backend, device):
+    # bf16 weights with grad_dtype=float32: micro-batch gradients are summed in an fp32 buffer (the
+    # .grad of a bf16 tensor is bf16). Reference: the same gradients, summed in fp32 by autograd.
+    device = device if backend == "triton" else "cpu"
+    k = 4
+    w1, w2 = _weights(torch.bfloat16, device)
+    optimizer = sonar_kernels.ExpertAdamW(
+        [w1, w2], **HYPER, grad_dtype=torch.float32, moments_dtype=torch.float32, accumulation_steps=k
+    )
+    # Triton: fp32 master copies of the same weights give the fp32 wgrad unrounded (the GEMMs still run
+    # in bf16). torch: each micro-batch's gradient is bf16 (autograd), summed in fp32.
+    masters = [torch.nn.Parameter(p.detach().float()) for p in (w1, w2)]
+    for micro in range(k - 1):
+        x, index, weights, grad_out = _micro_batch(micro, torch.bfloat16, device)
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend=backend).backward(grad_out)
+        if backend == "triton":
+            out = sonar_kernels.moe_mlp(x, index, weights, *masters, backend=backend)
+            out.backward(grad_out)
+        else:
+            a, b = (p.detach().clone().requires_grad_() for p in (w1, w2))
+            grads = torch.autograd.grad(
+                sonar_kernels.moe_mlp(x, index, weights, a, b, backend=backend), [a, b], grad_out
+            )
+            for m, g in zip(masters, grads, strict=True):
+                m.grad = g.float() if m.grad is None else m.grad + g.float()
+    assert w1.grad is None and w2.grad is None
+    for p, m in zip((w1, w2), masters, strict=True):
+        buffer = optimizer._buffers[p]
+        assert buffer.dtype == torch.float32 and torch.equal(buffer, m.grad)
+    expected_grads = [m.grad.clone() for m in masters]
+    x, index, weights, grad_out = _micro_batch(k - 1, torch.bfloat16, device)
+    before = {p: {key: t.clone() for key, t in optimizer.state[p].items()} for p in (w1, w2)}
+    p_before = [p.detach().clone() for p in (w1, w2)]
+    sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend=backend).backward(grad_out)
+    assert not optimizer._buffers
+    # The update used buffer + the last micro-batch's gradient.
+    if backend == "triton":
+        sonar_kernels.moe_mlp(x, index, weights, *masters, backend=backend).backward(grad_out)
+        expected_grads = [m.grad for m in masters]
+    else:
+        a, b = (p.clone().requires_grad_() for p in p_before)
+        grads = torch.autograd.grad(
+            sonar_kernels.moe_mlp(x, index, weights, a, b, backend=backend), [a, b], grad_out
+        )
+        expected_grads = [e + g.float() for e, g in zip(expected_grads, grads, strict=True)]
+    for p, old, g in zip((w1, w2), p_before, expected_grads, strict=True):
+        # torch.optim.AdamW in fp32 (the kernels' arithmetic), W rounded to bf16 once at the end.
+        p_ref, m_ref, v_ref = _torch_adamw_step(old.float(), before[p], g)
+        state = optimizer.state[p]
+        assert_close(state["exp_avg"], m_ref, torch.float32, what="exp_avg")
+        assert_close(state["exp_avg_sq"], v_ref, torch.float32, what="exp_avg_sq")
+        assert_close(p.detach(), p_ref, torch.bfloat16, what="W")
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def test_zero_grad_mid_window_drops_the_accumulation_buffer_like_grad(device):
+    w1, w2 = _weights(torch.bfloat16, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, grad_dtype=torch.float32, accumulation_steps=2)
+    _backward(0, w1, w2, torch.bfloat16, device)
+    assert len(optimizer._buffers) == 2
+    optimizer.zero_grad(set_to_none=False)
+    assert all(not b.any() for b in optimizer._buffers.values())
+    optimizer.zero_grad()
+    assert not optimizer._buffers

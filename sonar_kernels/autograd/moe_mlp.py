@@ -67,11 +67,18 @@ class MoEMLPFunction(torch.autograd.Function):
         for index, weight in ctx.managed.items():
             _check_single_live_graph(weight, names[index], ctx)
         hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta = ctx.saved_tensors
-        updates = {}
+        updates, accumulators = {}, {}
         for index, weight in ctx.managed.items():
             optimizer = expert_optimizer(weight)
-            # Micro-batches before the last of a gradient-accumulation window return the gradient.
-            if optimizer is not None and not optimizer._accumulating(weight):
+            if optimizer is None:
+                continue
+            if optimizer._accumulating(weight):
+                # Micro-batches before the last of a gradient-accumulation window: the gradient goes to
+                # .grad (returned to autograd) or to the optimizer's buffer of its grad_dtype.
+                accumulator = optimizer._accumulator_for(weight)
+                if accumulator is not None:
+                    accumulators[index] = accumulator
+            else:
                 # Recorded (and version counters bumped) as soon as that weight's launch is done.
                 update = optimizer._update_for(weight)
                 updates[index] = update._replace(on_done=functools.partial(optimizer._finish_update, weight))
@@ -80,6 +87,7 @@ class MoEMLPFunction(torch.autograd.Function):
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre,
             RoutingMetadata(*meta), ctx.activation, (needs[0], needs[2], needs[3], needs[4]),
             gate_up_proj_update=updates.get(3), down_proj_update=updates.get(4),
+            gate_up_proj_accumulator=accumulators.get(3), down_proj_accumulator=accumulators.get(4),
         )  # fmt: skip
         return grad_x, None, grad_w, grad_w1, grad_w2, None
 

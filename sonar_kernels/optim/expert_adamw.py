@@ -35,6 +35,14 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
     ``accumulation_steps`` raises before anything is written. Tensors
     with ``requires_grad=False`` are neither updated nor given a gradient.
 
+    Non-finite gradients: a tensor's update is skipped as a whole (weights, moments and step unchanged)
+    when its gradient has an entry that is NaN, infinite or beyond ``ops.grad_limit`` (2**63 for fp32
+    and bf16 moments, 128 for fp16 ones, so that exp_avg_sq stays finite); overflow when the fp32 wgrad
+    is rounded to ``grad_dtype`` counts. On the Triton backend the decision is made on the device before
+    the update's launch (a bound from the wgrad's inputs, and an exact check pass of the wgrad kernel
+    only when the bound cannot exclude it). ``expert_skipped_updates()`` counts the skips on the device;
+    ``expert_grad_norm()`` reports inf for a skipped tensor.
+
     Loss scaling (``torch.amp.GradScaler``) cannot be combined with it: the update happens inside the
     backward, before a scaler could unscale the gradient or skip the step, so a scaled loss gives a
     scaled update. Train in bf16 (or fp32), which needs no loss scaling.
@@ -53,10 +61,15 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             wgrad kernel writing a temporary gradient (one weight tensor's worth), then a standalone
             AdamW kernel; bit-identical to the fused path, for checking it.
         accumulation_steps: k micro-batches per optimizer step (gradient accumulation). The gradients
-            of micro-batches 1 .. k-1 are summed in ``.grad`` as autograd does (the parameter's dtype:
-            one gradient tensor per expert tensor lives between micro-batches); the k-th backward adds
-            its own wgrad to that sum in the epilogue and applies the update. ``step()`` applies a window
-            cut short. Default 1: no ``.grad`` is ever allocated.
+            of micro-batches 1 .. k-1 are summed in ``.grad`` as autograd does, in the parameter's
+            dtype (one gradient tensor per expert tensor lives between micro-batches: 2 bytes per
+            element for bf16), which gives the sum standard training gets; with a ``grad_dtype`` other
+            than the parameter's (``torch.float32`` for bf16 weights) they are summed in a buffer of
+            that dtype that the optimizer holds instead (4 bytes per element for float32; on the
+            Triton backend the wgrad kernel adds its fp32 result to it unrounded; ``zero_grad()``
+            releases it with ``.grad``). The k-th backward adds its own wgrad to that sum in the
+            epilogue and applies the update. ``step()`` applies a window cut short (through torch's
+            AdamW). Default 1: no gradient tensor is ever allocated.
     Raises:
         ValueError: a hyperparameter outside its range, a tensor that is not dense, or one already
             managed by another live ExpertAdamW.

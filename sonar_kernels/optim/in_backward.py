@@ -8,6 +8,7 @@ hook, the gradient released right after.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -82,8 +83,10 @@ class InBackwardAdamW:
         ):
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self.accumulation_steps = accumulation_steps
-        # Managed tensor -> micro-batch gradients accumulated into its .grad since the last step().
+        # Managed tensor -> micro-batch gradients accumulated since the last step(): in its .grad, or in
+        # its buffer in _buffers when grad_dtype is not its dtype (.grad must have the tensor's dtype).
         self._micro = WeakIdKeyDictionary()
+        self._buffers = WeakIdKeyDictionary()
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
                 raise TypeError(
@@ -167,12 +170,36 @@ class InBackwardAdamW:
         self._check_not_updated(p)
         return self._micro.get(p, 0) + 1 < self.accumulation_steps
 
+    def _uses_buffer(self, p: torch.Tensor) -> bool:
+        """Whether micro-batch gradients of ``p`` are summed in a buffer of ``grad_dtype`` rather than in
+        ``p.grad`` (which has ``p``'s dtype)."""
+        return (self.grad_dtype or p.dtype) != p.dtype
+
+    def _accumulator_for(self, p: torch.Tensor) -> ops.GradAccumulator | None:
+        """Where the Triton backward adds this micro-batch's gradient of ``p`` (not the last of the
+        window): None for ``p.grad`` (autograd sums it), else the buffer of ``grad_dtype``, created at
+        the window's first micro-batch."""
+        if not self._uses_buffer(p):
+            return None
+        buffer = self._buffers.get(p)
+        add = buffer is not None
+        if buffer is None:
+            buffer = self._buffers[p] = torch.empty_like(p, dtype=self.grad_dtype)
+        return ops.GradAccumulator(buffer, add, functools.partial(self._count_micro_batch, p))
+
+    def _count_micro_batch(self, p: torch.Tensor) -> int:
+        count = self._micro.get(p, 0) + 1
+        self._micro[p] = count
+        return count
+
     def _update_for(self, p: torch.Tensor, with_grad_in: bool = True) -> ops.AdamWUpdate:
-        """The update the backward applies to ``p`` now, with the gradient accumulated in ``p.grad`` (if
-        any) added; raises if ``p`` was updated since step()."""
+        """The update the backward applies to ``p`` now, with the gradient accumulated in ``p.grad`` or
+        its buffer (if any) added; raises if ``p`` was updated since step()."""
         self._check_not_updated(p)
         grad_dtype = self.grad_dtype or p.dtype
-        grad_in = p.grad if with_grad_in else None
+        grad_in = None
+        if with_grad_in:
+            grad_in = self._buffers.get(p, p.grad)
         if grad_in is not None and (grad_in.dtype != grad_dtype or grad_in.stride() != p.stride()):
             grad_in = torch.empty_like(p, dtype=grad_dtype).copy_(grad_in)
         group = self._group_of(p)
@@ -201,6 +228,7 @@ class InBackwardAdamW:
         self._updated_in_backward[p] = True
         self._micro.pop(p, None)
         p.grad = None  # the accumulated gradient, consumed by the update
+        self._buffers.pop(p, None)
         state = self.state[p]
         torch.autograd.graph.increment_version([p, state["exp_avg"], state["exp_avg_sq"]])
 
@@ -213,7 +241,7 @@ class InBackwardAdamW:
         (a sync on a GPU).
         """
         update = self._update_for(p, with_grad_in=False)
-        grad = p.grad
+        grad = self._buffers.get(p, p.grad)
         foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
         step_before = update.step.clone()
         with torch.no_grad():
@@ -235,6 +263,7 @@ class InBackwardAdamW:
             self._grad_norm_sq[p].copy_(torch.where(found, float("inf"), norm_sq))
             self._skipped[p].add_(found.long())
         p.grad = None
+        self._buffers.pop(p, None)
         self._updated[p] = True
         self._micro.pop(p, None)
 
@@ -248,9 +277,15 @@ class InBackwardAdamW:
                 "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
             )
         self._check_not_updated(p)
-        count = self._micro.get(p, 0) + 1
-        self._micro[p] = count
-        if count >= self.accumulation_steps:
+        if self._uses_buffer(p):
+            buffer = self._buffers.get(p)
+            with torch.no_grad():
+                if buffer is None:
+                    self._buffers[p] = torch.empty_like(p, dtype=self.grad_dtype).copy_(p.grad)
+                else:
+                    buffer.add_(p.grad)
+            p.grad = None
+        if self._count_micro_batch(p) >= self.accumulation_steps:
             self._apply_grad(p)
 
     def expert_grad_norm(self, params=None) -> torch.Tensor:
@@ -332,7 +367,7 @@ class InBackwardAdamW:
                 if p.grad is not None and p in self._updated:
                     # Left by a backward that already raised (one more than accumulation_steps).
                     p.grad = None
-                elif p.grad is not None:
+                elif p.grad is not None or p in self._buffers:
                     self._apply_grad(p)
             for p in list(self._managed.keys()):
                 if p not in self._updated:
@@ -342,7 +377,32 @@ class InBackwardAdamW:
             self._updated = WeakIdKeyDictionary()
             self._updated_in_backward = WeakIdKeyDictionary()
             self._micro = WeakIdKeyDictionary()
+            self._buffers = WeakIdKeyDictionary()
             self._register_hooks()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch.optim.Optimizer.zero_grad; the gradient-accumulation buffers of ``grad_dtype`` (see
+        ``accumulation_steps``) are released or zeroed with the ``.grad`` they stand for."""
+        super().zero_grad(set_to_none)
+        if set_to_none:
+            self._buffers = WeakIdKeyDictionary()
+        else:
+            for buffer in self._buffers.values():
+                buffer.zero_()
+
+    def state_dict(self) -> dict:
+        """As torch.optim.Optimizer.state_dict, with the ``step`` of the tensors updated in the backward
+        as a CPU tensor (a copy; the live one stays on the device), as torch.optim.AdamW keeps it outside
+        its fused and capturable modes: loaded into a non-fused torch.optim.AdamW it then does not read a
+        device scalar on the host at every step. Reading it syncs with the device (checkpoint time)."""
+        saved = super().state_dict()
+        ids = [i for group in saved["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for param_id, p in zip(ids, params, strict=True):
+            state = saved["state"].get(param_id)
+            if p in self._managed and state is not None and isinstance(state.get("step"), torch.Tensor):
+                saved["state"][param_id] = {**state, "step": state["step"].to("cpu", copy=True)}
+        return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch.optim.Optimizer.load_state_dict (a torch.optim.AdamW state_dict loads too), except for
