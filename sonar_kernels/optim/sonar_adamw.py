@@ -20,7 +20,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     """torch.optim.AdamW for the whole model, with the expert weights updated inside the backward pass.
 
     It goes where torch.optim.AdamW was. The expert tensors among the parameters (those of
-    :class:`sonar_kernels.SonarExperts` modules) are updated in the backward, as :class:`ExpertAdamW`
+    :class:`sonar_kernels.SonarExperts` modules, and, when a model is given, those of transformers experts
+    modules running experts_implementation "sonar") are updated in the backward, as :class:`ExpertAdamW`
     does it: in the wgrad epilogue on the Triton backend (no gradient tensor), through torch's AdamW with
     this optimizer's foreach/fused flags as soon as their gradient is accumulated otherwise. ``step()``
     clips the other (dense) parameters by their global norm when ``max_grad_norm`` is set, and applies
@@ -103,10 +104,15 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
-            # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included.
+            from sonar_kernels.integrations import transformers as hf
+
+            # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
+            # transformers experts modules running the "sonar" implementation are found by their config.
             for module in params_or_model.modules():
                 if callable(getattr(module, "expert_tensors", None)):
                     mark_expert_tensors(*module.expert_tensors())
+                elif (tensors := hf.expert_tensors(module)) is not None:
+                    mark_expert_tensors(*tensors)
             params = params_or_model.parameters()
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,

@@ -1,0 +1,201 @@
+"""Hugging Face transformers integration: "sonar" in transformers' ExpertsInterface.
+
+After :func:`register`, every experts module that dispatches through transformers' ExpertsInterface
+(``@use_experts_implementation``: OlmoeExperts, GraniteMoeExperts and the other v5 MoE models) runs
+:func:`sonar_kernels.moe_mlp` when its model is loaded with ``experts_implementation="sonar"`` or switched
+with ``model.set_experts_implementation("sonar")``. Only the expert MLPs change: the router, its logits
+and the auxiliary load-balancing loss stay transformers' own, and the parameters keep their names,
+shapes and layout, so save_pretrained / from_pretrained round-trip unchanged. :class:`sonar_kernels.SonarAdamW`
+finds the expert tensors of such a model (:func:`expert_tensors`) and updates them in the backward.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from importlib import metadata
+
+import torch
+from torch import nn
+
+from sonar_kernels import ops
+from sonar_kernels.autograd.moe_mlp import moe_mlp
+
+IMPLEMENTATION = "sonar"
+MIN_TRANSFORMERS = (5, 13)
+# transformers' hidden_act names -> the activation of moe_mlp. The tanh approximations of GELU
+# ("gelu_pytorch_tanh", "gelu_new", ...) are not the exact erf GELU the kernels compute: refused.
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
+# The layout flags of @use_experts_implementation and the value the kernels need.
+LAYOUT = {
+    "is_transposed": False,
+    "is_concatenated": True,
+    "has_bias": False,
+    "has_gate": True,
+    "has_post_expert_norm": False,
+}
+
+_backend = "auto"
+
+
+def _check_transformers():
+    """The installed transformers module. Raises ImportError when it is missing or older than 5.13."""
+    try:
+        version = metadata.version("transformers")
+    except metadata.PackageNotFoundError:
+        raise ImportError(
+            "the sonar experts implementation needs transformers >= 5.13: pip install 'transformers>=5.13'"
+        ) from None
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit())
+        parts.append(int(digits or 0))
+    if tuple(parts) < MIN_TRANSFORMERS:
+        raise ImportError(
+            f"the sonar experts implementation needs transformers >= 5.13 (its ExpertsInterface), "
+            f"found {version}"
+        )
+    import transformers
+
+    return transformers
+
+
+def register(backend: str = "auto") -> None:
+    """Register "sonar" in transformers' ExpertsInterface (idempotent).
+
+    Args:
+        backend: the :func:`sonar_kernels.moe_mlp` backend the sonar experts use: "auto" (Triton on CUDA,
+            the PyTorch reference otherwise), "triton" or "torch". Calling again changes it.
+    Raises:
+        ImportError: transformers missing or older than 5.13.
+        ValueError: an unknown backend.
+    """
+    global _backend
+    if backend not in ops.BACKENDS:
+        raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
+    _check_transformers()
+    from transformers.integrations.moe import ExpertsInterface
+
+    _backend = backend
+    ExpertsInterface.register(IMPLEMENTATION, sonar_experts_forward)
+
+
+def check_experts_module(module: nn.Module) -> str:
+    """The activation of ``module`` ("silu" or "gelu") when the sonar kernels can run it.
+
+    Raises:
+        ValueError: a layout flag the kernels do not implement (transposed, interleaved gate/up, bias, no
+            gate, post-expert norm), a custom ``_apply_gate``, or a ``hidden_act`` other than silu/swish
+            and the exact gelu; each named in the message.
+    """
+    name = type(module).__name__
+    for flag, needed in LAYOUT.items():
+        value = getattr(module, flag, needed)
+        if bool(value) != needed:
+            raise ValueError(
+                f"{name}: {flag}={value} is not supported by the sonar experts implementation (it needs "
+                f"{flag}={needed}: gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], no bias)"
+            )
+    from transformers.integrations.moe import _default_apply_gate
+
+    apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
+    if apply_gate is not _default_apply_gate:
+        raise ValueError(
+            f"{name} defines its own _apply_gate, which the sonar experts implementation does not run "
+            "(it computes act(gate) * up)"
+        )
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_act", None)
+    if act not in ACTIVATIONS:
+        raise ValueError(
+            f"{name}: hidden_act={act!r} is not supported by the sonar experts implementation "
+            f"(supported: {', '.join(sorted(ACTIVATIONS))}; the GELU is the exact erf one)"
+        )
+    for attr in ("gate_up_proj", "down_proj"):
+        if not isinstance(getattr(module, attr, None), torch.Tensor):
+            raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs both")
+    return ACTIVATIONS[act]
+
+
+def sonar_experts_forward(
+    self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """The "sonar" experts forward: ``self`` an experts module of transformers (see
+    :func:`check_experts_module`), [T, H], [T, top_k] expert ids (ids outside [0, E), transformers'
+    expert-parallel sentinels, are dropped), [T, top_k] routing weights -> [T, H] in the dtype of
+    ``hidden_states``."""
+    activation = check_experts_module(self)
+    return moe_mlp(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        activation=activation,
+        backend=_backend,
+    )
+
+
+def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(gate_up_proj, down_proj) of a transformers experts module that runs the sonar implementation,
+    else None. Does not import transformers."""
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION:
+        return None
+    tensors = tuple(getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    if not all(isinstance(t, nn.Parameter) for t in tensors):
+        return None
+    # The experts module itself, not a model or decoder layer that shares its config.
+    if not hasattr(module, "has_gate"):
+        return None
+    return tensors
+
+
+def _apply(model_type: str, model: nn.Module | None, backend: str) -> nn.Module | None:
+    register(backend)
+    if model is not None:
+        if getattr(getattr(model, "config", None), "model_type", None) != model_type:
+            raise ValueError(
+                f"expected a {model_type} model, got model_type="
+                f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}"
+            )
+        model.set_experts_implementation(IMPLEMENTATION)
+        return model
+    # No model: models of this type created from now on default to "sonar" (an explicit
+    # experts_implementation still wins).
+    module, base_name = {
+        "olmoe": ("transformers.models.olmoe.modeling_olmoe", "OlmoePreTrainedModel"),
+        "granitemoe": ("transformers.models.granitemoe.modeling_granitemoe", "GraniteMoePreTrainedModel"),
+    }[model_type]
+    base = getattr(importlib.import_module(module), base_name)
+    original = base.get_correct_experts_implementation
+    if not getattr(original, "_sonar_default", False):
+
+        @functools.wraps(original)
+        def get_correct_experts_implementation(self, requested_experts):
+            return original(self, IMPLEMENTATION if requested_experts is None else requested_experts)
+
+        get_correct_experts_implementation._sonar_default = True
+        base.get_correct_experts_implementation = get_correct_experts_implementation
+    return None
+
+
+def apply_sonar_kernel_to_olmoe(model: nn.Module | None = None, *, backend: str = "auto") -> nn.Module | None:
+    """Run OLMoE's experts with the sonar kernels (Liger-Kernel's naming).
+
+    With ``model`` (an OLMoE transformers model): switch it to experts_implementation "sonar" and return
+    it. Without: OLMoE models created afterwards default to "sonar" (an explicit ``experts_implementation``
+    still wins). Registers "sonar" first (see :func:`register` for ``backend``).
+
+    Raises:
+        ImportError: transformers missing or older than 5.13.
+        ValueError: ``model`` is not an OLMoE model; an unknown backend.
+    """
+    return _apply("olmoe", model, backend)
+
+
+def apply_sonar_kernel_to_granitemoe(
+    model: nn.Module | None = None, *, backend: str = "auto"
+) -> nn.Module | None:
+    """As :func:`apply_sonar_kernel_to_olmoe`, for Granite MoE (model_type "granitemoe")."""
+    return _apply("granitemoe", model, backend)

@@ -1,0 +1,214 @@
+"""experts_implementation="sonar" in transformers models against their own "eager" experts."""
+
+import copy
+
+import pytest
+import torch
+from numerics import assert_close, rel_err
+
+import sonar_kernels
+from sonar_kernels.integrations import transformers as hf
+
+transformers = pytest.importorskip("transformers", minversion="5.13")
+
+VOCAB, SEQ, BATCH = 64, 12, 2
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.fixture
+def backend(request):
+    """The moe_mlp backend "sonar" uses in this test; restored afterwards."""
+    yield request.param
+    hf.register("auto")
+
+
+def _config(kind, activation="silu"):
+    common = {
+        "vocab_size": VOCAB,
+        "hidden_size": 32,
+        "intermediate_size": 16,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_experts_per_tok": 2,
+        "hidden_act": activation,
+        "output_router_logits": True,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+    }
+    if kind == "olmoe":
+        return transformers.OlmoeConfig(num_experts=4, router_aux_loss_coef=0.01, **common)
+    return transformers.GraniteMoeConfig(num_local_experts=4, router_aux_loss_coef=0.01, **common)
+
+
+def _model(kind, activation="silu", implementation="eager", seed=0):
+    torch.manual_seed(seed)
+    cls = transformers.OlmoeForCausalLM if kind == "olmoe" else transformers.GraniteMoeForCausalLM
+    config = _config(kind, activation)
+    config._experts_implementation = implementation
+    model = cls(config)
+    with torch.no_grad():  # expert weights are left uninitialised by some configs' init: make them random
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return model
+
+
+def _tokens(seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
+
+
+CASES = [("olmoe", "silu"), ("granitemoe", "silu"), ("granitemoe", "gelu")]
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+@pytest.mark.parametrize(("kind", "activation"), CASES, ids=[f"{k}-{a}" for k, a in CASES])
+def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activation, backend):
+    hf.register(backend)
+    eager = _model(kind, activation)
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    assert sonar.config._experts_implementation == "sonar"
+    tokens = _tokens()
+    outputs = []
+    for model in (eager, sonar):
+        out = model(tokens, labels=tokens)
+        out.loss.backward()
+        outputs.append(out)
+    ref, got = outputs
+    assert_close(got.logits, ref.logits, torch.float32, what="logits")
+    assert_close(got.loss, ref.loss, torch.float32, what="loss")
+    assert_close(got.aux_loss, ref.aux_loss, torch.float32, what="aux loss")
+    for layer, (a, b) in enumerate(zip(got.router_logits, ref.router_logits, strict=True)):
+        assert_close(a, b, torch.float32, what=f"router logits of layer {layer}")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+
+
+def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
+    hf.register("torch")
+    model = _model("olmoe", implementation="sonar")
+    model.save_pretrained(tmp_path)
+    loaded = transformers.OlmoeForCausalLM.from_pretrained(tmp_path, experts_implementation="sonar")
+    assert loaded.config._experts_implementation == "sonar"
+    names = [name for name, _ in model.named_parameters()]
+    assert names == [name for name, _ in loaded.named_parameters()]
+    for (name, p), q in zip(model.named_parameters(), loaded.parameters(), strict=True):
+        assert p.shape == q.shape and torch.equal(p, q), name
+    # The eager implementation reads the same checkpoint.
+    eager = transformers.OlmoeForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
+
+
+def test_unsupported_activation_and_layout_are_refused_by_name():
+    hf.register("torch")
+    model = _model("granitemoe", activation="gelu_pytorch_tanh", implementation="sonar")
+    with pytest.raises(ValueError, match="hidden_act='gelu_pytorch_tanh'"):
+        model(_tokens())
+    model = _model("olmoe", implementation="sonar")
+    experts = model.model.layers[0].mlp.experts
+    for flag, value in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
+                        ("has_gate", False), ("has_post_expert_norm", True)):  # fmt: skip
+        setattr(experts, flag, value)
+        with pytest.raises(ValueError, match=f"{flag}={value}"):
+            model(_tokens())
+        setattr(experts, flag, not value)
+
+    class CustomGate(type(experts)):
+        def _apply_gate(self, gate_up_out):
+            return gate_up_out[..., : gate_up_out.shape[-1] // 2]
+
+    experts.__class__ = CustomGate
+    with pytest.raises(ValueError, match="_apply_gate"):
+        model(_tokens())
+
+
+def test_too_old_or_missing_transformers_is_refused(monkeypatch):
+    monkeypatch.setattr(hf.metadata, "version", lambda name: "5.12.3")
+    with pytest.raises(ImportError, match=r"transformers >= 5.13.*5.12.3"):
+        hf.register()
+
+    def missing(name):
+        raise hf.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(hf.metadata, "version", missing)
+    with pytest.raises(ImportError, match="pip install"):
+        hf.register()
+    with pytest.raises(ValueError, match="backend"):
+        hf.register("cuda")
+
+
+def test_apply_functions_switch_a_model_or_the_default(monkeypatch):
+    from transformers.models.granitemoe.modeling_granitemoe import GraniteMoePreTrainedModel
+
+    monkeypatch.setattr(
+        GraniteMoePreTrainedModel,
+        "get_correct_experts_implementation",
+        GraniteMoePreTrainedModel.get_correct_experts_implementation,
+    )
+    model = _model("olmoe")
+    assert (
+        sonar_kernels.integrations.transformers.apply_sonar_kernel_to_olmoe(model, backend="torch") is model
+    )
+    assert model.config._experts_implementation == "sonar"
+    with pytest.raises(ValueError, match="expected a granitemoe model"):
+        hf.apply_sonar_kernel_to_granitemoe(model)
+    hf.apply_sonar_kernel_to_granitemoe(backend="torch")
+    assert _model("granitemoe", implementation=None).config._experts_implementation == "sonar"
+    assert _model("granitemoe", implementation="eager").config._experts_implementation == "eager"
+    assert _model("olmoe", implementation=None).config._experts_implementation != "sonar"
+    hf.register("auto")
+
+
+def _train(model, optimizer, steps, sonar):
+    dense = [p for name, p in model.named_parameters() if not name.endswith(("gate_up_proj", "down_proj"))]
+    for step in range(steps):
+        tokens = _tokens(step)
+        model(tokens, labels=tokens).loss.backward()
+        if not sonar:
+            torch.nn.utils.clip_grad_norm_(dense, 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("backend", ["torch"], indirect=True)
+def test_sonar_adamw_finds_the_experts_and_equals_dense_clip_training_bitwise(backend):
+    hf.register(backend)
+    standard = _model("olmoe", implementation="sonar")
+    sonar = copy.deepcopy(standard)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    experts = [p for name, p in sonar.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
+    assert len(experts) == 4 and all(p in optimizer._managed for p in experts)
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, sonar=False)
+    _train(sonar, optimizer, 3, sonar=True)
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), name
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
+def test_transformers_gradient_checkpointing_updates_each_expert_tensor_once(use_reentrant, backend):
+    # Reference: standard training (torch.optim.AdamW, dense-only clipping) under the same checkpointing
+    # (transformers' reentrant mode does not carry the aux loss's gradient into the checkpointed layers,
+    # so it differs from no checkpointing with either optimizer).
+    hf.register(backend)
+    standard = _model("olmoe", implementation="sonar")
+    sonar = copy.deepcopy(standard)
+    for model in (standard, sonar):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.train()
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2, sonar=False)
+    _train(sonar, optimizer, 2, sonar=True)
+    assert len(optimizer._managed) == 4
+    for p in optimizer._managed:
+        assert float(optimizer.state[p]["step"]) == 2.0  # once per step, recomputation included
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        if backend == "torch":
+            assert torch.equal(p, q), name
+        else:  # the Triton update's arithmetic against torch's CPU AdamW: a few ulps
+            assert rel_err(p, q) <= 1e-6, name
