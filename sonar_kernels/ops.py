@@ -294,7 +294,8 @@ class AdamWUpdate(NamedTuple):
 
     Attributes:
         exp_avg, exp_avg_sq: the moments: the weight's shape and strides, float32/bfloat16/float16.
-        step: [] float32 on the weight's device, the step count; incremented just before the launch.
+        step: [] float32 on the weight's device, the step count; advanced by 1 - skip (0 or 1, decided on
+            the device) just before the update's launch.
         lr, beta1, beta2, eps, weight_decay: Python floats, as in torch.optim.AdamW (decoupled decay).
         grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
         fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
@@ -338,8 +339,8 @@ class GradAccumulator(NamedTuple):
     bfloat16 weights; ``.grad`` must have the weight's dtype).
 
     Attributes:
-        buffer: the weight's shape and strides, float32/bfloat16/float16; receives round(buffer +
-            wgrad) when ``add``, round(wgrad) otherwise, rounded to its dtype.
+        buffer: the weight's shape and strides, float32/bfloat16/float16; receives
+            round(buffer + round(wgrad)) when ``add``, round(wgrad) otherwise, round() to its dtype.
         add: whether the buffer holds earlier micro-batches' gradient.
         on_done: called right after the launch.
     """
@@ -499,7 +500,8 @@ def moe_mlp_bwd(
         hpre, meta: saved by :func:`moe_mlp_fwd`.
         needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
         gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
-            returning its gradient (validated before any launch; ``step`` is incremented).
+            returning its gradient (validated before any launch; ``step`` advances unless the update is
+            skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
         gate_up_proj_accumulator, down_proj_accumulator: add that weight's gradient to a buffer instead
             of returning it.
     Returns:

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of the MoE expert MLP: the test oracle and the CPU fallback.
 
-Everything here is plain PyTorch, written for clarity rather than speed: a loop over experts, fp32 (or
-wider) accumulation, and the rounding points of the Triton kernels (see DESIGN.md, "Forward"):
+Everything here is plain PyTorch, written for clarity rather than speed: a loop over experts (the rows of
+each gathered once, outputs concatenated, so no [S, H] copy per expert), fp32 (or wider) accumulation, and the rounding points of the Triton kernels (see DESIGN.md, "Forward"):
 
 1. Hpre = X @ W1[e]^T, accumulated in fp32, rounded to the activation dtype (it is what backward saves);
 2. A = act(Hpre[:, :I]) * Hpre[:, I:], computed in fp32 from the rounded Hpre, rounded to the dtype;
@@ -117,21 +117,26 @@ def moe_mlp(
     top_k = top_k_index.shape[1]
     E, two_I, _ = gate_up_proj.shape
     I = two_I // 2
-    flat_index = top_k_index.reshape(-1)
-    # Expert output of every slot, zero for dropped slots; combined over top_k below.
-    y_slots = hidden_states.new_zeros(T * top_k, H, dtype=acc_dtype)
-    for e in range(E):
-        slots = torch.nonzero(flat_index == e).flatten()
-        if slots.numel() == 0:
+    # Slots grouped by expert (a stable sort, as routing_metadata does); dropped slots last.
+    flat_index = top_k_index.reshape(-1).long()
+    kept = (flat_index >= 0) & (flat_index < E)
+    order = torch.sort(torch.where(kept, flat_index, E), stable=True).indices
+    counts = torch.bincount(torch.where(kept, flat_index, E), minlength=E + 1).tolist()  # host sync
+    x_sorted = hidden_states[torch.div(order, top_k, rounding_mode="floor")]
+    pieces = []
+    # unbind: the backward builds each weight's gradient once (stacked), not one zero-padded copy per expert.
+    w1s, w2s = gate_up_proj.unbind(0), down_proj.unbind(0)
+    for e, x in enumerate(torch.split(x_sorted, counts)):
+        if e == E:  # the dropped slots' rows: no expert output
+            pieces.append(x.new_zeros(x.shape, dtype=acc_dtype))
             continue
-        x = hidden_states[torch.div(slots, top_k, rounding_mode="floor")].to(acc_dtype)
-        w1 = gate_up_proj[e].to(dtype).to(acc_dtype)
-        w2 = down_proj[e].to(dtype).to(acc_dtype)
-        hpre = (x @ w1.T).to(dtype).to(acc_dtype)
+        w1 = w1s[e].to(dtype).to(acc_dtype)
+        w2 = w2s[e].to(dtype).to(acc_dtype)
+        hpre = (x.to(acc_dtype) @ w1.T).to(dtype).to(acc_dtype)
         a = glu(hpre[:, :I], hpre[:, I:], activation).to(dtype).to(acc_dtype)
-        y = (a @ w2.T).to(dtype).to(acc_dtype)
-        y_slots = y_slots.index_put((slots,), y)
+        pieces.append((a @ w2.T).to(dtype).to(acc_dtype))
+    # Back to slot order: the expert output of every slot, zero for dropped slots.
+    y_slots = torch.cat(pieces)[torch.argsort(order)]
     # Dropped slots contribute nothing, even where their weight is NaN or Inf.
-    kept = ((top_k_index >= 0) & (top_k_index < E)).unsqueeze(-1)
-    weights = torch.where(kept, top_k_weights.to(acc_dtype).unsqueeze(-1), 0.0)
+    weights = torch.where(kept.reshape(T, top_k, 1), top_k_weights.to(acc_dtype).unsqueeze(-1), 0.0)
     return (weights * y_slots.reshape(T, top_k, H)).sum(dim=1).to(dtype)

@@ -716,7 +716,7 @@ def test_float32_accumulation_buffer_sums_micro_batches_in_float32(backend, devi
     optimizer.zero_grad()
 
 
-def test_zero_grad_mid_window_drops_the_accumulation_buffer_like_grad(device):
+def test_zero_grad_mid_window_drops_the_accumulation_buffer_and_starts_a_new_window(device):
     w1, w2 = _weights(torch.bfloat16, device)
     optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, grad_dtype=torch.float32, accumulation_steps=2)
     _backward(0, w1, w2, torch.bfloat16, device)
@@ -725,3 +725,8 @@ def test_zero_grad_mid_window_drops_the_accumulation_buffer_like_grad(device):
     assert all(not b.any() for b in optimizer._buffers.values())
     optimizer.zero_grad()
     assert not optimizer._buffers
+    # The window starts again: the next backward is its first micro-batch, the one after updates.
+    _backward(1, w1, w2, torch.bfloat16, device)
+    assert float(optimizer.state[w1]["step"]) == 0.0
+    _backward(2, w1, w2, torch.bfloat16, device)
+    assert float(optimizer.state[w1]["step"]) == 1.0 and not optimizer._buffers

@@ -261,3 +261,68 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
     assert int(optimizer.dense_skipped_steps) == 1
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), before[name]) == (name != "experts.down_proj"), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_precheck_does_not_fire_on_ordinary_gradients(dtype, device, monkeypatch):
+    # The check pass would double the wgrad's cost: on ordinary data the bound must rule it out.
+    fired = []
+    original = ops._overflow_possible
+    monkeypatch.setattr(
+        ops, "_overflow_possible", lambda *args: fired.append(float(original(*args))) or original(*args)
+    )
+    w1, w2 = _weights(dtype, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, moments_dtype=torch.float32)
+    for step in range(2):
+        x, index, weights, grad_out = _batch(step, dtype, device)
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
+        optimizer.step()
+    assert fired == [0.0] * 4
+
+
+@pytest.mark.parametrize("flags", [{"foreach": False}, {"fused": True}], ids=["for-loop", "fused"])
+def test_dense_entry_beyond_the_limit_skips_without_clipping(flags):
+    model = TinyMoE("torch")
+    optimizer = sonar_kernels.SonarAdamW(model, **SONAR_HYPER, **flags)  # no max_grad_norm: no norm
+    x, y = _sonar_batch(0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    model.embed.bias.grad[1] = 2.0**70  # finite, but its square overflows the fp32 exp_avg_sq
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}  # experts: already updated
+    optimizer.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), before[name]), name
+        assert all(torch.isfinite(v).all() for v in optimizer.state[p].values()), name
+    assert int(optimizer.dense_skipped_steps) == 1
+
+
+def test_non_finite_micro_batch_in_a_float32_buffer_skips_the_update(device):
+    w1, w2 = _weights(torch.bfloat16, device)
+    optimizer = sonar_kernels.ExpertAdamW(
+        [w1, w2], **HYPER, grad_dtype=torch.float32, moments_dtype=torch.float32, accumulation_steps=2
+    )
+    before = _state(optimizer, (w1, w2))
+    for step, where in ((0, "grad_out-nan"), (1, None)):
+        x, index, weights, grad_out = _poisoned_batch(step, torch.bfloat16, device, where)
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
+    _assert_bits_equal(_state(optimizer, (w1, w2)), before, "after the skipped accumulated update")
+    assert int(optimizer.expert_skipped_updates()) == 2
+    assert not optimizer._buffers
+
+
+def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(device, monkeypatch):
+    w1, w2 = _weights(torch.bfloat16, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, grad_dtype=torch.float32, accumulation_steps=2)
+
+    def failing_dx(*args):
+        raise RuntimeError("dX failed")
+
+    monkeypatch.setattr(ops, "_dx", failing_dx)  # after dW2's launch, before dW1's
+    x, index, weights, grad_out = _batch(0, torch.bfloat16, device)
+    x.requires_grad_()  # so that dX is computed
+    with pytest.raises(RuntimeError, match="dX failed"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
+    assert w1 not in optimizer._buffers and w2 in optimizer._buffers
+    before = w1.detach().clone()
+    optimizer.step()  # applies W2's window cut short; W1 has nothing to apply
+    assert torch.equal(w1.detach(), before) and float(optimizer.state[w1]["step"]) == 0.0
+    assert float(optimizer.state[w2]["step"]) == 1.0

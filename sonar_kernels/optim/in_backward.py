@@ -177,15 +177,20 @@ class InBackwardAdamW:
 
     def _accumulator_for(self, p: torch.Tensor) -> ops.GradAccumulator | None:
         """Where the Triton backward adds this micro-batch's gradient of ``p`` (not the last of the
-        window): None for ``p.grad`` (autograd sums it), else the buffer of ``grad_dtype``, created at
-        the window's first micro-batch."""
+        window): None for ``p.grad`` (autograd sums it), else the buffer of ``grad_dtype``. A new buffer
+        (the window's first micro-batch) is kept only once its launch is done, so a backward that fails
+        before leaves nothing unwritten behind."""
         if not self._uses_buffer(p):
             return None
         buffer = self._buffers.get(p)
         add = buffer is not None
         if buffer is None:
-            buffer = self._buffers[p] = torch.empty_like(p, dtype=self.grad_dtype)
-        return ops.GradAccumulator(buffer, add, functools.partial(self._count_micro_batch, p))
+            buffer = ops._like(p, self.grad_dtype)
+        return ops.GradAccumulator(buffer, add, functools.partial(self._accumulated_into, p, buffer))
+
+    def _accumulated_into(self, p: torch.Tensor, buffer: torch.Tensor) -> None:
+        self._buffers[p] = buffer
+        self._count_micro_batch(p)
 
     def _count_micro_batch(self, p: torch.Tensor) -> int:
         count = self._micro.get(p, 0) + 1
@@ -281,7 +286,7 @@ class InBackwardAdamW:
             buffer = self._buffers.get(p)
             with torch.no_grad():
                 if buffer is None:
-                    self._buffers[p] = torch.empty_like(p, dtype=self.grad_dtype).copy_(p.grad)
+                    self._buffers[p] = ops._like(p, self.grad_dtype).copy_(p.grad)
                 else:
                     buffer.add_(p.grad)
             p.grad = None
@@ -381,9 +386,11 @@ class InBackwardAdamW:
             self._register_hooks()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As torch.optim.Optimizer.zero_grad; the gradient-accumulation buffers of ``grad_dtype`` (see
-        ``accumulation_steps``) are released or zeroed with the ``.grad`` they stand for."""
+        """As torch.optim.Optimizer.zero_grad, and it starts a new gradient-accumulation window: the
+        micro-batches counted towards ``accumulation_steps`` are forgotten with their gradient (the
+        buffers of ``grad_dtype`` are released, or zeroed with ``set_to_none=False``, like ``.grad``)."""
         super().zero_grad(set_to_none)
+        self._micro = WeakIdKeyDictionary()
         if set_to_none:
             self._buffers = WeakIdKeyDictionary()
         else:

@@ -42,7 +42,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     is skipped when its gradient has an entry that is NaN, infinite or beyond ``ops.grad_limit``
     (decided on the device before the update; counted by ``expert_skipped_updates()``). The dense update
     of ``step()`` is skipped as a whole (all dense parameters, their moments and steps unchanged) when a
-    dense gradient, after clipping, has such an entry or the clipping norm is not finite; counted in
+    dense gradient, after clipping, has such an entry or the clipping norm is not finite (with
+    ``clip_norm_includes_experts`` that norm is inf as soon as one expert update was skipped: the dense
+    gradients are then scaled to 0 or NaN by the clipping and the dense step is skipped, while the other
+    expert tensors were updated in the backward); counted in
     ``dense_skipped_steps`` (a 0-dim int64 tensor). With fused=True torch's fused AdamW skips it on the
     device (its ``found_inf`` input, as torch.amp.GradScaler uses it); torch's foreach and single-tensor
     AdamW have no such input, so ``step()`` reads the decision on the host there (one sync per step on
