@@ -89,7 +89,7 @@ PRESETS = {
             "residual_multiplier": 0.22,
             "attention_multiplier": 0.015625,
         },
-    ),  # fmt: skip
+    ),
 }
 
 
