@@ -10,12 +10,12 @@ TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo clean
+.PHONY: install test lint fmt kernel-report demo quickstart clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
-	$(BIN)/python -m pip install -e ".[test]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
+	$(BIN)/python -m pip install -e ".[test,train]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -37,7 +37,13 @@ fmt: install
 kernel-report: install
 	env -u TRITON_INTERPRET $(BIN)/python tools/kernel_report.py
 
+# The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by
+# side; writes runs/tiny-olmoe/report.json and report.png. On CPU the experts run the torch backend.
 demo: install
+	$(BIN)/sonar-train
+
+# One SonarExperts layer under the Triton interpreter: forward/backward vs float64, ExpertAdamW steps.
+quickstart: install
 	$(BIN)/python examples/quickstart.py
 
 clean:

@@ -167,12 +167,12 @@ class ByteData:
         )
         return torch.stack([self.train[s : s + self.sequence_length] for s in starts.tolist()])
 
-    def heldout_batches(self, count: int) -> list[torch.Tensor]:
-        """Up to ``count`` batches of consecutive, non-overlapping held-out windows."""
+    def heldout_batches(self, count: int | None = None) -> list[torch.Tensor]:
+        """Up to ``count`` (None: all) batches of consecutive, non-overlapping held-out windows."""
         n = self.sequence_length
         windows = [self.heldout[i : i + n] for i in range(0, len(self.heldout) - n + 1, n)]
         batches = [windows[i : i + self.batch_size] for i in range(0, len(windows), self.batch_size)]
-        return [torch.stack(b) for b in batches[:count]]
+        return [torch.stack(b) for b in batches[:count]]  # count None: all
 
 
 # ---------------------------------------------------------------------------------------------- model
@@ -249,7 +249,7 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, **flags)
         clip = list(model.parameters()) if name == "standard" else dense_parameters(model)
-    warmup = max(1, steps // 20)
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
 
     def schedule(step):  # linear warm-up, then cosine decay to a tenth
         if step < warmup:
@@ -349,13 +349,15 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
         with tracker:
             train_step(arm, tokens, args.max_grad_norm)
     _sync(device)
-    peak = tracker.get_tracker_snapshot("peak")[device]
+    snapshot = tracker.get_tracker_snapshot("peak")
+    tracked = next(d for d in snapshot if d.type == device.type and (device.index is None or d.index == device.index))
+    peak = snapshot[tracked]
     breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
     total = int(peak["Total"])
     stats = tracker.memory_tracking[arm.model].snapshots
     phase = "optimizer step"
     for state, label in ((_ModState.PEAK_FW, "forward"), (_ModState.PEAK_BW, "backward")):
-        if any(int(snap[device]["Total"]) == total for snap in stats.get(state, []) if device in snap):
+        if any(int(snap[tracked]["Total"]) == total for snap in stats.get(state, []) if tracked in snap):
             phase = label
     result = {"peak_memory_bytes": total, "peak_memory": breakdown, "peak_phase": phase}
     if device.type == "cuda":
@@ -381,7 +383,11 @@ def summary_table(report: dict) -> str:
     ]
     for name, r in arms.items():
         d_loss = r["heldout_loss"] - std["heldout_loss"] if std else float("nan")
-        d_mem = 100 * (r["peak_memory_bytes"] / std["peak_memory_bytes"] - 1) if std else float("nan")
+        d_mem = (
+            100 * (r["peak_memory_bytes"] / std["peak_memory_bytes"] - 1)
+            if std and std["peak_memory_bytes"]
+            else float("nan")
+        )
         speedup = std["step_time_s"] / r["step_time_s"] if std else float("nan")
         lines.append(
             f"{name:<20} {r['heldout_loss']:>13.4f} {d_loss:>+11.4f} {r['peak_memory_bytes'] / 2**20:>9.2f} "
@@ -451,8 +457,9 @@ def parse_args(argv):
     parser.add_argument("--batch-size", type=int)
     parser.add_argument("--seq-len", type=int)
     parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up (default: a tenth of the steps)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--heldout-batches", type=int, default=8)
+    parser.add_argument("--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
@@ -464,7 +471,8 @@ def parse_args(argv):
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="turn activation checkpointing off (on by default)")  # fmt: skip
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA, off on CPU)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory pass")
     parser.add_argument("--out", default="runs", help="output folder (default: runs)")
     parser.add_argument("--name", help="run name (default: the preset)")
@@ -499,6 +507,9 @@ def _run(args) -> int:
     preset = PRESETS[args.preset]
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    if args.fused is None and args.foreach is None and device.type == "cuda":
+        # The Triton epilogue reproduces torch's fused CUDA AdamW: the flags every arm uses.
+        args.fused = True
     steps = args.steps or preset.steps
     sequence_length = args.seq_len or preset.sequence_length
     batch_size = args.batch_size or preset.batch_size

@@ -1,0 +1,82 @@
+"""sonar-train: the command line, its data handling and errors, and a tiny end-to-end run."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from sonar_kernels import train
+
+pytest.importorskip("transformers", minversion="5.13")
+
+
+def _error(capsys, argv):
+    code = train.main(argv)
+    return code, capsys.readouterr().err
+
+
+def test_missing_empty_and_non_utf8_data_are_refused_with_exit_code_2(tmp_path, capsys):
+    code, err = _error(capsys, ["--data", str(tmp_path / "nope.txt")])
+    assert code == 2 and "no such file" in err and "nope.txt" in err
+    empty = tmp_path / "empty.txt"
+    empty.write_text("  \n")
+    code, err = _error(capsys, ["--data", str(empty)])
+    assert code == 2 and "holds no text" in err
+    latin = tmp_path / "latin1.txt"
+    latin.write_bytes("café crème".encode("latin-1"))
+    code, err = _error(capsys, ["--data", str(latin)])
+    assert code == 2 and "not UTF-8" in err
+    bad_jsonl = tmp_path / "data.jsonl"
+    bad_jsonl.write_text('{"text": "a"}\n{"body": "b"}\n')
+    code, err = _error(capsys, ["--data", str(bad_jsonl)])
+    assert code == 2 and 'line 2 has no "text"' in err
+    short = tmp_path / "short.txt"
+    short.write_text("tiny")
+    code, err = _error(capsys, ["--data", str(short)])
+    assert code == 2 and "fewer than --seq-len" in err
+
+
+def test_unknown_preset_and_bad_numbers_exit_2_from_the_command_line():
+    for argv, words in ((["--preset", "gpt-5"], "invalid choice: 'gpt-5'"), (["--steps", "0"], "--steps must be >= 1")):
+        done = subprocess.run(
+            [sys.executable, "-m", "sonar_kernels.train", *argv], capture_output=True, text=True, check=False
+        )
+        assert done.returncode == 2, done.stderr
+        assert words in done.stderr
+
+
+def test_data_sources(tmp_path):
+    text = train.default_text()
+    assert 400_000 < len(text.encode()) < 600_000 and 'The "assert" statement' in text  # pydoc_data.topics
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text('{"text": "first"}\n\n{"text": "second", "id": 2}\n')
+    assert train.load_text(str(jsonl)) == "first\n\nsecond"
+    data = train.ByteData("abcdefghij" * 50, 16, 3, seed=0)
+    assert data.batch(4).shape == (3, 16) and torch.equal(data.batch(4), data.batch(4))
+    assert not torch.equal(data.batch(4), data.batch(5))
+    assert len(data.train) + len(data.heldout) == 500 and len(data.heldout) == 50
+    assert all(b.shape[1] == 16 for b in data.heldout_batches(8))
+
+
+def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise(tmp_path, capsys):
+    argv = ["--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32", "--heldout-batches", "2",
+            "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch"]  # fmt: skip
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "t" / "report.json").read_text())
+    assert (tmp_path / "t" / "report.png").stat().st_size > 10_000
+    assert report["sonar_equals_control_bitwise"] is True
+    assert set(report["arms"]) == {"standard", "sonar", "standard-dense-clip"}
+    for arm in report["arms"].values():
+        assert len(arm["train_losses"]) == 4 and all(2.0 < x < 8.0 for x in arm["train_losses"])
+        assert arm["heldout_loss"] > 0 and arm["step_time_s"] > 0 and 0 <= arm["clip_fraction"] <= 1
+        breakdown = arm["peak_memory"]
+        assert sum(breakdown.values()) == arm["peak_memory_bytes"]
+        assert arm["peak_phase"] in ("forward", "backward", "optimizer step")
+    # The control and sonar agree; only the experts' gradients are gone at sonar's peak.
+    sonar, control = report["arms"]["sonar"], report["arms"]["standard-dense-clip"]
+    assert sonar["train_losses"] == control["train_losses"]
+    assert sonar["peak_memory"]["gradients"] < control["peak_memory"]["gradients"]
+    assert "bitwise identical (all parameters after training): True" in out
