@@ -350,7 +350,9 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
             train_step(arm, tokens, args.max_grad_norm)
     _sync(device)
     snapshot = tracker.get_tracker_snapshot("peak")
-    tracked = next(d for d in snapshot if d.type == device.type and (device.index is None or d.index == device.index))
+    tracked = next(
+        d for d in snapshot if d.type == device.type and (device.index is None or d.index == device.index)
+    )
     peak = snapshot[tracked]
     breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
     total = int(peak["Total"])
@@ -459,7 +461,9 @@ def parse_args(argv):
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up (default: a tenth of the steps)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
-    parser.add_argument("--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)")
+    parser.add_argument(
+        "--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",

@@ -39,7 +39,10 @@ def test_missing_empty_and_non_utf8_data_are_refused_with_exit_code_2(tmp_path, 
 
 
 def test_unknown_preset_and_bad_numbers_exit_2_from_the_command_line():
-    for argv, words in ((["--preset", "gpt-5"], "invalid choice: 'gpt-5'"), (["--steps", "0"], "--steps must be >= 1")):
+    for argv, words in (
+        (["--preset", "gpt-5"], "invalid choice: 'gpt-5'"),
+        (["--steps", "0"], "--steps must be >= 1"),
+    ):
         done = subprocess.run(
             [sys.executable, "-m", "sonar_kernels.train", *argv], capture_output=True, text=True, check=False
         )
