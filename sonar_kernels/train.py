@@ -436,7 +436,7 @@ def plot(report: dict, path: Path) -> None:
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     right.set_ylabel("MiB at the step's peak")
     right.set_title(f"peak memory ({report['device']})")
-    right.legend()
+    right.legend(loc="lower center", fontsize=8, framealpha=0.9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
