@@ -307,13 +307,7 @@ class InBackwardAdamW:
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
-        ordered = self._managed_in_order(params)
-        if not ordered:
-            return torch.zeros((), dtype=torch.float32)
-        total = self._grad_norm_sq[ordered[0]].clone()
-        for p in ordered[1:]:
-            total += self._grad_norm_sq[p].to(total.device)
-        return total.sqrt()
+        return self._sum_in_order(self._grad_norm_sq, params, torch.float32).sqrt()
 
     def expert_skipped_updates(self, params=None) -> torch.Tensor:
         """How many in-backward updates were skipped because the gradient had an entry that was NaN,
@@ -325,16 +319,15 @@ class InBackwardAdamW:
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
-        ordered = self._managed_in_order(params)
-        if not ordered:
-            return torch.zeros((), dtype=torch.int64)
-        total = self._skipped[ordered[0]].clone()
-        for p in ordered[1:]:
-            total += self._skipped[p].to(total.device)
-        return total
+        return self._sum_in_order(self._skipped, params, torch.int64)
 
-    def _managed_in_order(self, params) -> list[torch.Tensor]:
-        """``params`` (None: all managed tensors) in param_groups order; each must be managed."""
+    def _sum_in_order(self, values, params, dtype: torch.dtype) -> torch.Tensor:
+        """The per-tensor 0-dim ``values`` of ``params`` (None: all managed tensors), added in
+        param_groups order on the first one's device (a 0-dim CPU zero of ``dtype`` when there are none).
+
+        Raises:
+            ValueError: a tensor this optimizer does not update in the backward.
+        """
         chosen = None if params is None else list(params)
         if chosen is not None:
             for p in chosen:
@@ -345,7 +338,12 @@ class InBackwardAdamW:
         ordered = [p for group in self.param_groups for p in group["params"] if p in self._managed]
         if chosen is not None:
             ordered = [p for p in ordered if any(p is q for q in chosen)]
-        return ordered
+        if not ordered:
+            return torch.zeros((), dtype=dtype)
+        total = values[ordered[0]].clone()
+        for p in ordered[1:]:
+            total += values[p].to(total.device)
+        return total
 
     def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
         """(foreach, fused) for torch's AdamW on a managed tensor: by default torch's fused kernel on CUDA
