@@ -1,0 +1,238 @@
+"""One training step of one expert-MLP layer (forward, backward, AdamW update), by each provider of the
+benchmark table, on the same tensors.
+
+Providers (issue "Benchmarks: make bench ..."):
+
+- ``sonar-fused``: the Triton kernels, AdamW fused into the wgrad epilogue (ExpertAdamW): no gradient.
+- ``sonar-unfused``: the same kernels writing dW to ``.grad``, then torch.optim.AdamW (fused where the
+  device has it).
+- ``paper-inbwd``: the paper's method: the same kernels writing dW, and torch's AdamW applied to the
+  batched tensor from its post-accumulate-grad hook, the gradient released right after (one layer of
+  gradients alive).
+- ``per-expert-inbwd``: as paper-inbwd, but one AdamW call per expert slice (the paper's ablation).
+- ``standard``: transformers' own experts module ("grouped_mm" where it runs, else "eager"),
+  torch.optim.AdamW and ``clip_grad_norm_``.
+
+Each provider is built by :func:`build` and returns a :class:`Step`: ``run()`` does one step, ``weights()``
+returns the updated (gate_up_proj, down_proj).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+from torch.optim.adamw import adamw as torch_adamw
+
+import sonar_kernels
+
+PROVIDERS = ("sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard")
+HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+class Shape(NamedTuple):
+    """T tokens, H hidden, I expert intermediate, E experts, top_k (DESIGN.md notation)."""
+
+    T: int
+    H: int
+    I: int
+    E: int
+    top_k: int
+
+    def flops(self, backward: bool = True) -> int:
+        """FLOPs of one SwiGLU expert-MLP layer: forward 6·T·top_k·H·I, forward+backward 18·T·top_k·H·I."""
+        return (18 if backward else 6) * self.T * self.top_k * self.H * self.I
+
+
+# Layer shapes: one MoE layer of each model (T tokens per step), and CPU-sized ones.
+SHAPES = {
+    "olmoe-1b-7b": Shape(4096, 2048, 1024, 64, 8),
+    "granite-3.1-3b-a800m": Shape(4096, 1536, 512, 40, 8),
+    "cpu-small": Shape(64, 64, 32, 8, 2),
+    "cpu-tiny": Shape(16, 32, 16, 4, 2),
+}
+
+
+@dataclass
+class Inputs:
+    """Random inputs of one layer (never zeros): routed tokens, upstream gradient, initial weights."""
+
+    x: torch.Tensor
+    index: torch.Tensor
+    weights: torch.Tensor
+    grad_out: torch.Tensor
+    gate_up_proj: torch.Tensor
+    down_proj: torch.Tensor
+
+
+def make_inputs(shape: Shape, dtype: torch.dtype, device, routing: str = "uniform", seed: int = 0) -> Inputs:
+    """``routing``: "uniform" (random scores) or "skewed" (expert e drawn with weight ~ 1 / (e + 1))."""
+    T, H, I, E, top_k = shape
+    generator = torch.Generator().manual_seed(seed)
+    if routing == "uniform":
+        scores = torch.rand(T, E, generator=generator)
+    elif routing == "skewed":
+        scores = torch.rand(T, E, generator=generator) / torch.arange(1, E + 1).float()
+    else:
+        raise ValueError(f"routing must be 'uniform' or 'skewed', got {routing!r}")
+    top, index = scores.topk(top_k, dim=1)
+    weights = torch.softmax(top, dim=1)
+    tensors = {
+        "x": torch.randn(T, H, generator=generator),
+        "index": index,
+        "weights": weights,
+        "grad_out": torch.randn(T, H, generator=generator) / T,
+        "gate_up_proj": torch.randn(E, 2 * I, H, generator=generator) / H**0.5,
+        "down_proj": torch.randn(E, H, I, generator=generator) / I**0.5,
+    }
+    return Inputs(
+        **{
+            k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
+            for k, v in tensors.items()
+        }
+    )
+
+
+class Step:
+    """One provider's training step on its own copy of the weights."""
+
+    def __init__(self, inputs: Inputs, run, params, optimizer=None):
+        self.inputs, self._run, self.params, self.optimizer = inputs, run, params, optimizer
+
+    def run(self) -> None:
+        self._run()
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(p.detach() for p in self.params)
+
+
+def _params(inputs: Inputs):
+    return (
+        torch.nn.Parameter(inputs.gate_up_proj.clone()),
+        torch.nn.Parameter(inputs.down_proj.clone()),
+    )
+
+
+def _forward_backward(inputs: Inputs, w1, w2, backend: str) -> None:
+    out = sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend=backend)
+    out.backward(inputs.grad_out)
+
+
+def _in_backward_hook(states: dict, per_expert: bool):
+    """torch's AdamW on the accumulated gradient of the batched tensor (or of each expert slice), then the
+    gradient released: the paper's optimizer-in-backward."""
+
+    def hook(p: torch.Tensor) -> None:
+        state = states[p]
+        fused = p.device.type == "cuda"
+        with torch.no_grad():
+            if per_expert:
+                for e in range(p.shape[0]):
+                    torch_adamw(
+                        [p[e]], [p.grad[e]], [state["exp_avg"][e]], [state["exp_avg_sq"][e]], [],
+                        [state["steps"][e]], foreach=False, fused=fused, capturable=False, amsgrad=False,
+                        maximize=False, beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"],
+                        weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
+                    )  # fmt: skip
+            else:
+                torch_adamw(
+                    [p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
+                    foreach=False, fused=fused, capturable=False, amsgrad=False, maximize=False,
+                    beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"],
+                    weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
+                )  # fmt: skip
+        p.grad = None
+
+    return hook
+
+
+def _step_tensor(p: torch.Tensor) -> torch.Tensor:
+    # torch's fused AdamW keeps the step on the device, the single-tensor one on the CPU.
+    return torch.zeros((), dtype=torch.float32, device=p.device if p.device.type == "cuda" else "cpu")
+
+
+def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
+    """The step of ``provider`` on a copy of ``inputs``' weights.
+
+    Args:
+        backend: the moe_mlp backend of the sonar kernels ("triton" on CUDA or under the interpreter).
+    Raises:
+        ValueError: an unknown provider.
+    """
+    if provider not in PROVIDERS:
+        raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+    w1, w2 = _params(inputs)
+    if provider == "sonar-fused":
+        optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+
+        def run():
+            _forward_backward(inputs, w1, w2, backend)
+            optimizer.step()
+
+        return Step(inputs, run, (w1, w2), optimizer)
+
+    if provider == "sonar-unfused":
+        fused = w1.device.type == "cuda"
+        optimizer = torch.optim.AdamW([w1, w2], **HYPER, fused=fused)
+
+        def run():
+            _forward_backward(inputs, w1, w2, backend)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+        return Step(inputs, run, (w1, w2), optimizer)
+
+    if provider in ("paper-inbwd", "per-expert-inbwd"):
+        per_expert = provider == "per-expert-inbwd"
+        states = {}
+        for p in (w1, w2):
+            states[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            if per_expert:
+                states[p]["steps"] = [_step_tensor(p) for _ in range(p.shape[0])]
+            else:
+                states[p]["step"] = _step_tensor(p)
+            p.register_post_accumulate_grad_hook(_in_backward_hook(states, per_expert))
+
+        def run():
+            _forward_backward(inputs, w1, w2, backend)
+
+        return Step(inputs, run, (w1, w2), states)
+
+    return _standard(inputs, w1, w2)
+
+
+def _standard(inputs: Inputs, w1, w2) -> Step:
+    """transformers' OlmoeExperts with its fastest implementation here, torch.optim.AdamW, clipping."""
+    from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+
+    E, two_I, H = w1.shape
+    config = OlmoeConfig(
+        hidden_size=H, intermediate_size=two_I // 2, num_experts=E, num_experts_per_tok=inputs.index.shape[1]
+    )
+    config._experts_implementation = "grouped_mm" if _grouped_mm_runs(w1) else "eager"
+    experts = OlmoeExperts(config).to(device=w1.device, dtype=w1.dtype)
+    experts.gate_up_proj, experts.down_proj = w1, w2
+    fused = w1.device.type == "cuda"
+    optimizer = torch.optim.AdamW(experts.parameters(), **HYPER, fused=fused)
+
+    def run():
+        experts(inputs.x, inputs.index, inputs.weights).backward(inputs.grad_out)
+        torch.nn.utils.clip_grad_norm_(experts.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    return Step(inputs, run, (w1, w2), optimizer)
+
+
+def _grouped_mm_runs(w: torch.Tensor) -> bool:
+    """Whether torch's grouped GEMM runs here for these weights (16-byte aligned strides, CUDA sm90+ or
+    the CPU build of torch >= 2.13)."""
+    try:
+        a = torch.randn(4, w.shape[2], device=w.device, dtype=w.dtype)
+        offs = torch.tensor([2, 4], device=w.device, dtype=torch.int32)
+        torch.nn.functional.grouped_mm(a, w[:2].detach().transpose(-2, -1), offs=offs)
+        return True
+    except (RuntimeError, AttributeError, TypeError):
+        return False

@@ -1,0 +1,45 @@
+"""The benchmark providers (bench/providers.py) all compute the same training step."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from numerics import assert_close
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import providers
+
+pytest.importorskip("transformers", minversion="5.13")
+
+
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_every_provider_takes_the_same_two_steps(routing, device):
+    inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, device, routing=routing)
+    results = {}
+    for name in providers.PROVIDERS:
+        step = providers.build(name, inputs, backend="triton")
+        for _ in range(2):
+            step.run()
+        results[name] = step.weights()
+        assert all(p.grad is None for p in step.params) or name in ("sonar-unfused", "standard")
+    reference = results["sonar-unfused"]  # the kernels' gradient, then torch.optim.AdamW
+    moved = (reference[0] - inputs.gate_up_proj).norm() / inputs.gate_up_proj.norm()
+    assert moved > 1e-4  # two steps changed the weights
+    for name, weights in results.items():
+        for w, ref, what in zip(weights, reference, ("gate_up_proj", "down_proj"), strict=True):
+            assert_close(w, ref, torch.float32, what=f"{name} {what}")
+    # The paper's method applies the same torch AdamW to the same gradient: identical bits.
+    for name in ("paper-inbwd", "per-expert-inbwd"):
+        assert all(torch.equal(a, b) for a, b in zip(results[name], reference, strict=True)), name
+
+
+def test_shapes_and_flops():
+    shape = providers.SHAPES["olmoe-1b-7b"]
+    assert shape == (4096, 2048, 1024, 64, 8)
+    assert shape.flops(backward=False) == 6 * 4096 * 8 * 2048 * 1024
+    assert shape.flops() == 3 * shape.flops(backward=False)
+    with pytest.raises(ValueError, match="provider must be one of"):
+        providers.build("nope", providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="routing"):
+        providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu", routing="zipf")
