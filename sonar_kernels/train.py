@@ -29,6 +29,7 @@ import copy
 import datetime
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -237,7 +238,7 @@ class Arm:
 def build_arm(name: str, initial, args, steps: int) -> Arm:
     import sonar_kernels
 
-    model = copy.deepcopy(initial)
+    model = copy.deepcopy(initial).to(args.device_obj)
     if args.checkpointing:
         enable_checkpointing(model)
     model.train()
@@ -310,7 +311,8 @@ def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, he
     return {
         "train_losses": losses,
         "heldout_loss": heldout_loss(arm.model, heldout),
-        "clip_fraction": sum(n > args.max_grad_norm for n in norms) / len(norms),
+        # clip_grad_norm_ scales by max / (norm + 1e-6): the gradients change when that is below 1.
+        "clip_fraction": sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
         "grad_norms": norms,
         "step_time_s": statistics.median(timed),
     }
@@ -327,6 +329,10 @@ CATEGORIES = {
     "Temp": "temporary",
     "Other": "other",
 }
+# MemTracker counts every tensor allocated inside optimizer.step() as optimizer state; the part beyond the
+# state itself (exp_avg, exp_avg_sq, step) is the step's temporaries, reported apart.
+STEP_TEMPORARIES = "optimizer_step_temporaries"
+LABELS = (*CATEGORIES.values(), STEP_TEMPORARIES)
 
 
 def measure_memory(name: str, initial, data: ByteData, args, device: torch.device) -> dict:
@@ -355,6 +361,14 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
     )
     peak = snapshot[tracked]
     breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for state in arm.optimizer.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.device.type == device.type
+    )
+    breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - state_bytes)
+    breakdown["optimizer_state"] -= breakdown[STEP_TEMPORARIES]
     total = int(peak["Total"])
     stats = tracker.memory_tracking[arm.model].snapshots
     phase = "optimizer step"
@@ -370,10 +384,6 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
 
 
 # --------------------------------------------------------------------------------------------- report
-
-
-def bitwise_equal(a, b) -> bool:
-    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters(), strict=True))
 
 
 def summary_table(report: dict) -> str:
@@ -397,9 +407,9 @@ def summary_table(report: dict) -> str:
             f"{100 * r['clip_fraction']:>6.0f}%"
         )
     lines.append("")
-    lines.append("peak memory by category (MiB): " + ", ".join(CATEGORIES.values()))
+    lines.append("peak memory by category (MiB): " + ", ".join(LABELS))
     for name, r in arms.items():
-        parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in CATEGORIES.values())
+        parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in LABELS)
         lines.append(f"  {name:<20} {parts}")
     verdict = report.get("sonar_equals_control_bitwise")
     if verdict is not None:
@@ -429,7 +439,7 @@ def plot(report: dict, path: Path) -> None:
     left.legend()
     bottom = [0.0] * len(arms)
     names = list(arms)
-    for category in CATEGORIES.values():
+    for category in LABELS:
         values = [arms[n]["peak_memory"][category] / 2**20 for n in names]
         if any(values):
             right.bar(names, values, bottom=bottom, label=category)
@@ -490,6 +500,26 @@ def parse_args(argv):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if not (args.max_grad_norm > 0 and math.isfinite(args.max_grad_norm)):
         parser.error(f"--max-grad-norm must be a finite number > 0, got {args.max_grad_norm}")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        args.device_obj = torch.device(device)
+    except RuntimeError:
+        parser.error(f"--device {device!r} is not a device (cpu, cuda, cuda:N)")
+    if args.device_obj.type not in ("cpu", "cuda"):
+        parser.error(f"--device {device!r}: only cpu and cuda are supported")
+    if args.device_obj.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device!r}: no CUDA device here")
+    if args.backend == "triton" and args.device_obj.type == "cpu":
+        from sonar_kernels import ops
+
+        if not ops.triton_interpreting():
+            parser.error(
+                "--backend triton on the CPU needs TRITON_INTERPRET=1 (the interpreter: tests, not training)"
+            )
+    out = Path(args.out)
+    for path in (out, out / (args.name or args.preset)):
+        if path.exists() and not path.is_dir():
+            parser.error(f"--out: {path} exists and is not a folder")
     return args
 
 
@@ -509,7 +539,11 @@ def _run(args) -> int:
     from sonar_kernels.integrations import transformers as hf
 
     preset = PRESETS[args.preset]
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = args.device_obj
+    if device.type == "cuda":
+        # The sonar arm and its control are compared bit for bit: deterministic kernels where torch has them.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     if args.fused is None and args.foreach is None and device.type == "cuda":
         # The Triton epilogue reproduces torch's fused CUDA AdamW: the flags every arm uses.
@@ -520,7 +554,7 @@ def _run(args) -> int:
     data = ByteData(load_text(args.data), sequence_length, batch_size, args.seed)
     heldout = [b.to(device) for b in data.heldout_batches(args.heldout_batches)]
     hf.register(args.backend)
-    initial = build_model(preset, args.layers, args.seed, dtype, device)
+    initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
     n_params = sum(p.numel() for p in initial.parameters())
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
     if not args.quiet:
@@ -553,22 +587,32 @@ def _run(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "arms": {},
     }
-    models = {}
+    final = {}  # the compared arms' parameters after training, on the CPU
     for name in args.arms:
         arm = build_arm(name, initial, args, steps)
         report["arms"][name] = run_arm(arm, data, steps, args, device, heldout)
-        models[name] = arm.model
+        if name == "sonar":
+            # The verdict means something only if SonarAdamW updated every expert tensor in the backward.
+            managed = [p for p in arm.model.parameters() if p in arm.optimizer._managed]
+            report["sonar_expert_tensors_updated_in_backward"] = len(managed)
+            report["expert_tensors"] = 2 * arm.model.config.num_hidden_layers
+        if name in ("sonar", "standard-dense-clip"):
+            final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
         del arm
     if args.memory:
         for name in args.arms:
             report["arms"][name].update(measure_memory(name, initial, data, args, device))
     else:
         for name in args.arms:
-            report["arms"][name].update({"peak_memory_bytes": 0, "peak_memory": dict.fromkeys(CATEGORIES.values(), 0),
+            report["arms"][name].update({"peak_memory_bytes": 0, "peak_memory": dict.fromkeys(LABELS, 0),
                                          "peak_phase": "not measured"})  # fmt: skip
-    if "sonar" in models and "standard-dense-clip" in models:
-        report["sonar_equals_control_bitwise"] = bitwise_equal(models["sonar"], models["standard-dense-clip"])
-    if "sonar" in models and "standard" in models:
+    if len(final) == 2:
+        report["sonar_equals_control_bitwise"] = report["sonar_expert_tensors_updated_in_backward"] == report[
+            "expert_tensors"
+        ] and all(
+            torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True)
+        )
+    if "sonar" in report["arms"] and "standard" in report["arms"]:
         report["heldout_loss_delta"] = (
             report["arms"]["sonar"]["heldout_loss"] - report["arms"]["standard"]["heldout_loss"]
         )

@@ -71,6 +71,7 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     report = json.loads((tmp_path / "t" / "report.json").read_text())
     assert (tmp_path / "t" / "report.png").stat().st_size > 10_000
     assert report["sonar_equals_control_bitwise"] is True
+    assert report["sonar_expert_tensors_updated_in_backward"] == report["expert_tensors"] == 2
     assert set(report["arms"]) == {"standard", "sonar", "standard-dense-clip"}
     for arm in report["arms"].values():
         assert len(arm["train_losses"]) == 4 and all(2.0 < x < 8.0 for x in arm["train_losses"])
@@ -83,3 +84,20 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     assert sonar["train_losses"] == control["train_losses"]
     assert sonar["peak_memory"]["gradients"] < control["peak_memory"]["gradients"]
     assert "bitwise identical (all parameters after training): True" in out
+
+
+def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys):
+    taken = tmp_path / "file"
+    taken.write_text("x")
+    for argv, words in (
+        (["--device", "tpu"], "--device 'tpu'"),
+        (["--out", str(taken)], "exists and is not a folder"),
+    ):
+        with pytest.raises(SystemExit) as exit_info:
+            train.main(argv)
+        assert exit_info.value.code == 2
+        assert words in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            train.main(["--device", "cuda"])
+        assert "no CUDA device here" in capsys.readouterr().err

@@ -81,12 +81,13 @@ def register(backend: str = "auto") -> None:
 
 
 def check_experts_module(module: nn.Module) -> str:
-    """The activation of ``module`` ("silu" or "gelu") when the sonar kernels can run it.
+    """The activation of ``module`` ("silu" or "gelu") when the sonar kernels can run it: read from its
+    ``act_fn`` (what transformers' eager forward calls), else from ``config.hidden_act``.
 
     Raises:
         ValueError: a layout flag the kernels do not implement (transposed, interleaved gate/up, bias, no
-            gate, post-expert norm), a custom ``_apply_gate``, or a ``hidden_act`` other than silu/swish
-            and the exact gelu; each named in the message.
+            gate, post-expert norm), a custom ``_apply_gate``, or an activation other than SiLU and the
+            exact erf GELU; each named in the message.
     """
     name = type(module).__name__
     for flag, needed in LAYOUT.items():
@@ -104,17 +105,41 @@ def check_experts_module(module: nn.Module) -> str:
             f"{name} defines its own _apply_gate, which the sonar experts implementation does not run "
             "(it computes act(gate) * up)"
         )
-    config = getattr(module, "config", None)
-    act = getattr(config, "hidden_act", None)
-    if act not in ACTIVATIONS:
-        raise ValueError(
-            f"{name}: hidden_act={act!r} is not supported by the sonar experts implementation "
-            f"(supported: {', '.join(sorted(ACTIVATIONS))}; the GELU is the exact erf one)"
-        )
+    activation = _activation_of(module)
     for attr in ("gate_up_proj", "down_proj"):
         if not isinstance(getattr(module, attr, None), torch.Tensor):
             raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs both")
-    return ACTIVATIONS[act]
+    return activation
+
+
+def _activation_of(module: nn.Module) -> str:
+    """The kernels' activation for the module's ``act_fn`` (what its eager forward calls), or, without
+    one, for ``config.hidden_act``. Raises ValueError for anything but SiLU and the exact erf GELU."""
+    name = type(module).__name__
+    act_fn = getattr(module, "act_fn", None)
+    if act_fn is None:
+        act = getattr(getattr(module, "config", None), "hidden_act", None)
+        if act not in ACTIVATIONS:
+            raise ValueError(
+                f"{name}: hidden_act={act!r} is not supported by the sonar experts implementation "
+                f"(supported: {', '.join(sorted(ACTIVATIONS))}; the GELU is the exact erf one)"
+            )
+        return ACTIVATIONS[act]
+    from transformers.activations import GELUActivation, SiLUActivation
+
+    if act_fn is torch.nn.functional.silu or isinstance(act_fn, (SiLUActivation, nn.SiLU)):
+        return "silu"
+    if act_fn is torch.nn.functional.gelu or (
+        isinstance(act_fn, GELUActivation) and getattr(act_fn, "act", None) is torch.nn.functional.gelu
+    ):
+        return "gelu"
+    if isinstance(act_fn, nn.GELU) and act_fn.approximate == "none":
+        return "gelu"
+    act = getattr(getattr(module, "config", None), "hidden_act", None)
+    raise ValueError(
+        f"{name}: act_fn={type(act_fn).__name__} (hidden_act={act!r}) is not supported by the sonar experts "
+        "implementation (supported: SiLU and the exact erf GELU; tanh approximations are refused)"
+    )
 
 
 def sonar_experts_forward(
@@ -136,6 +161,11 @@ def sonar_experts_forward(
     )
 
 
+def is_experts_module(module: nn.Module) -> bool:
+    """Whether ``module`` is an experts module of transformers' ExpertsInterface (any implementation)."""
+    return hasattr(module, "has_gate") and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+
+
 def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(gate_up_proj, down_proj) of a transformers experts module that runs the sonar implementation,
     else None. Does not import transformers."""
@@ -146,7 +176,7 @@ def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | Non
     if not all(isinstance(t, nn.Parameter) for t in tensors):
         return None
     # The experts module itself, not a model or decoder layer that shares its config.
-    if not hasattr(module, "has_gate"):
+    if not is_experts_module(module):
         return None
     return tensors
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 from torch import nn
@@ -111,11 +112,21 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
 
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
             # transformers experts modules running the "sonar" implementation are found by their config.
+            other = set()
             for module in params_or_model.modules():
                 if callable(getattr(module, "expert_tensors", None)):
                     mark_expert_tensors(*module.expert_tensors())
                 elif (tensors := hf.expert_tensors(module)) is not None:
                     mark_expert_tensors(*tensors)
+                elif hf.is_experts_module(module):
+                    other.add(getattr(module.config, "_experts_implementation", None))
+            if other:
+                warnings.warn(
+                    f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
+                    '"sonar": their tensors are dense parameters here (clipped and updated in step()). Switch '
+                    'them first (model.set_experts_implementation("sonar")), then build the optimizer.',
+                    stacklevel=2,
+                )
             params = params_or_model.parameters()
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
