@@ -10,7 +10,7 @@ TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo quickstart clean
+.PHONY: install test lint fmt kernel-report demo quickstart bench clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ kernel-report: install
 # side; writes runs/tiny-olmoe/report.json and report.png. On CPU the experts run the torch backend.
 demo: install
 	$(BIN)/sonar-train
+
+# One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the tiny
+# shape under the Triton interpreter, 3 rounds). The JSON (device, versions, commit) goes to runs/bench/.
+bench: install
+	mkdir -p runs/bench
+	$(BIN)/python -m pytest bench/test_layer.py --benchmark-only --benchmark-columns=median,rounds \
+		--benchmark-json=runs/bench/layer.json
 
 # One SonarExperts layer under the Triton interpreter: forward/backward vs float64, ExpertAdamW steps.
 quickstart: install

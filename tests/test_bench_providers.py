@@ -43,3 +43,24 @@ def test_shapes_and_flops():
         providers.build("nope", providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu"))
     with pytest.raises(ValueError, match="routing"):
         providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu", routing="zipf")
+
+
+def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
+    import os
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", str(root / "bench" / "test_layer.py"), "-q", "-p", "no:cacheprovider",
+         "-k", "uniform and (sonar-fused or standard)", "--benchmark-only",
+         f"--benchmark-json={tmp_path / 'layer.json'}"],
+        cwd=root, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "providers side by side" in done.stdout
+    assert "sonar-fused" in done.stdout and "standard" in done.stdout
+    report = __import__("json").loads((tmp_path / "layer.json").read_text())
+    assert report["versions"]["torch"] == torch.__version__ and "commit_info" in report
+    peaks = {b["extra_info"]["provider"]: b["extra_info"]["peak_bytes"] for b in report["benchmarks"]}
+    assert 0 < peaks["sonar-fused"] < peaks["standard"]  # no gradient tensor in the fused step

@@ -1,0 +1,33 @@
+"""The side-by-side table of the layer benchmark: per (shape, routing), each provider's median time,
+TFLOP/s (forward + backward FLOPs, 18·T·top_k·H·I), peak memory and ratios to the standard provider."""
+
+from __future__ import annotations
+
+
+def side_by_side(rows: list[dict]) -> str:
+    """``rows``: dicts with provider, shape, routing, device, flops, median_s, rounds, peak_bytes."""
+    lines = []
+    keys = sorted({(r["shape"], r["routing"]) for r in rows})
+    for shape, routing in keys:
+        group = {r["provider"]: r for r in rows if (r["shape"], r["routing"]) == (shape, routing)}
+        base = group.get("standard")
+        device = next(iter(group.values()))["device"]
+        label = (
+            "CPU timings (Triton interpreter for the sonar kernels), not kernel performance"
+            if device == "cpu"
+            else device
+        )
+        lines.append(f"{shape}, {routing} routing: {label}")
+        lines.append(
+            f"  {'provider':<18} {'median ms':>10} {'vs standard':>11} {'TFLOP/s':>8} {'peak MiB':>9} {'vs standard':>11} {'rounds':>6}"
+        )
+        for name, r in group.items():
+            speed = base["median_s"] / r["median_s"] if base else float("nan")
+            mem = r["peak_bytes"] / base["peak_bytes"] if base and base["peak_bytes"] else float("nan")
+            tflops = r["flops"] / r["median_s"] / 1e12
+            lines.append(
+                f"  {name:<18} {1000 * r['median_s']:>10.2f} {speed:>10.2f}x {tflops:>8.4f} "
+                f"{r['peak_bytes'] / 2**20:>9.3f} {mem:>10.2f}x {r['rounds']:>6}"
+            )
+        lines.append("")
+    return "\n".join(lines)
