@@ -101,3 +101,32 @@ def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys)
         with pytest.raises(SystemExit):
             train.main(["--device", "cuda"])
         assert "no CUDA device here" in capsys.readouterr().err
+
+
+def test_real_presets_have_the_models_dimensions():
+    # DESIGN.md: OLMoE-1B-7B (H 2048, I 1024, E 64, top-8, 16 layers), Granite-3.1-3B-A800M (H 1536,
+    # I 512, E 40, top-8, 32 layers); heads and vocabularies from the models' configs.
+    olmoe, granite = train.PRESETS["olmoe-1b-7b"], train.PRESETS["granite-3.1-3b-a800m"]
+    assert (olmoe.hidden_size, olmoe.intermediate_size, olmoe.num_experts, olmoe.top_k, olmoe.num_layers) == (
+        2048, 1024, 64, 8, 16,
+    )  # fmt: skip
+    assert (olmoe.num_heads, olmoe.vocab_size) == (16, 50304)
+    assert (granite.hidden_size, granite.intermediate_size, granite.num_experts, granite.top_k) == (
+        1536,
+        512,
+        40,
+        8,
+    )
+    assert (granite.num_layers, granite.num_heads, granite.num_kv_heads, granite.vocab_size) == (
+        32,
+        24,
+        8,
+        49155,
+    )
+    with torch.device("meta"):  # the full-size model, without allocating it
+        from sonar_kernels.integrations import transformers as hf
+
+        hf.register("torch")
+        model = train.build_model(olmoe, 2, 0, torch.bfloat16, torch.device("meta"))
+    experts = model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj.shape) == (64, 2048, 2048) and model.config.num_hidden_layers == 2
