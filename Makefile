@@ -10,7 +10,7 @@ TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo quickstart bench clean
+.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ bench: install
 	mkdir -p runs/bench
 	$(BIN)/python -m pytest bench/test_layer.py --benchmark-only --benchmark-columns=median,rounds \
 		--benchmark-json=runs/bench/layer.json
+
+# On one CUDA GPU: correctness at the real shapes, then every provider at the OLMoE-1B-7B and Granite
+# layer shapes against torch.mm and the copy bandwidth; writes bench/results/<date>-<gpu>.json and .md.
+bench-gpu: install
+	$(BIN)/python bench/gpu_bench.py
 
 # One SonarExperts layer under the Triton interpreter: forward/backward vs float64, ExpertAdamW steps.
 quickstart: install
