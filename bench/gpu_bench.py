@@ -121,6 +121,7 @@ def layer_table(shape_name: str, dtype: torch.dtype, device: str, rounds: int) -
                 "seconds": seconds,
                 "tflops": shape.flops() / seconds / 1e12,
                 "peak_bytes": peak_bytes(step, device),
+                "experts": step.experts,
             }
             del step
         for row in (r for r in rows.values() if r["routing"] == routing):
@@ -150,6 +151,7 @@ def markdown(result: dict) -> str:
                 f"{row['speedup_vs_standard']:.2f}x | {row['peak_bytes'] / 2**20:.1f} | "
                 f"{row['memory_vs_standard']:.2f}x | {roof['total_seconds'] / row['seconds']:.2f} |"
             )
+        lines += ["", f"standard's experts: {table['rows']['standard uniform']['experts']}."]
     return "\n".join(lines) + "\n"
 
 

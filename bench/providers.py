@@ -99,6 +99,7 @@ class Step:
 
     def __init__(self, inputs: Inputs, run, params, optimizer=None):
         self.inputs, self._run, self.params, self.optimizer = inputs, run, params, optimizer
+        self.experts = "sonar_kernels Triton"  # what computes the experts
 
     def run(self) -> None:
         self._run()
@@ -203,27 +204,50 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
 
 
 def _standard(inputs: Inputs, w1, w2) -> Step:
-    """transformers' OlmoeExperts with its fastest implementation here, torch.optim.AdamW, clipping."""
-    from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
-
-    E, two_I, H = w1.shape
-    config = OlmoeConfig(
-        hidden_size=H, intermediate_size=two_I // 2, num_experts=E, num_experts_per_tok=inputs.index.shape[1]
-    )
-    config._experts_implementation = "grouped_mm" if _grouped_mm_runs(w1) else "eager"
-    experts = OlmoeExperts(config).to(device=w1.device, dtype=w1.dtype)
-    experts.gate_up_proj, experts.down_proj = w1, w2
+    """transformers' OlmoeExperts with its fastest implementation here, torch.optim.AdamW, clipping. Where
+    transformers is not installed (a bare GPU machine), the experts are sonar_kernels' PyTorch reference
+    (a loop over experts); ``Step.experts`` says which ran."""
+    try:
+        from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
+        from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
+    except ImportError:
+        OlmoeExperts = None
     fused = w1.device.type == "cuda"
-    optimizer = torch.optim.AdamW(experts.parameters(), **HYPER, fused=fused)
+    if OlmoeExperts is None:
+        params, label = [w1, w2], "sonar_kernels reference (transformers not installed)"
+
+        def forward():
+            return sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend="torch")
+    else:
+        E, two_I, H = w1.shape
+        config = OlmoeConfig(
+            hidden_size=H,
+            intermediate_size=two_I // 2,
+            num_experts=E,
+            num_experts_per_tok=inputs.index.shape[1],
+        )
+        config._experts_implementation = "grouped_mm" if _grouped_mm_runs(w1) else "eager"
+        experts = OlmoeExperts(config).to(device=w1.device, dtype=w1.dtype)
+        experts.gate_up_proj, experts.down_proj = w1, w2
+        params, label = (
+            list(experts.parameters()),
+            f"transformers OlmoeExperts {config._experts_implementation}",
+        )
+
+        def forward():
+            return experts(inputs.x, inputs.index, inputs.weights)
+
+    optimizer = torch.optim.AdamW(params, **HYPER, fused=fused)
 
     def run():
-        experts(inputs.x, inputs.index, inputs.weights).backward(inputs.grad_out)
-        torch.nn.utils.clip_grad_norm_(experts.parameters(), 1.0)
+        forward().backward(inputs.grad_out)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Step(inputs, run, (w1, w2), optimizer)
+    step = Step(inputs, run, (w1, w2), optimizer)
+    step.experts = label
+    return step
 
 
 def _grouped_mm_runs(w: torch.Tensor) -> bool:

@@ -47,7 +47,7 @@ def test_layer_step(benchmark, provider, shape, routing):
     benchmark.group = f"{shape} {routing}"
     benchmark.extra_info.update(
         provider=provider, shape=shape, routing=routing, device=device, dtype=str(DTYPE),
-        flops=providers.SHAPES[shape].flops(), peak_bytes=peak,
+        flops=providers.SHAPES[shape].flops(), peak_bytes=peak, experts=step.experts,
     )  # fmt: skip
 
     def run():

@@ -64,3 +64,24 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     assert report["versions"]["torch"] == torch.__version__ and "commit_info" in report
     peaks = {b["extra_info"]["provider"]: b["extra_info"]["peak_bytes"] for b in report["benchmarks"]}
     assert 0 < peaks["sonar-fused"] < peaks["standard"]  # no gradient tensor in the fused step
+
+
+def test_standard_falls_back_to_the_reference_experts_without_transformers(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_transformers(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu")
+    with_transformers = providers.build("standard", inputs)
+    monkeypatch.setattr(builtins, "__import__", no_transformers)
+    without = providers.build("standard", inputs)
+    assert "OlmoeExperts" in with_transformers.experts and "reference" in without.experts
+    for step in (with_transformers, without):
+        step.run()
+    for a, b in zip(without.weights(), with_transformers.weights(), strict=True):
+        assert_close(a, b, torch.float32)
