@@ -86,26 +86,6 @@ def bandwidth(device: str, nbytes: int, rounds: int) -> float:
     return 2 * nbytes / seconds / 1e9
 
 
-def peak_bytes(step: providers.Step, device: str) -> int:
-    """Peak bytes allocated during one more step (CUDA allocator; MemTracker on the CPU)."""
-    if device != "cuda":
-        from torch.distributed._tools.mem_tracker import MemTracker
-
-        tracker = MemTracker()
-        tracked = list(step.params)
-        if isinstance(step.optimizer, torch.optim.Optimizer):
-            tracked.append(step.optimizer)
-        tracker.track_external(*tracked)
-        with tracker:
-            step.run()
-        return int(sum(v["Total"] for v in tracker.get_tracker_snapshot("peak").values()))
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step.run()
-    torch.cuda.synchronize()
-    return int(torch.cuda.max_memory_allocated())
-
-
 def layer_table(shape_name: str, dtype: torch.dtype, device: str, rounds: int) -> dict:
     shape = providers.SHAPES[shape_name]
     rows = {}
@@ -120,7 +100,7 @@ def layer_table(shape_name: str, dtype: torch.dtype, device: str, rounds: int) -
                 "routing": routing,
                 "seconds": seconds,
                 "tflops": shape.flops() / seconds / 1e12,
-                "peak_bytes": peak_bytes(step, device),
+                "peak_bytes": providers.peak_bytes(step),
                 "experts": step.experts,
             }
             del step

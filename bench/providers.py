@@ -19,6 +19,7 @@ returns the updated (gate_up_proj, down_proj).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -260,3 +261,26 @@ def _grouped_mm_runs(w: torch.Tensor) -> bool:
         return True
     except (RuntimeError, AttributeError, TypeError):
         return False
+
+
+def peak_bytes(step: Step) -> int:
+    """Peak bytes allocated during one more step of ``step`` (its optimizer state already exists): the
+    CUDA allocator's peak on a GPU, torch's MemTracker (parameters and optimizer tracked) on the CPU."""
+    if step.params[0].device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        step.run()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracked = list(step.params)
+    if isinstance(step.optimizer, torch.optim.Optimizer):
+        tracked.append(step.optimizer)
+    tracker.track_external(*tracked)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tracker:
+            step.run()
+    return int(sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values()))

@@ -6,8 +6,6 @@ run under the Triton interpreter, so only the tiny CPU shape, with an explicit, 
 those timings are CPU timings, not kernel performance (the memory accounting is meaningful).
 """
 
-import warnings
-
 import providers
 import pytest
 import torch
@@ -18,23 +16,6 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 ROUNDS = 20 if CUDA else 3
 
 
-def _peak_bytes(step: providers.Step) -> int:
-    """Peak bytes of one more step (MemTracker; the optimizer state already exists)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracked = [p for p in step.params]
-    if isinstance(step.optimizer, torch.optim.Optimizer):
-        tracked.append(step.optimizer)
-    tracker.track_external(*tracked)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with tracker:
-            step.run()
-    snapshot = tracker.get_tracker_snapshot("peak")
-    return int(sum(per_device["Total"] for per_device in snapshot.values()))
-
-
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("provider", providers.PROVIDERS)
@@ -43,7 +24,7 @@ def test_layer_step(benchmark, provider, shape, routing):
     inputs = providers.make_inputs(providers.SHAPES[shape], DTYPE, device, routing=routing)
     step = providers.build(provider, inputs, backend="triton")
     step.run()  # warm-up: compiles the kernels, creates the optimizer state
-    peak = _peak_bytes(step)
+    peak = providers.peak_bytes(step)
     benchmark.group = f"{shape} {routing}"
     benchmark.extra_info.update(
         provider=provider, shape=shape, routing=routing, device=device, dtype=str(DTYPE),

@@ -401,6 +401,17 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
+def _laid_out_like(t, weight: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor with the shape, strides and device of ``weight`` (a kernel walks both
+    with the same offsets)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == weight.shape
+        and t.stride() == weight.stride()
+        and t.device == weight.device
+    )
+
+
 def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> None:
     """Validate the in-place AdamW update of ``weight`` (called before any kernel of the backward runs).
 
@@ -418,7 +429,7 @@ def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> 
         m = getattr(update, key)
         if not isinstance(m, torch.Tensor) or m.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{key} of {name} must be a float32/bfloat16/float16 tensor")
-        if m.shape != weight.shape or m.stride() != weight.stride() or m.device != weight.device:
+        if not _laid_out_like(m, weight):
             raise ValueError(
                 f"{key} of {name} must have the shape, strides and device of the weight "
                 f"({tuple(weight.shape)}, {weight.stride()}, {weight.device}); got "
@@ -445,13 +456,7 @@ def check_adamw_update(name: str, weight: torch.Tensor, update: AdamWUpdate) -> 
     ):
         raise ValueError(f"skipped of {name} must be a 0-dim int64 tensor on {weight.device}")
     g = update.grad_in
-    if g is not None and (
-        not isinstance(g, torch.Tensor)
-        or g.dtype != update.grad_dtype
-        or g.shape != weight.shape
-        or g.stride() != weight.stride()
-        or g.device != weight.device
-    ):
+    if g is not None and not (_laid_out_like(g, weight) and g.dtype == update.grad_dtype):
         raise ValueError(
             f"grad_in of {name} must be a {update.grad_dtype} tensor with the shape, strides and device of the "
             f"weight ({tuple(weight.shape)}, {weight.stride()}, {weight.device})"
@@ -522,13 +527,7 @@ def moe_mlp_bwd(
             if update is not None:
                 raise ValueError(f"{name}: an update and an accumulator are exclusive")
             b = accumulator.buffer
-            if (
-                not isinstance(b, torch.Tensor)
-                or b.dtype not in SUPPORTED_DTYPES
-                or b.shape != weight.shape
-                or b.stride() != weight.stride()
-                or b.device != weight.device
-            ):
+            if not (_laid_out_like(b, weight) and b.dtype in SUPPORTED_DTYPES):
                 raise ValueError(
                     f"the accumulator buffer of {name} must be a float32/bfloat16/float16 tensor with the "
                     f"shape, strides and device of the weight ({tuple(weight.shape)}, {weight.stride()}, "

@@ -22,7 +22,7 @@ def test_every_provider_takes_the_same_two_steps(routing, device):
         for _ in range(2):
             step.run()
         results[name] = step.weights()
-        assert all(p.grad is None for p in step.params) or name in ("sonar-unfused", "standard")
+        assert all(p.grad is None for p in step.params), name  # updated, or released by zero_grad
     reference = results["sonar-unfused"]  # the kernels' gradient, then torch.optim.AdamW
     moved = (reference[0] - inputs.gate_up_proj).norm() / inputs.gate_up_proj.norm()
     assert moved > 1e-4  # two steps changed the weights
