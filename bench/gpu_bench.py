@@ -1,6 +1,8 @@
-"""The GPU benchmark in one run: correctness at the real shapes first, then one expert-MLP layer's
-training step by every provider, against the dense roofline (torch.mm on the layer's GEMM shapes) and
-the copy bandwidth measured in the same run.
+"""The GPU benchmark in one run: correctness at the real shapes first; then one expert-MLP layer by every
+provider (forward, forward+backward, training step), each sonar kernel's own time and TFLOP/s against
+torch.mm on the same GEMM shape (the dense roofline) and the copy bandwidth, all measured in the same run;
+then full training steps of OLMoE-1B-7B and Granite-3.1-3B-A800M with a few layers: standard, sonar and
+all-in-backward (every parameter updated in the backward, no clipping).
 
 Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
 ``pip install --no-deps --no-build-isolation -e .``):
@@ -10,7 +12,8 @@ Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
 
 Writes ``bench/results/<date>-<device>.json`` and a markdown table next to it (``--out`` changes the
 JSON path). Fixed kernel configurations, no autotuning. Exit code 1 when a correctness check fails.
-Not in it yet: the full training step at model dimensions (sonar-train on the real presets).
+The full training steps need transformers (>= 5.13); where it is missing they are skipped and the
+results say so. A bare machine without network gets it as wheels (see README, "GPU benchmark").
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_backward
+import kernel_times
 import providers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,51 +91,176 @@ def bandwidth(device: str, nbytes: int, rounds: int) -> float:
 
 
 def layer_table(shape_name: str, dtype: torch.dtype, device: str, rounds: int) -> dict:
+    """Every provider's phases (providers.PHASES) at one layer shape, both routings; then the roofline
+    and the sonar kernels one by one (the fused and the unfused step, uniform routing)."""
     shape = providers.SHAPES[shape_name]
-    rows = {}
+    roof = roofline(shape, dtype, device, rounds)
+    rows, kernels = {}, {}
     for routing in ("uniform", "skewed"):
         inputs = providers.make_inputs(shape, dtype, device, routing=routing)
         for name in providers.PROVIDERS:
             step = providers.build(name, inputs, backend="triton")
             step.run()  # compile, create the optimizer state
-            seconds = _median_seconds(step.run, device, rounds)
-            rows[f"{name} {routing}"] = {
-                "provider": name,
-                "routing": routing,
-                "seconds": seconds,
-                "tflops": shape.flops() / seconds / 1e12,
-                "peak_bytes": providers.peak_bytes(step),
-                "experts": step.experts,
-            }
+            for phase in (p for p in providers.PHASES if name in providers.phase_providers(p)):
+                fn = step.phase(phase)
+                fn()
+                seconds = _median_seconds(fn, device, rounds)
+                rows[f"{phase} {name} {routing}"] = {
+                    "phase": phase,
+                    "provider": name,
+                    "routing": routing,
+                    "seconds": seconds,
+                    "tflops": shape.phase_flops(phase) / seconds / 1e12,
+                    "peak_bytes": providers.peak_bytes(step, phase),
+                    "experts": step.experts,
+                }
+            if name in ("sonar-fused", "sonar-unfused") and routing == "uniform":
+                mm = {k: v["seconds"] for k, v in roof.items() if k != "total_seconds"}
+                kernels[name] = kernel_times.kernel_table(
+                    step, gemm_shapes(shape), mm, device == "cuda", max(rounds, 5)
+                )
             del step
-        for row in (r for r in rows.values() if r["routing"] == routing):
-            base = rows[f"standard {routing}"]
-            row["speedup_vs_standard"] = base["seconds"] / row["seconds"]
-            row["memory_vs_standard"] = row["peak_bytes"] / base["peak_bytes"]
-    return {"shape": shape_name, "T_H_I_E_top_k": tuple(shape), "rows": rows}
+    for row in rows.values():
+        base = rows[f"{row['phase']} standard {row['routing']}"]
+        row["speedup_vs_standard"] = base["seconds"] / row["seconds"]
+        row["memory_vs_standard"] = row["peak_bytes"] / base["peak_bytes"]
+    return {
+        "shape": shape_name,
+        "T_H_I_E_top_k": tuple(shape),
+        "rows": rows,
+        "roofline": roof,
+        "kernels": kernels,
+    }
+
+
+def goals(table: dict) -> dict:
+    """The issue's goals read against one layer table (benchmarks, not tests)."""
+    rows = table["rows"]
+    gemm_fractions = {
+        f"{provider}: {label}": row["fraction_of_torch_mm"]
+        for provider, kernels in table["kernels"].items()
+        for label, row in kernels.items()
+        if "fraction_of_torch_mm" in row
+    }
+    return {
+        "step_speedup_sonar_fused_vs_standard": rows["step sonar-fused uniform"]["speedup_vs_standard"],
+        "goal_step_speedup": 1.3,
+        "min_gemm_fraction_of_torch_mm": min(gemm_fractions.values(), default=float("nan")),
+        "goal_gemm_fraction": 0.6,
+        "gemm_fractions": gemm_fractions,
+        "per_expert_over_batched_time": rows["step per-expert-inbwd uniform"]["seconds"]
+        / rows["step paper-inbwd uniform"]["seconds"],
+    }
+
+
+def full_steps(presets: dict[str, int], device: str, small: bool, steps: int) -> dict:
+    """Median step time and peak memory of whole-model training steps, per preset (name -> layers), for
+    the arms standard, sonar and all-in-backward of sonar-train (bf16 on CUDA, activation checkpointing
+    on). Skipped, with the reason, where transformers is missing."""
+    try:
+        from sonar_kernels import train
+        from sonar_kernels.integrations import transformers as hf
+
+        hf.register("auto")
+    except ImportError as e:
+        return {"skipped": f"transformers is needed for the full training step: {e}"}
+    out = {}
+    for preset_name, layers in presets.items():
+        preset = train.PRESETS[preset_name]
+        argv = ["--preset", preset_name, "--layers", str(layers), "--device", device, "--quiet"]
+        argv += ["--fused"] if device == "cuda" else []
+        args = train.parse_args(argv)
+        dtype = torch.bfloat16 if device == "cuda" else torch.float32
+        batch, seq = (2, 32) if small else (preset.batch_size, preset.sequence_length)
+        data = train.ByteData(train.default_text(), seq, batch, seed=0)
+        initial = train.build_model(preset, layers, 0, dtype, args.device_obj)
+        arms = {}
+        for name in ("standard", "sonar", "all-in-backward"):
+            arm = train.build_arm(name, initial, args, steps=steps + 2)
+            tokens = [data.batch(i).to(device) for i in range(steps + 2)]
+            for t in tokens[:2]:  # compile, create the optimizer state
+                train.train_step(arm, t, args.max_grad_norm)
+            times = []
+            for t in tokens[2:]:
+                train._sync(args.device_obj)
+                start = time.perf_counter()
+                train.train_step(arm, t, args.max_grad_norm)
+                train._sync(args.device_obj)
+                times.append(time.perf_counter() - start)
+            row = {"step_time_s": statistics.median(times)}
+            if device == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                train.train_step(arm, tokens[-1], args.max_grad_norm)
+                torch.cuda.synchronize()
+                row["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+            arms[name] = row
+            del arm
+        del initial
+        for row in arms.values():
+            row["speedup_vs_standard"] = arms["standard"]["step_time_s"] / row["step_time_s"]
+            if "peak_bytes" in row:
+                row["memory_vs_standard"] = row["peak_bytes"] / arms["standard"]["peak_bytes"]
+        out[preset_name] = {"layers": layers, "batch": batch, "sequence_length": seq, "arms": arms}
+    return out
 
 
 def markdown(result: dict) -> str:
     lines = [f"# {result['device']}, {result['date']} (torch {result['torch']}, triton {result['triton']}, "
-             f"commit {result['commit'][:9]})", ""]  # fmt: skip
-    lines.append(f"Copy bandwidth: {result['bandwidth_gbs']:.0f} GB/s.")
+             f"commit {result['commit'][:9]}, {result['dtype']})", ""]  # fmt: skip
+    lines.append(f"Copy bandwidth: {result['bandwidth_gbs']:.0f} GB/s. Whole run: {result['seconds']:.0f} s.")
     for check in result["correctness"]:
         lines.append(
             f"- {check['shape']} {check['weight_dtype']}: fused == split bitwise: {check['fused_equals_split_bitwise']}"
         )
     for table in result["layers"]:
         roof = table["roofline"]
-        lines += ["", f"## {table['shape']} {table['T_H_I_E_top_k']}", "",
+        lines += ["", f"## {table['shape']} (T, H, I, E, top_k) = {table['T_H_I_E_top_k']}", "",
                   f"torch.mm on the layer's GEMM shapes: {1000 * roof['total_seconds']:.3f} ms in all.", "",
-                  "| provider | routing | ms | TFLOP/s | vs standard | peak MiB | memory vs standard | roofline / time |",
+                  "| phase | provider | routing | ms | TFLOP/s | vs standard | peak MiB | memory vs standard |",
                   "|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for row in table["rows"].values():
             lines.append(
-                f"| {row['provider']} | {row['routing']} | {1000 * row['seconds']:.3f} | {row['tflops']:.3f} | "
-                f"{row['speedup_vs_standard']:.2f}x | {row['peak_bytes'] / 2**20:.1f} | "
-                f"{row['memory_vs_standard']:.2f}x | {roof['total_seconds'] / row['seconds']:.2f} |"
+                f"| {row['phase']} | {row['provider']} | {row['routing']} | {1000 * row['seconds']:.3f} | "
+                f"{row['tflops']:.3f} | {row['speedup_vs_standard']:.2f}x | {row['peak_bytes'] / 2**20:.1f} | "
+                f"{row['memory_vs_standard']:.2f}x |"
             )
-        lines += ["", f"standard's experts: {table['rows']['standard uniform']['experts']}."]
+        experts = next(r["experts"] for r in table["rows"].values() if r["provider"] == "standard")
+        lines += ["", f"standard's experts: {experts}. forward and forward+backward of sonar-unfused are those "
+                  "of all four sonar providers (the same kernels).", ""]  # fmt: skip
+        for provider, kernels in table["kernels"].items():
+            lines += [f"{provider} (uniform routing), kernel by kernel:", "",
+                      "| launch | ms | TFLOP/s | of torch.mm on the same GEMM |", "|---|---|---|---|"]  # fmt: skip
+            for label, row in kernels.items():
+                gemm = (
+                    f"{row['tflops']:.3f} | {row['fraction_of_torch_mm']:.2f}" if "tflops" in row else " | "
+                )
+                lines.append(f"| {label} | {1000 * row['seconds']:.3f} | {gemm} |")
+            lines.append("")
+        g = table["goals"]
+        lines += [
+            "Goals (read, not asserted): training step sonar-fused vs standard "
+            f"{g['step_speedup_sonar_fused_vs_standard']:.2f}x (goal >= {g['goal_step_speedup']}x); slowest "
+            f"grouped GEMM at {g['min_gemm_fraction_of_torch_mm']:.2f} of torch.mm (goal >= {g['goal_gemm_fraction']}); "
+            f"per-expert in-backward updates take {g['per_expert_over_batched_time']:.2f}x the batched ones' time."
+        ]
+    full = result["full_steps"]
+    lines += ["", "## Full training steps (sonar-train's arms)", ""]
+    if "skipped" in full:
+        lines.append(f"Skipped: {full['skipped']}")
+    else:
+        lines += ["| preset | layers | batch x seq | arm | step ms | vs standard | peak MiB | memory vs standard |",
+                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+        for preset, entry in full.items():
+            for arm, row in entry["arms"].items():
+                peak = (
+                    f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f}x"
+                    if "peak_bytes" in row
+                    else "(CUDA only) | "
+                )
+                lines.append(
+                    f"| {preset} | {entry['layers']} | {entry['batch']} x {entry['sequence_length']} | {arm} | "
+                    f"{1000 * row['step_time_s']:.1f} | {row['speedup_vs_standard']:.2f}x | {peak} |"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -139,7 +268,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter, tests)")
     parser.add_argument("--out", type=Path, help="JSON output path (the markdown table goes next to it)")
+    parser.add_argument("--full-step-layers", type=int, default=4,
+                        help="decoder layers of the full-step models (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-full-step", dest="full_step", action="store_false",
+                        help="skip the full training steps")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.full_step_layers < 1:
+        parser.error(f"--full-step-layers must be >= 1, got {args.full_step_layers}")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     small = args.small or device == "cpu"
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
@@ -154,8 +289,15 @@ def main(argv=None) -> int:
     layers = []
     for name in shapes:
         table = layer_table(name, dtype, device, rounds)
-        table["roofline"] = roofline(providers.SHAPES[name], dtype, device, rounds)
+        table["goals"] = goals(table)
         layers.append(table)
+    if not args.full_step:
+        full = {"skipped": "--no-full-step"}
+    elif small:
+        full = full_steps({"tiny-olmoe": 1}, device, small=True, steps=3)
+    else:
+        presets = {"olmoe-1b-7b": args.full_step_layers, "granite-3.1-3b-a800m": args.full_step_layers}
+        full = full_steps(presets, device, small=False, steps=5)
     result = {
         "date": datetime.date.today().isoformat(),
         "device": device_name,
@@ -166,6 +308,7 @@ def main(argv=None) -> int:
         "correctness": correctness,
         "bandwidth_gbs": bandwidth(device, 2**20 if small else 2**30, rounds),
         "layers": layers,
+        "full_steps": full,
     }
     result["seconds"] = time.perf_counter() - started
     slug = device_name.split()[-1].lower() if device == "cuda" else "cpu"

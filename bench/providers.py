@@ -14,11 +14,18 @@ Providers (issue "Benchmarks: make bench ..."):
   torch.optim.AdamW and ``clip_grad_norm_``.
 
 Each provider is built by :func:`build` and returns a :class:`Step`: ``run()`` does one step, ``weights()``
-returns the updated (gate_up_proj, down_proj).
+returns the updated (gate_up_proj, down_proj), ``phase(name)`` the callable that times one of
+:data:`PHASES`.
+
+Phases: ``forward`` (the training forward, autograd graph built), ``forward+backward`` (plain gradients
+written, no update) and ``step`` (forward, backward and the AdamW update). The first two are measured for
+``sonar-unfused`` and ``standard`` only: the four sonar providers run the same forward and backward
+kernels and differ in the update alone (:func:`phase_providers`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -29,6 +36,7 @@ from torch.optim.adamw import adamw as torch_adamw
 import sonar_kernels
 
 PROVIDERS = ("sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard")
+PHASES = ("forward", "forward+backward", "step")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
@@ -44,6 +52,18 @@ class Shape(NamedTuple):
     def flops(self, backward: bool = True) -> int:
         """FLOPs of one SwiGLU expert-MLP layer: forward 6·T·top_k·H·I, forward+backward 18·T·top_k·H·I."""
         return (18 if backward else 6) * self.T * self.top_k * self.H * self.I
+
+    def phase_flops(self, phase: str) -> int:
+        """The GEMM FLOPs of ``phase`` (the AdamW update's elementwise work is not counted)."""
+        return self.flops(backward=phase != "forward")
+
+
+def phase_providers(phase: str) -> tuple[str, ...]:
+    """The providers whose ``phase`` is measured: every provider's step; the forward and the
+    forward+backward of the sonar kernels (as sonar-unfused) and of standard."""
+    if phase not in PHASES:
+        raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
+    return PROVIDERS if phase == "step" else ("sonar-unfused", "standard")
 
 
 # Layer shapes: one MoE layer of each model (T tokens per step), and CPU-sized ones.
@@ -66,9 +86,18 @@ class Inputs:
     gate_up_proj: torch.Tensor
     down_proj: torch.Tensor
 
+    def backward(self, out: torch.Tensor) -> None:
+        """``out``'s backward from ``grad_out``; the gradients of x and the routing weights are dropped."""
+        out.backward(self.grad_out)
+        self.x.grad = self.weights.grad = None
+
 
 def make_inputs(shape: Shape, dtype: torch.dtype, device, routing: str = "uniform", seed: int = 0) -> Inputs:
-    """``routing``: "uniform" (random scores) or "skewed" (expert e drawn with weight ~ 1 / (e + 1))."""
+    """``routing``: "uniform" (random scores) or "skewed" (expert e drawn with weight ~ 1 / (e + 1)).
+
+    ``x`` and the routing ``weights`` require grad, as inside a model, so every backward computes dX and
+    the routing-weight gradient too (the 18·T·top_k·H·I FLOPs count dX); :meth:`Inputs.backward` drops them
+    after each step."""
     T, H, I, E, top_k = shape
     generator = torch.Generator().manual_seed(seed)
     if routing == "uniform":
@@ -87,19 +116,24 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device, routing: str = "unifor
         "gate_up_proj": torch.randn(E, 2 * I, H, generator=generator) / H**0.5,
         "down_proj": torch.randn(E, H, I, generator=generator) / I**0.5,
     }
-    return Inputs(
+    inputs = Inputs(
         **{
             k: v.to(device=device, dtype=dtype) if v.is_floating_point() else v.to(device)
             for k, v in tensors.items()
         }
     )
+    inputs.x.requires_grad_(True)
+    inputs.weights.requires_grad_(True)
+    return inputs
 
 
 class Step:
-    """One provider's training step on its own copy of the weights."""
+    """One provider's training step on its own copy of the weights; ``forward`` (a callable returning the
+    layer's output) is given where the provider's forward and backward are timed on their own."""
 
-    def __init__(self, inputs: Inputs, run, params, optimizer=None):
+    def __init__(self, inputs: Inputs, run, params, optimizer=None, forward=None):
         self.inputs, self._run, self.params, self.optimizer = inputs, run, params, optimizer
+        self._forward = forward
         self.experts = "sonar_kernels Triton"  # what computes the experts
 
     def run(self) -> None:
@@ -107,6 +141,29 @@ class Step:
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(p.detach() for p in self.params)
+
+    def phase(self, name: str):
+        """The callable that runs phase ``name`` once (see :data:`PHASES`).
+
+        Raises:
+            ValueError: an unknown phase, or forward / forward+backward of a provider that has no forward
+                of its own (see :func:`phase_providers`).
+        """
+        if name == "step":
+            return self.run
+        if name not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {name!r}")
+        if self._forward is None:
+            raise ValueError(f"{name!r} is measured for {phase_providers(name)} only")
+        if name == "forward":
+            return self._forward
+
+        def forward_backward():
+            self.inputs.backward(self._forward())
+            for p in self.params:
+                p.grad = None
+
+        return forward_backward
 
 
 def _params(inputs: Inputs):
@@ -116,9 +173,12 @@ def _params(inputs: Inputs):
     )
 
 
+def _forward(inputs: Inputs, w1, w2, backend: str) -> torch.Tensor:
+    return sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend=backend)
+
+
 def _forward_backward(inputs: Inputs, w1, w2, backend: str) -> None:
-    out = sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend=backend)
-    out.backward(inputs.grad_out)
+    inputs.backward(_forward(inputs, w1, w2, backend))
 
 
 def _in_backward_hook(states: dict, per_expert: bool):
@@ -183,7 +243,7 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        return Step(inputs, run, (w1, w2), optimizer)
+        return Step(inputs, run, (w1, w2), optimizer, functools.partial(_forward, inputs, w1, w2, backend))
 
     if provider in ("paper-inbwd", "per-expert-inbwd"):
         per_expert = provider == "per-expert-inbwd"
@@ -241,12 +301,12 @@ def _standard(inputs: Inputs, w1, w2) -> Step:
     optimizer = torch.optim.AdamW(params, **HYPER, fused=fused)
 
     def run():
-        forward().backward(inputs.grad_out)
+        inputs.backward(forward())
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step = Step(inputs, run, (w1, w2), optimizer)
+    step = Step(inputs, run, (w1, w2), optimizer, forward)
     step.experts = label
     return step
 
@@ -263,13 +323,14 @@ def _grouped_mm_runs(w: torch.Tensor) -> bool:
         return False
 
 
-def peak_bytes(step: Step) -> int:
-    """Peak bytes allocated during one more step of ``step`` (its optimizer state already exists): the
-    CUDA allocator's peak on a GPU, torch's MemTracker (parameters and optimizer tracked) on the CPU."""
+def peak_bytes(step: Step, phase: str = "step") -> int:
+    """Peak bytes allocated while ``step`` runs ``phase`` once more (its optimizer state already exists):
+    the CUDA allocator's peak on a GPU, torch's MemTracker (parameters and optimizer tracked) on the CPU."""
+    run = step.phase(phase)
     if step.params[0].device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        step.run()
+        run()
         torch.cuda.synchronize()
         return int(torch.cuda.max_memory_allocated())
     from torch.distributed._tools.mem_tracker import MemTracker
@@ -282,5 +343,5 @@ def peak_bytes(step: Step) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with tracker:
-            step.run()
+            run()
     return int(sum(per_device["Total"] for per_device in tracker.get_tracker_snapshot("peak").values()))

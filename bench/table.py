@@ -1,15 +1,23 @@
-"""The side-by-side table of the layer benchmark: per (shape, routing), each provider's median time,
-TFLOP/s (forward + backward FLOPs, 18·T·top_k·H·I), peak memory and ratios to the standard provider."""
+"""The side-by-side table of the layer benchmark: per (shape, routing, phase), each provider's median
+time, TFLOP/s (the phase's GEMM FLOPs: forward 6·T·top_k·H·I, otherwise 18·T·top_k·H·I), peak memory and
+ratios to the standard provider."""
 
 from __future__ import annotations
 
 
 def side_by_side(rows: list[dict]) -> str:
-    """``rows``: dicts with provider, shape, routing, device, flops, median_s, rounds, peak_bytes."""
+    """``rows``: dicts with provider, phase, shape, routing, device, flops, median_s, rounds, peak_bytes."""
     lines = []
-    keys = sorted({(r["shape"], r["routing"]) for r in rows})
-    for shape, routing in keys:
-        group = {r["provider"]: r for r in rows if (r["shape"], r["routing"]) == (shape, routing)}
+    order = {"forward": 0, "forward+backward": 1, "step": 2}
+    keys = sorted(
+        {(r["shape"], r["routing"], r["phase"]) for r in rows}, key=lambda k: (k[0], k[1], order[k[2]])
+    )
+    for shape, routing, phase in keys:
+        group = {
+            r["provider"]: r
+            for r in rows
+            if (r["shape"], r["routing"], r["phase"]) == (shape, routing, phase)
+        }
         base = group.get("standard")
         device = next(iter(group.values()))["device"]
         label = (
@@ -17,7 +25,12 @@ def side_by_side(rows: list[dict]) -> str:
             if device == "cpu"
             else device
         )
-        lines.append(f"{shape}, {routing} routing: {label}")
+        what = (
+            "training step"
+            if phase == "step"
+            else f"{phase} (sonar-unfused: the kernels of all four sonar providers)"
+        )
+        lines.append(f"{shape}, {routing} routing, {what}: {label}")
         lines.append(
             f"  {'provider':<18} {'median ms':>10} {'vs standard':>11} {'TFLOP/s':>8} {'peak MiB':>9} {'vs standard':>11} {'rounds':>6}"
         )

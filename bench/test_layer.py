@@ -1,5 +1,7 @@
-"""One expert-MLP layer's training step (forward, backward, AdamW update) by each provider, timed with
-pytest-benchmark, and its peak memory from torch's MemTracker in a separate pass (`make bench`).
+"""One expert-MLP layer by each provider, timed with pytest-benchmark, and its peak memory from torch's
+MemTracker in a separate pass (`make bench`): the training step (forward, backward, AdamW update) of every
+provider, and the forward and the forward+backward of the sonar kernels and of standard
+(providers.PHASES).
 
 On a CUDA machine: the OLMoE-1B-7B and Granite-3.1-3B-A800M layer shapes. On the CPU the sonar kernels
 run under the Triton interpreter, so only the tiny CPU shape, with an explicit, small number of rounds:
@@ -16,23 +18,28 @@ DTYPE = torch.bfloat16 if CUDA else torch.float32
 ROUNDS = 20 if CUDA else 3
 
 
+PHASE_PROVIDERS = [(phase, name) for phase in providers.PHASES for name in providers.phase_providers(phase)]
+
+
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("provider", providers.PROVIDERS)
-def test_layer_step(benchmark, provider, shape, routing):
+@pytest.mark.parametrize(("phase", "provider"), PHASE_PROVIDERS, ids=[f"{p}-{n}" for p, n in PHASE_PROVIDERS])
+def test_layer(benchmark, phase, provider, shape, routing):
     device = "cuda" if CUDA else "cpu"
     inputs = providers.make_inputs(providers.SHAPES[shape], DTYPE, device, routing=routing)
     step = providers.build(provider, inputs, backend="triton")
     step.run()  # warm-up: compiles the kernels, creates the optimizer state
-    peak = providers.peak_bytes(step)
-    benchmark.group = f"{shape} {routing}"
+    fn = step.phase(phase)
+    fn()  # the forward-only kernels compile here
+    peak = providers.peak_bytes(step, phase)
+    benchmark.group = f"{shape} {routing} {phase}"
     benchmark.extra_info.update(
-        provider=provider, shape=shape, routing=routing, device=device, dtype=str(DTYPE),
-        flops=providers.SHAPES[shape].flops(), peak_bytes=peak, experts=step.experts,
+        provider=provider, phase=phase, shape=shape, routing=routing, device=device, dtype=str(DTYPE),
+        flops=providers.SHAPES[shape].phase_flops(phase), peak_bytes=peak, experts=step.experts,
     )  # fmt: skip
 
     def run():
-        step.run()
+        fn()
         if CUDA:
             torch.cuda.synchronize()
 

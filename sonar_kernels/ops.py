@@ -46,7 +46,9 @@ def triton_interpreting() -> bool:
     """True when the Triton kernels run under the interpreter (TRITON_INTERPRET=1 before import)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_routing_metadata_kernel, InterpretedFunction)
+    from sonar_kernels.kernels import routing
+
+    return isinstance(routing._routing_metadata_kernel, InterpretedFunction)
 
 
 def _empty(shape, dtype, device) -> torch.Tensor:

@@ -9,6 +9,9 @@ sonar kernels (transformers' experts_implementation "sonar"), so only the optimi
 - ``standard-dense-clip``: torch.optim.AdamW, ``clip_grad_norm_`` over the dense parameters only: the
   same math as ``sonar`` with standard machinery, so the two must agree bit for bit.
 
+``--arms all-in-backward`` adds the paper's other comparison (not run by default): every parameter
+updated in the backward and no clipping anywhere (:class:`AllInBackward`).
+
 Data: by default the Python reference documentation that ships with every CPython (the module
 ``pydoc_data.topics``, about 465 KB of English), tokenized as bytes (vocabulary 256); ``--data`` takes a
 UTF-8 text file or JSONL with a "text" field. The last tenth is the held-out split.
@@ -40,7 +43,9 @@ from pathlib import Path
 import torch
 
 ARMS = ("standard", "sonar", "standard-dense-clip")
+OTHER_ARMS = ("all-in-backward",)
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
 
 
 @dataclass(frozen=True)
@@ -207,10 +212,10 @@ def build_model(preset: Preset, layers: int | None, seed: int, dtype: torch.dtyp
         cls = transformers.GraniteMoeForCausalLM
     config._experts_implementation = "sonar"
     torch.manual_seed(seed)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), torch.device(device):  # initialised where it trains (7B on a GPU)
         warnings.simplefilter("ignore")
         model = cls(config)
-    return model.to(device=device, dtype=dtype)
+    return model.to(dtype=dtype)
 
 
 def enable_checkpointing(model) -> None:
@@ -226,13 +231,49 @@ def dense_parameters(model) -> list[torch.Tensor]:
     return [p for name, p in model.named_parameters() if not name.endswith(EXPERT_PARAMS)]
 
 
+class AllInBackward:
+    """Every parameter updated in the backward, no clipping anywhere (the paper's other comparison): the
+    expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend),
+    each dense parameter by its own torch.optim.AdamW from a post-accumulate-grad hook, its gradient
+    released right after (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
+
+    def __init__(self, model, hyper: dict, flags: dict):
+        import sonar_kernels
+
+        named = list(model.named_parameters())
+        self.experts = sonar_kernels.ExpertAdamW([p for n, p in named if n.endswith(EXPERT_PARAMS)], **hyper)
+        self.dense = {
+            p: torch.optim.AdamW([p], **hyper, **flags) for n, p in named if not n.endswith(EXPERT_PARAMS)
+        }
+        for p in self.dense:
+            p.register_post_accumulate_grad_hook(self._update)
+
+    def _update(self, p: torch.Tensor) -> None:
+        self.dense[p].step()
+        p.grad = None
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.experts, *self.dense.values()]
+
+    def step(self) -> None:
+        self.experts.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.experts.zero_grad(set_to_none)
+
+
 @dataclass
 class Arm:
     name: str
     model: object
-    optimizer: torch.optim.Optimizer
-    scheduler: object
-    clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step()
+    optimizer: object  # a torch.optim.Optimizer, or AllInBackward
+    schedulers: list
+    clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step(), or nothing is clipped
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return getattr(self.optimizer, "optimizers", [self.optimizer])
 
 
 def build_arm(name: str, initial, args, steps: int) -> Arm:
@@ -244,36 +285,44 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
     model.train()
     hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     flags = {"foreach": args.foreach, "fused": args.fused}
+    clip = None
     if name == "sonar":
         optimizer = sonar_kernels.SonarAdamW(model, **hyper, **flags, max_grad_norm=args.max_grad_norm)
-        clip = None
+    elif name == "all-in-backward":
+        optimizer = AllInBackward(model, hyper, flags)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, **flags)
         clip = list(model.parameters()) if name == "standard" else dense_parameters(model)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
 
-    def schedule(step):  # linear warm-up, then cosine decay to a tenth
+    def schedule(step):  # linear warm-up, then cosine decay to LR_FLOOR
         if step < warmup:
             return (step + 1) / warmup
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-    return Arm(name, model, optimizer, scheduler, clip)
+    arm = Arm(name, model, optimizer, [], clip)
+    arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
+    return arm
 
 
-def train_step(arm: Arm, tokens: torch.Tensor, max_grad_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step; returns (loss, norm used for clipping) as device tensors (no host sync)."""
+def train_step(
+    arm: Arm, tokens: torch.Tensor, max_grad_norm: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step; returns (loss, norm used for clipping, None when nothing is clipped) as device
+    tensors (no host sync)."""
     loss = arm.model(input_ids=tokens, labels=tokens).loss
     loss.backward()
+    norm = None
     if arm.clip_params is not None:
         norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
     arm.optimizer.step()
-    if arm.clip_params is None:
+    if arm.name == "sonar":
         norm = arm.optimizer.last_dense_grad_norm
-    arm.scheduler.step()
+    for scheduler in arm.schedulers:
+        scheduler.step()
     arm.optimizer.zero_grad(set_to_none=True)
-    return loss.detach(), norm.detach()
+    return loss.detach(), None if norm is None else norm.detach()
 
 
 @torch.no_grad()
@@ -306,13 +355,15 @@ def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, he
         losses.append(loss)
         norms.append(norm)
     losses = [float(x) for x in losses]
-    norms = [float(x) for x in norms]
+    norms = None if norms[0] is None else [float(x) for x in norms]
     timed = times[3:] if len(times) > 3 else times
     return {
         "train_losses": losses,
         "heldout_loss": heldout_loss(arm.model, heldout),
         # clip_grad_norm_ scales by max / (norm + 1e-6): the gradients change when that is below 1.
-        "clip_fraction": sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
+        "clip_fraction": 0.0
+        if norms is None
+        else sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
         "grad_norms": norms,
         "step_time_s": statistics.median(timed),
     }
@@ -349,7 +400,7 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     tracker = MemTracker()
-    tracker.track_external(arm.model, arm.optimizer)
+    tracker.track_external(arm.model, *arm.optimizers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with tracker:
@@ -363,7 +414,8 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
     breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
     state_bytes = sum(
         t.numel() * t.element_size()
-        for state in arm.optimizer.state.values()
+        for optimizer in arm.optimizers
+        for state in optimizer.state.values()
         for t in state.values()
         if isinstance(t, torch.Tensor) and t.device.type == device.type
     )
@@ -428,7 +480,7 @@ def plot(report: dict, path: Path) -> None:
 
     arms = report["arms"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":"}
+    styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":", "all-in-backward": "-."}
     for name, r in arms.items():
         left.plot(
             r["train_losses"], styles.get(name, "-"), label=f"{name} (held-out {r['heldout_loss']:.3f})"
@@ -475,7 +527,8 @@ def parse_args(argv):
         "--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)"
     )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arms", nargs="+", choices=ARMS, default=list(ARMS))
+    parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
+                        help="default: %(default)s")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the sonar experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument(

@@ -45,7 +45,29 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
         "sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard",
     }  # fmt: skip
     assert all(r["seconds"] > 0 and r["peak_bytes"] > 0 for r in rows.values())
-    assert rows["sonar-fused uniform"]["memory_vs_standard"] < 1.0
-    assert set(result["layers"][0]["roofline"]) >= {"up", "down", "wgrad dW1", "wgrad dW2", "total_seconds"}
+    assert {r["phase"] for r in rows.values()} == {"forward", "forward+backward", "step"}
+    assert rows["step sonar-fused uniform"]["memory_vs_standard"] < 1.0
+    table = result["layers"][0]
+    assert set(table["roofline"]) >= {"up", "down", "wgrad dW1", "wgrad dW2", "total_seconds"}
+    # Every launch of the step, labelled in the order ops.moe_mlp_bwd documents.
+    gemms = ["up", "down", "dgrad G", "dgrad dX"]
+    common = ["routing metadata", "combine", "routing-weight grad", "combine dX", *gemms]
+    fused, unfused = table["kernels"]["sonar-fused"], table["kernels"]["sonar-unfused"]
+    assert set(fused) == {*common, "wgrad dW2 check", "wgrad dW2 adamw", "wgrad dW1 check", "wgrad dW1 adamw"}
+    assert set(unfused) == {*common, "wgrad dW2 store", "wgrad dW1 store"}
+    for label in [*gemms, "wgrad dW2 adamw", "wgrad dW1 adamw"]:
+        assert fused[label]["seconds"] > 0 and fused[label]["fraction_of_torch_mm"] > 0, label
+    assert "fraction_of_torch_mm" not in fused["wgrad dW1 check"] and "tflops" not in fused["combine"]
+    assert set(table["goals"]) >= {"step_speedup_sonar_fused_vs_standard", "min_gemm_fraction_of_torch_mm",
+                                   "per_expert_over_batched_time"}  # fmt: skip
+    full = result["full_steps"]["tiny-olmoe"]["arms"]
+    assert set(full) == {"standard", "sonar", "all-in-backward"} and all(
+        a["step_time_s"] > 0 for a in full.values()
+    )
     assert result["bandwidth_gbs"] > 0 and result["commit"]
-    assert "| sonar-fused | uniform |" in out.with_suffix(".md").read_text()
+    md = out.with_suffix(".md").read_text()
+    assert (
+        "| step | sonar-fused | uniform |" in md
+        and "| wgrad dW1 adamw |" in md
+        and "| all-in-backward |" in md
+    )

@@ -34,6 +34,29 @@ def test_every_provider_takes_the_same_two_steps(routing, device):
         assert all(torch.equal(a, b) for a, b in zip(results[name], reference, strict=True)), name
 
 
+def test_forward_and_forward_backward_phases_match_the_reference_and_keep_no_gradient(device):
+    from sonar_kernels import reference
+
+    inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, device)
+    expected = reference.moe_mlp(
+        inputs.x, inputs.index, inputs.weights, inputs.gate_up_proj, inputs.down_proj
+    )
+    for name in providers.phase_providers("forward"):
+        step = providers.build(name, inputs, backend="triton")
+        assert_close(step.phase("forward")(), expected, torch.float32, what=name)
+        step.phase("forward+backward")()
+        assert all(p.grad is None for p in step.params) and inputs.x.grad is None, name
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(step.weights(), (inputs.gate_up_proj, inputs.down_proj), strict=True)
+        )
+    assert providers.phase_providers("step") == providers.PROVIDERS
+    with pytest.raises(ValueError, match="is measured for"):
+        providers.build("sonar-fused", inputs).phase("forward")
+    with pytest.raises(ValueError, match="phase must be one of"):
+        providers.phase_providers("update")
+
+
 def test_shapes_and_flops():
     shape = providers.SHAPES["olmoe-1b-7b"]
     assert shape == (4096, 2048, 1024, 64, 8)
@@ -62,8 +85,16 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     assert "sonar-fused" in done.stdout and "standard" in done.stdout
     report = __import__("json").loads((tmp_path / "layer.json").read_text())
     assert report["versions"]["torch"] == torch.__version__ and "commit_info" in report
-    peaks = {b["extra_info"]["provider"]: b["extra_info"]["peak_bytes"] for b in report["benchmarks"]}
-    assert 0 < peaks["sonar-fused"] < peaks["standard"]  # no gradient tensor in the fused step
+    peaks = {
+        (b["extra_info"]["phase"], b["extra_info"]["provider"]): b["extra_info"]["peak_bytes"]
+        for b in report["benchmarks"]
+    }
+    assert set(peaks) == {("step", "sonar-fused"), *((p, "standard") for p in providers.PHASES)}
+    assert (
+        0 < peaks["step", "sonar-fused"] < peaks["step", "standard"]
+    )  # no gradient tensor in the fused step
+    assert "cpu-tiny, uniform routing, training step" in done.stdout
+    assert "cpu-tiny, uniform routing, forward+backward" in done.stdout
 
 
 def test_standard_falls_back_to_the_reference_experts_without_transformers(monkeypatch):

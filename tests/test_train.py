@@ -130,3 +130,35 @@ def test_real_presets_have_the_models_dimensions():
         model = train.build_model(olmoe, 2, 0, torch.bfloat16, torch.device("meta"))
     experts = model.model.layers[0].mlp.experts
     assert tuple(experts.gate_up_proj.shape) == (64, 2048, 2048) and model.config.num_hidden_layers == 2
+
+
+def test_all_in_backward_arm_updates_every_parameter_in_the_backward_like_unclipped_adamw():
+    from sonar_kernels.integrations import transformers as hf
+
+    hf.register("torch")
+    initial = train.build_model(train.PRESETS["tiny-olmoe"], 1, 0, torch.float32, torch.device("cpu"))
+    # max_grad_norm 1e30: clip_grad_norm_ multiplies by exactly 1.0, so "standard" is unclipped AdamW.
+    args = train.parse_args(["--max-grad-norm", "1e30", "--no-checkpointing", "--arms", "all-in-backward"])
+    data = train.ByteData(train.default_text(), 32, 2, seed=0)
+    arms = {name: train.build_arm(name, initial, args, steps=3) for name in ("standard", "all-in-backward")}
+    for step in range(3):
+        for name, arm in arms.items():
+            loss = arm.model(input_ids=data.batch(step), labels=data.batch(step)).loss
+            loss.backward()
+            if name == "all-in-backward":  # every gradient was applied and released in the backward
+                assert all(p.grad is None for p in arm.model.parameters())
+            else:
+                torch.nn.utils.clip_grad_norm_(arm.clip_params, args.max_grad_norm)
+            arm.optimizer.step()
+            for scheduler in arm.schedulers:
+                scheduler.step()
+            arm.optimizer.zero_grad(set_to_none=True)
+    moved = [
+        not torch.equal(p, q)
+        for p, q in zip(arms["standard"].model.parameters(), initial.parameters(), strict=True)
+    ]
+    assert all(moved)
+    for (name, p), q in zip(
+        arms["standard"].model.named_parameters(), arms["all-in-backward"].model.parameters(), strict=True
+    ):
+        assert torch.equal(p, q), name
