@@ -71,3 +71,19 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
         and "| wgrad dW1 adamw |" in md
         and "| all-in-backward |" in md
     )
+    # README's results table renders such a file: one row per layer shape and per full-step preset.
+    rendered = _results_table().table(tmp_path)
+    assert "| layer cpu-tiny |" in rendered and "| tiny-olmoe, 1 layers |" in rendered
+    assert f"{1000 * rows['step standard uniform']['seconds']:.2f}" in rendered
+
+
+def _results_table():
+    spec = importlib.util.spec_from_file_location("results_table", ROOT / "bench" / "results_table.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_readme_results_table_is_exactly_what_the_committed_results_files_say():
+    module = _results_table()
+    assert module.readme_table() == module.table()

@@ -1,0 +1,83 @@
+"""README.md's GPU results table, built only from the files gpu_bench.py wrote under bench/results/.
+
+    python bench/results_table.py            # print the table
+    python bench/results_table.py --write    # replace the table between README.md's markers
+
+tests/test_bench_check.py checks that README.md holds exactly this table, so the README cannot show a
+number that no committed results file backs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
+
+
+def _benchmark_files(results: Path) -> list[Path]:
+    """gpu_bench.py's JSON files (check_backward.py's ``*-backward-check.json`` are not tables)."""
+    return sorted(p for p in results.glob("*.json") if not p.name.endswith("-backward-check.json"))
+
+
+def table(results: Path = RESULTS) -> str:
+    rows = []
+    for path in _benchmark_files(results):
+        r = json.loads(path.read_text())
+        where = f"{r['device']}, {r['date']}, torch {r['torch']}, triton {r['triton']}, {r['commit'][:9]}"
+        for layer in r["layers"]:
+            step = {
+                k.split()[1]: v
+                for k, v in layer["rows"].items()
+                if k.startswith("step ") and k.endswith(" uniform")
+            }
+            g = layer["goals"]
+            rows.append(
+                f"| {where} | layer {layer['shape']} | {1000 * step['standard']['seconds']:.2f} | "
+                f"{1000 * step['sonar-fused']['seconds']:.2f} | {g['step_speedup_sonar_fused_vs_standard']:.2f}x | "
+                f"{step['sonar-fused']['memory_vs_standard']:.2f}x | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
+                f"{g['per_expert_over_batched_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
+            )
+        for preset, entry in r["full_steps"].items() if "skipped" not in r["full_steps"] else ():
+            arms = entry["arms"]
+            rows.append(
+                f"| {where} | {preset}, {entry['layers']} layers | {1000 * arms['standard']['step_time_s']:.1f} | "
+                f"{1000 * arms['sonar']['step_time_s']:.1f} | {arms['sonar']['speedup_vs_standard']:.2f}x | "
+                f"{arms['sonar'].get('memory_vs_standard', float('nan')):.2f}x | | | "
+                f"[{path.name}](bench/results/{path.name}) |"
+            )
+    if not rows:
+        return "No GPU results are committed yet (bench/results/ holds none), so this table is empty."
+    head = [
+        "| device, date, versions, commit | what | standard ms | sonar ms | speedup | peak memory vs standard "
+        "| slowest GEMM / torch.mm | per-expert / batched | file |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows)
+
+
+def readme_table(readme: Path = ROOT / "README.md") -> str:
+    text = readme.read_text()
+    return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    args = parser.parse_args(argv)
+    new = table()
+    if args.write:
+        readme = ROOT / "README.md"
+        text = readme.read_text()
+        start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
+        readme.write_text(text[:start] + "\n" + new + "\n" + text[end:])
+    print(new)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
