@@ -3,11 +3,15 @@ torch.mm on the same shape and FLOPs (the dense roofline of the issue "Benchmark
 
 :func:`timed_kernels` swaps every Triton kernel that ``sonar_kernels.ops`` launches for a stand-in that
 brackets the launch with CUDA events (``time.perf_counter`` on the CPU, where the interpreter runs the
-kernel synchronously); nothing else changes and no host sync is added inside the step. Launches are
-labelled by the launch order that ``ops.moe_mlp_bwd`` documents: the forward's up projection (with the
-activation) and down projection, then dHpre (the dgrad G = dO W2), dW2, the routing-weight reduction, dX,
-and dW1; each wgrad is one launch per epilogue ("check", "adamw" for the fused update, "store" for a
-plain gradient), followed on the split path by the AdamW kernel.
+kernel synchronously); nothing else changes and no host sync is added inside the step. Each launch is
+labelled from its arguments: the grouped GEMM that reads W2 is the forward's down projection, the one
+that reads W1 the dgrad dX; a wgrad launch that gathers dO by token is dW2's, the other dW1's, with its
+epilogue ("check", "adamw" for the fused update, "store" for a plain gradient); the split path's AdamW
+kernel is named by the weight it updates; the combine with routing weights is the forward's. The time of
+a label is summed over its launches in one step (a recomputed forward would count twice).
+
+On CUDA each timed step starts behind ``torch.cuda._sleep``, so the GPU is still busy when the host
+launches the step's kernels: an event pair then brackets the kernel, not the host's launch latency.
 """
 
 from __future__ import annotations
@@ -15,31 +19,40 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections import Counter
 
 import torch
 import triton
 
 from sonar_kernels import ops
 
-# kernel -> labels of its 1st, 2nd ... launch in one step ({} in a label: the wgrad epilogue)
-LABELS = {
-    "_routing_metadata_kernel": ("routing metadata",),
-    "_expert_mlp_fwd_up_kernel": ("up",),
-    "_expert_mlp_grouped_mm_kernel": ("down", "dgrad dX"),
-    "_expert_mlp_combine_kernel": ("combine", "combine dX"),
-    "_expert_mlp_bwd_dhpre_kernel": ("dgrad G",),
-    "_expert_mlp_bwd_dweights_kernel": ("routing-weight grad",),
-    "_expert_mlp_bwd_dw_kernel": ("wgrad dW2 {}", "wgrad dW1 {}"),
-    "_adamw_kernel": ("adamw dW2", "adamw dW1"),
+NAMES = {
+    "_routing_metadata_kernel": "routing metadata",
+    "_expert_mlp_fwd_up_kernel": "up",
+    "_expert_mlp_bwd_dhpre_kernel": "dgrad G",
+    "_expert_mlp_bwd_dweights_kernel": "routing-weight grad",
 }
+# About 25 ms of GPU time at the H200's clock: longer than the host needs to launch one layer's step.
+SLEEP_CYCLES = 50_000_000
+
+
+def label(name: str, args: tuple, kwargs: dict, gate_up_proj, down_proj) -> str:
+    """The label of one launch of kernel ``name`` (see the module docstring)."""
+    if name == "_expert_mlp_grouped_mm_kernel":
+        return "down" if args[1].data_ptr() == down_proj.data_ptr() else "dgrad dX"
+    if name == "_expert_mlp_combine_kernel":
+        return "combine" if kwargs["HAS_WEIGHTS"] else "combine dX"
+    if name == "_expert_mlp_bwd_dw_kernel":
+        return f"wgrad {'dW2' if kwargs['P_FROM_TOKENS'] else 'dW1'} {kwargs['EPILOGUE']}"
+    if name == "_adamw_kernel":
+        return "adamw dW2" if args[0].data_ptr() == down_proj.data_ptr() else "adamw dW1"
+    return NAMES.get(name, name)
 
 
 class _Timed:
     """Stands in for one @triton.jit kernel: ``kernel[grid](...)`` launches it between two timestamps."""
 
-    def __init__(self, kernel, name: str, log: list, cuda: bool):
-        self.kernel, self.name, self.log, self.cuda = kernel, name, log, cuda
+    def __init__(self, kernel, name: str, log: list, cuda: bool, weights):
+        self.kernel, self.name, self.log, self.cuda, self.weights = kernel, name, log, cuda, weights
 
     def __getitem__(self, grid):
         launcher = self.kernel[grid]
@@ -54,22 +67,23 @@ class _Timed:
                 start = time.perf_counter()
                 out = launcher(*args, **kwargs)
                 end = time.perf_counter()
-            self.log.append((self.name, kwargs.get("EPILOGUE"), start, end))
+            self.log.append((label(self.name, args, kwargs, *self.weights), start, end))
             return out
 
         return launch
 
 
 @contextlib.contextmanager
-def timed_kernels(cuda: bool):
-    """Within the block, every launch by ``sonar_kernels.ops`` appends (kernel name, wgrad epilogue or
-    None, start, end) to the yielded list; ``None`` entries appended by the caller separate steps."""
+def timed_kernels(cuda: bool, gate_up_proj: torch.Tensor, down_proj: torch.Tensor):
+    """Within the block, every launch by ``sonar_kernels.ops`` appends (label, start, end) to the
+    yielded list; ``None`` entries appended by the caller separate steps. ``gate_up_proj`` and
+    ``down_proj`` are the layer's weights (they name the launches that read them)."""
     log: list = []
     names = [n for n, v in vars(ops).items() if isinstance(v, triton.runtime.KernelInterface)]
     originals = {n: getattr(ops, n) for n in names}
     try:
         for name, kernel in originals.items():
-            setattr(ops, name, _Timed(kernel, name, log, cuda))
+            setattr(ops, name, _Timed(kernel, name, log, cuda, (gate_up_proj, down_proj)))
         yield log
     finally:
         for name, kernel in originals.items():
@@ -83,18 +97,14 @@ def _seconds(start, end) -> float:
 def per_kernel_seconds(log: list) -> dict[str, float]:
     """Median seconds per launch label over the steps in ``log`` (after torch.cuda.synchronize())."""
     steps, current = [], {}
-    seen = Counter()
     for entry in [*log, None]:
         if entry is None:
             if current:
                 steps.append(current)
-            current, seen = {}, Counter()
+            current = {}
             continue
-        name, epilogue, start, end = entry
-        labels = LABELS.get(name, (name,))
-        label = labels[min(seen[name, epilogue], len(labels) - 1)].format(epilogue)
-        seen[name, epilogue] += 1
-        current[label] = current.get(label, 0.0) + _seconds(start, end)
+        name, start, end = entry
+        current[name] = current.get(name, 0.0) + _seconds(start, end)
     return (
         {label: statistics.median(s[label] for s in steps if label in s) for label in steps[0]}
         if steps
@@ -112,11 +122,14 @@ def kernel_table(step, gemms: dict[str, tuple[int, int, int]], mm_seconds: dict[
         mm_seconds: torch.mm's seconds on each of those shapes, measured in the same run.
     Returns:
         label -> {"seconds"}, and for the launches that compute a GEMM, also "gemm", "tflops" (its 2·M·K·N
-        FLOPs over its time) and "fraction_of_torch_mm" (torch.mm's time on the same shape over the
-        kernel's: 1.0 means as fast as the dense GEMM).
+        FLOPs over its time), "fraction_of_torch_mm" (torch.mm's time on the same shape over the
+        kernel's: 1.0 means as fast as the dense GEMM) and "gemm_only" (False for the fused AdamW
+        epilogue, which also reads and writes W, exp_avg and exp_avg_sq).
     """
-    with timed_kernels(cuda) as log:
+    with timed_kernels(cuda, *step.params) as log:
         for _ in range(rounds):
+            if cuda:
+                torch.cuda._sleep(SLEEP_CYCLES)
             step.run()
             log.append(None)
     if cuda:
@@ -131,6 +144,7 @@ def kernel_table(step, gemms: dict[str, tuple[int, int, int]], mm_seconds: dict[
                 gemm=gemm,
                 tflops=2 * M * K * N / seconds / 1e12,
                 fraction_of_torch_mm=mm_seconds[gemm] / seconds,
+                gemm_only=not label.endswith(" adamw"),
             )
         out[label] = row
     return out

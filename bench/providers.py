@@ -181,12 +181,12 @@ def _forward_backward(inputs: Inputs, w1, w2, backend: str) -> None:
     inputs.backward(_forward(inputs, w1, w2, backend))
 
 
-def _in_backward_hook(states: dict, per_expert: bool):
+def _in_backward_hook(state: dict, per_expert: bool):
     """torch's AdamW on the accumulated gradient of the batched tensor (or of each expert slice), then the
-    gradient released: the paper's optimizer-in-backward."""
+    gradient released: the paper's optimizer-in-backward. The hook holds only the tensor's own state
+    (a hook that refers back to its parameter keeps both alive for good)."""
 
     def hook(p: torch.Tensor) -> None:
-        state = states[p]
         fused = p.device.type == "cuda"
         with torch.no_grad():
             if per_expert:
@@ -254,7 +254,7 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
                 states[p]["steps"] = [_step_tensor(p) for _ in range(p.shape[0])]
             else:
                 states[p]["step"] = _step_tensor(p)
-            p.register_post_accumulate_grad_hook(_in_backward_hook(states, per_expert))
+            p.register_post_accumulate_grad_hook(_in_backward_hook(states[p], per_expert))
 
         def run():
             _forward_backward(inputs, w1, w2, backend)
@@ -323,22 +323,54 @@ def _grouped_mm_runs(w: torch.Tensor) -> bool:
         return False
 
 
+def _state_tensors(step: Step) -> list[torch.Tensor]:
+    """The tensors of the step's optimizer state (a torch optimizer's, or the in-backward providers'
+    {param: state} dict)."""
+    if isinstance(step.optimizer, torch.optim.Optimizer):
+        states = step.optimizer.state.values()
+    elif isinstance(step.optimizer, dict):
+        states = step.optimizer.values()
+    else:
+        states = []
+    tensors = []
+    for state in states:
+        for value in state.values():
+            tensors += value if isinstance(value, list) else [value]
+    return [t for t in tensors if isinstance(t, torch.Tensor)]
+
+
 def peak_bytes(step: Step, phase: str = "step") -> int:
-    """Peak bytes allocated while ``step`` runs ``phase`` once more (its optimizer state already exists):
-    the CUDA allocator's peak on a GPU, torch's MemTracker (parameters and optimizer tracked) on the CPU."""
+    """Peak bytes of ``step`` while it runs ``phase`` once more (its optimizer state already exists): what
+    it keeps (weights, optimizer state, inputs) plus what the phase allocates.
+
+    On a GPU, from the CUDA allocator: the peak during the phase minus whatever else was allocated before
+    it (other providers' leftovers do not count). On the CPU, from torch's MemTracker with the weights and
+    the optimizer state tracked.
+    """
     run = step.phase(phase)
+    state = _state_tensors(step)
     if step.params[0].device.type == "cuda":
+        inputs = [t for t in vars(step.inputs).values() if isinstance(t, torch.Tensor)]
+        kept = {  # storage -> bytes, each storage once
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for t in [*step.params, *state, *inputs]
+            if t.is_cuda
+        }
+        own = sum(kept.values())
         torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         run()
         torch.cuda.synchronize()
-        return int(torch.cuda.max_memory_allocated())
+        return int(torch.cuda.max_memory_allocated() - before + own)
     from torch.distributed._tools.mem_tracker import MemTracker
 
     tracker = MemTracker()
     tracked = list(step.params)
     if isinstance(step.optimizer, torch.optim.Optimizer):
         tracked.append(step.optimizer)
+    else:
+        tracked += state
     tracker.track_external(*tracked)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1,4 +1,5 @@
-"""README.md's GPU results table, built only from the files gpu_bench.py wrote under bench/results/.
+"""README.md's GPU results table, built only from the files gpu_bench.py wrote under bench/results/ and
+that git tracks (committed or staged; a CPU run of gpu_bench.py is not a result).
 
     python bench/results_table.py            # print the table
     python bench/results_table.py --write    # replace the table between README.md's markers
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,14 +22,25 @@ BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 
 
 def _benchmark_files(results: Path) -> list[Path]:
-    """gpu_bench.py's JSON files (check_backward.py's ``*-backward-check.json`` are not tables)."""
-    return sorted(p for p in results.glob("*.json") if not p.name.endswith("-backward-check.json"))
+    """gpu_bench.py's JSON files under ``results`` that git tracks (every JSON file there when it is not
+    in a git checkout); check_backward.py's ``*-backward-check.json`` are not tables."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--", "*.json"], cwd=results, capture_output=True, text=True, check=True
+        ).stdout.split()
+        paths = [results / name for name in listed]
+    except (OSError, subprocess.CalledProcessError):
+        paths = list(results.glob("*.json"))
+    return sorted(p for p in paths if p.parent == results and not p.name.endswith("-backward-check.json"))
 
 
-def table(results: Path = RESULTS) -> str:
+def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
+    """The markdown table; ``include_cpu`` renders CPU smoke runs too (tests)."""
     rows = []
-    for path in _benchmark_files(results):
+    for path in _benchmark_files(results) if results.is_dir() else []:
         r = json.loads(path.read_text())
+        if r["device"] == "cpu" and not include_cpu:
+            continue
         where = f"{r['device']}, {r['date']}, torch {r['torch']}, triton {r['triton']}, {r['commit'][:9]}"
         for layer in r["layers"]:
             step = {
@@ -37,15 +50,17 @@ def table(results: Path = RESULTS) -> str:
             }
             g = layer["goals"]
             rows.append(
-                f"| {where} | layer {layer['shape']} | {1000 * step['standard']['seconds']:.2f} | "
+                f"| {where} | layer {layer['shape']}; standard: {step['standard']['experts']}, AdamW, clipping | "
+                f"{1000 * step['standard']['seconds']:.2f} | "
                 f"{1000 * step['sonar-fused']['seconds']:.2f} | {g['step_speedup_sonar_fused_vs_standard']:.2f}x | "
                 f"{step['sonar-fused']['memory_vs_standard']:.2f}x | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
-                f"{g['per_expert_over_batched_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
+                f"{g['per_expert_over_batched_step_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
             )
         for preset, entry in r["full_steps"].items() if "skipped" not in r["full_steps"] else ():
             arms = entry["arms"]
             rows.append(
-                f"| {where} | {preset}, {entry['layers']} layers | {1000 * arms['standard']['step_time_s']:.1f} | "
+                f"| {where} | full step {preset}, {entry['layers']} layers; standard: the sonar experts, AdamW, "
+                f"global clipping | {1000 * arms['standard']['step_time_s']:.1f} | "
                 f"{1000 * arms['sonar']['step_time_s']:.1f} | {arms['sonar']['speedup_vs_standard']:.2f}x | "
                 f"{arms['sonar'].get('memory_vs_standard', float('nan')):.2f}x | | | "
                 f"[{path.name}](bench/results/{path.name}) |"
@@ -54,7 +69,7 @@ def table(results: Path = RESULTS) -> str:
         return "No GPU results are committed yet (bench/results/ holds none), so this table is empty."
     head = [
         "| device, date, versions, commit | what | standard ms | sonar ms | speedup | peak memory vs standard "
-        "| slowest GEMM / torch.mm | per-expert / batched | file |",
+        "| slowest GEMM / torch.mm | per-expert / batched step | file |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + rows)

@@ -1,5 +1,5 @@
-"""One expert-MLP layer by each provider, timed with pytest-benchmark, and its peak memory from torch's
-MemTracker in a separate pass (`make bench`): the training step (forward, backward, AdamW update) of every
+"""One expert-MLP layer by each provider, timed with pytest-benchmark, and its peak memory in a separate
+pass (providers.peak_bytes: torch's MemTracker on the CPU, the CUDA allocator on a GPU) (`make bench`): the training step (forward, backward, AdamW update) of every
 provider, and the forward and the forward+backward of the sonar kernels and of standard
 (providers.PHASES).
 

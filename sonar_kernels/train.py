@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime
+import functools
 import json
 import math
 import os
@@ -37,6 +38,7 @@ import statistics
 import sys
 import time
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,9 +214,15 @@ def build_model(preset: Preset, layers: int | None, seed: int, dtype: torch.dtyp
         cls = transformers.GraniteMoeForCausalLM
     config._experts_implementation = "sonar"
     torch.manual_seed(seed)
-    with warnings.catch_warnings(), torch.device(device):  # initialised where it trains (7B on a GPU)
+    default_dtype = torch.get_default_dtype()
+    # Initialised where it trains, in its dtype (a 7B model on a GPU, without an fp32 copy first).
+    with warnings.catch_warnings(), torch.device(device):
         warnings.simplefilter("ignore")
-        model = cls(config)
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
     return model.to(dtype=dtype)
 
 
@@ -234,23 +242,22 @@ def dense_parameters(model) -> list[torch.Tensor]:
 class AllInBackward:
     """Every parameter updated in the backward, no clipping anywhere (the paper's other comparison): the
     expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend),
-    each dense parameter by its own torch.optim.AdamW from a post-accumulate-grad hook, its gradient
-    released right after (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
+    each other trainable parameter by its own torch.optim.AdamW from a post-accumulate-grad hook, its
+    gradient released right after (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
 
     def __init__(self, model, hyper: dict, flags: dict):
         import sonar_kernels
 
-        named = list(model.named_parameters())
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.experts = sonar_kernels.ExpertAdamW([p for n, p in named if n.endswith(EXPERT_PARAMS)], **hyper)
         self.dense = {
             p: torch.optim.AdamW([p], **hyper, **flags) for n, p in named if not n.endswith(EXPERT_PARAMS)
         }
+        # The hooks hold the optimizers weakly: a hook that refers back to its parameter (through
+        # self.dense) would keep the model and the optimizer state alive for good.
+        ref = weakref.ref(self)
         for p in self.dense:
-            p.register_post_accumulate_grad_hook(self._update)
-
-    def _update(self, p: torch.Tensor) -> None:
-        self.dense[p].step()
-        p.grad = None
+            p.register_post_accumulate_grad_hook(functools.partial(_all_in_backward_update, ref))
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -261,6 +268,13 @@ class AllInBackward:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.experts.zero_grad(set_to_none)
+
+
+def _all_in_backward_update(ref, p: torch.Tensor) -> None:
+    owner = ref()
+    if owner is not None:
+        owner.dense[p].step()
+        p.grad = None
 
 
 @dataclass

@@ -41,10 +41,24 @@ def test_forward_and_forward_backward_phases_match_the_reference_and_keep_no_gra
     expected = reference.moe_mlp(
         inputs.x, inputs.index, inputs.weights, inputs.gate_up_proj, inputs.down_proj
     )
+    # The gradients forward+backward computes (it drops them): dX, d routing weights, dW1, dW2.
+    leaves = (inputs.x, inputs.weights, inputs.gate_up_proj, inputs.down_proj)
+    leaves = [t.detach().double().requires_grad_(True) for t in leaves]
+    reference.moe_mlp(leaves[0], inputs.index, *leaves[1:]).backward(inputs.grad_out.double())
     for name in providers.phase_providers("forward"):
         step = providers.build(name, inputs, backend="triton")
         assert_close(step.phase("forward")(), expected, torch.float32, what=name)
+        seen = {}
+        handles = [
+            t.register_hook(lambda g, i=i, seen=seen: seen.__setitem__(i, g.clone()))
+            for i, t in enumerate((inputs.x, inputs.weights, *step.params))
+        ]
         step.phase("forward+backward")()
+        for handle in handles:
+            handle.remove()
+        assert sorted(seen) == [0, 1, 2, 3], name
+        for i, leaf in enumerate(leaves):
+            assert_close(seen[i], leaf.grad, torch.float32, what=f"{name} gradient {i}")
         assert all(p.grad is None for p in step.params) and inputs.x.grad is None, name
         assert all(
             torch.equal(a, b)
@@ -116,3 +130,45 @@ def test_standard_falls_back_to_the_reference_experts_without_transformers(monke
         step.run()
     for a, b in zip(without.weights(), with_transformers.weights(), strict=True):
         assert_close(a, b, torch.float32)
+
+
+def _labels(run, w1, w2) -> list[str]:
+    import kernel_times
+
+    with kernel_times.timed_kernels(False, w1, w2) as log:
+        run()
+    return [entry[0] for entry in log]
+
+
+def test_kernel_timing_labels_each_launch_by_what_it_computes():
+    import sonar_kernels
+
+    inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu")
+    forward = ["routing metadata", "up", "down", "combine"]
+
+    def step(fused_epilogue, which):
+        w1, w2 = (torch.nn.Parameter(t.clone()) for t in (inputs.gate_up_proj, inputs.down_proj))
+        # Kept alive until the launches are labelled: the in-backward hooks hold the optimizer weakly.
+        _optimizer = sonar_kernels.ExpertAdamW([(w1, w2)[i] for i in which], fused_epilogue=fused_epilogue)
+
+        def run():
+            inputs.backward(
+                sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend="triton")
+            )
+
+        return _labels(run, w1, w2)
+
+    backward_middle = ["routing-weight grad", "dgrad dX", "combine dX"]
+    # Both fused; only W1 fused (W2's gradient plain); both on the split path.
+    assert step(True, (0, 1)) == [*forward, "dgrad G", "wgrad dW2 check", "wgrad dW2 adamw", *backward_middle,
+                                  "wgrad dW1 check", "wgrad dW1 adamw"]  # fmt: skip
+    assert step(True, (0,)) == [*forward, "dgrad G", "wgrad dW2 store", *backward_middle, "wgrad dW1 check",
+                                "wgrad dW1 adamw"]  # fmt: skip
+    assert step(False, (0, 1)) == [*forward, "dgrad G", "wgrad dW2 store", "adamw dW2", *backward_middle,
+                                   "wgrad dW1 store", "adamw dW1"]  # fmt: skip
+    # Per step, the seconds of each label; an entry of None separates steps.
+    import kernel_times
+
+    log = [("up", 0.0, 2.0), ("down", 0.0, 1.0), None, ("up", 0.0, 4.0), ("down", 0.0, 3.0), None,
+           ("up", 0.0, 3.0), ("up", 0.0, 5.0)]  # fmt: skip
+    assert kernel_times.per_kernel_seconds(log) == {"up": 4.0, "down": 2.0}
