@@ -11,9 +11,10 @@ Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
     python bench/gpu_bench.py --small    # tiny shapes; on CPU the Triton interpreter (the tests run it)
 
 Writes ``bench/results/<date>-<gpu>.json`` and a markdown table next to it (on a CPU,
-``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). Fixed kernel configurations, no autotuning. Exit code 1 when a correctness check fails.
-The full training steps need transformers (>= 5.13); where it is missing they are skipped and the
-results say so. A bare machine without network gets it as wheels (see README, "GPU benchmark").
+``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). Fixed kernel configurations, no
+autotuning. Exit code 1 when a correctness check fails. The full training steps need transformers
+(>= 5.13); where it is missing they are skipped and the results say so (bench/README.md: bringing it to
+a machine without network as wheels).
 """
 
 from __future__ import annotations
