@@ -49,7 +49,7 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     assert rows["step sonar-fused uniform"]["memory_vs_standard"] < 1.0
     table = result["layers"][0]
     assert set(table["roofline"]) >= {"up", "down", "wgrad dW1", "wgrad dW2", "total_seconds"}
-    # Every launch of the step, labelled in the order ops.moe_mlp_bwd documents.
+    # Every launch of the step, labelled from its arguments (bench/kernel_times.py).
     gemms = ["up", "down", "dgrad G", "dgrad dX"]
     common = ["routing metadata", "combine", "routing-weight grad", "combine dX", *gemms]
     fused, unfused = table["kernels"]["sonar-fused"], table["kernels"]["sonar-unfused"]
@@ -71,11 +71,11 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
         and "| wgrad dW1 adamw (GEMM + AdamW) |" in md
         and "| all-in-backward |" in md
     )
-    # README's results table renders such a file: one row per layer shape and per full-step preset.
     # The GEMM goal reads GEMM launches only: the plain wgrads, not the fused AdamW epilogues.
     fractions = table["goals"]["gemm_fractions"]
     assert "sonar-unfused: wgrad dW1 store" in fractions and not any(k.endswith("adamw") for k in fractions)
     assert table["goals"]["min_gemm_fraction_of_torch_mm"] == min(fractions.values())
+    # README's results table renders such a file: one row per layer shape and per full-step preset.
     module = _results_table()
     assert "No GPU results" in module.table(tmp_path)  # a CPU run is not a GPU result
     rendered = module.table(tmp_path, include_cpu=True)
