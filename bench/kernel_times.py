@@ -79,15 +79,20 @@ def timed_kernels(cuda: bool, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
     yielded list; ``None`` entries appended by the caller separate steps. ``gate_up_proj`` and
     ``down_proj`` are the layer's weights (they name the launches that read them)."""
     log: list = []
-    names = [n for n, v in vars(ops).items() if isinstance(v, triton.runtime.KernelInterface)]
-    originals = {n: getattr(ops, n) for n in names}
+    # The launcher modules, each with the kernels it launches.
+    originals = {
+        (module, n): v
+        for module in (ops.forward, ops.backward)
+        for n, v in vars(module).items()
+        if isinstance(v, triton.runtime.KernelInterface)
+    }
     try:
-        for name, kernel in originals.items():
-            setattr(ops, name, _Timed(kernel, name, log, cuda, (gate_up_proj, down_proj)))
+        for (module, name), kernel in originals.items():
+            setattr(module, name, _Timed(kernel, name, log, cuda, (gate_up_proj, down_proj)))
         yield log
     finally:
-        for name, kernel in originals.items():
-            setattr(ops, name, kernel)
+        for (module, name), kernel in originals.items():
+            setattr(module, name, kernel)
 
 
 def _seconds(start, end) -> float:

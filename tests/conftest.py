@@ -25,7 +25,7 @@ def poisoned_buffers(monkeypatch):
         fill = float("nan") if dtype.is_floating_point else UNWRITTEN_INT
         return torch.full(shape, fill, dtype=dtype, device=device)
 
-    monkeypatch.setattr(ops, "_empty", poisoned_empty)
+    monkeypatch.setattr(ops.common, "empty", poisoned_empty)
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FP64_HYPERPARAMETER_KERNELS = {"_expert_mlp_bwd_dw_kernel", "_adamw_kernel"}
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +49,10 @@ def test_every_kernel_and_configuration_builds_for_both_targets(report):
         (s.kernel.fn.__name__, s.variant) for s in kernel_report.specs()
     ]
     assert all(row["cubin_bytes"] > 0 for row in report)
-    # The AdamW hyperparameters (lr, beta1, beta2, eps, weight_decay) reach the GPU as doubles.
+    # The AdamW hyperparameters (lr, beta1, beta2, eps, weight_decay) are read from a float64 tensor on
+    # the device (so a new lr reaches a captured step), never passed as kernel scalars.
     for row in report:
-        assert row["f64_params"] == (5 if row["kernel"] in FP64_HYPERPARAMETER_KERNELS else 0), row
+        assert row["f64_params"] == 0, row
     # Each BLOCK_E the routing launcher can pick (E = 1 .. 1024) was built.
     block_e = {row["config"]["BLOCK_E"] for row in report if row["kernel"] == "_routing_metadata_kernel"}
     assert block_e == {16, 32, 64, 128, 256, 512, 1024}

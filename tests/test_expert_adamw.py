@@ -408,7 +408,8 @@ def test_mismatched_moments_are_refused_before_any_kernel(device):
     out, hpre, meta = ops.moe_mlp_fwd(x, index, weights, w1, w2, "silu")
     update = ops.AdamWUpdate(
         exp_avg=torch.zeros_like(w1), exp_avg_sq=torch.zeros(4, 16, 32, device=device),
-        step=torch.zeros((), device=device), lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
+        step=torch.zeros((), device=device),
+        hyper=torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.0], dtype=torch.float64, device=device),
         grad_dtype=torch.float32,
     )  # fmt: skip
     before = w1.detach().clone()
@@ -453,7 +454,7 @@ def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch
 
     # down_proj is updated first, then dX fails: W2's update stands and is recorded, W1 is untouched.
     with monkeypatch.context() as patch:
-        patch.setattr(ops, "_dx", out_of_memory)
+        patch.setattr(ops.backward, "_dx", out_of_memory)
         with pytest.raises(torch.OutOfMemoryError):
             out.backward(grad_out, retain_graph=True)
     assert float(optimizer.state[w2]["step"]) == 1 and float(optimizer.state[w1]["step"]) == 0
@@ -565,7 +566,7 @@ def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
 def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
     # On CUDA the update follows the arithmetic of the installed torch's fused AdamW; check the "fp32"
     # variant (torch 2.13's) here against an independent evaluation of its formula, and fused == split.
-    monkeypatch.setattr(ops, "adamw_arithmetic", lambda device: "fp32")
+    monkeypatch.setattr(ops.backward, "adamw_arithmetic", lambda device: "fp32")
     results = {}
     for fused in (True, False):
         w1, w2 = _weights(dtype, device)

@@ -78,7 +78,7 @@ def test_unknown_activation_and_backend():
 
 
 def test_triton_backend_on_cpu_without_interpreter(monkeypatch):
-    monkeypatch.setattr(ops, "triton_interpreting", lambda: False)
+    monkeypatch.setattr(ops.validation, "triton_interpreting", lambda: False)
     with pytest.raises(ValueError, match=r"backend='triton'.*TRITON_INTERPRET"):
         sonar_kernels.moe_mlp(**good(), backend="triton")
     # "auto" falls back to the torch reference on CPU.

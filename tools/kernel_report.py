@@ -120,12 +120,12 @@ def _gemm_launch(cfg: dict) -> tuple[dict, dict]:
 
 
 def _precision(act_dtype: str) -> dict:
-    # ops._input_precision: full fp32 products for fp32, never a silent tf32.
+    # ops.common.input_precision: full fp32 products for fp32, never a silent tf32.
     return {"INPUT_PRECISION": "ieee" if act_dtype == "fp32" else "tf32", "INTERPRET": False}
 
 
 def _forward_specs() -> list[Spec]:
-    """ops._moe_mlp_fwd, and ops._dx (the grouped GEMM with W1's strides swapped, the unweighted combine)."""
+    """ops.forward.moe_mlp_fwd, and the dX of ops.backward (the grouped GEMM with W1's strides swapped, the unweighted combine)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_fwd.FWD_GEMM_CONFIG)
     for act_dtype, w_dtype in DTYPE_PAIRS:
@@ -188,7 +188,7 @@ def _forward_specs() -> list[Spec]:
                     config=combine,
                 )
             )  # fmt: skip
-        # dX = sum_j of the dX rows: no weights (ops._dx passes the rows again, with strides 0).
+        # dX = sum_j of the dX rows: no weights (ops.backward passes the rows again, with strides 0).
         out.append(
             Spec(
                 expert_mlp_fwd._expert_mlp_combine_kernel,
@@ -204,7 +204,7 @@ def _forward_specs() -> list[Spec]:
 
 
 def _backward_specs() -> list[Spec]:
-    """ops._moe_mlp_bwd and ops._wgrad. Routing weights are given the activation dtype (any is accepted;
+    """ops.backward.moe_mlp_bwd and its wgrad. Routing weights are given the activation dtype (any is accepted;
     the pointer dtype only changes one load)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
@@ -243,7 +243,7 @@ def _backward_specs() -> list[Spec]:
     wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
     # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
     roles = {"dW2": (True, False), "dW1": (False, True)}
-    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py), its check pass (ops._wgrad: the
+    # The fused epilogue in both AdamW arithmetics (kernels/adamw.py), its check pass (ops.backward: the
     # skip decision for non-finite gradients); the plain gradient. The last micro-batch of gradient
     # accumulation adds the earlier ones' gradient (HAS_GRAD_IN).
     # (EPILOGUE, ARITHMETIC, HAS_GRAD_IN, HAS_NORM): fused update and its check; plain gradient; and, for
@@ -275,12 +275,12 @@ def _backward_specs() -> list[Spec]:
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
                          "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32", "flag_ptr": "fp32",
-                         "partial_ptr": "fp32"},
+                         "partial_ptr": "fp32", "hyper_ptr": "fp64"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
-                        # ops._wgrad compiles the AdamW launch without automatic fma contraction.
+                        # ops.backward compiles the AdamW launch without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
                         unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                         is_gemm=True,
@@ -304,7 +304,7 @@ def _backward_specs() -> list[Spec]:
 
 
 def _adamw_specs() -> list[Spec]:
-    """The split path's standalone AdamW (ops._wgrad with a non-fused update): gradient in the weight dtype,
+    """The split path's standalone AdamW (ops.backward with a non-fused update): gradient in the weight dtype,
     moments in the weight dtype or fp32."""
     ac = adamw.ADAMW_CONFIG
     out = []
@@ -315,7 +315,7 @@ def _adamw_specs() -> list[Spec]:
                 adamw._adamw_kernel,
                 f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
-                 "step_ptr": "fp32", "skip_ptr": "fp32"},
+                 "step_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
@@ -365,7 +365,7 @@ def _build(task: tuple[int, bool, str]) -> dict:
         "input_precision": spec.constexprs.get("INPUT_PRECISION"),
         "wgmma": "wgmma.mma_async" in ptx,
         "mma_sync": "mma.sync" in ptx,
-        # Kernel parameters passed as doubles (the fp64 AdamW hyperparameters).
+        # Kernel parameters passed as doubles (none: the AdamW hyperparameters are read from memory).
         "f64_params": len(re.findall(r"\.param \.f64\b", ptx)),
         **_ptxas_stats(ptx, arch),
     }

@@ -11,7 +11,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops, reference
 from sonar_kernels.optim.in_backward import expert_optimizer
-from sonar_kernels.reference import RoutingMetadata
+from sonar_kernels.specs import RoutingMetadata
 
 # Expert tensor with an in-backward optimizer -> the contexts of the live graphs that will update it.
 _LIVE_CONTEXTS: WeakIdKeyDictionary = WeakIdKeyDictionary()

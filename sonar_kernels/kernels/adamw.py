@@ -27,8 +27,10 @@ p, m and v are rounded to their own dtypes once, at the store. Both kernels belo
 :func:`_adamw_math`, so the fused epilogue and the split path (wgrad written to memory, then
 :func:`_adamw_kernel`) give the same bits.
 
-The hyperparameters must reach the kernels as fp64: kernel parameters annotated ``tl.float64`` (a plain
-float parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
+The hyperparameters reach the kernels as fp64 values in a device tensor ([5] fp64: lr, beta1, beta2, eps,
+weight_decay), read at run time, so a scheduler's new learning rate reaches a compiled or CUDA-graph
+captured step and no hyperparameter is rounded to fp32 on the way (a plain float kernel parameter is
+passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
 pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
 torch's bias corrections), and an fp32 fma as an exact fp64 product plus an fp64 sum rounded to fp32 (the
 interpreter's own fma rounds the product to fp32 first; this form can still round twice, in rare
@@ -50,15 +52,15 @@ ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 8}
 
 
 @triton.jit
-def _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET: tl.constexpr):
-    """The fp64 kernel arguments as fp64 values. The interpreter passes Python floats, which would be
-    rounded to fp32 constants where they meet a tensor; make them fp64 tensors first."""
-    if INTERPRET:
-        lr = tl.full((), lr, tl.float64)
-        beta1 = tl.full((), beta1, tl.float64)
-        beta2 = tl.full((), beta2, tl.float64)
-        eps = tl.full((), eps, tl.float64)
-        weight_decay = tl.full((), weight_decay, tl.float64)
+def _load_hyperparameters(hyper_ptr):
+    """(lr, beta1, beta2, eps, weight_decay) as fp64 values, read from the device tensor at ``hyper_ptr``
+    ([5] fp64, in that order; ``specs.HYPERPARAMETERS``). Read on the device, so a new learning rate written
+    there reaches a compiled or CUDA-graph-captured step."""
+    lr = tl.load(hyper_ptr)
+    beta1 = tl.load(hyper_ptr + 1)
+    beta2 = tl.load(hyper_ptr + 2)
+    eps = tl.load(hyper_ptr + 3)
+    weight_decay = tl.load(hyper_ptr + 4)
     return lr, beta1, beta2, eps, weight_decay
 
 
@@ -107,27 +109,31 @@ def _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC: tl.constexpr, INTERPR
 
 @triton.jit
 def _adamw_math(
-    p, g, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay,
-    ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr,
+    p, g, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr,
 ):  # fmt: skip
-    """One AdamW step on fp32 tiles (fp64 hyperparameters); returns the new (p, m, v) in fp32."""
+    """One AdamW step on fp32 tiles, the fp64 hyperparameters read at ``hyper_ptr`` (each where it is
+    used, so that none stays live in registers longer); returns the new (p, m, v) in fp32."""
+    lr = tl.load(hyper_ptr)
+    weight_decay = tl.load(hyper_ptr + 4)
     if ARITHMETIC == "fp32":
-        beta1 = beta1.to(tl.float32)
-        beta2 = beta2.to(tl.float32)
         if weight_decay != 0.0:
             lr_wd = lr.to(tl.float32) * weight_decay.to(tl.float32)
             p = _fma(-lr_wd, p, p, INTERPRET)
+        beta1 = tl.load(hyper_ptr + 1).to(tl.float32)
         m = _fma(beta1, m, _fma(-beta1, g, g, INTERPRET), INTERPRET)
         gg = g * g
+        beta2 = tl.load(hyper_ptr + 2).to(tl.float32)
         v = _fma(beta2, v, _fma(-beta2, gg, gg, INTERPRET), INTERPRET)
-        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps.to(tl.float32)
+        denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + tl.load(hyper_ptr + 3).to(tl.float32)
     else:
         if weight_decay != 0.0:
             p = (p.to(tl.float64) - lr * weight_decay * p.to(tl.float64)).to(tl.float32)
         g64 = g.to(tl.float64)
+        beta1 = tl.load(hyper_ptr + 1)
         m = (beta1 * m.to(tl.float64) + (1.0 - beta1) * g64).to(tl.float32)
+        beta2 = tl.load(hyper_ptr + 2)
         v = (beta2 * v.to(tl.float64) + (1.0 - beta2) * g64 * g64).to(tl.float32)
-        denom = (tl.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
+        denom = (tl.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + tl.load(hyper_ptr + 3)).to(tl.float32)
     p = p - tl.div_rn(step_size * m, denom)
     return p, m, v
 
@@ -142,11 +148,7 @@ def _adamw_tile(
     exp_avg_sq_ptr,
     step_size,
     bc2_sqrt,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
+    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
     ARITHMETIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -154,9 +156,7 @@ def _adamw_tile(
     p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    p, m, v = _adamw_math(
-        p, grad, m, v, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET
-    )
+    p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET)
     tl.store(w_ptr + offs, _round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_ptr + offs, _round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, _round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -171,14 +171,9 @@ def _adamw_kernel(
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
     step_ptr,  # [] fp32, read (already incremented)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
+    hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
     # sizes
     numel,
-    # hyperparameters, fp64
-    lr: tl.float64,
-    beta1: tl.float64,
-    beta2: tl.float64,
-    eps: tl.float64,
-    weight_decay: tl.float64,
     # meta-parameters
     BLOCK: tl.constexpr,
     ARITHMETIC: tl.constexpr,
@@ -196,10 +191,10 @@ def _adamw_kernel(
         return
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
+    lr, beta1, beta2, _, _ = _load_hyperparameters(hyper_ptr)
     step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-        step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
+        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET,
     )  # fmt: skip

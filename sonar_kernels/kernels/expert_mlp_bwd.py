@@ -14,7 +14,7 @@ grouped GEMM and combine kernels (``expert_mlp_fwd``):
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile, _hyperparameters
+from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile, _load_hyperparameters
 from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
 from sonar_kernels.kernels.expert_mlp_fwd import _glu_fwd
 
@@ -111,7 +111,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     Mapping: M -> rows r, N -> I, K -> H.
     With HAS_ABSMAX each program writes the largest magnitude of the A and dHpre entries it computed
     (rounded; a NaN counts as inf; 0 where it has none): the wgrad launches bound their gradients
-    with them (``ops._overflow_possible``).
+    with them (``ops.overflow_possible``).
     Grid: (row tiles * cdiv(I, BLOCK_N),).
     Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
     """
@@ -197,11 +197,7 @@ def _dw_epilogue_slice(
     stride_n,
     step_size,
     bc2_sqrt,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
+    hyper_ptr,
     grad_limit,
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
@@ -236,7 +232,7 @@ def _dw_epilogue_slice(
         if EPILOGUE == "adamw":
             _adamw_tile(
                 grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-                step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, ARITHMETIC, INTERPRET,
+                step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET,
             )  # fmt: skip
         else:
             tl.store(dw_ptr + offs, grad, mask=mask)
@@ -260,6 +256,8 @@ def _expert_mlp_bwd_dw_kernel(
     flag_ptr,  # [] fp32, read by "adamw" (skip the update when != 0) and "check" (run only when != 0)
     partial_ptr,  # [grid] fp32, written by "check" (1.0: the tile has a gradient entry beyond grad_limit)
     #               and, with HAS_NORM, by the others (each program's sum of squared gradient entries)
+    hyper_ptr,  # [5] fp64, read by "adamw": lr, beta1, beta2, eps, weight_decay (torch's fused AdamW
+    #             takes them as C++ doubles, DESIGN.md)
     # sizes
     E,
     M,
@@ -275,12 +273,6 @@ def _expert_mlp_bwd_dw_kernel(
     stride_e,  # dW, W, exp_avg and exp_avg_sq share their strides
     stride_m,
     stride_n,
-    # AdamW hyperparameters, fp64 (DESIGN.md: torch's fused AdamW takes them as C++ doubles)
-    lr: tl.float64,
-    beta1: tl.float64,
-    beta2: tl.float64,
-    eps: tl.float64,
-    weight_decay: tl.float64,
     # the largest gradient magnitude an update takes ("check")
     grad_limit: tl.float32,
     # meta-parameters
@@ -368,7 +360,9 @@ def _expert_mlp_bwd_dw_kernel(
     step_size = 0.0
     bc2_sqrt = 1.0
     if EPILOGUE == "adamw":
-        lr, beta1, beta2, eps, weight_decay = _hyperparameters(lr, beta1, beta2, eps, weight_decay, INTERPRET)
+        # The epilogue slices read the hyperparameters again from memory (cached), so that no fp64
+        # value stays live in registers across the slices.
+        lr, beta1, beta2, _, _ = _load_hyperparameters(hyper_ptr)
         step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
     base = expert.to(tl.int64) * stride_e
     dw_ptr += base
@@ -382,7 +376,7 @@ def _expert_mlp_bwd_dw_kernel(
     if EPILOGUE_SPLIT == 1:
         total = _dw_epilogue_slice(
             acc, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            step_size, bc2_sqrt, hyper_ptr, grad_limit,
             BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
@@ -390,12 +384,12 @@ def _expert_mlp_bwd_dw_kernel(
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         total = _dw_epilogue_slice(
             left, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            step_size, bc2_sqrt, hyper_ptr, grad_limit,
             half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     else:
@@ -406,23 +400,23 @@ def _expert_mlp_bwd_dw_kernel(
         q0, q1 = _split_columns(left, BLOCK_M, half)
         total = _dw_epilogue_slice(
             q0, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         total += _dw_epilogue_slice(
             q2, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
-            stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            stride_m, stride_n, step_size, bc2_sqrt, lr, beta1, beta2, eps, weight_decay, grad_limit,
+            stride_m, stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     if EPILOGUE == "check":

@@ -10,7 +10,7 @@ from torch import nn
 from sonar_kernels import ops
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.optim.in_backward import mark_expert_tensors
-from sonar_kernels.reference import ACTIVATIONS
+from sonar_kernels.specs import ACTIVATIONS
 
 
 class SonarExperts(nn.Module):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from sonar_kernels.optim.in_backward import InBackwardAdamW, _check_hyperparameters
+from sonar_kernels.ops import check_hyperparameters
+from sonar_kernels.optim.in_backward import InBackwardAdamW
 
 
 class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
@@ -89,7 +90,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
     ):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        check_hyperparameters(lr, betas, eps, weight_decay)
         self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
@@ -101,7 +102,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         param_group = {**param_group, "params": params}  # a generator is consumed once, here
         self._check_managed(params)
-        _check_hyperparameters(
+        check_hyperparameters(
             param_group.get("lr", self.defaults["lr"]),
             param_group.get("betas", self.defaults["betas"]),
             param_group.get("eps", self.defaults["eps"]),

@@ -12,10 +12,11 @@ import functools
 import weakref
 
 import torch
-from torch.optim.adamw import adamw as torch_adamw
 from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops
+from sonar_kernels.ops.common import like
+from sonar_kernels.ops.validation import as_float
 
 # Managed tensor -> weak reference to the optimizer that updates it in the backward (at most one).
 _MANAGER: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -39,32 +40,6 @@ def expert_optimizer(param: torch.Tensor) -> InBackwardAdamW | None:
     """The live optimizer that updates ``param`` (by identity) in the backward, if any."""
     ref = _MANAGER.get(param)
     return ref() if ref is not None else None
-
-
-def _as_float(value, name: str) -> float:
-    if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu":
-            raise TypeError(f"{name} must be a Python float or a one-element CPU tensor, got {value!r}")
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    return float(value)
-
-
-def _check_hyperparameters(lr, betas, eps, weight_decay) -> None:
-    lr = _as_float(lr, "lr")
-    if lr < 0.0:
-        raise ValueError(f"lr must be >= 0, got {lr}")
-    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
-        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
-    for i, beta in enumerate(betas):
-        beta = _as_float(beta, f"betas[{i}]")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"betas[{i}] must be in [0, 1), got {beta}")
-    if _as_float(eps, "eps") < 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps}")
-    if _as_float(weight_decay, "weight_decay") < 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
 
 
 class InBackwardAdamW:
@@ -106,6 +81,9 @@ class InBackwardAdamW:
         self._skipped = WeakIdKeyDictionary()
         # Managed tensors updated by the Triton epilogue since the last step().
         self._updated_in_backward = WeakIdKeyDictionary()
+        # (parameter group index, device) -> (hyperparameters, [5] float64 tensor on that device) that the
+        # kernels read (specs.HYPERPARAMETERS); refreshed when the group's values change.
+        self._hyper: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
 
     def _check_managed(self, params) -> None:
         name = type(self).__name__
@@ -150,10 +128,39 @@ class InBackwardAdamW:
                 self._hooked[p] = p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this))
 
     def _group_of(self, p: torch.Tensor) -> dict:
-        for group in self.param_groups:
+        return self.param_groups[self._group_index(p)]
+
+    def _group_index(self, p: torch.Tensor) -> int:
+        for index, group in enumerate(self.param_groups):
             if any(q is p for q in group["params"]):
-                return group
+                return index
         raise RuntimeError(f"{type(self).__name__}: tensor not found in param_groups")
+
+    def _hyperparameters(self, group: dict) -> tuple[float, float, float, float, float]:
+        """(lr, beta1, beta2, eps, weight_decay) of ``group`` as Python floats, as torch.optim.AdamW reads them."""
+        beta1, beta2 = group["betas"]
+        return (
+            as_float(group["lr"], "lr"),
+            as_float(beta1, "beta1"),
+            as_float(beta2, "beta2"),
+            as_float(group["eps"], "eps"),
+            as_float(group["weight_decay"], "weight_decay"),
+        )
+
+    def _hyper_tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The [5] float64 tensor on ``p``'s device holding its group's hyperparameters, which the kernels
+        read; written again only when the group's values changed (an LR scheduler's step)."""
+        index = self._group_index(p)
+        values = self._hyperparameters(self.param_groups[index])
+        ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
+        key = (index, p.device)
+        cached = self._hyper.get(key)
+        if cached is None or cached[0] != values:
+            tensor = cached[1] if cached is not None else torch.empty(5, dtype=torch.float64, device=p.device)
+            tensor.copy_(torch.tensor(values, dtype=torch.float64))
+            self._hyper[key] = (values, tensor)
+            return tensor
+        return cached[1]
 
     def _check_not_updated(self, p: torch.Tensor) -> None:
         if p in self._updated:
@@ -185,7 +192,7 @@ class InBackwardAdamW:
         buffer = self._buffers.get(p)
         add = buffer is not None
         if buffer is None:
-            buffer = ops._like(p, self.grad_dtype)
+            buffer = like(p, self.grad_dtype)
         return ops.GradAccumulator(buffer, add, functools.partial(self._accumulated_into, p, buffer))
 
     def _accumulated_into(self, p: torch.Tensor, buffer: torch.Tensor) -> None:
@@ -207,18 +214,12 @@ class InBackwardAdamW:
             grad_in = self._buffers.get(p, p.grad)
         if grad_in is not None and (grad_in.dtype != grad_dtype or grad_in.stride() != p.stride()):
             grad_in = torch.empty_like(p, dtype=grad_dtype).copy_(grad_in)
-        group = self._group_of(p)
         state = self.state[p]
-        beta1, beta2 = group["betas"]
         return ops.AdamWUpdate(
             exp_avg=state["exp_avg"],
             exp_avg_sq=state["exp_avg_sq"],
             step=state["step"],
-            lr=_as_float(group["lr"], "lr"),
-            beta1=_as_float(beta1, "beta1"),
-            beta2=_as_float(beta2, "beta2"),
-            eps=_as_float(group["eps"], "eps"),
-            weight_decay=_as_float(group["weight_decay"], "weight_decay"),
+            hyper=self._hyper_tensor(p),
             grad_dtype=grad_dtype,
             fused=self.fused_epilogue,
             grad_in=grad_in,
@@ -245,28 +246,15 @@ class InBackwardAdamW:
         sync); torch's other AdamW paths have no such input, so the decision is read on the host there
         (a sync on a GPU).
         """
-        update = self._update_for(p, with_grad_in=False)
+        self._check_not_updated(p)
         grad = self._buffers.get(p, p.grad)
-        foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
-        step_before = update.step.clone()
-        with torch.no_grad():
-            found = ~(ops._inf_norm(grad) <= ops.grad_limit(update.exp_avg_sq.dtype))
-            apply = True if fused else not bool(found)
-            try:
-                if apply:
-                    torch_adamw(
-                        [p], [grad.to(update.exp_avg.dtype)], [update.exp_avg], [update.exp_avg_sq], [],
-                        [update.step], foreach=foreach, fused=fused, capturable=False, amsgrad=False,
-                        beta1=update.beta1, beta2=update.beta2, lr=update.lr, weight_decay=update.weight_decay,
-                        eps=update.eps, maximize=False, found_inf=found.float() if fused else None,
-                    )  # fmt: skip
-            except BaseException:
-                # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
-                update.step.copy_(step_before)
-                raise
-            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-            self._grad_norm_sq[p].copy_(torch.where(found, float("inf"), norm_sq))
-            self._skipped[p].add_(found.long())
+        group = self._group_of(p)
+        foreach, fused = self._torch_adamw_flags(group, p)
+        state = self.state[p]
+        ops.torch_adamw_(
+            p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self._hyperparameters(group),
+            self._grad_norm_sq[p], self._skipped[p], foreach=foreach, fused=fused,
+        )  # fmt: skip
         p.grad = None
         self._buffers.pop(p, None)
         self._updated[p] = True
@@ -286,7 +274,7 @@ class InBackwardAdamW:
             buffer = self._buffers.get(p)
             with torch.no_grad():
                 if buffer is None:
-                    self._buffers[p] = ops._like(p, self.grad_dtype).copy_(p.grad)
+                    self._buffers[p] = like(p, self.grad_dtype).copy_(p.grad)
                 else:
                     buffer.add_(p.grad)
             p.grad = None
@@ -436,7 +424,7 @@ class InBackwardAdamW:
                         f"cannot load a state_dict with {key}={group[key]}: {type(self).__name__} implements AdamW "
                         "without amsgrad, maximize, capturable and differentiable"
                     )
-            _check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+            ops.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         if len(ids) != len(params):

@@ -11,7 +11,6 @@ from torch import nn
 from sonar_kernels import ops
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
-    _check_hyperparameters,
     is_expert_tensor,
     mark_expert_tensors,
 )
@@ -90,7 +89,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         accumulation_steps: int = 1,
         clip_norm_includes_experts: bool = False,
     ):
-        _check_hyperparameters(lr, betas, eps, weight_decay)
+        ops.check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and (
             isinstance(max_grad_norm, bool)
             or not isinstance(max_grad_norm, (int, float))

@@ -1,0 +1,40 @@
+"""Host launchers and the ``sonar_kernels::`` custom ops.
+
+- ``common``: buffer allocation, device context, layout helpers;
+- ``validation``: argument checks (ValueError / TypeError before any kernel runs);
+- ``forward``, ``backward``: the Triton launchers (routing metadata and forward; dHpre, wgrad with the
+  fused AdamW epilogue, dX);
+- ``adamw``: torch's AdamW on one tensor, and the arithmetic the epilogue follows on each device;
+- ``torch_backend``: the expert MLP on torch's grouped GEMM;
+- ``library``: the custom ops over both backends.
+"""
+
+from sonar_kernels.ops import library
+from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, torch_adamw_, torch_fused_adamw_arithmetic
+from sonar_kernels.ops.backward import AdamWUpdate, GradAccumulator, moe_mlp_bwd, overflow_possible
+from sonar_kernels.ops.common import is_dense, triton_interpreting
+from sonar_kernels.ops.forward import moe_mlp_fwd, routing_block_config, routing_metadata
+from sonar_kernels.ops.validation import check_hyperparameters, check_moe_mlp_args
+from sonar_kernels.specs import BACKENDS, MAX_EXPERTS, SUPPORTED_DTYPES
+
+__all__ = [
+    "BACKENDS",
+    "MAX_EXPERTS",
+    "SUPPORTED_DTYPES",
+    "AdamWUpdate",
+    "GradAccumulator",
+    "adamw_arithmetic",
+    "check_hyperparameters",
+    "check_moe_mlp_args",
+    "grad_limit",
+    "is_dense",
+    "library",
+    "moe_mlp_bwd",
+    "moe_mlp_fwd",
+    "overflow_possible",
+    "routing_block_config",
+    "routing_metadata",
+    "torch_adamw_",
+    "torch_fused_adamw_arithmetic",
+    "triton_interpreting",
+]

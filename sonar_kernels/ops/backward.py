@@ -1,0 +1,427 @@
+"""Triton launchers of the backward: dHpre and the routing-weight gradient, the wgrad of each expert
+weight with the AdamW update in its epilogue (or its split path), dX. No host sync on any path here."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import triton
+
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, _adamw_kernel
+from sonar_kernels.kernels.expert_mlp_bwd import (
+    DHPRE_CONFIG,
+    DWEIGHTS_CONFIG,
+    WGRAD_CONFIG,
+    _expert_mlp_bwd_dhpre_kernel,
+    _expert_mlp_bwd_dw_kernel,
+    _expert_mlp_bwd_dweights_kernel,
+)
+from sonar_kernels.kernels.expert_mlp_fwd import (
+    COMBINE_CONFIG,
+    FWD_GEMM_CONFIG,
+    _expert_mlp_combine_kernel,
+    _expert_mlp_grouped_mm_kernel,
+)
+from sonar_kernels.ops import common
+from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
+from sonar_kernels.ops.common import (
+    TL_DTYPES,
+    inf_norm,
+    input_precision,
+    like,
+    max_row_tiles,
+    on_device,
+    triton_interpreting,
+)
+from sonar_kernels.ops.validation import check_buffer, check_update
+from sonar_kernels.specs import RoutingMetadata
+
+
+class AdamWUpdate(NamedTuple):
+    """The AdamW update of one expert weight tensor, applied by its wgrad launch (DESIGN.md).
+
+    Attributes:
+        exp_avg, exp_avg_sq: the moments: the weight's shape and strides, float32/bfloat16/float16.
+        step: [] float32 on the weight's device, the step count; advanced by 1 - skip (0 or 1, decided on
+            the device) just before the update's launch.
+        hyper: [5] float64 on the weight's device: lr, beta1, beta2, eps, weight_decay, as in
+            torch.optim.AdamW (decoupled decay); read by the kernels.
+        grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
+        fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
+            wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
+        grad_in: the gradient of earlier micro-batches (gradient accumulation), in ``grad_dtype`` with
+            the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
+            them in ``.grad``. None: this backward's gradient alone.
+        grad_norm_sq: a 0-dim float32 tensor on the weight's device that receives the squared L2 norm of
+            the gradient the update used (per-program partial sums, added in a fixed order; no atomics),
+            or inf when the update was skipped.
+        skipped: a 0-dim int64 tensor on the weight's device, incremented when the update is skipped.
+        on_done: called right after this weight's update is launched, before any later launch of the
+            backward (so a failure further on cannot leave an applied update unrecorded).
+
+    Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
+    unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
+    ``grad_in``, is NaN, infinite, or larger in magnitude than :func:`grad_limit` of exp_avg_sq's dtype
+    (so that g * g, and exp_avg_sq, stay finite). The decision is made on the device before the update's
+    launch, with no host sync (see :func:`_wgrad`).
+    """
+
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    step: torch.Tensor
+    hyper: torch.Tensor
+    grad_dtype: torch.dtype
+    fused: bool = True
+    grad_in: torch.Tensor | None = None
+    grad_norm_sq: torch.Tensor | None = None
+    skipped: torch.Tensor | None = None
+    on_done: Callable[[], None] | None = None
+
+
+class GradAccumulator(NamedTuple):
+    """A gradient-accumulation buffer the wgrad launch adds this backward's gradient of a weight to
+    (micro-batches before the last one, when the buffer's dtype is not the weight's, e.g. float32 for
+    bfloat16 weights; ``.grad`` must have the weight's dtype).
+
+    Attributes:
+        buffer: the weight's shape and strides, float32/bfloat16/float16; receives
+            round(buffer + round(wgrad)) when ``add``, round(wgrad) otherwise, round() to its dtype.
+        add: whether the buffer holds earlier micro-batches' gradient.
+        on_done: called right after the launch.
+    """
+
+    buffer: torch.Tensor
+    add: bool
+    on_done: Callable[[], None] | None = None
+
+
+def moe_mlp_bwd(
+    grad_out: torch.Tensor,
+    hidden_states: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    hpre: torch.Tensor,
+    meta: RoutingMetadata,
+    activation: str,
+    needs_input_grad: tuple[bool, bool, bool, bool],
+    gate_up_proj_update: AdamWUpdate | None = None,
+    down_proj_update: AdamWUpdate | None = None,
+    gate_up_proj_accumulator: GradAccumulator | None = None,
+    down_proj_accumulator: GradAccumulator | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
+
+    Launch order (DESIGN.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
+    when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
+    (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given). Each wgrad launch covers every
+    expert. No host sync; no atomics.
+
+    Args:
+        grad_out: [T, H] dtype of hidden_states; any strides, 0 included.
+        hidden_states, top_k_weights, gate_up_proj, down_proj: the forward's inputs.
+        hpre, meta: saved by :func:`moe_mlp_fwd`.
+        needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
+        gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
+            returning its gradient (validated before any launch; ``step`` advances unless the update is
+            skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
+        gate_up_proj_accumulator, down_proj_accumulator: add that weight's gradient to a buffer instead
+            of returning it.
+    Returns:
+        (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj); None where not
+        needed, where the weight was updated in place, or where its gradient went to an accumulator.
+    Raises:
+        TypeError, ValueError: see :func:`check_update`; an accumulator whose buffer does not have
+            the weight's shape, strides and device or a supported dtype, or a weight with both an
+            update and an accumulator.
+    """
+    for name, weight, update, accumulator in (
+        ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
+        ("down_proj", down_proj, down_proj_update, down_proj_accumulator),
+    ):
+        if update is not None:
+            check_update(name, weight, update)
+        if accumulator is not None:
+            if update is not None:
+                raise ValueError(f"{name}: an update and an accumulator are exclusive")
+            check_buffer(name, weight, accumulator.buffer)
+    with on_device(hidden_states.device):
+        return _launch_bwd(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+            needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
+            down_proj_accumulator,
+        )  # fmt: skip
+
+
+def _launch_bwd(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+    needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
+    down_proj_accumulator=None,
+):  # fmt: skip
+    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    T, H = hidden_states.shape
+    top_k = top_k_weights.shape[1]
+    E, two_I, _ = gate_up_proj.shape
+    I = two_I // 2
+    S = T * top_k
+    dtype = hidden_states.dtype
+    device = hidden_states.device
+    interpret = triton_interpreting()
+    precision = input_precision(dtype)
+    # Buffers have S rows (the kept rows are fewer; the tail is never written nor read); at least one
+    # row so that no kernel gets a null pointer.
+    num_rows = max(S, 1)
+
+    cfg = DHPRE_CONFIG
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_pid_n = triton.cdiv(I, block_n)
+    need_grad_hpre = need_x or need_w1
+    grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
+    a = common.empty((num_rows, I), dtype, device) if need_w2 else None
+    dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
+    # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
+    has_update = gate_up_proj_update is not None or down_proj_update is not None
+    absmax = None
+    if S > 0 and (need_grad_hpre or need_w or need_w2):
+        num_row_tiles = max_row_tiles(S, E, block_m)
+        absmax = common.empty((num_row_tiles * num_pid_n, 2), torch.float32, device) if has_update else None
+        any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
+        grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
+        a_arg = a if a is not None else any_buffer
+        dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
+        _expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
+            grad_out, down_proj, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
+            meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
+            any_buffer if absmax is None else absmax,
+            E, H, I, top_k,
+            grad_out.stride(0), grad_out.stride(1),
+            down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
+            hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
+            grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
+            dw_partial_arg.stride(0),
+            ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
+            INPUT_PRECISION=precision, INTERPRET=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        )  # fmt: skip
+
+    # The magnitudes that bound each updated weight's gradient: (largest |P|, largest |Q|, most rows).
+    bounds = {}
+    if has_update:
+        largest = absmax.amax(0) if absmax is not None else torch.zeros(2, dtype=torch.float32, device=device)
+        most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
+        if down_proj_update is not None:
+            # P = w * dO[token] (rounded), Q = A.
+            p_max = inf_norm(top_k_weights) * inf_norm(grad_out)
+            bounds["down_proj"] = (p_max, largest[0], most_rows)
+        if gate_up_proj_update is not None:
+            # P = dHpre, Q = X[token].
+            bounds["gate_up_proj"] = (largest[1], inf_norm(hidden_states), most_rows)
+    del absmax
+
+    grad_w2 = None
+    if need_w2:
+        # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
+        grad_w2 = _wgrad(
+            grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
+            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator,
+        )  # fmt: skip
+    del a
+
+    grad_w = None
+    if need_w:
+        grad_w = common.empty((T, top_k), top_k_weights.dtype, device)
+        if S > 0:
+            dc = DWEIGHTS_CONFIG
+            _expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
+                dw_partial, meta.row_of_slot, grad_w,
+                S, num_pid_n, dw_partial.stride(0),
+                BLOCK=dc["BLOCK"], INTERPRET=interpret, num_warps=dc["num_warps"],
+            )  # fmt: skip
+    del dw_partial
+
+    grad_x = None
+    if need_x:
+        grad_x = common.empty((T, H), dtype, device)
+        if S == 0:
+            grad_x.zero_()
+        else:
+            grad_x = _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret)
+
+    grad_w1 = None
+    if need_w1:
+        # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
+        grad_w1 = _wgrad(
+            grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
+            two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
+        )  # fmt: skip
+    return grad_x, grad_w, grad_w1, grad_w2
+
+
+def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
+    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM (W1 read as [E, H, 2I]), then
+    its combine without weights."""
+    T, H = grad_x.shape
+    S = T * top_k
+    E, two_I, _ = gate_up_proj.shape
+    cfg = FWD_GEMM_CONFIG
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    num_row_tiles = max_row_tiles(S, E, block_m)
+    dx_rows = common.empty((S, H), dtype, grad_x.device)
+    _expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
+        grad_hpre, gate_up_proj, meta.expert_offsets, meta.tile_offsets, dx_rows,
+        E, H, two_I,
+        grad_hpre.stride(0), grad_hpre.stride(1),
+        gate_up_proj.stride(0), gate_up_proj.stride(2), gate_up_proj.stride(1),
+        dx_rows.stride(0), dx_rows.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    cc = COMBINE_CONFIG
+    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+        dx_rows, meta.row_of_slot, dx_rows, grad_x,
+        T, H, top_k,
+        dx_rows.stride(0), dx_rows.stride(1), 0, 0, grad_x.stride(0), grad_x.stride(1),
+        BLOCK_M=cc["BLOCK_M"], BLOCK_N=cc["BLOCK_N"], HAS_WEIGHTS=False, INTERPRET=interpret,
+        num_warps=cc["num_warps"],
+    )  # fmt: skip
+    return grad_x
+
+
+def overflow_possible(
+    bound: tuple, grad_in: torch.Tensor | None, limit: float, operand_limit: float
+) -> torch.Tensor:
+    """0.0 (a 0-dim fp32 device tensor) when no entry of the wgrad, rounded, can exceed ``limit`` in
+    magnitude and no GEMM operand can overflow ``operand_limit`` when rounded to the GEMM dtype, else
+    1.0: the cheap test that spares the exact check pass in :func:`_wgrad`.
+
+    An entry of sum_r P[r]^T Q[r] over at most n rows with |P| <= p, |Q| <= q is at most n * p * q in
+    magnitude; the fp32 accumulation adds at most a factor 1 + n * 2**-23 (2 n unit roundoffs), the
+    roundings to the GEMM and gradient dtypes (and of the sum with grad_in) under 1.03 together. A NaN
+    or inf anywhere makes the bound NaN or inf, so the check pass runs.
+    """
+    p_max, q_max, most_rows = bound
+    total = most_rows * p_max * q_max * (1.0 + most_rows * 2.0**-23)
+    if grad_in is not None:
+        total = total + inf_norm(grad_in)
+    safe = (total * 1.03 <= limit) & (p_max * 1.01 <= operand_limit)
+    return (~safe).float()
+
+
+def _wgrad(
+    p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret,
+    bound=None, accumulator=None,
+):  # fmt: skip
+    """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
+    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, or
+    when the gradient was added to ``accumulator``.
+
+    With an update the decision to skip it (non-finite or too large gradient, see
+    :class:`AdamWUpdate`) is made on the device before the update's launch: on the split path from the
+    gradient it wrote; on the fused path by a check pass of the same kernel (EPILOGUE "check": it
+    recomputes each tile's gradient and flags the tiles with an entry beyond :func:`grad_limit`), which
+    returns at once unless ``bound`` (largest |P|, largest |Q|, most rows of an expert) says the
+    gradient may exceed the limit. No host sync.
+    """
+    E = weight.shape[0]
+    cfg = WGRAD_CONFIG
+    grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+
+    def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
+               grad_dtype, arithmetic, has_norm, **options):  # fmt: skip
+        _expert_mlp_bwd_dw_kernel[grid](
+            p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
+            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
+            E, M, N, top_k,
+            p.stride(0), p.stride(1), q.stride(0), q.stride(1),
+            top_k_weights.stride(0), top_k_weights.stride(1),
+            grad.stride(0), grad.stride(1), grad.stride(2),
+            limit,
+            P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
+            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
+            HAS_NORM=has_norm, ARITHMETIC=arithmetic,
+            GRAD_DTYPE=TL_DTYPES[grad_dtype],
+            DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options,
+        )  # fmt: skip
+
+    if update is None:
+        offsets = meta.expert_offsets
+        if accumulator is None:
+            grad, grad_in = like(weight, weight.dtype), None
+        else:
+            grad = accumulator.buffer
+            grad_in = grad if accumulator.add else None
+        launch(
+            "store", grad, grad_in, offsets, offsets, grad, grad, grad, offsets, offsets, 0.0, grad.dtype,
+            "fp64", False,
+        )  # fmt: skip
+        if accumulator is None:
+            return grad
+        if accumulator.on_done is not None:
+            accumulator.on_done()
+        return None
+
+    hyper = update.hyper
+    limit = grad_limit(update.exp_avg_sq.dtype)
+    arithmetic = adamw_arithmetic(weight.device)
+    state = (weight, update.exp_avg, update.exp_avg_sq, update.step)
+    # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
+    # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
+    no_fusion = {"enable_fp_fusion": False}
+    # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
+    partial = common.empty(grid, torch.float32, weight.device)
+    if update.fused:
+        if bound is None:
+            raise ValueError("a fused update needs the bound of its gradient")
+        # A gradient entry beyond the limit, or beyond what the gradient dtype holds (it would round to inf).
+        entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
+        maybe = overflow_possible(bound, update.grad_in, entry_limit, torch.finfo(dtype).max)
+        launch(
+            "check", weight, update.grad_in, maybe, partial, *state, hyper, limit, update.grad_dtype,
+            arithmetic, False,
+        )  # fmt: skip
+        skip = partial.amax()
+        grad = None
+    else:
+        grad = like(weight, update.grad_dtype)
+        launch(
+            "store", grad, update.grad_in, update.step, partial, *state, hyper, limit, update.grad_dtype,
+            arithmetic, update.grad_norm_sq is not None,
+        )  # fmt: skip
+        skip = (~(inf_norm(grad) <= limit)).float()
+    # torch's AdamW increments the step before it computes the bias corrections; a skipped update
+    # leaves it (as torch's fused AdamW does with found_inf).
+    advance = 1.0 - skip
+    update.step.add_(advance)
+    applied = False
+    try:
+        if update.fused:
+            launch(
+                "adamw", weight, update.grad_in, skip, partial, *state, hyper, limit, update.grad_dtype,
+                arithmetic, update.grad_norm_sq is not None, **no_fusion,
+            )  # fmt: skip
+        else:
+            ac = ADAMW_CONFIG
+            _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
+                weight, grad, update.exp_avg, update.exp_avg_sq, update.step, skip, hyper,
+                weight.numel(),
+                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
+                **no_fusion,
+            )  # fmt: skip
+        applied = True
+    finally:
+        if not applied:
+            # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
+            update.step.sub_(advance)
+    if update.grad_norm_sq is not None:
+        update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
+    if update.skipped is not None:
+        update.skipped.add_(skip.long())
+    if update.on_done is not None:
+        update.on_done()
+    return None

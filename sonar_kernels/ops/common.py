@@ -1,0 +1,78 @@
+"""What every launcher shares: buffer allocation, the device context, the interpreter test, layouts."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def triton_interpreting() -> bool:
+    """True when the Triton kernels run under the interpreter (TRITON_INTERPRET=1 before import)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from sonar_kernels.kernels import routing
+
+    return isinstance(routing._routing_metadata_kernel, InterpretedFunction)
+
+
+def empty(shape, dtype, device) -> torch.Tensor:
+    """Every buffer a launcher allocates comes from here (the tests fill it with NaN to catch unwritten
+    data: they replace this function)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def on_device(device: torch.device):
+    """Triton launches on the current CUDA device: make it the tensors' one."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def input_precision(dtype: torch.dtype) -> str:
+    """Full fp32 products for fp32 GEMMs: the GPU would otherwise silently use tf32 (DESIGN.md)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def max_row_tiles(S: int, E: int, block_m: int) -> int:
+    """Grid rows of a grouped GEMM without a host sync: sum_e ceil(rows_e / block_m) <= cdiv(S, block_m)
+    + min(E, S); the programs past tile_offsets[E] exit at once."""
+    return triton.cdiv(S, block_m) + min(E, S)
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """True when ``t`` covers exactly ``numel`` storage elements from its first (no gaps, no overlap)."""
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape, strict=True) if sz != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def laid_out_like(t, weight: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor with the shape, strides and device of ``weight`` (a kernel walks both
+    with the same offsets)."""
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == weight.shape
+        and t.stride() == weight.stride()
+        and t.device == weight.device
+    )
+
+
+def like(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An unfilled tensor with the shape of ``weight`` and, when it is dense, its strides."""
+    if not is_dense(weight):
+        return empty(weight.shape, dtype, weight.device)
+    return empty((weight.numel(),), dtype, weight.device).as_strided(weight.shape, weight.stride())
+
+
+def inf_norm(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a 0-dim float32 tensor (NaN when x holds a NaN; 0 for an empty x)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf")).float()

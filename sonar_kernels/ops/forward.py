@@ -1,0 +1,132 @@
+"""Triton launchers of the forward: routing metadata, up-projection + GLU, down-projection, combine."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from sonar_kernels.kernels.expert_mlp_fwd import (
+    COMBINE_CONFIG,
+    FWD_GEMM_CONFIG,
+    TILE_M,
+    _expert_mlp_combine_kernel,
+    _expert_mlp_fwd_up_kernel,
+    _expert_mlp_grouped_mm_kernel,
+)
+from sonar_kernels.kernels.routing import _routing_metadata_kernel
+from sonar_kernels.ops import common
+from sonar_kernels.ops.common import input_precision, max_row_tiles, on_device, triton_interpreting
+from sonar_kernels.specs import RoutingMetadata
+
+
+def routing_block_config(num_experts: int) -> dict:
+    """BLOCK_E covers all experts; BLOCK_S keeps the [BLOCK_S, BLOCK_E] one-hot tile at 8192 elements."""
+    block_e = max(16, triton.next_power_of_2(num_experts))
+    return {"BLOCK_E": block_e, "BLOCK_S": max(8, 8192 // block_e), "num_warps": 4}
+
+
+def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
+    """Routing metadata on the device in one launch (see :class:`sonar_kernels.specs.RoutingMetadata`).
+
+    Args:
+        top_k_index: [T, top_k] int32/int64 expert ids, any strides; ids outside [0, E) are dropped.
+        num_experts: E, 1 <= E <= 1024.
+    Returns:
+        RoutingMetadata with ``tile_offsets`` for row tiles of ``TILE_M`` rows. The tails of
+        ``token_of_row`` and ``slot_of_row`` (rows >= expert_offsets[E]) are left unwritten.
+    """
+    T, top_k = top_k_index.shape
+    S = T * top_k
+    device = top_k_index.device
+    meta = RoutingMetadata(
+        expert_offsets=common.empty((num_experts + 1,), torch.int32, device),
+        tile_offsets=common.empty((num_experts + 1,), torch.int32, device),
+        row_of_slot=common.empty((S,), torch.int32, device),
+        token_of_row=common.empty((S,), torch.int32, device),
+        slot_of_row=common.empty((S,), torch.int32, device),
+    )
+    cfg = routing_block_config(num_experts)
+    with on_device(device):
+        _routing_metadata_kernel[(1,)](
+            top_k_index, meta.expert_offsets, meta.tile_offsets, meta.row_of_slot, meta.token_of_row,
+            meta.slot_of_row,
+            S, num_experts, top_k,
+            top_k_index.stride(0), top_k_index.stride(1),
+            TILE_M=TILE_M, BLOCK_S=cfg["BLOCK_S"], BLOCK_E=cfg["BLOCK_E"], num_warps=cfg["num_warps"],
+        )  # fmt: skip
+    return meta
+
+
+def moe_mlp_fwd(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    activation: str,
+) -> tuple[torch.Tensor, torch.Tensor, RoutingMetadata]:
+    """Triton forward of the gated expert MLP; arguments as checked by :func:`check_moe_mlp_args`.
+
+    Four launches: routing metadata, up-projection + GLU, down-projection, combine. Any strides.
+    Returns:
+        (out [T, H] in the dtype of hidden_states, Hpre [S, 2I] in that dtype (rows past
+        expert_offsets[E] unwritten), the routing metadata).
+    """
+    with on_device(hidden_states.device):
+        return _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+
+
+def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    T, H = hidden_states.shape
+    top_k = top_k_index.shape[1]
+    E, two_I, _ = gate_up_proj.shape
+    I = two_I // 2
+    S = T * top_k
+    dtype = hidden_states.dtype
+    device = hidden_states.device
+    interpret = triton_interpreting()
+    out = common.empty((T, H), dtype, device)
+    meta = routing_metadata(top_k_index, E)
+    hpre = common.empty((S, two_I), dtype, device)
+    if S == 0:
+        return out.zero_(), hpre, meta
+
+    cfg = FWD_GEMM_CONFIG
+    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    num_row_tiles = max_row_tiles(S, E, block_m)
+    precision = input_precision(dtype)
+
+    a = common.empty((S, I), dtype, device)
+    _expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
+        hidden_states, gate_up_proj, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
+        E, H, I,
+        hidden_states.stride(0), hidden_states.stride(1),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_proj.stride(2),
+        hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1),
+        ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
+    )  # fmt: skip
+
+    y = common.empty((S, H), dtype, device)
+    _expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
+        a, down_proj, meta.expert_offsets, meta.tile_offsets, y,
+        E, H, I,
+        a.stride(0), a.stride(1),
+        down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
+        y.stride(0), y.stride(1),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
+    )  # fmt: skip
+    del a
+
+    cc = COMBINE_CONFIG
+    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+        y, meta.row_of_slot, top_k_weights, out,
+        T, H, top_k,
+        y.stride(0), y.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
+        out.stride(0), out.stride(1),
+        BLOCK_M=cc["BLOCK_M"], BLOCK_N=cc["BLOCK_N"], HAS_WEIGHTS=True, INTERPRET=interpret,
+        num_warps=cc["num_warps"],
+    )  # fmt: skip
+    return out, hpre, meta

@@ -1,0 +1,200 @@
+"""The "torch" backend: the expert MLP in plain PyTorch on grouped GEMMs, for the CPU and the paper's method.
+
+Not the test oracle (that is ``sonar_kernels/reference.py``): the same math and rounding points as the
+Triton kernels (Hpre, A and each expert output rounded to the activation dtype, the combine over top_k
+summed in fp32), built from ``torch._grouped_mm`` (one GEMM launch over all experts, as transformers'
+"grouped_mm" experts do), without a host sync. Where this torch's grouped GEMM does not take the device,
+dtype or strides (it needs 16-byte aligned strides), each expert's rows go through ``torch.mm`` in a loop
+over host row offsets (one host read of E + 1 integers per call).
+
+Every function here runs inside a ``sonar_kernels::`` custom op, so torch.compile sees one opaque op
+with static shapes whichever path runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
+from sonar_kernels.specs import RoutingMetadata
+
+
+def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
+    """The routing metadata by a stable sort, on the device, no host sync (see
+    :class:`sonar_kernels.specs.RoutingMetadata`; ``tile_offsets`` for the Triton kernels' TILE_M rows).
+    Rows past ``expert_offsets[E]`` hold the dropped slots."""
+    T, top_k = top_k_index.shape
+    S = T * top_k
+    device = top_k_index.device
+    flat = top_k_index.reshape(-1)
+    kept = (flat >= 0) & (flat < num_experts)
+    key = torch.where(kept, flat.long(), num_experts)
+    order = torch.sort(key, stable=True).indices
+    bounds = torch.arange(num_experts + 1, device=device)
+    expert_offsets = torch.searchsorted(key[order], bounds, side="left").to(torch.int32)
+    counts = expert_offsets[1:] - expert_offsets[:-1]
+    tile_offsets = torch.zeros_like(expert_offsets)
+    tile_offsets[1:] = torch.cumsum(torch.div(counts + TILE_M - 1, TILE_M, rounding_mode="floor"), 0)
+    slot_of_row = order.to(torch.int32)
+    row_of_slot = torch.empty(S, dtype=torch.int32, device=device)
+    row_of_slot[order] = torch.arange(S, dtype=torch.int32, device=device)
+    row_of_slot = torch.where(kept, row_of_slot, -1)
+    token_of_row = torch.div(slot_of_row, top_k, rounding_mode="floor")
+    return RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
+
+
+@functools.cache
+def _grouped_mm_runs(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether this torch's ``_grouped_mm`` runs on ``device_type`` in ``dtype`` (probed once)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    try:
+        a = torch.zeros(8, 8, dtype=dtype, device=device_type)
+        b = torch.zeros(2, 8, 8, dtype=dtype, device=device_type)
+        torch._grouped_mm(a, b, offs=torch.tensor([4, 8], dtype=torch.int32, device=device_type))
+        torch._grouped_mm(a.t(), a, offs=torch.tensor([4, 8], dtype=torch.int32, device=device_type))
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+def _aligned(*tensors: torch.Tensor) -> bool:
+    """torch._grouped_mm's layout rule: every stride but the unit one, and the start, 16-byte aligned."""
+    for t in tensors:
+        size = t.element_size()
+        if t.data_ptr() % 16:
+            return False
+        if any(stride != 1 and (stride * size) % 16 for stride in t.stride()):
+            return False
+    return True
+
+
+def _use_grouped_mm(*tensors: torch.Tensor) -> bool:
+    t = tensors[0]
+    return _grouped_mm_runs(t.device.type, t.dtype) and _aligned(*tensors)
+
+
+def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """out[r] = rows[r] @ weight[e(r)] for the rows of each expert: [S, K] x [E, K, N] -> [S, N] in the
+    dtype of ``rows``. Rows past ``expert_offsets[E]`` are left unspecified (mask them)."""
+    if _use_grouped_mm(rows, weight):
+        return torch._grouped_mm(rows, weight, offs=expert_offsets[1:])
+    out = torch.zeros(rows.shape[0], weight.shape[2], dtype=rows.dtype, device=rows.device)
+    bounds = expert_offsets.tolist()  # host read: the fallback only
+    for e in range(weight.shape[0]):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            torch.mm(rows[start:end], weight[e], out=out[start:end])
+    return out
+
+
+def grouped_wgrad(p: torch.Tensor, q: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
+    """dW[e] = sum over the rows r of expert e of p[r]^T q[r]: [S, M] x [S, N] -> [E, M, N] in the dtype
+    of ``p``; an expert without rows gets zeros. Rows past ``expert_offsets[E]`` are not read."""
+    E = expert_offsets.shape[0] - 1
+    pt = p.t()
+    if _use_grouped_mm(pt, q):
+        return torch._grouped_mm(pt, q, offs=expert_offsets[1:])
+    out = torch.zeros(E, p.shape[1], q.shape[1], dtype=p.dtype, device=p.device)
+    bounds = expert_offsets.tolist()  # host read: the fallback only
+    for e in range(E):
+        start, end = bounds[e], bounds[e + 1]
+        if end > start:
+            torch.mm(pt[:, start:end], q[start:end], out=out[e])
+    return out
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+    """act(gate) * up: SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
+    return (F.silu(gate) if activation == "silu" else F.gelu(gate)) * up
+
+
+def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activation: str):
+    """(d gate, d up) of act(gate) * up, fp32 in and out (the Triton kernels' formulas)."""
+    if activation == "silu":
+        sig = torch.sigmoid(gate)
+        act = gate * sig
+        act_grad = sig * (1.0 + gate * (1.0 - sig))
+    else:
+        cdf = 0.5 * (1.0 + torch.erf(gate * 0.7071067811865476))
+        act = gate * cdf
+        act_grad = cdf + gate * torch.exp(-0.5 * gate * gate) * 0.3989422804014327
+    return grad_a * up * act_grad, grad_a * act
+
+
+def _valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
+    """[S, 1] bool: rows that belong to an expert (before ``expert_offsets[E]``)."""
+    return (torch.arange(S, device=meta.expert_offsets.device) < meta.expert_offsets[-1])[:, None]
+
+
+def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | None, T: int, top_k: int):
+    """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights)."""
+    kept = (meta.row_of_slot >= 0).reshape(T, top_k, 1)
+    gathered = rows[meta.row_of_slot.clamp(min=0).long()].reshape(T, top_k, -1).float()
+    if weights is not None:
+        gathered = weights.float().unsqueeze(-1) * gathered
+    return torch.where(kept, gathered, 0.0).sum(dim=1)
+
+
+def moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+    """Forward of the gated expert MLP; returns (out [T, H], Hpre [S, 2I], the routing metadata)."""
+    T = hidden_states.shape[0]
+    top_k = top_k_index.shape[1]
+    E, two_I, _ = gate_up_proj.shape
+    I = two_I // 2
+    dtype = hidden_states.dtype
+    meta = routing_metadata(top_k_index, E)
+    # fp32 master weights under 16-bit compute: rounded to the compute dtype (a temporary copy here).
+    w1 = gate_up_proj.to(dtype)
+    w2 = down_proj.to(dtype)
+    tokens = meta.token_of_row.long()
+    hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
+    a = glu(hpre[:, :I].float(), hpre[:, I:].float(), activation).to(dtype)
+    y = grouped_mm(a, w2.transpose(1, 2), meta.expert_offsets)
+    out = _combine(y, meta, top_k_weights, T, top_k).to(dtype)
+    return out, hpre, meta
+
+
+def moe_mlp_bwd(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad
+):
+    """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj), None where
+    ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no. Weight gradients in the weight's
+    dtype; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e]."""
+    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    T = hidden_states.shape[0]
+    top_k = top_k_weights.shape[1]
+    I = gate_up_proj.shape[1] // 2
+    S = T * top_k
+    dtype = hidden_states.dtype
+    valid = _valid_rows(meta, S)
+    tokens = meta.token_of_row.long()
+    w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
+    grad_rows = grad_out[tokens]  # [S, H]
+    gate, up = hpre[:, :I].float(), hpre[:, I:].float()
+    a = glu(gate, up, activation).to(dtype)
+    grad_x = grad_w = grad_w1 = grad_w2 = None
+    need_g = need_x or need_w or need_w1
+    grad_hpre = None
+    if need_g:
+        g = torch.where(valid, grouped_mm(grad_rows, down_proj.to(dtype), meta.expert_offsets).float(), 0.0)
+        if need_w:
+            per_row = (g * a.float()).sum(dim=1)
+            kept = meta.row_of_slot >= 0
+            per_slot = torch.where(kept, per_row[meta.row_of_slot.clamp(min=0).long()], 0.0)
+            grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
+        if need_x or need_w1:
+            d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
+            grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
+    if need_w2:
+        p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
+        grad_w2 = grouped_wgrad(p, a, meta.expert_offsets).to(down_proj.dtype)
+    if need_x:
+        rows = grouped_mm(grad_hpre, gate_up_proj.to(dtype), meta.expert_offsets)
+        grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
+    if need_w1:
+        grad_w1 = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets).to(gate_up_proj.dtype)
+    return grad_x, grad_w, grad_w1, grad_w2

@@ -1,0 +1,226 @@
+"""Argument checks of the launchers and the public entry points: every bad input is refused with a
+ValueError or TypeError naming the argument, before any kernel runs."""
+
+from __future__ import annotations
+
+import torch
+
+from sonar_kernels.ops.common import is_dense, laid_out_like, triton_interpreting
+from sonar_kernels.specs import ACTIVATIONS, BACKENDS, INDEX_DTYPES, MAX_EXPERTS, SUPPORTED_DTYPES
+
+
+def check_moe_mlp_args(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
+) -> str:
+    """Validate the arguments of :func:`sonar_kernels.moe_mlp` and resolve ``backend``.
+
+    Returns:
+        "triton" or "torch".
+    Raises:
+        TypeError: an argument is not a tensor, or has a dtype outside what is supported.
+        ValueError: shapes disagree, tensors are on different devices, unknown activation or backend,
+            or backend "triton" for CPU tensors without the Triton interpreter.
+    """
+    tensors = {
+        "hidden_states": hidden_states,
+        "top_k_index": top_k_index,
+        "top_k_weights": top_k_weights,
+        "gate_up_proj": gate_up_proj,
+        "down_proj": down_proj,
+    }
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+    # dtypes
+    if hidden_states.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"hidden_states must be float32, bfloat16 or float16, got {hidden_states.dtype}")
+    if top_k_index.dtype not in INDEX_DTYPES:
+        raise TypeError(f"top_k_index must be int32 or int64 expert ids, got {top_k_index.dtype}")
+    if top_k_weights.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"top_k_weights must be float32, bfloat16 or float16, got {top_k_weights.dtype}")
+    for name in ("gate_up_proj", "down_proj"):
+        w = tensors[name]
+        if w.dtype not in (hidden_states.dtype, torch.float32):
+            raise TypeError(
+                f"{name} must have the dtype of hidden_states ({hidden_states.dtype}) or float32 "
+                f"(master weights), got {w.dtype}"
+            )
+
+    # shapes
+    if hidden_states.dim() != 2:
+        raise ValueError(f"hidden_states must be [T, H], got shape {tuple(hidden_states.shape)}")
+    T, H = hidden_states.shape
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"top_k_index must be [T, top_k] with T = {T}, got shape {tuple(top_k_index.shape)}")
+    if top_k_index.numel() >= 2**31:
+        raise ValueError(
+            f"top_k_index must hold fewer than 2**31 slots (T * top_k), got {top_k_index.numel()}"
+        )
+    if top_k_weights.shape != top_k_index.shape:
+        raise ValueError(
+            f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
+            f"got {tuple(top_k_weights.shape)}"
+        )
+    if gate_up_proj.dim() != 3:
+        raise ValueError(f"gate_up_proj must be [E, 2I, H], got shape {tuple(gate_up_proj.shape)}")
+    if down_proj.dim() != 3:
+        raise ValueError(f"down_proj must be [E, H, I], got shape {tuple(down_proj.shape)}")
+    if H < 1:
+        raise ValueError(
+            f"hidden_states must have a hidden size H >= 1, got shape {tuple(hidden_states.shape)}"
+        )
+    E, two_I, H1 = gate_up_proj.shape
+    if E < 1:
+        raise ValueError(f"gate_up_proj must hold at least one expert, got shape {tuple(gate_up_proj.shape)}")
+    if E > MAX_EXPERTS:
+        raise ValueError(f"at most {MAX_EXPERTS} experts are supported, gate_up_proj has {E}")
+    if H1 != H:
+        raise ValueError(
+            f"gate_up_proj.shape[2] must equal the hidden size H = {H} of hidden_states, got {H1}"
+        )
+    if down_proj.shape[0] != E:
+        raise ValueError(
+            f"down_proj.shape[0] must equal the number of experts E = {E} of gate_up_proj, got {down_proj.shape[0]}"
+        )
+    if down_proj.shape[1] != H:
+        raise ValueError(
+            f"down_proj.shape[1] must equal the hidden size H = {H} of hidden_states, got {down_proj.shape[1]}"
+        )
+    if two_I != 2 * down_proj.shape[2] or two_I == 0:
+        raise ValueError(
+            f"gate_up_proj.shape[1] must be 2 * down_proj.shape[2] = 2I (I >= 1), "
+            f"got {two_I} and I = {down_proj.shape[2]}"
+        )
+
+    # devices
+    device = hidden_states.device
+    for name, t in tensors.items():
+        if t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device}, but hidden_states is on {device}: put all tensors on one device"
+            )
+
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not (device.type == "cpu" and triton_interpreting()):
+        raise ValueError(
+            f"backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
+            f"sonar_kernels is imported; got tensors on {device}. Use backend='torch' or 'auto'."
+        )
+    return backend
+
+
+def check_update(name: str, weight: torch.Tensor, update) -> None:
+    """Validate the in-place AdamW update of ``weight`` (an :class:`sonar_kernels.ops.AdamWUpdate`),
+    before any kernel of the backward runs.
+
+    Raises:
+        TypeError: a dtype outside float32/bfloat16/float16, a step that is not a float32 tensor, or
+            hyperparameters that are not a float64 tensor.
+        ValueError: moments whose shape, strides or device differ from the weight's, a weight that is
+            not dense, a step, norm or counter that is not 0-dim on the weight's device, hyperparameters
+            not of shape [5] on the weight's device or outside torch.optim.AdamW's ranges (checked only
+            on the CPU, where reading them costs no sync).
+    """
+    if weight.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} must be float32, bfloat16 or float16 to be updated, got {weight.dtype}")
+    if not is_dense(weight):
+        raise ValueError(f"{name} must be a dense tensor (no gaps or overlaps) to be updated in place")
+    for key in ("exp_avg", "exp_avg_sq"):
+        m = getattr(update, key)
+        if not isinstance(m, torch.Tensor) or m.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{key} of {name} must be a float32/bfloat16/float16 tensor")
+        if not laid_out_like(m, weight):
+            raise ValueError(
+                f"{key} of {name} must have the shape, strides and device of the weight "
+                f"({tuple(weight.shape)}, {weight.stride()}, {weight.device}); got "
+                f"({tuple(m.shape)}, {m.stride()}, {m.device})"
+            )
+    step = update.step
+    if not isinstance(step, torch.Tensor) or step.dtype != torch.float32:
+        raise TypeError(f"step of {name} must be a float32 tensor")
+    if step.dim() != 0 or step.device != weight.device:
+        raise ValueError(f"step of {name} must be a 0-dim tensor on {weight.device}, got {step.device}")
+    hyper = update.hyper
+    if not isinstance(hyper, torch.Tensor) or hyper.dtype != torch.float64:
+        raise TypeError(f"hyper of {name} must be a float64 tensor (lr, beta1, beta2, eps, weight_decay)")
+    if hyper.shape != (5,) or hyper.device != weight.device:
+        raise ValueError(f"hyper of {name} must have shape [5] on {weight.device}, got {tuple(hyper.shape)}")
+    if hyper.device.type == "cpu":
+        lr, beta1, beta2, eps, weight_decay = hyper.tolist()
+        check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, where=f" of {name}")
+    if update.grad_dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"grad_dtype of {name} must be float32, bfloat16 or float16, got {update.grad_dtype}")
+    n = update.grad_norm_sq
+    if n is not None and (
+        not isinstance(n, torch.Tensor)
+        or n.dtype != torch.float32
+        or n.dim() != 0
+        or n.device != weight.device
+    ):
+        raise ValueError(f"grad_norm_sq of {name} must be a 0-dim float32 tensor on {weight.device}")
+    c = update.skipped
+    if c is not None and (
+        not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0 or c.device != weight.device
+    ):
+        raise ValueError(f"skipped of {name} must be a 0-dim int64 tensor on {weight.device}")
+    g = update.grad_in
+    if g is not None and not (laid_out_like(g, weight) and g.dtype == update.grad_dtype):
+        raise ValueError(
+            f"grad_in of {name} must be a {update.grad_dtype} tensor with the shape, strides and device of the "
+            f"weight ({tuple(weight.shape)}, {weight.stride()}, {weight.device})"
+        )
+
+
+def check_buffer(name: str, weight: torch.Tensor, buffer) -> None:
+    """Validate a gradient-accumulation buffer of ``weight``.
+
+    Raises:
+        ValueError: a buffer that is not a float32/bfloat16/float16 tensor with the weight's shape,
+            strides and device.
+    """
+    if not (laid_out_like(buffer, weight) and buffer.dtype in SUPPORTED_DTYPES):
+        raise ValueError(
+            f"the accumulator buffer of {name} must be a float32/bfloat16/float16 tensor with the "
+            f"shape, strides and device of the weight ({tuple(weight.shape)}, {weight.stride()}, "
+            f"{weight.device})"
+        )
+
+
+def as_float(value, name: str) -> float:
+    """A hyperparameter as a Python float. Raises TypeError for anything but a real number or a
+    one-element CPU tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.device.type != "cpu":
+            raise TypeError(f"{name} must be a Python float or a one-element CPU tensor, got {value!r}")
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    return float(value)
+
+
+def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
+    """torch.optim.AdamW's ranges: lr, eps, weight_decay >= 0 and finite; betas a pair in [0, 1).
+
+    Raises:
+        TypeError: a value that is not a number.
+        ValueError: a value outside its range.
+    """
+    lr = as_float(lr, "lr")
+    if not (0.0 <= lr < float("inf")):
+        raise ValueError(f"lr{where} must be a finite float >= 0, got {lr}")
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas{where} must be a pair (beta1, beta2), got {betas!r}")
+    for i, beta in enumerate(betas):
+        beta = as_float(beta, f"betas[{i}]")
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"betas[{i}]{where} must be in [0, 1), got {beta}")
+    for key, value in (("eps", eps), ("weight_decay", weight_decay)):
+        value = as_float(value, key)
+        if not (0.0 <= value < float("inf")):
+            raise ValueError(f"{key}{where} must be a finite float >= 0, got {value}")
