@@ -30,6 +30,8 @@ NAMES = {
     "_expert_mlp_fwd_up_kernel": "up",
     "_expert_mlp_bwd_dhpre_kernel": "dgrad G",
     "_expert_mlp_bwd_dweights_kernel": "routing-weight grad",
+    # The bias-corrected step size of one update (one program; both weights' launches share the label).
+    "_adamw_scalars_kernel": "adamw scalars",
 }
 # About 25 ms of GPU time at the H200's clock: longer than the host needs to launch one layer's step.
 SLEEP_CYCLES = 50_000_000

@@ -274,7 +274,7 @@ def _backward_specs() -> list[Spec]:
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
-                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "step_ptr": "fp32", "flag_ptr": "fp32",
+                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "scalars_ptr": "fp32", "flag_ptr": "fp32",
                          "partial_ptr": "fp32", "hyper_ptr": "fp64"},
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
@@ -315,12 +315,23 @@ def _adamw_specs() -> list[Spec]:
                 adamw._adamw_kernel,
                 f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
-                 "step_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
+                 "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip
+    # The bias-corrected scalars of each update (ops.backward, before the update's launch).
+    for arithmetic in ("fp64", "fp32"):
+        out.append(
+            Spec(
+                adamw._adamw_scalars_kernel,
+                arithmetic,
+                {"step_ptr": "fp32", "hyper_ptr": "fp64", "scalars_ptr": "fp32"},
+                {"ARITHMETIC": arithmetic, "INTERPRET": False},
+                {"num_warps": 1, "enable_fp_fusion": False},
+            )
+        )
     return out
 
 

@@ -48,20 +48,9 @@ from triton.language.extra import libdevice
 
 from sonar_kernels.kernels.common import _round_to
 
-ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 8}
-
-
-@triton.jit
-def _load_hyperparameters(hyper_ptr):
-    """(lr, beta1, beta2, eps, weight_decay) as fp64 values, read from the device tensor at ``hyper_ptr``
-    ([5] fp64, in that order; ``specs.HYPERPARAMETERS``). Read on the device, so a new learning rate written
-    there reaches a compiled or CUDA-graph-captured step."""
-    lr = tl.load(hyper_ptr)
-    beta1 = tl.load(hyper_ptr + 1)
-    beta2 = tl.load(hyper_ptr + 2)
-    eps = tl.load(hyper_ptr + 3)
-    weight_decay = tl.load(hyper_ptr + 4)
-    return lr, beta1, beta2, eps, weight_decay
+# 8 elements per thread: with 8 warps (4 per thread) ptxas spilled 8 bytes in the fp16 fp64-arithmetic
+# build on sm_80 once the hyperparameters came from memory (make kernel-report).
+ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 4}
 
 
 @triton.jit
@@ -92,19 +81,41 @@ def _fma(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
-    """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented)."""
+def _adamw_scalars(step_ptr, hyper_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
+    """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented) and
+    the hyperparameters at ``hyper_ptr``, each loaded just before its use (libdevice's pow is a call:
+    nothing loaded early has to survive it)."""
     step = tl.load(step_ptr).to(tl.float32)
     if ARITHMETIC == "fp32":
-        lr = lr.to(tl.float32)
-        bias_correction1 = 1.0 - _powf(beta1.to(tl.float32), step, INTERPRET)
-        bias_correction2 = 1.0 - _powf(beta2.to(tl.float32), step, INTERPRET)
-        step_size = tl.div_rn(lr, bias_correction1)
+        bias_correction1 = 1.0 - _powf(tl.load(hyper_ptr + 1).to(tl.float32), step, INTERPRET)
+        bias_correction2 = 1.0 - _powf(tl.load(hyper_ptr + 2).to(tl.float32), step, INTERPRET)
+        step_size = tl.div_rn(tl.load(hyper_ptr).to(tl.float32), bias_correction1)
     else:
-        bias_correction1 = (1.0 - _pow64(beta1, step, INTERPRET)).to(tl.float32)
-        bias_correction2 = (1.0 - _pow64(beta2, step, INTERPRET)).to(tl.float32)
-        step_size = (lr / bias_correction1.to(tl.float64)).to(tl.float32)
+        bias_correction1 = (1.0 - _pow64(tl.load(hyper_ptr + 1), step, INTERPRET)).to(tl.float32)
+        bias_correction2 = (1.0 - _pow64(tl.load(hyper_ptr + 2), step, INTERPRET)).to(tl.float32)
+        step_size = (tl.load(hyper_ptr) / bias_correction1.to(tl.float64)).to(tl.float32)
     return step_size, tl.sqrt_rn(bias_correction2)
+
+
+@triton.jit
+def _adamw_scalars_kernel(
+    # pointers
+    step_ptr,  # [] fp32, read (already incremented)
+    hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
+    scalars_ptr,  # [2] fp32, written: step_size, bc2_sqrt
+    # meta-parameters
+    ARITHMETIC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The update's bias-corrected scalars, once per update: step_size = lr / bc1 and sqrt(bc2).
+
+    The update kernels read them instead of each program calling libdevice's pow (a function call whose
+    ABI would keep registers across it).
+    Grid: (1,).
+    """
+    step_size, bc2_sqrt = _adamw_scalars(step_ptr, hyper_ptr, ARITHMETIC, INTERPRET)
+    tl.store(scalars_ptr, step_size)
+    tl.store(scalars_ptr + 1, bc2_sqrt)
 
 
 @triton.jit
@@ -169,7 +180,7 @@ def _adamw_kernel(
     grad_ptr,  # [numel] gradient dtype, read
     exp_avg_ptr,  # [numel] moments dtype, read and written
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
-    step_ptr,  # [] fp32, read (already incremented)
+    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (_adamw_scalars_kernel)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
     # sizes
@@ -191,8 +202,8 @@ def _adamw_kernel(
         return
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
-    lr, beta1, beta2, _, _ = _load_hyperparameters(hyper_ptr)
-    step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
+    step_size = tl.load(scalars_ptr)
+    bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     _adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,

@@ -14,7 +14,7 @@ grouped GEMM and combine kernels (``expert_mlp_fwd``):
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import _adamw_scalars, _adamw_tile, _load_hyperparameters
+from sonar_kernels.kernels.adamw import _adamw_tile
 from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
 from sonar_kernels.kernels.expert_mlp_fwd import _glu_fwd
 
@@ -252,7 +252,7 @@ def _expert_mlp_bwd_dw_kernel(
     w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written by "adamw"
     exp_avg_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
     exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
-    step_ptr,  # [] fp32, read by "adamw" (already incremented)
+    scalars_ptr,  # [2] fp32, read by "adamw": step_size, bc2_sqrt (kernels/adamw.py, _adamw_scalars_kernel)
     flag_ptr,  # [] fp32, read by "adamw" (skip the update when != 0) and "check" (run only when != 0)
     partial_ptr,  # [grid] fp32, written by "check" (1.0: the tile has a gradient entry beyond grad_limit)
     #               and, with HAS_NORM, by the others (each program's sum of squared gradient entries)
@@ -360,10 +360,10 @@ def _expert_mlp_bwd_dw_kernel(
     step_size = 0.0
     bc2_sqrt = 1.0
     if EPILOGUE == "adamw":
-        # The epilogue slices read the hyperparameters again from memory (cached), so that no fp64
-        # value stays live in registers across the slices.
-        lr, beta1, beta2, _, _ = _load_hyperparameters(hyper_ptr)
-        step_size, bc2_sqrt = _adamw_scalars(step_ptr, lr, beta1, beta2, ARITHMETIC, INTERPRET)
+        # The epilogue slices read the hyperparameters from memory where they use them (cached), so that
+        # no fp64 value stays live in registers across the slices.
+        step_size = tl.load(scalars_ptr)
+        bc2_sqrt = tl.load(scalars_ptr + 1)
     base = expert.to(tl.int64) * stride_e
     dw_ptr += base
     grad_in_ptr += base

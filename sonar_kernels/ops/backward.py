@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from sonar_kernels.kernels.adamw import ADAMW_CONFIG, _adamw_kernel
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, _adamw_kernel, _adamw_scalars_kernel
 from sonar_kernels.kernels.expert_mlp_bwd import (
     DHPRE_CONFIG,
     DWEIGHTS_CONFIG,
@@ -400,15 +400,20 @@ def _wgrad(
     update.step.add_(advance)
     applied = False
     try:
+        # step_size and sqrt(bc2) of this step, once (the update kernels read them).
+        scalars = common.empty((2,), torch.float32, weight.device)
+        _adamw_scalars_kernel[(1,)](
+            update.step, hyper, scalars, ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=1, **no_fusion
+        )
         if update.fused:
             launch(
-                "adamw", weight, update.grad_in, skip, partial, *state, hyper, limit, update.grad_dtype,
-                arithmetic, update.grad_norm_sq is not None, **no_fusion,
+                "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
+                scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, **no_fusion,
             )  # fmt: skip
         else:
             ac = ADAMW_CONFIG
             _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
-                weight, grad, update.exp_avg, update.exp_avg_sq, update.step, skip, hyper,
+                weight, grad, update.exp_avg, update.exp_avg_sq, scalars, skip, hyper,
                 weight.numel(),
                 BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
                 **no_fusion,
