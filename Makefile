@@ -25,9 +25,11 @@ install: $(STAMP)
 test: install
 	$(BIN)/python -m pytest
 
+# ruff, and the import layers of the package (import-linter, contracts in pyproject.toml).
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 
 fmt: install
 	$(BIN)/ruff check --fix .

@@ -57,7 +57,7 @@ def _median_seconds(fn, device: str, rounds: int) -> float:
 
 
 def gemm_shapes(shape: providers.Shape) -> dict[str, tuple[int, int, int]]:
-    """(M, K, N) of the layer's GEMMs over its S = T * top_k routed rows (DESIGN.md's backward):
+    """(M, K, N) of the layer's GEMMs over its S = T * top_k routed rows (docs/design.md's backward):
     forward up and down projections, then G = dO W2, dX rows, dW2 and dW1."""
     S = shape.T * shape.top_k
     H, I = shape.H, shape.I
@@ -163,7 +163,7 @@ def full_steps(presets: dict[str, int], device: str, small: bool, steps: int) ->
         from sonar_kernels import train
         from sonar_kernels.integrations import transformers as hf
 
-        hf.register("auto")
+        hf.register()  # the models' experts use the "auto" backend (no set_backend)
     except ImportError as e:
         return {"skipped": f"transformers is needed for the full training step: {e}"}
     out = {}
@@ -186,10 +186,10 @@ def full_steps(presets: dict[str, int], device: str, small: bool, steps: int) ->
                 train.train_step(arm, t, args.max_grad_norm)
             times = []
             for t in tokens[2:]:
-                train._sync(args.device_obj)
+                train.sync(args.device_obj)
                 start = time.perf_counter()
                 train.train_step(arm, t, args.max_grad_norm)
-                train._sync(args.device_obj)
+                train.sync(args.device_obj)
                 times.append(time.perf_counter() - start)
             row = {"step_time_s": statistics.median(times)}
             if device == "cuda":

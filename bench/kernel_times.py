@@ -26,12 +26,14 @@ import triton
 from sonar_kernels import ops
 
 NAMES = {
-    "_routing_metadata_kernel": "routing metadata",
-    "_expert_mlp_fwd_up_kernel": "up",
-    "_expert_mlp_bwd_dhpre_kernel": "dgrad G",
-    "_expert_mlp_bwd_dweights_kernel": "routing-weight grad",
+    "routing_histogram_kernel": "routing histogram",
+    "routing_scan_kernel": "routing scan",
+    "routing_scatter_kernel": "routing scatter",
+    "expert_mlp_fwd_up_kernel": "up",
+    "expert_mlp_bwd_dhpre_kernel": "dgrad G",
+    "expert_mlp_bwd_dweights_kernel": "routing-weight grad",
     # The bias-corrected step size of one update (one program; both weights' launches share the label).
-    "_adamw_scalars_kernel": "adamw scalars",
+    "adamw_scalars_kernel": "adamw scalars",
 }
 # About 25 ms of GPU time at the H200's clock: longer than the host needs to launch one layer's step.
 SLEEP_CYCLES = 50_000_000
@@ -39,13 +41,13 @@ SLEEP_CYCLES = 50_000_000
 
 def label(name: str, args: tuple, kwargs: dict, gate_up_proj, down_proj) -> str:
     """The label of one launch of kernel ``name`` (see the module docstring)."""
-    if name == "_expert_mlp_grouped_mm_kernel":
+    if name == "expert_mlp_grouped_mm_kernel":
         return "down" if args[1].data_ptr() == down_proj.data_ptr() else "dgrad dX"
-    if name == "_expert_mlp_combine_kernel":
+    if name == "expert_mlp_combine_kernel":
         return "combine" if kwargs["HAS_WEIGHTS"] else "combine dX"
-    if name == "_expert_mlp_bwd_dw_kernel":
+    if name == "expert_mlp_bwd_dw_kernel":
         return f"wgrad {'dW2' if kwargs['P_FROM_TOKENS'] else 'dW1'} {kwargs['EPILOGUE']}"
-    if name == "_adamw_kernel":
+    if name == "adamw_kernel":
         return "adamw dW2" if args[0].data_ptr() == down_proj.data_ptr() else "adamw dW1"
     return NAMES.get(name, name)
 

@@ -41,7 +41,7 @@ HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
 class Shape(NamedTuple):
-    """T tokens, H hidden, I expert intermediate, E experts, top_k (DESIGN.md notation)."""
+    """T tokens, H hidden, I expert intermediate, E experts, top_k (docs/design.md notation)."""
 
     T: int
     H: int
@@ -66,10 +66,13 @@ def phase_providers(phase: str) -> tuple[str, ...]:
     return PROVIDERS if phase == "step" else ("sonar-unfused", "standard")
 
 
-# Layer shapes: one MoE layer of each model (T tokens per step), and CPU-sized ones.
+# Layer shapes: one MoE layer of each model (T tokens per step), and CPU-sized ones: sonar-train's
+# tiny-olmoe layer (batch 4 x 128 tokens), a larger layer, and the interpreter's test shapes.
 SHAPES = {
     "olmoe-1b-7b": Shape(4096, 2048, 1024, 64, 8),
     "granite-3.1-3b-a800m": Shape(4096, 1536, 512, 40, 8),
+    "tiny-olmoe": Shape(512, 128, 256, 32, 2),
+    "cpu-large": Shape(4096, 1024, 512, 32, 2),
     "cpu-small": Shape(64, 64, 32, 8, 2),
     "cpu-tiny": Shape(16, 32, 16, 4, 2),
 }
@@ -131,10 +134,10 @@ class Step:
     """One provider's training step on its own copy of the weights; ``forward`` (a callable returning the
     layer's output) is given where the provider's forward and backward are timed on their own."""
 
-    def __init__(self, inputs: Inputs, run, params, optimizer=None, forward=None):
+    def __init__(self, inputs: Inputs, run, params, optimizer=None, forward=None, experts: str = ""):
         self.inputs, self._run, self.params, self.optimizer = inputs, run, params, optimizer
         self._forward = forward
-        self.experts = "sonar_kernels Triton"  # what computes the experts
+        self.experts = experts  # what computes the experts
 
     def run(self) -> None:
         self._run()
@@ -225,6 +228,15 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
     if provider not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
     w1, w2 = _params(inputs)
+    if provider == "standard":
+        return _standard(inputs, w1, w2)
+    step = _sonar(provider, inputs, w1, w2, backend)
+    resolved = backend if backend != "auto" else ("triton" if w1.is_cuda else "torch")
+    step.experts = f"sonar_kernels {resolved} backend"
+    return step
+
+
+def _sonar(provider: str, inputs: Inputs, w1, w2, backend: str) -> Step:
     if provider == "sonar-fused":
         optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
 
@@ -260,8 +272,7 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
             _forward_backward(inputs, w1, w2, backend)
 
         return Step(inputs, run, (w1, w2), states)
-
-    return _standard(inputs, w1, w2)
+    raise AssertionError(provider)
 
 
 def _standard(inputs: Inputs, w1, w2) -> Step:
@@ -306,9 +317,7 @@ def _standard(inputs: Inputs, w1, w2) -> Step:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    step = Step(inputs, run, (w1, w2), optimizer, forward)
-    step.experts = label
-    return step
+    return Step(inputs, run, (w1, w2), optimizer, forward, experts=label)
 
 
 def _grouped_mm_runs(w: torch.Tensor) -> bool:

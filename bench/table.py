@@ -19,12 +19,14 @@ def side_by_side(rows: list[dict]) -> str:
             if (r["shape"], r["routing"], r["phase"]) == (shape, routing, phase)
         }
         base = group.get("standard")
-        device = next(iter(group.values()))["device"]
-        label = (
-            "CPU timings (Triton interpreter for the sonar kernels), not kernel performance"
-            if device == "cpu"
-            else device
-        )
+        first = next(iter(group.values()))
+        device, backend = first["device"], first.get("backend", "triton")
+        if device != "cpu":
+            label = device
+        elif backend == "torch":
+            label = f"CPU ({first.get('threads', '?')} threads), sonar on the torch backend"
+        else:
+            label = "CPU timings (Triton interpreter for the sonar kernels), not kernel performance"
         what = (
             "training step"
             if phase == "step"
@@ -41,6 +43,12 @@ def side_by_side(rows: list[dict]) -> str:
             lines.append(
                 f"  {name:<18} {1000 * r['median_s']:>10.2f} {speed:>10.2f}x {tflops:>8.4f} "
                 f"{r['peak_bytes'] / 2**20:>9.3f} {mem:>10.2f}x {r['rounds']:>6}"
+            )
+        if base and "sonar-fused" in group:
+            fused = group["sonar-fused"]
+            lines.append(
+                f"  sonar-fused / standard: step time {fused['median_s'] / base['median_s']:.2f}x, "
+                f"peak memory {fused['peak_bytes'] / base['peak_bytes']:.2f}x"
             )
         lines.append("")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Pure-PyTorch reference of the MoE expert MLP: the test oracle and the CPU fallback.
 
 Everything here is plain PyTorch, written for clarity rather than speed: a loop over experts (the rows of
-each gathered once, outputs concatenated, so no [S, H] copy per expert), fp32 (or wider) accumulation, and the rounding points of the Triton kernels (see DESIGN.md, "Forward"):
+each gathered once, outputs concatenated, so no [S, H] copy per expert), fp32 (or wider) accumulation, and the rounding points of the Triton kernels (see docs/design.md, "Forward"):
 
 1. Hpre = X @ W1[e]^T, accumulated in fp32, rounded to the activation dtype (it is what backward saves);
 2. A = act(Hpre[:, :I]) * Hpre[:, I:], computed in fp32 from the rounded Hpre, rounded to the dtype;

@@ -1,5 +1,19 @@
-"""Shared types and constants of every layer: the routing metadata and the names of backends,
-activations and dtypes. Imports torch only, so that any layer may import it."""
+"""Shared types and constants of every layer: the routing metadata, the in-backward update spec and
+the ownership attributes, the names of backends, activations and dtypes. Imports torch only, so that
+any layer may import it.
+
+Ownership (who updates an expert tensor in the backward) is explicit state, never a global table:
+
+- a module that holds expert tensors marks them (:func:`mark_expert_tensors`, an attribute of the
+  tensor), again whenever it gets new ones (``load_state_dict(assign=True)``, copies);
+- the optimizer that takes a marked tensor attaches an :class:`ExpertUpdate` to it (:func:`attach_update`),
+  replacing the update of any earlier optimizer (which then lets the tensor go), and detaches it when it
+  is garbage-collected;
+- the autograd op reads the update of the weight it receives (:func:`update_of`). A weight that carries
+  none (a dtype cast, FSDP2's unsharded parameter, ``DTensor.to_local()``) gets an ordinary gradient,
+  which autograd carries back to the parameter, where the owner's post-accumulate-grad hook applies the
+  update: either way the owner's update is reached, fused where the kernels hold the parameter itself.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +32,7 @@ HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 
 
 class RoutingMetadata(NamedTuple):
-    """Routing metadata of one MoE layer (DESIGN.md, "Forward", step 1).
+    """Routing metadata of one MoE layer (docs/design.md, "Forward", step 1).
 
     S = T * top_k slots; slot s = t * top_k + j. Slots whose expert id lies outside [0, E) are dropped.
     The kept slots are stably sorted by expert; row r of the sorted order belongs to expert e when
@@ -40,3 +54,148 @@ class RoutingMetadata(NamedTuple):
     row_of_slot: torch.Tensor
     token_of_row: torch.Tensor
     slot_of_row: torch.Tensor
+
+
+# transformers' experts_implementation name of this library.
+IMPLEMENTATION = "sonar"
+# The attributes that carry ownership on an expert tensor (see "Ownership" in the README).
+EXPERT_MARK = "sonar_expert"
+UPDATE_ATTRIBUTE = "sonar_update"
+
+
+class ExpertUpdate:
+    """The in-backward AdamW update of one expert tensor, as the backward needs it: the tensors it reads
+    and writes and the options, attached to the tensor by the optimizer that owns it (the autograd layer
+    never sees the optimizer itself).
+
+    Attributes:
+        exp_avg, exp_avg_sq: the moments, the tensor's shape and strides; float32/bfloat16/float16.
+        step: [] float32 on the tensor's device, advanced on the device by each applied update.
+        hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
+            (``HYPERPARAMETERS``), read by the kernels when they run, so that a scheduler's change
+            reaches compiled and CUDA-graph-captured steps. Shared by the tensors of a parameter group.
+        grad_norm_sq: [] float32, receives the squared L2 norm of each update's gradient (inf when the
+            update was skipped for a non-finite gradient).
+        skipped: [] int64, counts the updates skipped for a non-finite or too large gradient.
+        grad_dtype: the fp32 wgrad is rounded to this dtype before the AdamW math.
+        fused: Triton backend: AdamW in the wgrad epilogue (True) or the split path (False, same bits).
+        foreach, torch_fused: torch.optim.AdamW's flags for the updates that torch's AdamW applies (the
+            torch backend, and gradients that reach ``.grad``).
+        accumulation_steps: micro-batches per optimizer step.
+
+    The methods are the owner's bookkeeping, which the autograd layer calls in eager mode only (under
+    torch.compile the backward reads the tensors above and nothing else). Copying or pickling an update
+    gives None: a copied tensor is not owned.
+    """
+
+    def __init__(
+        self,
+        *,
+        exp_avg: torch.Tensor,
+        exp_avg_sq: torch.Tensor,
+        step: torch.Tensor,
+        hyper: torch.Tensor,
+        grad_norm_sq: torch.Tensor,
+        skipped: torch.Tensor,
+        grad_dtype: torch.dtype,
+        fused: bool = True,
+        foreach: bool | None = None,
+        torch_fused: bool | None = None,
+        accumulation_steps: int = 1,
+    ):
+        self.exp_avg = exp_avg
+        self.exp_avg_sq = exp_avg_sq
+        self.step = step
+        self.hyper = hyper
+        self.grad_norm_sq = grad_norm_sq
+        self.skipped = skipped
+        self.grad_dtype = grad_dtype
+        self.fused = fused
+        self.foreach = foreach
+        self.torch_fused = torch_fused
+        self.accumulation_steps = accumulation_steps
+
+    def state(self) -> list[torch.Tensor]:
+        """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
+        passed apart: it is only read)."""
+        return [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
+
+    def accumulating(self) -> bool:
+        """Whether the next backward's gradient is kept for later (micro-batches 1 .. k-1 of k)."""
+        return False
+
+    def track(self, graph) -> None:
+        """A forward recorded ``graph`` (its autograd node) over the tensor."""
+
+    def begin_backward(self, graph) -> None:
+        """The backward of ``graph`` is about to update the tensor or add to its gradient: raise now,
+        before anything is written, when that would be wrong."""
+
+    def grad_in(self) -> torch.Tensor | None:
+        """The gradient of earlier micro-batches (in ``grad_dtype``, the tensor's strides), or None."""
+        return None
+
+    def accumulation_buffer(self) -> tuple[torch.Tensor, bool] | None:
+        """Where the Triton backward adds a micro-batch's gradient when it is kept outside ``.grad``:
+        (buffer, whether it holds earlier micro-batches), or None (``.grad``)."""
+        return None
+
+    def finish(self, applied: bool) -> None:
+        """Right after the launch that updated the tensor (``applied``) or added to its buffer."""
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def mark_expert_tensors(*tensors: torch.Tensor) -> None:
+    """Mark tensors as expert weights, which :class:`sonar_kernels.SonarAdamW` updates in the backward:
+    an attribute of each tensor, not a global table (modules mark the tensors they get anew, e.g. after
+    ``load_state_dict(assign=True)``)."""
+    for t in tensors:
+        setattr(t, EXPERT_MARK, True)
+
+
+def is_expert_tensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` was marked by :func:`mark_expert_tensors`."""
+    return bool(getattr(t, EXPERT_MARK, False))
+
+
+def update_of(t: torch.Tensor) -> ExpertUpdate | None:
+    """The in-backward update attached to ``t`` by the optimizer that owns it, or None."""
+    update = getattr(t, UPDATE_ATTRIBUTE, None)
+    return update if isinstance(update, ExpertUpdate) else None
+
+
+def attach_update(t: torch.Tensor, update: ExpertUpdate | None) -> None:
+    """Attach ``update`` to ``t``; None detaches."""
+    if update is None:
+        if hasattr(t, UPDATE_ATTRIBUTE):
+            delattr(t, UPDATE_ATTRIBUTE)
+    else:
+        setattr(t, UPDATE_ATTRIBUTE, update)
+
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """Whether ``module`` looks like a transformers experts module (any experts implementation)."""
+    return hasattr(module, "has_gate") and isinstance(
+        getattr(module, "gate_up_proj", None), torch.nn.Parameter
+    )
+
+
+def expert_tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """The expert tensors a module holds: those its ``expert_tensors()`` method names
+    (:class:`sonar_kernels.SonarExperts`), or (gate_up_proj, down_proj) of a transformers experts module
+    whose config selects experts_implementation "sonar"; None otherwise. Imports no integration."""
+    method = getattr(module, "expert_tensors", None)
+    if callable(method):
+        return tuple(method())
+    config = getattr(module, "config", None)
+    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION or not is_experts_module(module):
+        return None
+    tensors = tuple(getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    if not all(isinstance(t, torch.nn.Parameter) for t in tensors):
+        return None
+    return tensors

@@ -35,15 +35,17 @@ def test_every_kernel_and_configuration_builds_for_both_targets(report):
         sys.path.pop(0)
     kernels = {s.kernel.fn.__name__ for s in kernel_report.specs()}
     assert kernels == {
-        "_routing_metadata_kernel",
-        "_expert_mlp_fwd_up_kernel",
-        "_expert_mlp_grouped_mm_kernel",
-        "_expert_mlp_combine_kernel",
-        "_expert_mlp_bwd_dhpre_kernel",
-        "_expert_mlp_bwd_dw_kernel",
-        "_expert_mlp_bwd_dweights_kernel",
-        "_adamw_kernel",
-        "_adamw_scalars_kernel",
+        "routing_histogram_kernel",
+        "routing_scan_kernel",
+        "routing_scatter_kernel",
+        "expert_mlp_fwd_up_kernel",
+        "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_combine_kernel",
+        "expert_mlp_bwd_dhpre_kernel",
+        "expert_mlp_bwd_dw_kernel",
+        "expert_mlp_bwd_dweights_kernel",
+        "adamw_kernel",
+        "adamw_scalars_kernel",
     }
     assert len(report) == 2 * 2 * len(kernel_report.specs())  # x {aligned, unaligned} x {sm_90a, sm_80}
     assert [(r["kernel"], r["variant"]) for r in report[::4]] == [
@@ -54,9 +56,10 @@ def test_every_kernel_and_configuration_builds_for_both_targets(report):
     # the device (so a new lr reaches a captured step), never passed as kernel scalars.
     for row in report:
         assert row["f64_params"] == 0, row
-    # Each BLOCK_E the routing launcher can pick (E = 1 .. 1024) was built.
-    block_e = {row["config"]["BLOCK_E"] for row in report if row["kernel"] == "_routing_metadata_kernel"}
-    assert block_e == {16, 32, 64, 128, 256, 512, 1024}
+    # Each BLOCK_E the routing launcher can pick (E = 1 .. 1024) was built, for each of its three kernels.
+    for kernel in ("routing_histogram_kernel", "routing_scan_kernel", "routing_scatter_kernel"):
+        block_e = {row["config"]["BLOCK_E"] for row in report if row["kernel"] == kernel}
+        assert block_e == {16, 32, 64, 128, 256, 512, 1024}, kernel
 
 
 def test_no_register_spills_at_real_model_shapes(report):
@@ -70,10 +73,10 @@ def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
     gemms = [r for r in report if r["is_gemm"]]
     # The grouped GEMMs (forward, dHpre, dX) and the wgrad kernels, with or without the AdamW epilogue.
     assert {r["kernel"] for r in gemms} == {
-        "_expert_mlp_fwd_up_kernel",
-        "_expert_mlp_grouped_mm_kernel",
-        "_expert_mlp_bwd_dhpre_kernel",
-        "_expert_mlp_bwd_dw_kernel",
+        "expert_mlp_fwd_up_kernel",
+        "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_bwd_dhpre_kernel",
+        "expert_mlp_bwd_dw_kernel",
     }
     for row in gemms:
         # Variants name the activation dtype first: fp32 activations are the ieee GEMMs.

@@ -13,12 +13,15 @@ import providers
 pytest.importorskip("transformers", minversion="5.13")
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
-def test_every_provider_takes_the_same_two_steps(routing, device):
+def test_every_provider_takes_the_same_two_steps(routing, backend, device):
+    # The torch backend is what `make bench` times on the CPU; the Triton one runs here as a correctness
+    # smoke (under the interpreter without a GPU).
     inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, device, routing=routing)
     results = {}
     for name in providers.PROVIDERS:
-        step = providers.build(name, inputs, backend="triton")
+        step = providers.build(name, inputs, backend=backend)
         for _ in range(2):
             step.run()
         results[name] = step.weights()
@@ -87,7 +90,7 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"SONAR_BENCH_SHAPES": "cpu-tiny"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", str(root / "bench" / "test_layer.py"), "-q", "-p", "no:cacheprovider",
          "-k", "uniform and (sonar-fused or standard)", "--benchmark-only",
@@ -104,11 +107,14 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
         for b in report["benchmarks"]
     }
     assert set(peaks) == {("step", "sonar-fused"), *((p, "standard") for p in providers.PHASES)}
-    assert (
-        0 < peaks["step", "sonar-fused"] < peaks["step", "standard"]
-    )  # no gradient tensor in the fused step
+    # Measured, not asserted: on the CPU the torch backend runs (its memory against standard is a
+    # benchmark result; tests/test_memory.py checks the fused epilogue's saving).
+    assert all(peak > 0 for peak in peaks.values())
+    expected_backend = "triton" if torch.cuda.is_available() else "torch"
+    assert {b["extra_info"]["backend"] for b in report["benchmarks"]} == {expected_backend}
     assert "cpu-tiny, uniform routing, training step" in done.stdout
     assert "cpu-tiny, uniform routing, forward+backward" in done.stdout
+    assert "sonar-fused / standard: step time" in done.stdout
 
 
 def test_standard_falls_back_to_the_reference_experts_without_transformers(monkeypatch):
@@ -144,7 +150,7 @@ def test_kernel_timing_labels_each_launch_by_what_it_computes():
     import sonar_kernels
 
     inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, "cpu")
-    forward = ["routing metadata", "up", "down", "combine"]
+    forward = ["routing histogram", "routing scan", "routing scatter", "up", "down", "combine"]
 
     def step(fused_epilogue, which):
         w1, w2 = (torch.nn.Parameter(t.clone()) for t in (inputs.gate_up_proj, inputs.down_proj))

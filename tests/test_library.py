@@ -19,20 +19,21 @@ def _inputs(dtype=torch.float32, device="cpu"):
 
 
 def _state(w: torch.Tensor, lr: float = 1e-2):
-    return [
+    """(the update's mutable tensors in library.STATE_FIELDS order, its hyperparameter tensor)."""
+    state = [
         torch.zeros_like(w),
         torch.zeros_like(w),
         torch.zeros((), dtype=torch.float32, device=w.device),
-        torch.tensor([lr, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=w.device),
         torch.zeros((), dtype=torch.float32, device=w.device),
         torch.zeros((), dtype=torch.int64, device=w.device),
     ]
+    return state, torch.tensor([lr, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=w.device)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
     x, index, weights, w1, w2 = _inputs(device=device)
-    args = (x, index, weights, w1, w2, [], [], "silu", backend)
+    args = (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend)
     torch.library.opcheck(library.moe_mlp_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out = library.moe_mlp_fwd(*args)[0]
     expected = reference.moe_mlp(*to_double(x, index, weights, w1, w2))
@@ -42,11 +43,13 @@ def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_op_passes_opcheck_and_matches_the_reference(backend, device):
     x, index, weights, w1, w2 = _inputs(device=device)
-    out, hpre, *meta = library.moe_mlp_fwd(x, index, weights, w1, w2, [], [], "silu", backend)
+    out, hpre, *meta = library.moe_mlp_fwd(
+        x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend
+    )
     grad_out = torch.randn_like(out)
     args = (
         grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True],
-        "grad", [], None, False, None, "grad", [], None, False, None, True, "silu", backend,
+        "grad", [], None, None, False, None, "grad", [], None, None, False, None, True, None, None, "silu", backend,
     )  # fmt: skip
     torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
     grads = library.moe_mlp_bwd(*args)
@@ -59,29 +62,54 @@ def test_backward_op_passes_opcheck_and_matches_the_reference(backend, device):
 def test_update_op_passes_opcheck_and_equals_torch_adamw():
     w = torch.randn(3, 8, 4)
     grad = torch.randn_like(w)
-    state = _state(w)
+    state, hyper = _state(w)
     torch.library.opcheck(
-        library.expert_adamw_, (w.clone(), grad, None, [t.clone() for t in state], False, False),
+        library.expert_adamw_, (w.clone(), grad, None, [t.clone() for t in state], hyper, False, False),
         test_utils=("test_schema", "test_faketensor"),
     )  # fmt: skip
     expected = torch.nn.Parameter(w.clone())
     reference_optimizer = torch.optim.AdamW([expected], lr=1e-2, weight_decay=0.1, foreach=False)
     for _ in range(2):
-        library.expert_adamw_(w, grad, None, state, False, False)
+        library.expert_adamw_(w, grad, None, state, hyper, False, False)
         expected.grad = grad.clone()
         reference_optimizer.step()
     assert torch.equal(w, expected.detach())
     assert torch.equal(state[0], reference_optimizer.state[expected]["exp_avg"])
-    assert float(state[2]) == 2.0 and float(state[5]) == 0
+    assert float(state[2]) == 2.0 and float(state[4]) == 0
+    assert torch.equal(hyper, _state(w)[1])  # read, never written
 
 
 def test_a_new_learning_rate_in_the_hyperparameter_tensor_reaches_the_update():
     w = torch.randn(3, 8, 4)
     grad = torch.randn_like(w)
-    state = _state(w, lr=0.0)
+    state, hyper = _state(w, lr=0.0)
     before = w.clone()
-    library.expert_adamw_(w, grad, None, state, False, False)
+    library.expert_adamw_(w, grad, None, state, hyper, False, False)
     assert torch.equal(w, before)  # lr 0, no decay
-    state[3][0] = 1e-2
-    library.expert_adamw_(w, grad, None, state, False, False)
+    hyper[0] = 1e-2
+    library.expert_adamw_(w, grad, None, state, hyper, False, False)
     assert not torch.equal(w, before)
+
+
+@pytest.mark.parametrize(
+    ("backend", "mode"), [("triton", "update"), ("triton", "accumulate"), ("torch", "update")]
+)
+def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, device):
+    # The update (or the addition to a buffer) happens inside the op: the schema must declare every
+    # tensor it writes, and the fake must return an empty weight gradient.
+    x, index, weights, w1, w2 = _inputs(device=device)
+    out, hpre, *meta = library.moe_mlp_fwd(
+        x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend
+    )
+    state, hyper = _state(w2)
+    buffer = torch.zeros_like(w2) if mode == "accumulate" else None
+    args = (
+        torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True],
+        "grad", [], None, None, False, None, mode, state if mode == "update" else [], hyper, buffer, False,
+        torch.float32, True, False, False, "silu", backend,
+    )  # fmt: skip
+    torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
+    if mode == "update":  # the update really ran: the weight moved, the step advanced, no gradient
+        before = w2.clone()
+        grads = library.moe_mlp_bwd(*args)
+        assert grads[3].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(w2, before)

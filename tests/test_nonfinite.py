@@ -184,7 +184,7 @@ def test_non_finite_micro_batch_skips_the_accumulated_update(device):
     "flags", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"]
 )
 @pytest.mark.parametrize("where", ["dense", "experts"])
-def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags):
+def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags, monkeypatch):
     model = TinyMoE("torch")
     optimizer = sonar_kernels.SonarAdamW(model, **SONAR_HYPER, max_grad_norm=0.5, **flags)
     x, y = _sonar_batch(0)
@@ -198,10 +198,16 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags)
 
     x, y = _sonar_batch(1)
     if where == "experts":
-        # A NaN gradient on the expert tensors only: the dense update still runs.
-        handle = model.experts.down_proj.register_hook(lambda g: torch.full_like(g, NAN))
-        torch.nn.functional.mse_loss(model(x), y).backward()
-        handle.remove()
+        # A NaN gradient of down_proj only (the torch backend's wgrad): the other updates still run.
+        original = ops.torch_backend.moe_mlp_bwd
+
+        def nan_down_proj_grad(*args):
+            grad_x, grad_w, grad_w1, grad_w2 = original(*args)
+            return grad_x, grad_w, grad_w1, torch.full_like(grad_w2, NAN)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(ops.torch_backend, "moe_mlp_bwd", nan_down_proj_grad)
+            torch.nn.functional.mse_loss(model(x), y).backward()
     else:
         torch.nn.functional.mse_loss(model(x), y).backward()
         model.head.bias.grad[0] = float("inf")
@@ -246,16 +252,24 @@ def _assert_same_parameters(a, b):
         assert torch.equal(p, q), name
 
 
-def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_update_was_skipped():
+def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_update_was_skipped(
+    monkeypatch,
+):
     model = TinyMoE("torch")
     optimizer = sonar_kernels.SonarAdamW(
         model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    handle = model.experts.gate_up_proj.register_hook(lambda g: torch.full_like(g, float("inf")))
+    original = ops.torch_backend.moe_mlp_bwd
+
+    def inf_gate_up_proj_grad(*args):  # an infinite gradient of gate_up_proj (the torch backend's wgrad)
+        grad_x, grad_w, grad_w1, grad_w2 = original(*args)
+        return grad_x, grad_w, torch.full_like(grad_w1, float("inf")), grad_w2
+
+    monkeypatch.setattr(ops.torch_backend, "moe_mlp_bwd", inf_gate_up_proj_grad)
     x, y = _sonar_batch(0)
     torch.nn.functional.mse_loss(model(x), y).backward()
-    handle.remove()
+    monkeypatch.undo()
     optimizer.step()
     assert float(optimizer.last_grad_norm) == float("inf")
     assert int(optimizer.dense_skipped_steps) == 1

@@ -45,3 +45,9 @@ def test_routing_non_contiguous_index_and_wide_sentinels(device):
     assert not index.is_contiguous()
     meta = check_against_reference(index, 6)
     assert (meta.row_of_slot.view(50, 4)[::7, 1] == -1).all()
+
+
+@pytest.mark.parametrize("T", [0, 1])
+def test_routing_of_no_tokens_or_one(T, device):
+    # No slots: one block of the histogram and scatter, all counts zero.
+    check_against_reference(torch.randint(0, 4, (T, 2), device=device), 4)

@@ -104,7 +104,7 @@ def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys)
 
 
 def test_real_presets_have_the_models_dimensions():
-    # DESIGN.md: OLMoE-1B-7B (H 2048, I 1024, E 64, top-8, 16 layers), Granite-3.1-3B-A800M (H 1536,
+    # docs/design.md: OLMoE-1B-7B (H 2048, I 1024, E 64, top-8, 16 layers), Granite-3.1-3B-A800M (H 1536,
     # I 512, E 40, top-8, 32 layers); heads and vocabularies from the models' configs.
     olmoe, granite = train.PRESETS["olmoe-1b-7b"], train.PRESETS["granite-3.1-3b-a800m"]
     assert (olmoe.hidden_size, olmoe.intermediate_size, olmoe.num_experts, olmoe.top_k, olmoe.num_layers) == (
@@ -126,7 +126,7 @@ def test_real_presets_have_the_models_dimensions():
     with torch.device("meta"):  # the full-size model, without allocating it
         from sonar_kernels.integrations import transformers as hf
 
-        hf.register("torch")
+        hf.register()
         model = train.build_model(olmoe, 2, 0, torch.bfloat16, torch.device("meta"))
     experts = model.model.layers[0].mlp.experts
     assert tuple(experts.gate_up_proj.shape) == (64, 2048, 2048) and model.config.num_hidden_layers == 2
@@ -138,14 +138,14 @@ def test_all_in_backward_arm_updates_every_parameter_in_the_backward_like_unclip
 
     from sonar_kernels.integrations import transformers as hf
 
-    hf.register(backend)
+    hf.register()
     # On the Triton backend (the interpreter here) a smaller model: H 32, 4 experts of I 16, top-2.
     preset = (
         train.PRESETS["tiny-olmoe"]
         if backend == "torch"
         else train.Preset("olmoe", 32, 16, 4, 2, 1, 2, 2, 256)
     )
-    initial = train.build_model(preset, 1, 0, torch.float32, torch.device("cpu"))
+    initial = hf.set_backend(train.build_model(preset, 1, 0, torch.float32, torch.device("cpu")), backend)
     # max_grad_norm 1e30: clip_grad_norm_ multiplies by exactly 1.0, so "standard" is unclipped AdamW.
     args = train.parse_args(["--max-grad-norm", "1e30", "--no-checkpointing", "--arms", "all-in-backward"])
     data = train.ByteData(train.default_text(), 16 if backend == "triton" else 32, 2, seed=0)

@@ -17,9 +17,9 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 
 @pytest.fixture
 def backend(request):
-    """The moe_mlp backend "sonar" uses in this test; restored afterwards."""
-    yield request.param
-    hf.register("auto")
+    """The moe_mlp backend of the "sonar" models of this test (set per model with hf.set_backend)."""
+    hf.register()
+    return request.param
 
 
 def _config(kind, activation="silu"):
@@ -42,7 +42,7 @@ def _config(kind, activation="silu"):
     return transformers.GraniteMoeConfig(num_local_experts=4, router_aux_loss_coef=0.01, **common)
 
 
-def _model(kind, activation="silu", implementation="eager", seed=0):
+def _model(kind, activation="silu", implementation="eager", seed=0, backend=None):
     torch.manual_seed(seed)
     cls = transformers.OlmoeForCausalLM if kind == "olmoe" else transformers.GraniteMoeForCausalLM
     config = _config(kind, activation)
@@ -52,6 +52,8 @@ def _model(kind, activation="silu", implementation="eager", seed=0):
         for name, p in model.named_parameters():
             if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
                 p.normal_(0, p.shape[-1] ** -0.5)
+    if backend is not None:
+        hf.set_backend(model, backend)
     return model
 
 
@@ -66,10 +68,10 @@ CASES = [("olmoe", "silu"), ("granitemoe", "silu"), ("granitemoe", "gelu")]
 @pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
 @pytest.mark.parametrize(("kind", "activation"), CASES, ids=[f"{k}-{a}" for k, a in CASES])
 def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activation, backend):
-    hf.register(backend)
     eager = _model(kind, activation)
     sonar = copy.deepcopy(eager)
     sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
     assert sonar.config._experts_implementation == "sonar"
     tokens = _tokens()
     outputs = []
@@ -88,8 +90,8 @@ def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activat
 
 
 def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
-    hf.register("torch")
-    model = _model("olmoe", implementation="sonar")
+    hf.register()
+    model = _model("olmoe", implementation="sonar", backend="torch")
     model.save_pretrained(tmp_path)
     loaded = transformers.OlmoeForCausalLM.from_pretrained(tmp_path, experts_implementation="sonar")
     assert loaded.config._experts_implementation == "sonar"
@@ -105,7 +107,7 @@ def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
 
 
 def test_unsupported_activation_and_layout_are_refused_by_name():
-    hf.register("torch")
+    hf.register()
     model = _model("granitemoe", activation="gelu_pytorch_tanh", implementation="sonar")
     with pytest.raises(ValueError, match=r"act_fn=GELUTanh .hidden_act='gelu_pytorch_tanh'"):
         model(_tokens())
@@ -138,8 +140,20 @@ def test_too_old_or_missing_transformers_is_refused(monkeypatch):
     monkeypatch.setattr(hf.metadata, "version", missing)
     with pytest.raises(ImportError, match="pip install"):
         hf.register()
+
+
+def test_the_backend_is_chosen_per_model():
+    hf.register()
+    a, b = _model("olmoe", implementation="sonar"), _model("olmoe", implementation="sonar")
+    hf.set_backend(a, "torch")
+    experts_a, experts_b = a.model.layers[0].mlp.experts, b.model.layers[0].mlp.experts
+    assert experts_a.sonar_backend == "torch" and not hasattr(experts_b, "sonar_backend")
     with pytest.raises(ValueError, match="backend"):
-        hf.register("cuda")
+        hf.set_backend(a, "cuda")
+    with pytest.raises(ValueError, match="no transformers experts module"):
+        hf.set_backend(torch.nn.Linear(2, 2), "torch")
+    with pytest.raises(ValueError, match="needs a model"):
+        hf.apply_sonar_kernel_to_olmoe(backend="torch")
 
 
 def test_apply_functions_switch_a_model_or_the_default(monkeypatch):
@@ -157,11 +171,11 @@ def test_apply_functions_switch_a_model_or_the_default(monkeypatch):
     assert model.config._experts_implementation == "sonar"
     with pytest.raises(ValueError, match="expected a granitemoe model"):
         hf.apply_sonar_kernel_to_granitemoe(model)
-    hf.apply_sonar_kernel_to_granitemoe(backend="torch")
+    assert model.model.layers[0].mlp.experts.sonar_backend == "torch"
+    hf.apply_sonar_kernel_to_granitemoe()
     assert _model("granitemoe", implementation=None).config._experts_implementation == "sonar"
     assert _model("granitemoe", implementation="eager").config._experts_implementation == "eager"
     assert _model("olmoe", implementation=None).config._experts_implementation != "sonar"
-    hf.register("auto")
 
 
 def _train(model, optimizer, steps, sonar):
@@ -177,12 +191,11 @@ def _train(model, optimizer, steps, sonar):
 
 @pytest.mark.parametrize("backend", ["torch"], indirect=True)
 def test_sonar_adamw_finds_the_experts_and_equals_dense_clip_training_bitwise(backend):
-    hf.register(backend)
-    standard = _model("olmoe", implementation="sonar")
+    standard = _model("olmoe", implementation="sonar", backend=backend)
     sonar = copy.deepcopy(standard)
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
     experts = [p for name, p in sonar.named_parameters() if name.endswith(("gate_up_proj", "down_proj"))]
-    assert len(experts) == 4 and all(p in optimizer._managed for p in experts)
+    assert len(experts) == 4 and all(any(q is p for q in optimizer.expert_tensors) for p in experts)
     # Built before the switch to "sonar", the optimizer warns that it treats the experts as dense.
     with pytest.warns(UserWarning, match='experts_implementation \\[.eager.\\], not "sonar"'):
         sonar_kernels.SonarAdamW(_model("olmoe"), **HYPER)
@@ -198,8 +211,7 @@ def test_transformers_gradient_checkpointing_updates_each_expert_tensor_once(use
     # Reference: standard training (torch.optim.AdamW, dense-only clipping) under the same checkpointing
     # (transformers' reentrant mode does not carry the aux loss's gradient into the checkpointed layers,
     # so it differs from no checkpointing with either optimizer).
-    hf.register(backend)
-    standard = _model("olmoe", implementation="sonar")
+    standard = _model("olmoe", implementation="sonar", backend=backend)
     sonar = copy.deepcopy(standard)
     for model in (standard, sonar):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
@@ -207,8 +219,8 @@ def test_transformers_gradient_checkpointing_updates_each_expert_tensor_once(use
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
     _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2, sonar=False)
     _train(sonar, optimizer, 2, sonar=True)
-    assert len(optimizer._managed) == 4
-    for p in optimizer._managed:
+    assert len(optimizer.expert_tensors) == 4
+    for p in optimizer.expert_tensors:
         assert float(optimizer.state[p]["step"]) == 2.0  # once per step, recomputation included
     for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
         if backend == "torch":

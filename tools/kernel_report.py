@@ -89,27 +89,36 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
 def specs() -> list[Spec]:
     """Every kernel at every configuration ops.py can choose, for each dtype combination it launches."""
     out = []
-    # Routing metadata: BLOCK_E/BLOCK_S depend on E only; one spec per distinct choice.
+    # Routing metadata (histogram, scan, scatter): BLOCK_E/BLOCK_S/BLOCK_B depend on E only; one spec per
+    # distinct choice.
     seen = set()
     for E in range(1, ops.MAX_EXPERTS + 1):
         cfg = ops.routing_block_config(E)
-        key = (cfg["BLOCK_E"], cfg["BLOCK_S"])
+        key = (cfg["BLOCK_E"], cfg["BLOCK_S"], cfg["BLOCK_B"])
         if key in seen:
             continue
         seen.add(key)
+        blocks = {"BLOCK_S": cfg["BLOCK_S"], "BLOCK_E": cfg["BLOCK_E"]}
+        config = {"BLOCK_E": cfg["BLOCK_E"], "BLOCK_S": cfg["BLOCK_S"], "BLOCK_B": cfg["BLOCK_B"]}
+        launch = {"num_warps": cfg["num_warps"]}
         for index in ("i64", "i32") if cfg["BLOCK_E"] == 64 else ("i64",):
             out.append(
-                Spec(
-                    routing._routing_metadata_kernel,
-                    f"index={index}",
-                    {"top_k_index_ptr": index} | dict.fromkeys(
-                        ("expert_offsets_ptr", "tile_offsets_ptr", "row_of_slot_ptr", "token_of_row_ptr", "slot_of_row_ptr"), "i32"),
-                    {"TILE_M": expert_mlp_fwd.TILE_M, "BLOCK_S": cfg["BLOCK_S"], "BLOCK_E": cfg["BLOCK_E"]},
-                    {"num_warps": cfg["num_warps"]},
-                    unit_strides=("stride_index_j",),
-                    config={"BLOCK_E": cfg["BLOCK_E"], "BLOCK_S": cfg["BLOCK_S"]},
-                )
+                Spec(routing.routing_histogram_kernel, f"index={index}",
+                     {"top_k_index_ptr": index, "block_rows_ptr": "i32"}, blocks, launch,
+                     unit_strides=("stride_index_j",), config=config)
             )  # fmt: skip
+            out.append(
+                Spec(routing.routing_scatter_kernel, f"index={index}",
+                     {"top_k_index_ptr": index} | dict.fromkeys(
+                         ("block_rows_ptr", "row_of_slot_ptr", "token_of_row_ptr", "slot_of_row_ptr"), "i32"),
+                     blocks, launch, unit_strides=("stride_index_j",), config=config)
+            )  # fmt: skip
+        out.append(
+            Spec(routing.routing_scan_kernel, "",
+                 dict.fromkeys(("block_rows_ptr", "expert_offsets_ptr", "tile_offsets_ptr"), "i32"),
+                 {"TILE_M": expert_mlp_fwd.TILE_M, "BLOCK_B": cfg["BLOCK_B"], "BLOCK_E": cfg["BLOCK_E"]}, launch,
+                 config=config)
+        )  # fmt: skip
     return out + _forward_specs() + _backward_specs() + _adamw_specs()
 
 
@@ -133,7 +142,7 @@ def _forward_specs() -> list[Spec]:
         for activation in ("silu", "gelu") if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
             out.append(
                 Spec(
-                    expert_mlp_fwd._expert_mlp_fwd_up_kernel,
+                    expert_mlp_fwd.expert_mlp_fwd_up_kernel,
                     f"x={act_dtype} w={w_dtype} {activation}",
                     {"x_ptr": act_dtype, "w1_ptr": w_dtype, "token_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
                      "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
@@ -149,7 +158,7 @@ def _forward_specs() -> list[Spec]:
         # Forward: Y = A @ W2[e]^T, W2 [E, H, I] contiguous (unit stride along I, the reduction).
         out.append(
             Spec(
-                expert_mlp_fwd._expert_mlp_grouped_mm_kernel,
+                expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
                 f"x={act_dtype} w={w_dtype} fwd",
                 pointers,
                 common,
@@ -162,7 +171,7 @@ def _forward_specs() -> list[Spec]:
         # dX rows = dHpre @ W1[e], W1 [E, 2I, H] read as [E, H, 2I]: the unit stride is along H (N).
         out.append(
             Spec(
-                expert_mlp_fwd._expert_mlp_grouped_mm_kernel,
+                expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
                 f"x={act_dtype} w={w_dtype} dX",
                 pointers,
                 common,
@@ -179,7 +188,7 @@ def _forward_specs() -> list[Spec]:
         for w_dtype in TL_DTYPES:
             out.append(
                 Spec(
-                    expert_mlp_fwd._expert_mlp_combine_kernel,
+                    expert_mlp_fwd.expert_mlp_combine_kernel,
                     f"y={act_dtype} w={w_dtype}",
                     {"y_ptr": act_dtype, "row_of_slot_ptr": "i32", "weights_ptr": w_dtype, "out_ptr": act_dtype},
                     combine | {"HAS_WEIGHTS": True, "INTERPRET": False},
@@ -191,7 +200,7 @@ def _forward_specs() -> list[Spec]:
         # dX = sum_j of the dX rows: no weights (ops.backward passes the rows again, with strides 0).
         out.append(
             Spec(
-                expert_mlp_fwd._expert_mlp_combine_kernel,
+                expert_mlp_fwd.expert_mlp_combine_kernel,
                 f"y={act_dtype} unweighted",
                 {"y_ptr": act_dtype, "row_of_slot_ptr": "i32", "weights_ptr": act_dtype, "out_ptr": act_dtype},
                 combine | {"HAS_WEIGHTS": False, "INTERPRET": False},
@@ -224,7 +233,7 @@ def _backward_specs() -> list[Spec]:
         for activation, flags, suffix in variants:
             out.append(
                 Spec(
-                    expert_mlp_bwd._expert_mlp_bwd_dhpre_kernel,
+                    expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel,
                     f"x={act_dtype} w={w_dtype} {activation}{suffix}",
                     {"grad_out_ptr": act_dtype, "w2_ptr": w_dtype, "hpre_ptr": act_dtype, "weights_ptr": act_dtype,
                      "token_of_row_ptr": "i32", "slot_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
@@ -270,7 +279,7 @@ def _backward_specs() -> list[Spec]:
                 kind += " +grad_in" if has_grad_in else ""
                 out.append(
                     Spec(
-                        expert_mlp_bwd._expert_mlp_bwd_dw_kernel,
+                        expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
@@ -292,7 +301,7 @@ def _backward_specs() -> list[Spec]:
     for g_dtype in TL_DTYPES:
         out.append(
             Spec(
-                expert_mlp_bwd._expert_mlp_bwd_dweights_kernel,
+                expert_mlp_bwd.expert_mlp_bwd_dweights_kernel,
                 f"grad_w={g_dtype}",
                 {"dw_partial_ptr": "fp32", "row_of_slot_ptr": "i32", "grad_weights_ptr": g_dtype},
                 {"BLOCK": dc["BLOCK"], "INTERPRET": False},
@@ -312,7 +321,7 @@ def _adamw_specs() -> list[Spec]:
     for (w_dtype, m_dtype), arithmetic in itertools.product(pairs, ("fp64", "fp32")):
         out.append(
             Spec(
-                adamw._adamw_kernel,
+                adamw.adamw_kernel,
                 f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
                  "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
@@ -325,7 +334,7 @@ def _adamw_specs() -> list[Spec]:
     for arithmetic in ("fp64", "fp32"):
         out.append(
             Spec(
-                adamw._adamw_scalars_kernel,
+                adamw.adamw_scalars_kernel,
                 arithmetic,
                 {"step_ptr": "fp32", "hyper_ptr": "fp64", "scalars_ptr": "fp32"},
                 {"ARITHMETIC": arithmetic, "INTERPRET": False},
@@ -382,9 +391,15 @@ def _build(task: tuple[int, bool, str]) -> dict:
     }
 
 
-def compile_all(jobs: int = 1) -> list[dict]:
-    """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes."""
-    tasks = [(i, aligned, arch) for i in range(len(specs())) for aligned in (True, False) for arch in TARGETS]
+def compile_all(jobs: int = 1, kernels: tuple[str, ...] = ()) -> list[dict]:
+    """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
+    ``kernels``: only the kernels whose name contains one of these strings (all when empty)."""
+    chosen = [
+        i
+        for i, spec in enumerate(specs())
+        if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
+    ]
+    tasks = [(i, aligned, arch) for i in chosen for aligned in (True, False) for arch in TARGETS]
     if jobs <= 1:
         return [_build(task) for task in tasks]
     # spawn: a fresh interpreter per worker, nothing inherited from this process's threads.
@@ -396,11 +411,17 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compiler processes")
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=(),
+        help="only kernels whose name contains one of these (default: all)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
-    rows = compile_all(args.jobs)
+    rows = compile_all(args.jobs, tuple(args.kernels))
     header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))

@@ -1,5 +1,5 @@
-"""torch.autograd.Function classes and the functional entry points."""
+"""The expert MLP's autograd formula over the sonar_kernels:: custom ops, and the functional entry point."""
 
-from sonar_kernels.autograd.moe_mlp import MoEMLPFunction, moe_mlp
+from sonar_kernels.autograd.moe_mlp import moe_mlp
 
-__all__ = ["MoEMLPFunction", "moe_mlp"]
+__all__ = ["moe_mlp"]

@@ -1,95 +1,150 @@
-"""The expert MLP as a torch.autograd.Function, and the functional entry point :func:`moe_mlp`."""
+"""The expert MLP's autograd formula over the ``sonar_kernels::`` custom ops, and the functional entry
+point :func:`moe_mlp`.
+
+The forward is the op ``sonar_kernels::moe_mlp_fwd``; its registered backward calls
+``sonar_kernels::moe_mlp_bwd`` and, on the torch backend, ``sonar_kernels::expert_adamw_``. A weight
+whose tensor carries an in-backward update (:func:`sonar_kernels.specs.update_of`, attached by the
+optimizer that owns it) is updated inside that backward and gets no gradient; every other weight gets
+its gradient. The update's tensors are inputs of the forward op, so torch.compile sees them and the
+whole step compiles (``fullgraph=True``); the owner's host-side checks run in eager mode only.
+"""
 
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
-from torch.autograd.function import once_differentiable
-from torch.utils.weak import WeakIdKeyDictionary
 
-from sonar_kernels import ops, reference
-from sonar_kernels.optim.in_backward import expert_optimizer
-from sonar_kernels.specs import RoutingMetadata
+from sonar_kernels import specs
+from sonar_kernels.ops import library
+from sonar_kernels.ops.validation import check_moe_mlp_args
+from sonar_kernels.specs import SUPPORTED_DTYPES
 
-# Expert tensor with an in-backward optimizer -> the contexts of the live graphs that will update it.
-_LIVE_CONTEXTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
 
 
-def _check_single_live_graph(weight: torch.Tensor, name: str, ctx) -> None:
-    """Refuse to update ``weight`` while another live graph also reads it: that graph's backward would
-    compute its gradient from the already updated weight."""
-    contexts = _LIVE_CONTEXTS.get(weight)
-    if contexts is None:
-        return
-    contexts.discard(ctx)
-    if len(contexts):
+def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
+    """The update of ``weight`` when this forward records a graph that computes its gradient."""
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return None
+    update = specs.update_of(weight)
+    if update is not None and torch.compiler.is_compiling() and update.accumulation_steps > 1:
         raise RuntimeError(
-            f"{name}: {len(contexts)} other live autograd graph(s) use this expert tensor, which ExpertAdamW "
-            "updates in this backward; their backward would then see the updated weights. Call the experts "
-            "once per forward (or once per backward), or free the other graph first."
+            "gradient accumulation (accumulation_steps > 1) of in-backward updates runs in eager mode only; "
+            "under torch.compile use accumulation_steps=1"
         )
+    return update
 
 
-class MoEMLPFunction(torch.autograd.Function):
-    """The gated expert MLP with Triton forward and backward, and the in-backward AdamW update.
-
-    Forward: routing metadata, up-projection + GLU, down-projection, combine (:func:`ops.moe_mlp_fwd`);
-    it saves Hpre [S, 2I] and the routing metadata, not the expert outputs.
-    Backward (:func:`ops.moe_mlp_bwd`): dX, d top_k_weights, and for each expert weight either its
-    gradient or, when an :class:`sonar_kernels.ExpertAdamW` manages it, the AdamW update applied in the
-    wgrad epilogue (its gradient is then None).
-    """
-
-    @staticmethod
-    def forward(ctx, hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-        out, hpre, meta = ops.moe_mlp_fwd(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
+def _setup_context(ctx, inputs, output) -> None:
+    (hidden_states, _, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
+     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
+     torch_fused, activation, backend) = inputs  # fmt: skip
+    _, hpre, *meta = output
+    ctx.save_for_backward(
+        hidden_states,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        hpre,
+        *meta,
+        gate_up_proj_hyper,
+        down_proj_hyper,
+        *gate_up_proj_state,
+        *down_proj_state,
+    )
+    ctx.state_sizes = (len(gate_up_proj_state), len(down_proj_state))
+    ctx.grad_dtypes = (gate_up_proj_grad_dtype, down_proj_grad_dtype)
+    ctx.options = (fused_epilogue, foreach, torch_fused)
+    ctx.activation, ctx.backend = activation, backend
+    # The owners' bookkeeping, in eager mode (under torch.compile the inputs are functional tensors,
+    # without attributes): read from the tensors passed in now (saved tensors may come back as other
+    # objects, e.g. under activation checkpointing).
+    ctx.owners = (None, None)
+    if not torch.compiler.is_compiling():
+        ctx.owners = tuple(
+            specs.update_of(w) if state else None
+            for w, state in ((gate_up_proj, gate_up_proj_state), (down_proj, down_proj_state))
         )
-        ctx.save_for_backward(hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta)
-        ctx.activation = activation
-        # The optimizer is looked up now, on the tensors passed in (saved tensors may come back as
-        # other objects, e.g. under activation checkpointing); the contexts are tracked weakly, so a
-        # graph that is discarded without a backward stops counting.
-        ctx.managed = {}
-        for index, weight in ((3, gate_up_proj), (4, down_proj)):
-            if ctx.needs_input_grad[index] and expert_optimizer(weight) is not None:
-                ctx.managed[index] = weight
-                _LIVE_CONTEXTS.setdefault(weight, weakref.WeakSet()).add(ctx)
-        return out
+        for owner in ctx.owners:
+            if owner is not None:
+                owner.track(ctx)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_out):
-        names = {3: "gate_up_proj", 4: "down_proj"}
-        # Before the saved tensors are unpacked (which may recompute the forward under checkpointing).
-        for index, weight in ctx.managed.items():
-            _check_single_live_graph(weight, names[index], ctx)
-        hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta = ctx.saved_tensors
-        updates, accumulators = {}, {}
-        for index, weight in ctx.managed.items():
-            optimizer = expert_optimizer(weight)
-            if optimizer is None:
-                continue
-            if optimizer._accumulating(weight):
-                # Micro-batches before the last of a gradient-accumulation window: the gradient goes to
-                # .grad (returned to autograd) or to the optimizer's buffer of its grad_dtype.
-                accumulator = optimizer._accumulator_for(weight)
-                if accumulator is not None:
-                    accumulators[index] = accumulator
+
+def _backward(ctx, grad_out, *unused):
+    hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
+    meta, hypers, rest = rest[:5], rest[5:7], rest[7:]
+    n1, n2 = ctx.state_sizes
+    states = (rest[:n1], rest[n1 : n1 + n2])
+    fused_epilogue, foreach, torch_fused = ctx.options
+    needs = ctx.needs_input_grad
+    triton = ctx.backend == "triton"
+    # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
+    plans = []
+    for (index, _), state, hyper, owner, grad_dtype in zip(
+        _WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True
+    ):
+        mode, buffer, add = "grad", None, False
+        if state and needs[index]:
+            if owner is None:  # compiled: the update, nothing accumulated
+                mode = "update"
             else:
-                # Recorded (and version counters bumped) as soon as that weight's launch is done.
-                update = optimizer._update_for(weight)
-                updates[index] = update._replace(on_done=functools.partial(optimizer._finish_update, weight))
-        needs = ctx.needs_input_grad
-        grad_x, grad_w, grad_w1, grad_w2 = ops.moe_mlp_bwd(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre,
-            RoutingMetadata(*meta), ctx.activation, (needs[0], needs[2], needs[3], needs[4]),
-            gate_up_proj_update=updates.get(3), down_proj_update=updates.get(4),
-            gate_up_proj_accumulator=accumulators.get(3), down_proj_accumulator=accumulators.get(4),
+                # Raises before anything is written (a second update before step(), another live graph).
+                owner.begin_backward(ctx)
+                if owner.accumulating():
+                    accumulation = owner.accumulation_buffer() if triton else None
+                    if accumulation is not None:
+                        mode, (buffer, add) = "accumulate", accumulation
+                else:
+                    mode, buffer = "update", owner.grad_in()
+        plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
+    (mode1, state1, hyper1, buffer1, add1, dtype1), (mode2, state2, hyper2, buffer2, add2, dtype2) = plans
+    args = (
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
+        [needs[0], needs[2], needs[3], needs[4]],
+        mode1, state1, hyper1, buffer1, add1, dtype1,
+        mode2, state2, hyper2, buffer2, add2, dtype2,
+        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend,
+    )  # fmt: skip
+    if any(owner is not None for owner in ctx.owners):
+        # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
+        # it is applied, so that a failure further on cannot leave it unrecorded.
+        done = tuple(
+            functools.partial(owner.finish, mode == "update") if owner is not None and mode != "grad" else None
+            for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
-        return grad_x, None, grad_w, grad_w1, grad_w2, None
+        grads = library.run_moe_mlp_bwd(*args, on_done=done)
+    else:
+        grads = library.moe_mlp_bwd(*args)
+    # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
+    grad_x, grad_w, grad_w1, grad_w2 = (
+        g if need and mode in (None, "grad") else None
+        for g, need, mode in zip(
+            grads, (needs[0], needs[2], needs[3], needs[4]), (None, None, mode1, mode2), strict=True
+        )
+    )
+    weight_grads = [grad_w1, grad_w2]
+    # One entry per input of the forward op; a list input (an update's state) gets a list of Nones.
+    return (
+        grad_x,
+        None,
+        grad_w,
+        *weight_grads,
+        [None] * n1,
+        [None] * n2,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+torch.library.register_autograd("sonar_kernels::moe_mlp_fwd", _backward, setup_context=_setup_context)
 
 
 def moe_mlp(
@@ -106,7 +161,7 @@ def moe_mlp(
 
     e = top_k_index[t, j]. The weights use the Hugging Face transformers v5 layout, so the parameters of
     a transformers experts module (``OlmoeExperts``, ``GraniteMoeExperts``) can be passed as they are.
-    Rounding points as in DESIGN.md: Hpre, the activation and each expert output are rounded to the
+    Rounding points as in docs/design.md: Hpre, the activation and each expert output are rounded to the
     dtype of ``hidden_states``; products accumulate in fp32; the combine over top_k sums in fp32.
 
     Args:
@@ -118,8 +173,9 @@ def moe_mlp(
             dtype of hidden_states, or float32 (master weights, rounded to the compute dtype in registers).
         down_proj: [E, H, I], dtype as gate_up_proj.
         activation: "silu" (SwiGLU) or "gelu" (GeGLU with the exact erf GELU).
-        backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the
-            pure-PyTorch reference), or "auto" (triton on CUDA, torch otherwise).
+        backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
+            math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
+            CUDA, torch otherwise).
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
     nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
@@ -127,9 +183,11 @@ def moe_mlp(
     Returns:
         [T, H], dtype of hidden_states (the autocast dtype under autocast). Differentiable (once) in
         hidden_states, top_k_weights and both weights; on the triton backend the backward runs Triton
-        kernels only. A weight managed by :class:`sonar_kernels.ExpertAdamW` is updated inside that
+        kernels only. A weight that carries an in-backward update (given by the optimizer that owns it,
+        :class:`sonar_kernels.ExpertAdamW` or :class:`sonar_kernels.SonarAdamW`) is updated inside that
         backward and gets no gradient (see ExpertAdamW for the rules: one backward per step, one live
-        graph over the weights when it runs).
+        graph over the weights when it runs). One ``sonar_kernels::moe_mlp_fwd`` op: torch.compile
+        traces it without a graph break, ``fullgraph=True`` included.
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index).
         ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on
@@ -138,7 +196,7 @@ def moe_mlp(
     """
     if (
         isinstance(hidden_states, torch.Tensor)
-        and hidden_states.dtype in ops.SUPPORTED_DTYPES
+        and hidden_states.dtype in SUPPORTED_DTYPES
         and hidden_states.device.type in ("cuda", "cpu")
         and torch.is_autocast_enabled(hidden_states.device.type)
     ):
@@ -151,13 +209,20 @@ def moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=activation, backend=backend,
             )  # fmt: skip
-    backend = ops.check_moe_mlp_args(
+    backend = check_moe_mlp_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
     )
-    if backend == "torch":
-        return reference.moe_mlp(
-            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation=activation
-        )
-    return MoEMLPFunction.apply(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation
-    )
+    updates = (_update_for(gate_up_proj), _update_for(down_proj))
+    given = [u for u in updates if u is not None]
+    first = given[0] if given else None
+    outputs = library.moe_mlp_fwd(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
+        *(u.state() if u is not None else [] for u in updates),
+        *(u.hyper if u is not None else None for u in updates),
+        *(u.grad_dtype if u is not None else None for u in updates),
+        all(u.fused for u in given),
+        first.foreach if first is not None else None,
+        first.torch_fused if first is not None else None,
+        activation, backend,
+    )  # fmt: skip
+    return outputs[0]

@@ -18,10 +18,26 @@ from importlib import metadata
 import torch
 from torch import nn
 
-from sonar_kernels import ops
 from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.specs import (
+    BACKENDS,
+    IMPLEMENTATION,
+    expert_tensors_of,
+    is_experts_module,
+    mark_expert_tensors,
+)
 
-IMPLEMENTATION = "sonar"
+__all__ = [
+    "IMPLEMENTATION",
+    "apply_sonar_kernel_to_granitemoe",
+    "apply_sonar_kernel_to_olmoe",
+    "check_experts_module",
+    "expert_tensors",
+    "is_experts_module",
+    "register",
+    "set_backend",
+    "sonar_experts_forward",
+]
 MIN_TRANSFORMERS = (5, 13)
 # transformers' hidden_act names -> the activation of moe_mlp. The tanh approximations of GELU
 # ("gelu_pytorch_tanh", "gelu_new", ...) are not the exact erf GELU the kernels compute: refused.
@@ -34,8 +50,8 @@ LAYOUT = {
     "has_gate": True,
     "has_post_expert_norm": False,
 }
-
-_backend = "auto"
+# The attribute of an experts module that picks its moe_mlp backend (default "auto").
+BACKEND_ATTRIBUTE = "sonar_backend"
 
 
 def _check_transformers():
@@ -60,24 +76,38 @@ def _check_transformers():
     return transformers
 
 
-def register(backend: str = "auto") -> None:
-    """Register "sonar" in transformers' ExpertsInterface (idempotent).
+def register() -> None:
+    """Register "sonar" in transformers' ExpertsInterface (idempotent). The backend is chosen per model
+    or module (:func:`set_backend`), not here.
 
-    Args:
-        backend: the :func:`sonar_kernels.moe_mlp` backend the sonar experts use: "auto" (Triton on CUDA,
-            the PyTorch reference otherwise), "triton" or "torch". Calling again changes it.
     Raises:
         ImportError: transformers missing or older than 5.13.
-        ValueError: an unknown backend.
     """
-    global _backend
-    if backend not in ops.BACKENDS:
-        raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
     _check_transformers()
     from transformers.integrations.moe import ExpertsInterface
 
-    _backend = backend
     ExpertsInterface.register(IMPLEMENTATION, sonar_experts_forward)
+
+
+def set_backend(model: nn.Module, backend: str) -> nn.Module:
+    """Choose the :func:`sonar_kernels.moe_mlp` backend of the experts modules in ``model`` (or of
+    ``model`` itself, an experts module): "auto" (Triton on CUDA, the torch backend otherwise, also the
+    default without this call), "triton" or "torch". An attribute of each module (``sonar_backend``);
+    their expert tensors are marked for :class:`sonar_kernels.SonarAdamW`. Returns ``model``.
+
+    Raises:
+        ValueError: an unknown backend, or a model without experts modules.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    modules = [m for m in model.modules() if is_experts_module(m)]
+    if not modules:
+        raise ValueError(f"{type(model).__name__} holds no transformers experts module")
+    for module in modules:
+        setattr(module, BACKEND_ATTRIBUTE, backend)
+        if (tensors := expert_tensors_of(module)) is not None:
+            mark_expert_tensors(*tensors)
+    return model
 
 
 def check_experts_module(module: nn.Module) -> str:
@@ -157,32 +187,22 @@ def sonar_experts_forward(
         self.gate_up_proj,
         self.down_proj,
         activation=activation,
-        backend=_backend,
+        backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
     )
-
-
-def is_experts_module(module: nn.Module) -> bool:
-    """Whether ``module`` is an experts module of transformers' ExpertsInterface (any implementation)."""
-    return hasattr(module, "has_gate") and isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
 
 
 def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(gate_up_proj, down_proj) of a transformers experts module that runs the sonar implementation,
     else None. Does not import transformers."""
-    config = getattr(module, "config", None)
-    if getattr(config, "_experts_implementation", None) != IMPLEMENTATION:
-        return None
-    tensors = tuple(getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
-    if not all(isinstance(t, nn.Parameter) for t in tensors):
-        return None
-    # The experts module itself, not a model or decoder layer that shares its config.
     if not is_experts_module(module):
         return None
-    return tensors
+    return expert_tensors_of(module)
 
 
 def _apply(model_type: str, model: nn.Module | None, backend: str) -> nn.Module | None:
-    register(backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    register()
     if model is not None:
         if getattr(getattr(model, "config", None), "model_type", None) != model_type:
             raise ValueError(
@@ -190,7 +210,12 @@ def _apply(model_type: str, model: nn.Module | None, backend: str) -> nn.Module 
                 f"{getattr(getattr(model, 'config', None), 'model_type', None)!r}"
             )
         model.set_experts_implementation(IMPLEMENTATION)
-        return model
+        return set_backend(model, backend)
+    if backend != "auto":
+        raise ValueError(
+            f"backend={backend!r} needs a model: apply_sonar_kernel_to_{model_type}(model, backend=...), or "
+            "set_backend(model, ...) once the model exists"
+        )
     # No model: models of this type created from now on default to "sonar" (an explicit
     # experts_implementation still wins).
     module, base_name = {
@@ -213,13 +238,15 @@ def _apply(model_type: str, model: nn.Module | None, backend: str) -> nn.Module 
 def apply_sonar_kernel_to_olmoe(model: nn.Module | None = None, *, backend: str = "auto") -> nn.Module | None:
     """Run OLMoE's experts with the sonar kernels (Liger-Kernel's naming).
 
-    With ``model`` (an OLMoE transformers model): switch it to experts_implementation "sonar" and return
-    it. Without: OLMoE models created afterwards default to "sonar" (an explicit ``experts_implementation``
-    still wins). Registers "sonar" first (see :func:`register` for ``backend``).
+    With ``model`` (an OLMoE transformers model): switch it to experts_implementation "sonar" with
+    ``backend`` (:func:`set_backend`) and return it. Without: OLMoE models created afterwards default to
+    "sonar" with the "auto" backend (an explicit ``experts_implementation`` still wins). Registers
+    "sonar" first.
 
     Raises:
         ImportError: transformers missing or older than 5.13.
-        ValueError: ``model`` is not an OLMoE model; an unknown backend.
+        ValueError: ``model`` is not an OLMoE model; an unknown backend, or a backend other than "auto"
+            without a model.
     """
     return _apply("olmoe", model, backend)
 

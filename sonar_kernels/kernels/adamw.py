@@ -2,7 +2,7 @@
 
 Two arithmetics, chosen by the constexpr ``ARITHMETIC`` (``ops.adamw_arithmetic`` picks one per device).
 
-"fp64", torch's fused CUDA AdamW as DESIGN.md spells it out (fused_adam_utils.cuh with the
+"fp64", torch's fused CUDA AdamW as docs/design.md spells it out (fused_adam_utils.cuh with the
 hyperparameters as C++ doubles); within a few ulps of torch's CPU AdamW. With p, g, m, v loaded as fp32
 and lr, beta1, beta2, eps, weight_decay as fp64:
 
@@ -25,7 +25,7 @@ fused_adam_utils.cuh that torch 2.13 ships): the hyperparameters rounded to fp32
 
 p, m and v are rounded to their own dtypes once, at the store. Both kernels below call
 :func:`_adamw_math`, so the fused epilogue and the split path (wgrad written to memory, then
-:func:`_adamw_kernel`) give the same bits.
+:func:`adamw_kernel`) give the same bits.
 
 The hyperparameters reach the kernels as fp64 values in a device tensor ([5] fp64: lr, beta1, beta2, eps,
 weight_decay), read at run time, so a scheduler's new learning rate reaches a compiled or CUDA-graph
@@ -46,7 +46,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
-from sonar_kernels.kernels.common import _round_to
+from sonar_kernels.kernels.common import round_to
 
 # 8 elements per thread: with 8 warps (4 per thread) ptxas spilled 8 bytes in the fp16 fp64-arithmetic
 # build on sm_80 once the hyperparameters came from memory (make kernel-report).
@@ -98,7 +98,7 @@ def _adamw_scalars(step_ptr, hyper_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.
 
 
 @triton.jit
-def _adamw_scalars_kernel(
+def adamw_scalars_kernel(
     # pointers
     step_ptr,  # [] fp32, read (already incremented)
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
@@ -150,7 +150,7 @@ def _adamw_math(
 
 
 @triton.jit
-def _adamw_tile(
+def adamw_tile(
     grad,  # [BLOCK_M, BLOCK_N] fp32, already rounded to the gradient dtype
     offs,  # [BLOCK_M, BLOCK_N] int64 element offsets, shared by W, exp_avg and exp_avg_sq
     mask,
@@ -168,19 +168,19 @@ def _adamw_tile(
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET)
-    tl.store(w_ptr + offs, _round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
-    tl.store(exp_avg_ptr + offs, _round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, _round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
 
 @triton.jit
-def _adamw_kernel(
+def adamw_kernel(
     # pointers
     w_ptr,  # [numel] fp32/bf16/fp16, read and written
     grad_ptr,  # [numel] gradient dtype, read
     exp_avg_ptr,  # [numel] moments dtype, read and written
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
-    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (_adamw_scalars_kernel)
+    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (adamw_scalars_kernel)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
     # sizes
@@ -205,7 +205,7 @@ def _adamw_kernel(
     step_size = tl.load(scalars_ptr)
     bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    _adamw_tile(
+    adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
         step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET,
     )  # fmt: skip

@@ -1,7 +1,7 @@
 """@triton.jit helpers shared by the grouped-GEMM kernels: dtype rounding, the tile schedule, the K loop.
 
 ``INTERPRET`` is a constexpr that the launchers set when the kernels run under the Triton interpreter
-(``TRITON_INTERPRET=1``). The interpreter stores bf16 as uint16, so (DESIGN.md, "Known pitfalls"):
+(``TRITON_INTERPRET=1``). The interpreter stores bf16 as uint16, so (docs/design.md, "Known pitfalls"):
 arithmetic and ``tl.dot`` must see fp32 values, and its fp32 -> bf16 cast truncates instead of rounding
 to nearest even. Under ``INTERPRET`` these helpers upcast before the dot and round bf16 by hand; on a
 GPU they compile to the plain conversions and a bf16/fp16 ``tl.dot``.
@@ -12,7 +12,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+def round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
     """Cast ``x`` to ``DTYPE`` with round-to-nearest-even (the GPU's cvt.rn), also under the interpreter."""
     if INTERPRET and tl.bfloat16 == DTYPE and x.dtype == tl.float32:
         bits = x.to(tl.uint32, bitcast=True)
@@ -25,7 +25,7 @@ def _round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M: tl.constexpr):
+def expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M: tl.constexpr):
     """(expert, first row, end row) of grouped-GEMM row tile ``pid_m``; needs pid_m < tile_offsets[E].
 
     Tile m belongs to the expert e with tile_offsets[e] <= m < tile_offsets[e + 1] (binary search; an
@@ -46,7 +46,7 @@ def _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M: tl.con
 
 
 @triton.jit
-def _grouped_mm_acc(
+def grouped_mm_acc(
     a_ptr,
     a_rows,  # [BLOCK_M] int64 row indices into A (gathered rows allowed)
     mask_m,  # [BLOCK_M] bool
@@ -78,8 +78,8 @@ def _grouped_mm_acc(
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        a = _round_to(a, DOT_DTYPE, INTERPRET)
-        b = _round_to(b, DOT_DTYPE, INTERPRET)
+        a = round_to(a, DOT_DTYPE, INTERPRET)
+        b = round_to(b, DOT_DTYPE, INTERPRET)
         if INTERPRET:
             a = a.to(tl.float32)
             b = b.to(tl.float32)

@@ -1,22 +1,22 @@
 """Backward kernels of the gated expert MLP: dHpre and the routing-weight gradient, wgrad with the fused
 AdamW epilogue, and the reduction of the routing-weight partial sums.
 
-Order of the backward (DESIGN.md, "Backward and the fused update"); the dX rows reuse the forward's
+Order of the backward (docs/design.md, "Backward and the fused update"); the dX rows reuse the forward's
 grouped GEMM and combine kernels (``expert_mlp_fwd``):
 
-1. ``_expert_mlp_bwd_dhpre_kernel``: G = dO[token] @ W2[e] per row (reads W2 before its update), the
+1. ``expert_mlp_bwd_dhpre_kernel``: G = dO[token] @ W2[e] per row (reads W2 before its update), the
    partial sums of d w = <G, A>, A recomputed from the saved Hpre, dHpre from dA = w * G.
-2. ``_expert_mlp_bwd_dw_kernel`` for W2: dW2[e] = sum_r (w_r dO[token_r])^T A_r, AdamW in the epilogue.
+2. ``expert_mlp_bwd_dw_kernel`` for W2: dW2[e] = sum_r (w_r dO[token_r])^T A_r, AdamW in the epilogue.
 3. dX rows = dHpre @ W1[e] (reads W1 before its update), then dX[t] = sum_j of them, in j order.
-4. ``_expert_mlp_bwd_dw_kernel`` for W1: dW1[e] = sum_r dHpre_r^T X[token_r], AdamW in the epilogue.
+4. ``expert_mlp_bwd_dw_kernel`` for W1: dW1[e] = sum_r dHpre_r^T X[token_r], AdamW in the epilogue.
 """
 
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import _adamw_tile
-from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
-from sonar_kernels.kernels.expert_mlp_fwd import _glu_fwd
+from sonar_kernels.kernels.adamw import adamw_tile
+from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
+from sonar_kernels.kernels.expert_mlp_fwd import glu_fwd
 
 # dHpre is a grouped GEMM over row tiles, like the forward: it uses the routing metadata's TILE_M rows.
 DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
@@ -58,7 +58,7 @@ def _absmax(x, mask):
 
 
 @triton.jit
-def _expert_mlp_bwd_dhpre_kernel(
+def expert_mlp_bwd_dhpre_kernel(
     # pointers
     grad_out_ptr,  # [T, H] activation dtype, read (rows gathered by token; any strides, 0 included)
     w2_ptr,  # [E, H, I] activation dtype or fp32, read
@@ -113,7 +113,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     (rounded; a NaN counts as inf; 0 where it has none): the wgrad launches bound their gradients
     with them (``ops.overflow_possible``).
     Grid: (row tiles * cdiv(I, BLOCK_N),).
-    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -123,7 +123,7 @@ def _expert_mlp_bwd_dhpre_kernel(
         if HAS_ABSMAX:
             tl.store(absmax_ptr + 2 * pid + tl.arange(0, 2), tl.zeros((2,), tl.float32))
         return
-    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    expert, row_start, row_end = expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
     dtype = hpre_ptr.dtype.element_ty
 
     rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -131,7 +131,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     tokens = tl.load(token_of_row_ptr + rows, mask=mask_m, other=0).to(tl.int64)
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = cols < I
-    grad_proj = _grouped_mm_acc(
+    grad_proj = grouped_mm_acc(
         grad_out_ptr, tokens, mask_m, stride_got, stride_goh,
         w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wi, stride_wh,
         H, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
@@ -141,7 +141,7 @@ def _expert_mlp_bwd_dhpre_kernel(
     h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
     gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptrs + I * stride_hn, mask=mask, other=0.0).to(tl.float32)
-    a = _round_to(_glu_fwd(gate, up, ACTIVATION), dtype, INTERPRET)
+    a = round_to(glu_fwd(gate, up, ACTIVATION), dtype, INTERPRET)
     if STORE_A:
         tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, a, mask=mask)
     if HAS_ABSMAX:
@@ -158,10 +158,10 @@ def _expert_mlp_bwd_dhpre_kernel(
             mask=mask_m,
             other=0.0,
         ).to(tl.float32)
-        grad_a = _round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
+        grad_a = round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
         grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION)
-        grad_gate = _round_to(grad_gate, dtype, INTERPRET)
-        grad_up = _round_to(grad_up, dtype, INTERPRET)
+        grad_gate = round_to(grad_gate, dtype, INTERPRET)
+        grad_up = round_to(grad_up, dtype, INTERPRET)
         g_ptrs = grad_hpre_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gn
         tl.store(g_ptrs, grad_gate, mask=mask)
         tl.store(g_ptrs + I * stride_gn, grad_up, mask=mask)
@@ -218,10 +218,10 @@ def _dw_epilogue_slice(
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
     offs = offs_m[:, None] * stride_m + offs_n[None, :] * stride_n
-    grad = _round_to(acc, GRAD_DTYPE, INTERPRET)
+    grad = round_to(acc, GRAD_DTYPE, INTERPRET)
     if HAS_GRAD_IN:
         previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        grad = _round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
+        grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
     grad32 = grad.to(tl.float32)
     result = 0.0
     if EPILOGUE == "check":
@@ -230,7 +230,7 @@ def _dw_epilogue_slice(
         if HAS_NORM:
             result = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
         if EPILOGUE == "adamw":
-            _adamw_tile(
+            adamw_tile(
                 grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
                 step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET,
             )  # fmt: skip
@@ -240,7 +240,7 @@ def _dw_epilogue_slice(
 
 
 @triton.jit
-def _expert_mlp_bwd_dw_kernel(
+def expert_mlp_bwd_dw_kernel(
     # pointers
     p_ptr,  # left operand rows: grad_out [T, H] (P_FROM_TOKENS) or grad_hpre [S, 2I]; activation dtype
     q_ptr,  # right operand rows: A [S, I] or hidden_states [T, H] (Q_FROM_TOKENS); activation dtype
@@ -252,12 +252,12 @@ def _expert_mlp_bwd_dw_kernel(
     w_ptr,  # [E, M, N] fp32/bf16/fp16, read and written by "adamw"
     exp_avg_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
     exp_avg_sq_ptr,  # [E, M, N] moments dtype, read and written by "adamw"
-    scalars_ptr,  # [2] fp32, read by "adamw": step_size, bc2_sqrt (kernels/adamw.py, _adamw_scalars_kernel)
+    scalars_ptr,  # [2] fp32, read by "adamw": step_size, bc2_sqrt (kernels/adamw.py, adamw_scalars_kernel)
     flag_ptr,  # [] fp32, read by "adamw" (skip the update when != 0) and "check" (run only when != 0)
     partial_ptr,  # [grid] fp32, written by "check" (1.0: the tile has a gradient entry beyond grad_limit)
     #               and, with HAS_NORM, by the others (each program's sum of squared gradient entries)
     hyper_ptr,  # [5] fp64, read by "adamw": lr, beta1, beta2, eps, weight_decay (torch's fused AdamW
-    #             takes them as C++ doubles, DESIGN.md)
+    #             takes them as C++ doubles, docs/design.md)
     # sizes
     E,
     M,
@@ -345,7 +345,7 @@ def _expert_mlp_bwd_dw_kernel(
             w = tl.load(
                 weights_ptr + tokens * stride_wt + (slots % top_k) * stride_wj, mask=mask_k, other=0.0
             ).to(tl.float32)
-            p = _round_to(p.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRET)
+            p = round_to(p.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRET)
         q_rows = tokens if Q_FROM_TOKENS else rows.to(tl.int64)
         q = tl.load(
             q_ptr + q_rows[:, None] * stride_qr + offs_n[None, :] * stride_qn,
@@ -426,7 +426,7 @@ def _expert_mlp_bwd_dw_kernel(
 
 
 @triton.jit
-def _expert_mlp_bwd_dweights_kernel(
+def expert_mlp_bwd_dweights_kernel(
     # pointers
     dw_partial_ptr,  # [num_partials, S] fp32, read at kept rows
     row_of_slot_ptr,  # [S] int32, read
@@ -454,5 +454,5 @@ def _expert_mlp_bwd_dweights_kernel(
         acc += tl.load(partial_ptrs, mask=kept, other=0.0)
         partial_ptrs += stride_dwp
     tl.store(
-        grad_weights_ptr + offs_s, _round_to(acc, grad_weights_ptr.dtype.element_ty, INTERPRET), mask=mask_s
+        grad_weights_ptr + offs_s, round_to(acc, grad_weights_ptr.dtype.element_ty, INTERPRET), mask=mask_s
     )

@@ -13,9 +13,9 @@ cdiv(S, BLOCK_M) + min(E, S) row tiles, so no host sync is needed).
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.common import _expert_tile, _grouped_mm_acc, _round_to
+from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
 
-# Fixed configuration (no autotuning: see DESIGN.md on autotuning kernels that write in place). Both
+# Fixed configuration (no autotuning: see docs/design.md on autotuning kernels that write in place). Both
 # grouped GEMMs use the row tile of the routing metadata, TILE_M = BLOCK_M; the up-projection's dot is
 # 2 * BLOCK_N wide (gate and up columns together). Chosen by `make kernel-report`: no register spills on
 # sm_90a or sm_80 for fp32 (FMA, no tf32), bf16 and fp16, at aligned and unaligned shapes.
@@ -25,7 +25,7 @@ COMBINE_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
 
 
 @triton.jit
-def _glu_fwd(gate, up, ACTIVATION: tl.constexpr):
+def glu_fwd(gate, up, ACTIVATION: tl.constexpr):
     """act(gate) * up in fp32: SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
     if ACTIVATION == "silu":
         act = gate / (1.0 + tl.exp(-gate))
@@ -35,7 +35,7 @@ def _glu_fwd(gate, up, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _expert_mlp_fwd_up_kernel(
+def expert_mlp_fwd_up_kernel(
     # pointers
     x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
     w1_ptr,  # [E, 2I, H] activation dtype or fp32, read
@@ -72,7 +72,7 @@ def _expert_mlp_fwd_up_kernel(
     width 2 * BLOCK_N), K -> H.
     Grid: (row tiles * cdiv(I, BLOCK_N),), row tile fastest-varying last (programs of one row tile are
     adjacent and share the gathered X rows).
-    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -80,7 +80,7 @@ def _expert_mlp_fwd_up_kernel(
     pid_n = pid % num_pid_n
     if pid_m >= tl.load(tile_offsets_ptr + E):
         return
-    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    expert, row_start, row_end = expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
     dtype = hpre_ptr.dtype.element_ty
 
     offs_m = row_start + tl.arange(0, BLOCK_M)
@@ -91,14 +91,14 @@ def _expert_mlp_fwd_up_kernel(
     offs_n = pid_n * BLOCK_N + offs_j % BLOCK_N
     mask_n = offs_n < I
     w_rows = (offs_n + (offs_j // BLOCK_N) * I).to(tl.int64)
-    acc = _grouped_mm_acc(
+    acc = grouped_mm_acc(
         x_ptr, tokens, mask_m, stride_xt, stride_xh,
         w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, stride_wn, stride_wh,
         H, BLOCK_M, 2 * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, 2 * BLOCK_N]
     gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    gate = _round_to(gate, dtype, INTERPRET)  # [BLOCK_M, BLOCK_N]
-    up = _round_to(up, dtype, INTERPRET)
+    gate = round_to(gate, dtype, INTERPRET)  # [BLOCK_M, BLOCK_N]
+    up = round_to(up, dtype, INTERPRET)
 
     rows = offs_m.to(tl.int64)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -107,16 +107,16 @@ def _expert_mlp_fwd_up_kernel(
     tl.store(h_ptrs, gate, mask=mask)
     tl.store(h_ptrs + I * stride_hn, up, mask=mask)
     # The activation reads the rounded Hpre, exactly what the backward recomputes it from.
-    a = _glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
+    a = glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
     tl.store(
         a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an,
-        _round_to(a, dtype, INTERPRET),
+        round_to(a, dtype, INTERPRET),
         mask=mask,
     )
 
 
 @triton.jit
-def _expert_mlp_grouped_mm_kernel(
+def expert_mlp_grouped_mm_kernel(
     # pointers
     a_ptr,  # [S, I] activation dtype, read
     w2_ptr,  # [E, H, I] activation dtype or fp32, read
@@ -147,7 +147,7 @@ def _expert_mlp_grouped_mm_kernel(
 
     Mapping: M -> rows r, N -> H, K -> I.
     Grid: (row tiles * cdiv(H, BLOCK_N),).
-    Preconditions: metadata from _routing_metadata_kernel with TILE_M == BLOCK_M.
+    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -155,24 +155,24 @@ def _expert_mlp_grouped_mm_kernel(
     pid_n = pid % num_pid_n
     if pid_m >= tl.load(tile_offsets_ptr + E):
         return
-    expert, row_start, row_end = _expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    expert, row_start, row_end = expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
     dtype = y_ptr.dtype.element_ty
 
     rows = (row_start + tl.arange(0, BLOCK_M)).to(tl.int64)
     mask_m = rows < row_end
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = cols < H
-    acc = _grouped_mm_acc(
+    acc = grouped_mm_acc(
         a_ptr, rows, mask_m, stride_as, stride_ai,
         w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wh, stride_wi,
         I, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + rows[:, None] * stride_ys + cols[None, :] * stride_yh
-    tl.store(y_ptrs, _round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(y_ptrs, round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _expert_mlp_combine_kernel(
+def expert_mlp_combine_kernel(
     # pointers
     y_ptr,  # [S, H] activation dtype, read at kept rows only
     row_of_slot_ptr,  # [S] int32, read
@@ -221,4 +221,4 @@ def _expert_mlp_combine_kernel(
         acc += y
     out_ptrs = out_ptr + offs_t[:, None] * stride_ot + offs_h[None, :] * stride_oh
     dtype = out_ptr.dtype.element_ty
-    tl.store(out_ptrs, _round_to(acc, dtype, INTERPRET), mask=mask_t[:, None] & mask_h[None, :])
+    tl.store(out_ptrs, round_to(acc, dtype, INTERPRET), mask=mask_t[:, None] & mask_h[None, :])

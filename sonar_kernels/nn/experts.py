@@ -7,10 +7,8 @@ import math
 import torch
 from torch import nn
 
-from sonar_kernels import ops
 from sonar_kernels.autograd.moe_mlp import moe_mlp
-from sonar_kernels.optim.in_backward import mark_expert_tensors
-from sonar_kernels.specs import ACTIVATIONS
+from sonar_kernels.specs import ACTIVATIONS, BACKENDS, MAX_EXPERTS, SUPPORTED_DTYPES, mark_expert_tensors
 
 
 class SonarExperts(nn.Module):
@@ -53,13 +51,13 @@ class SonarExperts(nn.Module):
         ):
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if num_experts > ops.MAX_EXPERTS:
-            raise ValueError(f"num_experts must be at most {ops.MAX_EXPERTS}, got {num_experts}")
+        if num_experts > MAX_EXPERTS:
+            raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be one of {ops.BACKENDS}, got {backend!r}")
-        if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if dtype is not None and dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
         self.num_experts = num_experts
         self.hidden_size = hidden_size
@@ -71,8 +69,6 @@ class SonarExperts(nn.Module):
             torch.empty(num_experts, 2 * intermediate_size, hidden_size, **factory)
         )
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **factory))
-        # SonarAdamW updates these in the backward.
-        mark_expert_tensors(self.gate_up_proj, self.down_proj)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -96,8 +92,17 @@ class SonarExperts(nn.Module):
             backend=self.backend,
         )
 
+    def register_parameter(self, name: str, param: nn.Parameter | None) -> None:
+        """As nn.Module.register_parameter; ``gate_up_proj`` and ``down_proj`` are marked as expert
+        tensors (which SonarAdamW updates in the backward) whenever they are set: at construction, by
+        assignment and by ``load_state_dict(assign=True)``."""
+        super().register_parameter(name, param)
+        if name in ("gate_up_proj", "down_proj") and param is not None:
+            mark_expert_tensors(param)
+
     def __setstate__(self, state) -> None:
-        # copy.deepcopy and unpickling rebuild the module without __init__: register the new tensors.
+        # copy.deepcopy and unpickling rebuild the module without __init__ (and a deep-copied Parameter
+        # keeps no attributes): mark the new tensors.
         super().__setstate__(state)
         mark_expert_tensors(self.gate_up_proj, self.down_proj)
 

@@ -12,7 +12,7 @@
 from sonar_kernels.ops import library
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, torch_adamw_, torch_fused_adamw_arithmetic
 from sonar_kernels.ops.backward import AdamWUpdate, GradAccumulator, moe_mlp_bwd, overflow_possible
-from sonar_kernels.ops.common import is_dense, triton_interpreting
+from sonar_kernels.ops.common import is_dense, triton_interpreting, whole
 from sonar_kernels.ops.forward import moe_mlp_fwd, routing_block_config, routing_metadata
 from sonar_kernels.ops.validation import check_hyperparameters, check_moe_mlp_args
 from sonar_kernels.specs import BACKENDS, MAX_EXPERTS, SUPPORTED_DTYPES
@@ -37,4 +37,5 @@ __all__ = [
     "torch_adamw_",
     "torch_fused_adamw_arithmetic",
     "triton_interpreting",
+    "whole",
 ]

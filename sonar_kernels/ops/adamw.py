@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from sonar_kernels.ops.common import inf_norm
+from sonar_kernels.ops.common import inf_norm, whole
 
 
 def grad_limit(moments_dtype: torch.dtype) -> float:
@@ -32,7 +32,7 @@ def torch_fused_adamw_arithmetic() -> str:
 
     Returns:
         "fp32" when its same-dtype kernel rounds the hyperparameters to fp32 and uses fma (torch 2.13),
-        "fp64" otherwise (hyperparameters as C++ doubles, DESIGN.md's account; also when the header is
+        "fp64" otherwise (hyperparameters as C++ doubles, docs/design.md's account; also when the header is
         missing, with a warning).
     """
     header = Path(torch.__file__).parent / "include" / "ATen" / "native" / "cuda" / "fused_adam_utils.cuh"
@@ -85,7 +85,7 @@ def torch_adamw_(
     """
     lr, beta1, beta2, eps, weight_decay = hyperparameters
     with torch.no_grad():
-        found = ~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype))
+        found = whole(~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype)))
         step_before = step.clone()
         try:
             if fused or not bool(found):
@@ -99,6 +99,6 @@ def torch_adamw_(
             # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
             step.copy_(step_before)
             raise
-        norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
         grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
         skipped.add_(found.long())

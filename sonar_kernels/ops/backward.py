@@ -9,20 +9,20 @@ from typing import NamedTuple
 import torch
 import triton
 
-from sonar_kernels.kernels.adamw import ADAMW_CONFIG, _adamw_kernel, _adamw_scalars_kernel
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.kernels.expert_mlp_bwd import (
     DHPRE_CONFIG,
     DWEIGHTS_CONFIG,
     WGRAD_CONFIG,
-    _expert_mlp_bwd_dhpre_kernel,
-    _expert_mlp_bwd_dw_kernel,
-    _expert_mlp_bwd_dweights_kernel,
+    expert_mlp_bwd_dhpre_kernel,
+    expert_mlp_bwd_dw_kernel,
+    expert_mlp_bwd_dweights_kernel,
 )
 from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
     FWD_GEMM_CONFIG,
-    _expert_mlp_combine_kernel,
-    _expert_mlp_grouped_mm_kernel,
+    expert_mlp_combine_kernel,
+    expert_mlp_grouped_mm_kernel,
 )
 from sonar_kernels.ops import common
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
@@ -40,7 +40,7 @@ from sonar_kernels.specs import RoutingMetadata
 
 
 class AdamWUpdate(NamedTuple):
-    """The AdamW update of one expert weight tensor, applied by its wgrad launch (DESIGN.md).
+    """The AdamW update of one expert weight tensor, applied by its wgrad launch (docs/design.md).
 
     Attributes:
         exp_avg, exp_avg_sq: the moments: the weight's shape and strides, float32/bfloat16/float16.
@@ -114,7 +114,7 @@ def moe_mlp_bwd(
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
-    Launch order (DESIGN.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
+    Launch order (docs/design.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
     when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
     (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given). Each wgrad launch covers every
     expert. No host sync; no atomics.
@@ -191,7 +191,7 @@ def _launch_bwd(
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
         dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
-        _expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
+        expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
             grad_out, down_proj, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
             meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
             any_buffer if absmax is None else absmax,
@@ -235,7 +235,7 @@ def _launch_bwd(
         grad_w = common.empty((T, top_k), top_k_weights.dtype, device)
         if S > 0:
             dc = DWEIGHTS_CONFIG
-            _expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
+            expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
                 dw_partial, meta.row_of_slot, grad_w,
                 S, num_pid_n, dw_partial.stride(0),
                 BLOCK=dc["BLOCK"], INTERPRET=interpret, num_warps=dc["num_warps"],
@@ -270,7 +270,7 @@ def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_row_tiles = max_row_tiles(S, E, block_m)
     dx_rows = common.empty((S, H), dtype, grad_x.device)
-    _expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
+    expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
         grad_hpre, gate_up_proj, meta.expert_offsets, meta.tile_offsets, dx_rows,
         E, H, two_I,
         grad_hpre.stride(0), grad_hpre.stride(1),
@@ -281,7 +281,7 @@ def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     cc = COMBINE_CONFIG
-    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+    expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
         dx_rows, meta.row_of_slot, dx_rows, grad_x,
         T, H, top_k,
         dx_rows.stride(0), dx_rows.stride(1), 0, 0, grad_x.stride(0), grad_x.stride(1),
@@ -332,7 +332,7 @@ def _wgrad(
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
                grad_dtype, arithmetic, has_norm, **options):  # fmt: skip
-        _expert_mlp_bwd_dw_kernel[grid](
+        expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
             E, M, N, top_k,
@@ -402,7 +402,7 @@ def _wgrad(
     try:
         # step_size and sqrt(bc2) of this step, once (the update kernels read them).
         scalars = common.empty((2,), torch.float32, weight.device)
-        _adamw_scalars_kernel[(1,)](
+        adamw_scalars_kernel[(1,)](
             update.step, hyper, scalars, ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=1, **no_fusion
         )
         if update.fused:
@@ -412,7 +412,7 @@ def _wgrad(
             )  # fmt: skip
         else:
             ac = ADAMW_CONFIG
-            _adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
+            adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
                 weight, grad, update.exp_avg, update.exp_avg_sq, scalars, skip, hyper,
                 weight.numel(),
                 BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],

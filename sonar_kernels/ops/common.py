@@ -17,7 +17,7 @@ def triton_interpreting() -> bool:
 
     from sonar_kernels.kernels import routing
 
-    return isinstance(routing._routing_metadata_kernel, InterpretedFunction)
+    return isinstance(routing.routing_histogram_kernel, InterpretedFunction)
 
 
 def empty(shape, dtype, device) -> torch.Tensor:
@@ -32,7 +32,7 @@ def on_device(device: torch.device):
 
 
 def input_precision(dtype: torch.dtype) -> str:
-    """Full fp32 products for fp32 GEMMs: the GPU would otherwise silently use tf32 (DESIGN.md)."""
+    """Full fp32 products for fp32 GEMMs: the GPU would otherwise silently use tf32 (docs/design.md)."""
     return "ieee" if dtype == torch.float32 else "tf32"
 
 
@@ -76,3 +76,10 @@ def inf_norm(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.linalg.vector_norm(x, float("inf")).float()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A reduction's result as a plain tensor: a DTensor's (a sharded or replicated parameter's) is made
+    whole over its mesh (the collective its placement needs); any other tensor is returned as it is."""
+    full_tensor = getattr(t, "full_tensor", None)
+    return full_tensor() if callable(full_tensor) else t

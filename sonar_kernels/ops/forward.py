@@ -9,24 +9,37 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
     FWD_GEMM_CONFIG,
     TILE_M,
-    _expert_mlp_combine_kernel,
-    _expert_mlp_fwd_up_kernel,
-    _expert_mlp_grouped_mm_kernel,
+    expert_mlp_combine_kernel,
+    expert_mlp_fwd_up_kernel,
+    expert_mlp_grouped_mm_kernel,
 )
-from sonar_kernels.kernels.routing import _routing_metadata_kernel
+from sonar_kernels.kernels.routing import (
+    routing_histogram_kernel,
+    routing_scan_kernel,
+    routing_scatter_kernel,
+)
 from sonar_kernels.ops import common
 from sonar_kernels.ops.common import input_precision, max_row_tiles, on_device, triton_interpreting
 from sonar_kernels.specs import RoutingMetadata
 
 
 def routing_block_config(num_experts: int) -> dict:
-    """BLOCK_E covers all experts; BLOCK_S keeps the [BLOCK_S, BLOCK_E] one-hot tile at 8192 elements."""
+    """BLOCK_E covers all experts; the [BLOCK_S, BLOCK_E] one-hot tile of the histogram and scatter holds
+    8192 elements, the scan's [BLOCK_B, BLOCK_E] tile 2048 (its cumsum over the blocks spills beyond)."""
     block_e = max(16, triton.next_power_of_2(num_experts))
-    return {"BLOCK_E": block_e, "BLOCK_S": max(8, 8192 // block_e), "num_warps": 4}
+    return {
+        "BLOCK_E": block_e,
+        "BLOCK_S": max(8, 8192 // block_e),
+        "BLOCK_B": max(8, 2048 // block_e),
+        "num_warps": 4,
+    }
 
 
 def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
-    """Routing metadata on the device in one launch (see :class:`sonar_kernels.specs.RoutingMetadata`).
+    """Routing metadata on the device in three launches (see :class:`sonar_kernels.specs.RoutingMetadata`).
+
+    A histogram per block of slots, a scan over the blocks, a scatter per block; the same stable
+    (expert, slot) order as :func:`sonar_kernels.reference.routing_metadata`.
 
     Args:
         top_k_index: [T, top_k] int32/int64 expert ids, any strides; ids outside [0, E) are dropped.
@@ -37,22 +50,31 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMeta
     """
     T, top_k = top_k_index.shape
     S = T * top_k
+    E = num_experts
     device = top_k_index.device
     meta = RoutingMetadata(
-        expert_offsets=common.empty((num_experts + 1,), torch.int32, device),
-        tile_offsets=common.empty((num_experts + 1,), torch.int32, device),
+        expert_offsets=common.empty((E + 1,), torch.int32, device),
+        tile_offsets=common.empty((E + 1,), torch.int32, device),
         row_of_slot=common.empty((S,), torch.int32, device),
         token_of_row=common.empty((S,), torch.int32, device),
         slot_of_row=common.empty((S,), torch.int32, device),
     )
-    cfg = routing_block_config(num_experts)
+    cfg = routing_block_config(E)
+    num_blocks = max(1, triton.cdiv(S, cfg["BLOCK_S"]))
+    block_rows = common.empty((num_blocks, E), torch.int32, device)  # the scan's workspace
+    index = {"top_k_index_ptr": top_k_index, "S": S, "E": E, "top_k": top_k,
+             "stride_index_t": top_k_index.stride(0), "stride_index_j": top_k_index.stride(1)}  # fmt: skip
+    blocks = {"BLOCK_S": cfg["BLOCK_S"], "BLOCK_E": cfg["BLOCK_E"], "num_warps": cfg["num_warps"]}
     with on_device(device):
-        _routing_metadata_kernel[(1,)](
-            top_k_index, meta.expert_offsets, meta.tile_offsets, meta.row_of_slot, meta.token_of_row,
-            meta.slot_of_row,
-            S, num_experts, top_k,
-            top_k_index.stride(0), top_k_index.stride(1),
-            TILE_M=TILE_M, BLOCK_S=cfg["BLOCK_S"], BLOCK_E=cfg["BLOCK_E"], num_warps=cfg["num_warps"],
+        routing_histogram_kernel[(num_blocks,)](block_rows_ptr=block_rows, **index, **blocks)
+        routing_scan_kernel[(1,)](
+            block_rows_ptr=block_rows, expert_offsets_ptr=meta.expert_offsets, tile_offsets_ptr=meta.tile_offsets,
+            num_blocks=num_blocks, E=E, TILE_M=TILE_M, BLOCK_B=cfg["BLOCK_B"], BLOCK_E=cfg["BLOCK_E"],
+            num_warps=cfg["num_warps"],
+        )  # fmt: skip
+        routing_scatter_kernel[(num_blocks,)](
+            block_rows_ptr=block_rows, row_of_slot_ptr=meta.row_of_slot, token_of_row_ptr=meta.token_of_row,
+            slot_of_row_ptr=meta.slot_of_row, **index, **blocks,
         )  # fmt: skip
     return meta
 
@@ -67,7 +89,8 @@ def moe_mlp_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor, RoutingMetadata]:
     """Triton forward of the gated expert MLP; arguments as checked by :func:`check_moe_mlp_args`.
 
-    Four launches: routing metadata, up-projection + GLU, down-projection, combine. Any strides.
+    Six launches: routing metadata (histogram, scan, scatter), up-projection + GLU, down-projection,
+    combine. Any strides.
     Returns:
         (out [T, H] in the dtype of hidden_states, Hpre [S, 2I] in that dtype (rows past
         expert_offsets[E] unwritten), the routing metadata).
@@ -98,7 +121,7 @@ def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     precision = input_precision(dtype)
 
     a = common.empty((S, I), dtype, device)
-    _expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
+    expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
         hidden_states, gate_up_proj, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
         E, H, I,
         hidden_states.stride(0), hidden_states.stride(1),
@@ -109,7 +132,7 @@ def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     )  # fmt: skip
 
     y = common.empty((S, H), dtype, device)
-    _expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
+    expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
         a, down_proj, meta.expert_offsets, meta.tile_offsets, y,
         E, H, I,
         a.stride(0), a.stride(1),
@@ -121,7 +144,7 @@ def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
     del a
 
     cc = COMBINE_CONFIG
-    _expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
+    expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
         y, meta.row_of_slot, top_k_weights, out,
         T, H, top_k,
         y.stride(0), y.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),

@@ -4,11 +4,14 @@ AdamW update fused into it, and the standalone AdamW update of one expert tensor
 forward's autograd formula is registered by ``sonar_kernels.autograd``.
 
 Both backends run behind the same ops ("triton": the Triton launchers; "torch": ``torch_backend``).
-An update's tensors travel as one list in the order of :data:`STATE_FIELDS`; an empty list means "no
-update".
+An update's mutable tensors travel as one list in the order of :data:`STATE_FIELDS` (an empty list
+means "no update"); its hyperparameter tensor, which the update only reads and which every tensor of a
+parameter group shares, travels apart, so that an update does not bump its version counter.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import Tensor
@@ -20,7 +23,7 @@ from sonar_kernels.ops.adamw import torch_adamw_
 from sonar_kernels.specs import RoutingMetadata
 
 # The tensors of an in-backward update, in the order the ops take them.
-STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "hyper", "grad_norm_sq", "skipped")
+STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
 # or add it to an accumulation buffer.
 MODES = ("grad", "update", "accumulate")
@@ -35,11 +38,27 @@ def moe_mlp_fwd(
     down_proj: Tensor,
     gate_up_proj_state: list[Tensor],
     down_proj_state: list[Tensor],
+    gate_up_proj_hyper: Tensor | None,
+    down_proj_hyper: Tensor | None,
+    gate_up_proj_grad_dtype: torch.dtype | None,
+    down_proj_grad_dtype: torch.dtype | None,
+    fused_epilogue: bool,
+    foreach: bool | None,
+    torch_fused: bool | None,
     activation: str,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
-    :class:`RoutingMetadata`). The update states are inputs only so that the backward receives them."""
+    :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
+    hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
+    fused flags) are inputs only so that the registered backward receives them."""
+    return run_moe_mlp_fwd(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
+    )
+
+
+def run_moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend):
+    """The body of :func:`moe_mlp_fwd`: the launchers of ``backend``."""
     fwd = triton_fwd.moe_mlp_fwd if backend == "triton" else torch_backend.moe_mlp_fwd
     out, hpre, meta = fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
     return (out, hpre, *meta)
@@ -48,7 +67,8 @@ def moe_mlp_fwd(
 @moe_mlp_fwd.register_fake
 def _moe_mlp_fwd_fake(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
-    activation, backend,
+    gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
+    torch_fused, activation, backend,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
@@ -65,11 +85,11 @@ def _moe_mlp_fwd_fake(
     )
 
 
-def _update(state: list[Tensor], grad_dtype, fused: bool, grad_in) -> triton_bwd.AdamWUpdate:
-    exp_avg, exp_avg_sq, step, hyper, grad_norm_sq, skipped = state
+def _update(state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done) -> triton_bwd.AdamWUpdate:
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
     return triton_bwd.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
-        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped,
+        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done,
     )  # fmt: skip
 
 
@@ -93,15 +113,19 @@ def moe_mlp_bwd(
     needs_input_grad: list[bool],
     gate_up_proj_mode: str,
     gate_up_proj_state: list[Tensor],
+    gate_up_proj_hyper: Tensor | None,
     gate_up_proj_buffer: Tensor | None,
     gate_up_proj_buffer_add: bool,
     gate_up_proj_grad_dtype: torch.dtype | None,
     down_proj_mode: str,
     down_proj_state: list[Tensor],
+    down_proj_hyper: Tensor | None,
     down_proj_buffer: Tensor | None,
     down_proj_buffer_add: bool,
     down_proj_grad_dtype: torch.dtype | None,
     fused_epilogue: bool,
+    foreach: bool | None,
+    torch_fused: bool | None,
     activation: str,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -109,27 +133,50 @@ def moe_mlp_bwd(
     an empty tensor where ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no or the
     weight's mode is not "grad".
 
-    Per weight, ``mode`` "update": AdamW applied in place to the weight and its state (the Triton wgrad
-    epilogue, or its split path with ``fused_epilogue=False``), with ``buffer`` (the gradient of earlier
-    micro-batches, or None) added to this backward's gradient first; "accumulate": this backward's
-    gradient added to ``buffer`` (``buffer_add``) or written into it. Both only on the Triton backend:
-    the torch backend returns the gradient, and the caller applies :func:`expert_adamw_`.
+    Per weight, ``mode`` "update": AdamW applied in place to the weight and its state, with ``buffer``
+    (the gradient of earlier micro-batches, or None) added to this backward's gradient first: on the
+    Triton backend in the wgrad epilogue (or its split path with ``fused_epilogue=False``); on the torch
+    backend by torch's AdamW (``foreach``, ``torch_fused``: its flags; the body of
+    :func:`expert_adamw_`) right after that weight's wgrad, whose gradient is then released before the
+    next one is computed (one expert gradient alive at a time). "accumulate" (Triton backend only): this
+    backward's gradient added to ``buffer`` (``buffer_add``) or written into it.
     """
+    return run_moe_mlp_bwd(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
+        gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
+        down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
+        foreach, torch_fused, activation, backend,
+    )  # fmt: skip
+
+
+def run_moe_mlp_bwd(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
+    row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
+    gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
+    down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
+    foreach, torch_fused, activation, backend,
+    on_done=(None, None),
+):  # fmt: skip
+    """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
+    run right after the launch that updated it or added to its buffer (before any later launch, so that a
+    failure further on cannot leave an applied update unrecorded). Mutated tensors' version counters are
+    the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
     needs = tuple(needs_input_grad)
     if backend == "triton":
         updates, accumulators = {}, {}
         weights = (
-            ("gate_up_proj", gate_up_proj_mode, gate_up_proj_state, gate_up_proj_buffer, gate_up_proj_buffer_add,
-             gate_up_proj_grad_dtype),
-            ("down_proj", down_proj_mode, down_proj_state, down_proj_buffer, down_proj_buffer_add,
-             down_proj_grad_dtype),
+            ("gate_up_proj", gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
+             gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0]),
+            ("down_proj", down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add,
+             down_proj_grad_dtype, on_done[1]),
         )  # fmt: skip
-        for name, mode, state, buffer, add, grad_dtype in weights:
+        for name, mode, state, hyper, buffer, add, grad_dtype, done in weights:
             if mode == "update":
-                updates[name] = _update(state, grad_dtype, fused_epilogue, buffer)
+                updates[name] = _update(state, hyper, grad_dtype, fused_epilogue, buffer, done)
             elif mode == "accumulate":
-                accumulators[name] = triton_bwd.GradAccumulator(buffer, add)
+                accumulators[name] = triton_bwd.GradAccumulator(buffer, add, done)
         grads = triton_bwd.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
@@ -137,24 +184,34 @@ def moe_mlp_bwd(
             down_proj_accumulator=accumulators.get("down_proj"),
         )  # fmt: skip
     else:
+        apply = [
+            functools.partial(_torch_update, weight, state, hyper, buffer, foreach, torch_fused, done)
+            if mode == "update" else None
+            for weight, mode, state, hyper, buffer, done in (
+                (gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
+                 on_done[0]),
+                (down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer, on_done[1]),
+            )
+        ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs
-        )
-    empty = hidden_states.new_empty(0)
-    return tuple(empty if g is None else g for g in grads)
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
+            gate_up_proj_update=apply[0], down_proj_update=apply[1],
+        )  # fmt: skip
+    # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
+    return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
 
 
 @moe_mlp_bwd.register_fake
 def _moe_mlp_bwd_fake(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
-    gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode, down_proj_state,
-    down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue, activation, backend,
+    gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
+    down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
+    foreach, torch_fused, activation, backend,
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2 = needs_input_grad
-    triton = backend == "triton"
-    need_w1 = need_w1 and (gate_up_proj_mode == "grad" or not triton)
-    need_w2 = need_w2 and (down_proj_mode == "grad" or not triton)
+    need_w1 = need_w1 and gate_up_proj_mode == "grad"
+    need_w2 = need_w2 and down_proj_mode == "grad"
     empty = hidden_states.new_empty(0)
     return (
         torch.empty_like(hidden_states) if need_x else empty,
@@ -170,6 +227,7 @@ def expert_adamw_(
     grad: Tensor,
     grad_in: Tensor | None,
     state: list[Tensor],
+    hyper: Tensor,
     foreach: bool | None,
     fused: bool | None,
 ) -> None:
@@ -177,16 +235,24 @@ def expert_adamw_(
     squared norm and the skip counter; ``state`` in the order of :data:`STATE_FIELDS`), from ``grad``
     plus ``grad_in`` (earlier micro-batches, or None) summed in grad_in's dtype, as autograd sums them in
     ``.grad``. Skipped as a whole for a non-finite or too large gradient (see
-    :func:`sonar_kernels.ops.adamw.torch_adamw_`). The hyperparameters are read from the state's
-    ``hyper`` tensor on the host (a sync on a GPU; the Triton backend reads them in its kernels)."""
-    exp_avg, exp_avg_sq, step, hyper, grad_norm_sq, skipped = state
+    :func:`sonar_kernels.ops.adamw.torch_adamw_`). The hyperparameters are read from ``hyper``
+    ([5] float64, :data:`sonar_kernels.specs.HYPERPARAMETERS`) on the host (a sync on a GPU; the Triton
+    backend reads them in its kernels)."""
+    _torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
+
+
+def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad) -> None:
+    """The body of :func:`expert_adamw_`; then ``done()`` when given."""
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
     total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
     torch_adamw_(
         weight, total, exp_avg, exp_avg_sq, step, tuple(hyper.tolist()), grad_norm_sq, skipped,
         foreach=foreach, fused=fused,
     )  # fmt: skip
+    if done is not None:
+        done()
 
 
 @expert_adamw_.register_fake
-def _expert_adamw_fake(weight, grad, grad_in, state, foreach, fused):
+def _expert_adamw_fake(weight, grad, grad_in, state, hyper, foreach, fused):
     return None

@@ -159,11 +159,17 @@ def moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
 
 def moe_mlp_bwd(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad
-):
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
+    *, gate_up_proj_update=None, down_proj_update=None,
+):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj), None where
     ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no. Weight gradients in the weight's
-    dtype; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e]."""
+    dtype; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
+
+    ``down_proj_update`` / ``gate_up_proj_update``: a callable that takes the weight's gradient and
+    updates the weight in place, called as soon as that gradient exists (W2's after G, which reads W2,
+    and before dX; W1's last); the gradient is then released (None returned for it), so one expert
+    gradient is alive at a time."""
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
@@ -189,12 +195,22 @@ def moe_mlp_bwd(
         if need_x or need_w1:
             d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
             grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
+            del d_gate, d_up
     if need_w2:
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
         grad_w2 = grouped_wgrad(p, a, meta.expert_offsets).to(down_proj.dtype)
+        del p
+        if down_proj_update is not None:
+            down_proj_update(grad_w2)
+            grad_w2 = None
     if need_x:
         rows = grouped_mm(grad_hpre, gate_up_proj.to(dtype), meta.expert_offsets)
         grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
+        del rows
     if need_w1:
         grad_w1 = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets).to(gate_up_proj.dtype)
+        if gate_up_proj_update is not None:
+            del grad_hpre, grad_rows, g, a
+            gate_up_proj_update(grad_w1)
+            grad_w1 = None
     return grad_x, grad_w, grad_w1, grad_w2

@@ -58,7 +58,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             the parameter's dtype.
         grad_dtype: dtype the fp32 wgrad accumulator is rounded to before the AdamW math; None: the
             parameter's dtype (what a ``.grad`` would hold); torch.float32 keeps the fp32 value.
-        fused_epilogue: True: AdamW in the wgrad epilogue. False: DESIGN.md's split path, the same
+        fused_epilogue: True: AdamW in the wgrad epilogue. False: docs/design.md's split path, the same
             wgrad kernel writing a temporary gradient (one weight tensor's worth), then a standalone
             AdamW kernel; bit-identical to the fused path, for checking it.
         accumulation_steps: k micro-batches per optimizer step (gradient accumulation). The gradients
@@ -100,7 +100,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         registers them for the in-backward update."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        param_group = {**param_group, "params": params}  # a generator is consumed once, here
+        # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
+        param_group = self._watch_group({**param_group, "params": params})
         self._check_managed(params)
         check_hyperparameters(
             param_group.get("lr", self.defaults["lr"]),

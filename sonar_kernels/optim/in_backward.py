@@ -1,45 +1,127 @@
 """The in-backward AdamW machinery shared by ExpertAdamW and SonarAdamW.
 
-A tensor "managed" here is updated inside the backward pass: by the Triton wgrad epilogue when it is a
-weight of the expert MLP on the Triton backend (``autograd/moe_mlp.py`` asks :func:`expert_optimizer`
-and calls ``_update_for`` / ``_finish_update``), otherwise by torch's own AdamW from a post-accumulate-grad
-hook, the gradient released right after.
+(About 600 lines, on purpose: one state machine (ownership, micro-batch accumulation, the hook path,
+checkpoints) over one set of private per-tensor tables; split across modules, those tables would be
+shared private state.)
+
+A tensor "managed" here is updated inside the backward pass. The optimizer attaches an
+:class:`sonar_kernels.specs.ExpertUpdate` to it (``_OwnedUpdate``: the state tensors, and the
+bookkeeping the autograd layer calls in eager mode), so that the expert MLP's backward applies the
+update itself: in the Triton wgrad epilogue, or through torch's AdamW right after its gradient is
+computed (the torch backend). A gradient that reaches ``.grad`` instead (a weight passed to the MLP as a
+cast or another copy, a penalty on the weights, FSDP2's reduced shard) is applied by the optimizer's
+post-accumulate-grad hook on the tensor, then released.
+
+Each managed tensor carries at most one update and one hook of this library: the newest optimizer owns
+it (an older one lets it go), and both are removed when their optimizer is garbage-collected.
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from sonar_kernels import ops
+from sonar_kernels import ops, specs
 from sonar_kernels.ops.common import like
 from sonar_kernels.ops.validation import as_float
+from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
-# Managed tensor -> weak reference to the optimizer that updates it in the backward (at most one).
-_MANAGER: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# Tensors that are expert weights (registered by SonarExperts), which SonarAdamW updates in the backward.
-_EXPERT_TENSORS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+__all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
 
 
-def mark_expert_tensors(*tensors: torch.Tensor) -> None:
-    """Register tensors as expert weights, so that :class:`sonar_kernels.SonarAdamW` updates them in the
-    backward pass (SonarExperts registers its parameters, also in copies and unpickled modules)."""
-    for t in tensors:
-        _EXPERT_TENSORS[t] = True
+def expert_optimizer(param: torch.Tensor):
+    """The live optimizer that updates ``param`` in the backward (the one whose update it carries), or None."""
+    update = update_of(param)
+    return update.optimizer if isinstance(update, _OwnedUpdate) else None
 
 
-def is_expert_tensor(t: torch.Tensor) -> bool:
-    """Whether ``t`` was registered with :func:`mark_expert_tensors`."""
-    return t in _EXPERT_TENSORS
+class _OwnedUpdate(specs.ExpertUpdate):
+    """The update of one managed tensor, with its owner's bookkeeping (weak references to the optimizer
+    and the tensor: an update keeps neither alive)."""
+
+    def __init__(self, optimizer, param: torch.Tensor, **fields):
+        super().__init__(**fields)
+        self._optimizer = weakref.ref(optimizer)
+        self._param = weakref.ref(param)
+        # The autograd graphs recorded over the tensor that have not run their backward yet.
+        self.live = weakref.WeakSet()
+        self._buffer = None
+
+    @property
+    def optimizer(self):
+        return self._optimizer()
+
+    def _owner(self):
+        optimizer, param = self._optimizer(), self._param()
+        if optimizer is None or param is None:
+            raise RuntimeError("the optimizer that owned this expert tensor was garbage-collected")
+        return optimizer, param
+
+    def accumulating(self) -> bool:
+        optimizer, param = self._owner()
+        return optimizer._accumulating(param)
+
+    def track(self, graph) -> None:
+        self.live.add(graph)
+
+    def begin_backward(self, graph) -> None:
+        optimizer, param = self._owner()
+        self.live.discard(graph)
+        if len(self.live):
+            raise RuntimeError(
+                f"an expert tensor of shape {tuple(param.shape)}: {len(self.live)} other live autograd graph(s) use "
+                f"it, which {type(optimizer).__name__} updates in this backward; their backward would then see the "
+                "updated weights. Call the experts once per forward (or once per backward), or free the other "
+                "graph first."
+            )
+        optimizer._check_not_updated(param)
+        # The group's hyperparameters as they are now (the tensor the kernels read).
+        optimizer._hyper_tensor(param)
+
+    def grad_in(self):
+        optimizer, param = self._owner()
+        return optimizer._grad_in(param)
+
+    def accumulation_buffer(self):
+        optimizer, param = self._owner()
+        accumulator = optimizer._accumulator_for(param)
+        if accumulator is None:
+            return None
+        self._buffer = accumulator.buffer
+        return accumulator.buffer, accumulator.add
+
+    def finish(self, applied: bool) -> None:
+        optimizer, param = self._owner()
+        if applied:
+            optimizer._finish_update(param)
+        else:
+            optimizer._accumulated_into(param, self._buffer)
+        self._buffer = None
 
 
-def expert_optimizer(param: torch.Tensor) -> InBackwardAdamW | None:
-    """The live optimizer that updates ``param`` (by identity) in the backward, if any."""
-    ref = _MANAGER.get(param)
-    return ref() if ref is not None else None
+class _Group(dict):
+    """A parameter group that tells its optimizer when a hyperparameter is set (an LR scheduler's
+    ``group["lr"] = ...``), so that the device tensor the kernels read is rewritten at once."""
+
+    def __setitem__(self, key, value) -> None:
+        super().__setitem__(key, value)
+        on_change = getattr(self, "on_change", None)
+        if on_change is not None and key in ("lr", "betas", "eps", "weight_decay"):
+            on_change(self)
+
+
+def _release(entries: list) -> None:
+    """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor ref, update,
+    hook handle or None])."""
+    for ref, update, handle in entries:
+        if handle is not None:
+            handle.remove()
+        param = ref()
+        if param is not None and update_of(param) is update:
+            specs.attach_update(param, None)
+    entries.clear()
 
 
 class InBackwardAdamW:
@@ -82,8 +164,14 @@ class InBackwardAdamW:
         # Managed tensors updated by the Triton epilogue since the last step().
         self._updated_in_backward = WeakIdKeyDictionary()
         # (parameter group index, device) -> (hyperparameters, [5] float64 tensor on that device) that the
-        # kernels read (specs.HYPERPARAMETERS); refreshed when the group's values change.
+        # kernels read (specs.HYPERPARAMETERS); rewritten when the group's values change.
         self._hyper: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
+        # Managed tensor -> the update attached to it.
+        self._updates = WeakIdKeyDictionary()
+        # [tensor ref, update, hook handle] of each managed tensor: removed when this optimizer is
+        # garbage-collected (the finalizer holds the list, not the optimizer).
+        self._entries: list = []
+        weakref.finalize(self, _release, self._entries)
 
     def _check_managed(self, params) -> None:
         name = type(self).__name__
@@ -94,19 +182,27 @@ class InBackwardAdamW:
                 raise TypeError(f"{name}: expert tensors must be float32, bfloat16 or float16, got {p.dtype}")
             if not ops.is_dense(p):
                 raise ValueError(f"{name}: expert tensors must be dense tensors, got strides {p.stride()}")
-            owner = expert_optimizer(p)
-            if owner is not None and owner is not self:
-                raise ValueError(
-                    f"a tensor of shape {tuple(p.shape)} is already managed by another in-backward optimizer "
-                    f"({type(owner).__name__}); each expert tensor can have one"
-                )
+
+    def _watch_group(self, group: dict) -> _Group:
+        """``group`` as a :class:`_Group` that rewrites the hyperparameter tensor when a value is set."""
+        group = group if isinstance(group, _Group) else _Group(group)
+        group.on_change = _weak_call(self, "_on_group_change")
+        return group
+
+    def _on_group_change(self, group: dict) -> None:
+        for p in group["params"]:
+            if p in self._managed:
+                self._hyper_tensor(p)
 
     def _manage(self, params) -> None:
-        """Create the state of ``params`` (already in param_groups) and register them for the update."""
-        this = weakref.ref(self)
+        """Create the state of ``params`` (already in param_groups), attach their updates (an earlier
+        optimizer that owned one lets it go) and register their hooks."""
         for p in params:
             if p in self._managed:
                 continue
+            previous = expert_optimizer(p)
+            if previous is not None and previous is not self:
+                previous._let_go(p)
             moments = self.moments_dtype or p.dtype
             self.state[p] = {
                 "step": torch.zeros((), dtype=torch.float32, device=p.device),
@@ -116,16 +212,49 @@ class InBackwardAdamW:
             self._managed[p] = True
             self._grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
             self._skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
-            _MANAGER[p] = this
+            self._attach(p)
         self._register_hooks()
 
+    def _attach(self, p: torch.Tensor) -> None:
+        """(Re)build the update of ``p`` from its current state tensors and attach it."""
+        state = self.state[p]
+        foreach, fused = self._torch_adamw_flags(self._group_of(p), p)
+        update = _OwnedUpdate(
+            self, p, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], step=state["step"],
+            hyper=self._hyper_tensor(p), grad_norm_sq=self._grad_norm_sq[p], skipped=self._skipped[p],
+            grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
+            accumulation_steps=self.accumulation_steps,
+        )  # fmt: skip
+        old = self._updates.get(p)
+        self._updates[p] = update
+        specs.attach_update(p, update)
+        for entry in self._entries:
+            if entry[1] is old and entry[0]() is p:
+                entry[1] = update
+                break
+        else:
+            self._entries.append([weakref.ref(p), update, None])
+
+    def _let_go(self, p: torch.Tensor) -> None:
+        """A newer optimizer owns ``p`` now: remove this one's hook; ``p`` is no longer updated here in the
+        backward (its state is kept)."""
+        handle = self._hooked.pop(p, None)
+        if handle is not None:
+            handle.remove()
+        self._managed.pop(p, None)
+        self._updates.pop(p, None)
+        self._entries[:] = [entry for entry in self._entries if entry[0]() is not p]
+
     def _register_hooks(self) -> None:
-        """The in-backward update of gradients accumulated into managed tensors (the torch backend). A
-        hook needs requires_grad: tensors frozen now get theirs at the next step()."""
+        """The update of gradients that reach a managed tensor's ``.grad``. A hook needs requires_grad:
+        tensors frozen now get theirs at the next step()."""
         this = weakref.ref(self)
-        for p in list(self._managed.keys()):
-            if p.requires_grad and p not in self._hooked:
-                self._hooked[p] = p.register_post_accumulate_grad_hook(_apply_accumulated_grad(this))
+        for entry in self._entries:
+            p = entry[0]()
+            if p is not None and p.requires_grad and p not in self._hooked:
+                entry[2] = self._hooked[p] = p.register_post_accumulate_grad_hook(
+                    _apply_accumulated_grad(this)
+                )
 
     def _group_of(self, p: torch.Tensor) -> dict:
         return self.param_groups[self._group_index(p)]
@@ -193,7 +322,7 @@ class InBackwardAdamW:
         add = buffer is not None
         if buffer is None:
             buffer = like(p, self.grad_dtype)
-        return ops.GradAccumulator(buffer, add, functools.partial(self._accumulated_into, p, buffer))
+        return ops.GradAccumulator(buffer, add)
 
     def _accumulated_into(self, p: torch.Tensor, buffer: torch.Tensor) -> None:
         self._buffers[p] = buffer
@@ -204,28 +333,14 @@ class InBackwardAdamW:
         self._micro[p] = count
         return count
 
-    def _update_for(self, p: torch.Tensor, with_grad_in: bool = True) -> ops.AdamWUpdate:
-        """The update the backward applies to ``p`` now, with the gradient accumulated in ``p.grad`` or
-        its buffer (if any) added; raises if ``p`` was updated since step()."""
-        self._check_not_updated(p)
+    def _grad_in(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The gradient of earlier micro-batches of ``p`` (its buffer or ``.grad``) in ``grad_dtype`` with
+        ``p``'s strides, which the backward's update adds to its own; None when there is none."""
         grad_dtype = self.grad_dtype or p.dtype
-        grad_in = None
-        if with_grad_in:
-            grad_in = self._buffers.get(p, p.grad)
+        grad_in = self._buffers.get(p, p.grad)
         if grad_in is not None and (grad_in.dtype != grad_dtype or grad_in.stride() != p.stride()):
             grad_in = torch.empty_like(p, dtype=grad_dtype).copy_(grad_in)
-        state = self.state[p]
-        return ops.AdamWUpdate(
-            exp_avg=state["exp_avg"],
-            exp_avg_sq=state["exp_avg_sq"],
-            step=state["step"],
-            hyper=self._hyper_tensor(p),
-            grad_dtype=grad_dtype,
-            fused=self.fused_epilogue,
-            grad_in=grad_in,
-            grad_norm_sq=self._grad_norm_sq[p],
-            skipped=self._skipped[p],
-        )
+        return grad_in
 
     def _finish_update(self, p: torch.Tensor) -> None:
         """After the kernels wrote p and its moments: record it, and bump the version counters (Triton
@@ -281,6 +396,11 @@ class InBackwardAdamW:
         if self._count_micro_batch(p) >= self.accumulation_steps:
             self._apply_grad(p)
 
+    @property
+    def expert_tensors(self) -> list[torch.Tensor]:
+        """The tensors this optimizer updates in the backward (it owns them), in param_groups order."""
+        return [p for group in self.param_groups for p in group["params"] if p in self._managed]
+
     def expert_grad_norm(self, params=None) -> torch.Tensor:
         """L2 norm of the expert gradients of the current step (read it after the backward, or after
         ``step()``, until the next step's backward writes new values): a 0-dim float32 tensor on the
@@ -323,7 +443,7 @@ class InBackwardAdamW:
                     raise ValueError(
                         f"a tensor of shape {tuple(p.shape)} is not an expert tensor of this optimizer"
                     )
-        ordered = [p for group in self.param_groups for p in group["params"] if p in self._managed]
+        ordered = self.expert_tensors
         if chosen is not None:
             ordered = [p for p in ordered if any(p is q for q in chosen)]
         if not ordered:
@@ -442,6 +562,9 @@ class InBackwardAdamW:
                         f"{key} of parameter {param_id} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
         super().load_state_dict(state_dict)
+        # torch's load_state_dict builds new group dicts: watch them again.
+        self.param_groups[:] = [self._watch_group(group) for group in self.param_groups]
+        self._hyper = {}
         # The managed tensors' state: what the kernels read (torch's policy is kept for the others).
         for param_id, p in zip(ids, params, strict=True):
             if p not in self._managed:
@@ -463,6 +586,20 @@ class InBackwardAdamW:
             for key in list(state):
                 if key not in ("step", "exp_avg", "exp_avg_sq"):
                     del state[key]
+            # The update reads the new state tensors.
+            self._attach(p)
+
+
+def _weak_call(obj, method: str):
+    """A callable that calls ``obj.<method>(*args)`` while ``obj`` lives, holding it weakly."""
+    ref = weakref.ref(obj)
+
+    def call(*args):
+        target = ref()
+        if target is not None:
+            getattr(target, method)(*args)
+
+    return call
 
 
 def _apply_accumulated_grad(optimizer_ref):

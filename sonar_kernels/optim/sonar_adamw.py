@@ -8,7 +8,7 @@ import warnings
 import torch
 from torch import nn
 
-from sonar_kernels import ops
+from sonar_kernels import ops, specs
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
     is_expert_tensor,
@@ -107,18 +107,14 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
-            from sonar_kernels.integrations import transformers as hf
-
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
             # transformers experts modules running the "sonar" implementation are found by their config.
             other = set()
             for module in params_or_model.modules():
-                if callable(getattr(module, "expert_tensors", None)):
-                    mark_expert_tensors(*module.expert_tensors())
-                elif (tensors := hf.expert_tensors(module)) is not None:
+                if (tensors := specs.expert_tensors_of(module)) is not None:
                     mark_expert_tensors(*tensors)
-                elif hf.is_experts_module(module):
-                    other.add(getattr(module.config, "_experts_implementation", None))
+                elif specs.is_experts_module(module):
+                    other.add(getattr(getattr(module, "config", None), "_experts_implementation", None))
             if other:
                 warnings.warn(
                     f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
@@ -140,7 +136,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         in-backward update (state created now)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        param_group = {**param_group, "params": params}  # a generator is consumed once, here
+        # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
+        param_group = self._watch_group({**param_group, "params": params})
         experts = [p for p in params if is_expert_tensor(p)]
         self._check_managed(experts)
         super().add_param_group(param_group)
@@ -211,8 +208,9 @@ def _found_inf(params: list[torch.Tensor], norm: torch.Tensor | None) -> torch.T
     for p in params:
         groups.setdefault((p.grad.device, p.dtype), []).append(p.grad)
     for (_, dtype), grads in groups.items():
-        largest = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).amax()
+        # A DTensor gradient (FSDP2's shard) is reduced over its mesh.
+        largest = torch.stack([ops.whole(n).float() for n in torch._foreach_norm(grads, float("inf"))]).amax()
         found |= (~(largest <= ops.grad_limit(dtype))).to(device)
     if norm is not None:
-        found |= ~torch.isfinite(norm).to(device)
+        found |= ~torch.isfinite(ops.whole(norm)).to(device)
     return found

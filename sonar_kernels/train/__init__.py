@@ -1,0 +1,57 @@
+"""sonar-train: train an OLMoE or Granite MoE model on real text with standard and sonar training side by side.
+
+Three arms start from the same initial weights and see the same batches; all run the experts with the
+sonar kernels (transformers' experts_implementation "sonar"), so only the optimizer differs:
+
+- ``standard``: torch.optim.AdamW on all parameters, ``clip_grad_norm_`` over all parameters;
+- ``sonar``: :class:`sonar_kernels.SonarAdamW`, expert tensors updated in the backward (no expert
+  gradient kept), dense parameters clipped by their own global norm;
+- ``standard-dense-clip``: torch.optim.AdamW, ``clip_grad_norm_`` over the dense parameters only: the
+  same math as ``sonar`` with standard machinery, so the two must agree bit for bit.
+
+``--arms all-in-backward`` adds the paper's other comparison (not run by default): every parameter
+updated in the backward and no clipping anywhere (:class:`AllInBackward`).
+
+Data: by default the Python reference documentation that ships with every CPython (the module
+``pydoc_data.topics``, about 465 KB of English), tokenized as bytes (vocabulary 256); ``--data`` takes a
+UTF-8 text file or JSONL with a "text" field. The last tenth is the held-out split.
+
+Output, under ``runs/<name>/``: ``report.json`` (per arm: ``heldout_loss``, ``peak_memory_bytes``,
+``peak_memory``, ``step_time_s``, ``train_losses``, ``clip_fraction``; top level:
+``sonar_equals_control_bitwise``), ``report.png`` (loss curves and memory bars) and the printed summary.
+Peak memory is measured in a separate short pass per arm (after two warm-up steps, so that the optimizer
+state exists), with torch's MemTracker, which splits it into parameters, gradients, optimizer state and
+activations and tells whether the peak falls in the forward, the backward or the optimizer step; on CUDA
+the allocator's peak is reported as well.
+
+The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``memory``
+(the MemTracker pass), ``report`` (table and figure), ``cli`` (``sonar-train``, ``python -m
+sonar_kernels.train``).
+"""
+
+from sonar_kernels.train.arms import (
+    ARMS,
+    EXPERT_PARAMS,
+    OTHER_ARMS,
+    AllInBackward,
+    Arm,
+    build_arm,
+    build_model,
+    dense_parameters,
+    enable_checkpointing,
+    heldout_loss,
+    run_arm,
+    sync,
+    train_step,
+)
+from sonar_kernels.train.cli import main, parse_args
+from sonar_kernels.train.data import PRESETS, ByteData, Preset, UsageError, default_text, load_text
+from sonar_kernels.train.memory import LABELS, measure_memory
+from sonar_kernels.train.report import plot, summary_table
+
+__all__ = [
+    "ARMS", "EXPERT_PARAMS", "LABELS", "OTHER_ARMS", "PRESETS", "AllInBackward", "Arm", "ByteData", "Preset",
+    "UsageError", "build_arm", "build_model", "default_text", "dense_parameters", "enable_checkpointing",
+    "heldout_loss", "load_text", "main", "measure_memory", "parse_args", "plot", "run_arm", "summary_table",
+    "sync", "train_step",
+]  # fmt: skip

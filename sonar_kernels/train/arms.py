@@ -1,0 +1,225 @@
+"""sonar-train's arms: the model, each arm's optimizer and schedule, one training step, the timed run."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+import statistics
+import sys
+import time
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from sonar_kernels.train.data import ByteData, Preset
+
+ARMS = ("standard", "sonar", "standard-dense-clip")
+
+
+OTHER_ARMS = ("all-in-backward",)
+
+
+EXPERT_PARAMS = ("gate_up_proj", "down_proj")
+
+
+LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
+
+
+def build_model(preset: Preset, layers: int | None, seed: int, dtype: torch.dtype, device: torch.device):
+    """The preset's transformers model with experts_implementation "sonar", randomly initialised."""
+    import transformers
+
+    common = {
+        "vocab_size": preset.vocab_size,
+        "hidden_size": preset.hidden_size,
+        "intermediate_size": preset.intermediate_size,
+        "num_hidden_layers": layers or preset.num_layers,
+        "num_attention_heads": preset.num_heads,
+        "num_key_value_heads": preset.num_kv_heads,
+        "num_experts_per_tok": preset.top_k,
+        "max_position_embeddings": 4096,
+        "output_router_logits": True,  # the load-balancing loss is part of the training loss
+        "bos_token_id": None,
+        "eos_token_id": None,
+        "pad_token_id": None,
+        "tie_word_embeddings": False,
+        **preset.extra,
+    }
+    if preset.family == "olmoe":
+        config = transformers.OlmoeConfig(num_experts=preset.num_experts, **common)
+        cls = transformers.OlmoeForCausalLM
+    else:
+        config = transformers.GraniteMoeConfig(num_local_experts=preset.num_experts, **common)
+        cls = transformers.GraniteMoeForCausalLM
+    config._experts_implementation = "sonar"
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    # Initialised where it trains, in its dtype (a 7B model on a GPU, without an fp32 copy first).
+    with warnings.catch_warnings(), torch.device(device):
+        warnings.simplefilter("ignore")
+        torch.set_default_dtype(dtype)
+        try:
+            model = cls(config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+    return model.to(dtype=dtype)
+
+
+def enable_checkpointing(model) -> None:
+    """Non-reentrant activation checkpointing of every decoder layer (transformers' own)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.2x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def dense_parameters(model) -> list[torch.Tensor]:
+    return [p for name, p in model.named_parameters() if not name.endswith(EXPERT_PARAMS)]
+
+
+class AllInBackward:
+    """Every parameter updated in the backward, no clipping anywhere (the paper's other comparison): the
+    expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend),
+    each other trainable parameter by its own torch.optim.AdamW from a post-accumulate-grad hook, its
+    gradient released right after (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
+
+    def __init__(self, model, hyper: dict, flags: dict):
+        import sonar_kernels
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.experts = sonar_kernels.ExpertAdamW([p for n, p in named if n.endswith(EXPERT_PARAMS)], **hyper)
+        self.dense = {
+            p: torch.optim.AdamW([p], **hyper, **flags) for n, p in named if not n.endswith(EXPERT_PARAMS)
+        }
+        # The hooks hold the optimizers weakly: a hook that refers back to its parameter (through
+        # self.dense) would keep the model and the optimizer state alive for good.
+        ref = weakref.ref(self)
+        for p in self.dense:
+            p.register_post_accumulate_grad_hook(functools.partial(_all_in_backward_update, ref))
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.experts, *self.dense.values()]
+
+    def step(self) -> None:
+        self.experts.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.experts.zero_grad(set_to_none)
+
+
+def _all_in_backward_update(ref, p: torch.Tensor) -> None:
+    owner = ref()
+    if owner is not None:
+        owner.dense[p].step()
+        p.grad = None
+
+
+@dataclass
+class Arm:
+    name: str
+    model: object
+    optimizer: object  # a torch.optim.Optimizer, or AllInBackward
+    schedulers: list
+    clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step(), or nothing is clipped
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return getattr(self.optimizer, "optimizers", [self.optimizer])
+
+
+def build_arm(name: str, initial, args, steps: int) -> Arm:
+    import sonar_kernels
+
+    model = copy.deepcopy(initial).to(args.device_obj)
+    if args.checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    flags = {"foreach": args.foreach, "fused": args.fused}
+    clip = None
+    if name == "sonar":
+        optimizer = sonar_kernels.SonarAdamW(model, **hyper, **flags, max_grad_norm=args.max_grad_norm)
+    elif name == "all-in-backward":
+        optimizer = AllInBackward(model, hyper, flags)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **hyper, **flags)
+        clip = list(model.parameters()) if name == "standard" else dense_parameters(model)
+    warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
+
+    def schedule(step):  # linear warm-up, then cosine decay to LR_FLOOR
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, steps - warmup))
+        return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    arm = Arm(name, model, optimizer, [], clip)
+    arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
+    return arm
+
+
+def train_step(
+    arm: Arm, tokens: torch.Tensor, max_grad_norm: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One optimizer step; returns (loss, norm used for clipping, None when nothing is clipped) as device
+    tensors (no host sync)."""
+    loss = arm.model(input_ids=tokens, labels=tokens).loss
+    loss.backward()
+    norm = None
+    if arm.clip_params is not None:
+        norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
+    arm.optimizer.step()
+    if arm.name == "sonar":
+        norm = arm.optimizer.last_dense_grad_norm
+    for scheduler in arm.schedulers:
+        scheduler.step()
+    arm.optimizer.zero_grad(set_to_none=True)
+    return loss.detach(), None if norm is None else norm.detach()
+
+
+@torch.no_grad()
+def heldout_loss(model, batches: list[torch.Tensor]) -> float:
+    """Mean next-byte cross-entropy (nats) over the held-out batches, without the load-balancing loss."""
+    model.eval()
+    total = 0.0
+    for tokens in batches:
+        total += float(model(input_ids=tokens, labels=tokens, output_router_logits=False).loss)
+    model.train()
+    return total / len(batches)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout) -> dict:
+    from tqdm import tqdm
+
+    losses, norms, times = [], [], []
+    for step in tqdm(range(steps), desc=f"{arm.name:>19}", unit="step", file=sys.stderr, disable=args.quiet):
+        tokens = data.batch(step).to(device)
+        sync(device)
+        start = time.perf_counter()
+        loss, norm = train_step(arm, tokens, args.max_grad_norm)
+        sync(device)
+        times.append(time.perf_counter() - start)
+        losses.append(loss)
+        norms.append(norm)
+    losses = [float(x) for x in losses]
+    norms = None if norms[0] is None else [float(x) for x in norms]
+    timed = times[3:] if len(times) > 3 else times
+    return {
+        "train_losses": losses,
+        "heldout_loss": heldout_loss(arm.model, heldout),
+        # clip_grad_norm_ scales by max / (norm + 1e-6): the gradients change when that is below 1.
+        "clip_fraction": 0.0
+        if norms is None
+        else sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
+        "grad_norms": norms,
+        "step_time_s": statistics.median(timed),
+    }

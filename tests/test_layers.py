@@ -1,0 +1,17 @@
+"""The package's layers import only downward, and no layer runs the reference (import-linter's
+contracts in pyproject.toml; also `make lint`)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_contracts_are_kept():
+    lint_imports = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert lint_imports is not None, "import-linter is a test dependency (pip install -e '.[test]')"
+    result = subprocess.run([lint_imports], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout

@@ -1,0 +1,217 @@
+"""Who updates an expert tensor in the backward: explicit state of the optimizer and the tensor (no
+global table), robust to new tensor objects (assign loads, casts, DTensor), one owner and one hook per
+tensor, released with the optimizer."""
+
+import datetime
+import gc
+import os
+import socket
+
+import pytest
+import torch
+
+import sonar_kernels
+from sonar_kernels import specs
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def _hooks(p: torch.Tensor) -> int:
+    return len(getattr(p, "_post_accumulate_grad_hooks", None) or {})
+
+
+class Tiny(torch.nn.Module):
+    """A router, SonarExperts (torch backend) and a dense head."""
+
+    def __init__(self, seed=0, backend="torch"):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.router = torch.nn.Linear(16, 4)
+        self.experts = sonar_kernels.SonarExperts(4, 16, 8, backend=backend)
+        self.head = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        return self.head(self.experts(x, index, weights))
+
+
+def _batch(step):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(12, 16, generator=generator)
+
+
+def _train(model, optimizer, steps=2):
+    for step in range(steps):
+        model(_batch(step)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _experts(model):
+    return [model.experts.gate_up_proj, model.experts.down_proj]
+
+
+def test_the_newest_optimizer_owns_the_experts_and_each_tensor_has_one_hook():
+    model = Tiny()
+    first = sonar_kernels.SonarAdamW(model, **HYPER)
+    scheduler = torch.optim.lr_scheduler.StepLR(first, 1)  # holds the first optimizer  # noqa: F841
+    second = sonar_kernels.SonarAdamW(model, **HYPER)
+    third = sonar_kernels.SonarAdamW(model, **HYPER)
+    for p in _experts(model):
+        assert _hooks(p) == 1
+        assert sonar_kernels.optim.expert_optimizer(p) is third
+        assert not any(q is p for q in first.expert_tensors) and not any(
+            q is p for q in second.expert_tensors
+        )
+    _train(model, third, 1)
+    for p in _experts(model):
+        assert float(third.state[p]["step"]) == 1.0 and p.grad is None
+        assert float(first.state[p]["step"]) == 0.0
+
+
+def test_hooks_and_updates_are_removed_when_the_optimizer_is_collected():
+    model = Tiny()
+    optimizer = sonar_kernels.ExpertAdamW(model.experts.parameters(), **HYPER)
+    assert all(_hooks(p) == 1 and specs.update_of(p) is not None for p in _experts(model))
+    del optimizer
+    gc.collect()
+    assert all(_hooks(p) == 0 and specs.update_of(p) is None for p in _experts(model))
+    # Without an owner the experts get ordinary gradients.
+    model(_batch(0)).sum().backward()
+    assert all(p.grad is not None for p in _experts(model))
+
+
+@pytest.mark.parametrize("given", ["model", "parameters"])
+def test_after_an_assign_load_the_new_expert_tensors_are_managed(given):
+    model = Tiny()
+    state = {k: v.clone() for k, v in Tiny(seed=1).state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    optimizer = sonar_kernels.SonarAdamW(model if given == "model" else list(model.parameters()), **HYPER)
+    assert all(any(q is p for q in optimizer.expert_tensors) for p in _experts(model))
+    _train(model, optimizer, 1)
+    assert all(float(optimizer.state[p]["step"]) == 1.0 and p.grad is None for p in _experts(model))
+
+
+def test_two_models_with_their_own_optimizers_equal_each_trained_alone():
+    alone = []
+    for seed in (0, 1):
+        model = Tiny(seed)
+        _train(model, sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5), 3)
+        alone.append(model)
+    a, b = Tiny(0), Tiny(1)
+    opt_a = sonar_kernels.SonarAdamW(a, **HYPER, max_grad_norm=0.5)
+    opt_b = sonar_kernels.SonarAdamW(b, **HYPER, max_grad_norm=0.5)
+    for step in range(3):  # interleaved
+        for model, optimizer in ((a, opt_a), (b, opt_b)):
+            model(_batch(step)).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    for together, reference in ((a, alone[0]), (b, alone[1])):
+        for p, q in zip(together.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q)
+
+
+class CastExperts(Tiny):
+    """Calls the experts with its weights cast to bfloat16 (as torchtitan casts them before its GEMMs):
+    the op sees tensors that are not the parameters."""
+
+    def forward(self, x):
+        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        e = self.experts
+        out = sonar_kernels.moe_mlp(
+            x.bfloat16(), index, weights, e.gate_up_proj.bfloat16(), e.down_proj.bfloat16(), backend="torch"
+        )
+        return self.head(out.float())
+
+
+def test_a_cast_weight_reaches_the_owners_update_through_autograd():
+    standard, sonar = CastExperts(), CastExperts()
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
+    _train(sonar, optimizer, 2)
+    for p in _experts(sonar):
+        assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
+    for p, q in zip(sonar.parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def _to_local_forward(experts):
+    """The experts' forward with their DTensor weights passed as ``to_local()`` tensors (torchtitan's way)."""
+
+    def forward(x, index, weights):
+        return sonar_kernels.moe_mlp(
+            x, index, weights, experts.gate_up_proj.to_local(), experts.down_proj.to_local(), backend="torch"
+        )
+
+    return forward
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.timeout(60)
+def test_a_dtensor_weight_passed_as_to_local_reaches_the_owners_update():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        standard, sonar = Tiny(), Tiny()
+        for model in (standard, sonar):
+            experts = model.experts
+            for name in ("gate_up_proj", "down_proj"):
+                local = getattr(experts, name).detach()
+                experts.register_parameter(
+                    name, torch.nn.Parameter(distribute_tensor(local, mesh, [Replicate()]))
+                )
+            experts.forward = _to_local_forward(experts)
+        optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
+        assert all(
+            isinstance(p, DTensor) and any(q is p for q in optimizer.expert_tensors) for p in _experts(sonar)
+        )
+        _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
+        _train(sonar, optimizer, 2)
+        for p, q in zip(_experts(sonar), _experts(standard), strict=True):
+            assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
+            assert torch.equal(p.to_local(), q.to_local())
+        assert float(optimizer.expert_grad_norm()) > 0
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_unsharded_weights_reach_the_owners_update():
+    # FSDP2 runs the forward on unsharded parameters (other tensor objects, without the update); their
+    # gradient is reduce-scattered into the sharded DTensor parameter's .grad, whose hook applies the
+    # owner's update: the same bits as FSDP2 with torch.optim.AdamW.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        standard, sonar = Tiny(), Tiny()
+        for model in (standard, sonar):
+            fully_shard(model.experts, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
+        assert all(isinstance(p, DTensor) for p in _experts(sonar))
+        assert len(optimizer.expert_tensors) == 2
+        _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
+        _train(sonar, optimizer, 2)
+        for p, q in zip(sonar.parameters(), standard.parameters(), strict=True):
+            assert torch.equal(p.to_local(), q.to_local())
+        for p in _experts(sonar):
+            assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
+        assert float(optimizer.expert_grad_norm()) > 0
+    finally:
+        dist.destroy_process_group()
