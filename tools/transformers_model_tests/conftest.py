@@ -9,17 +9,14 @@ An explicit request (``experts_implementation="eager"``, ``set_experts_implement
 is kept. The sonar backend is the module default "auto": the torch backend on CPU, Triton on CUDA.
 Everything is restored at unconfigure.
 
-Usage, from a transformers test tree (tests/ + conftest.py of the transformers version installed in the venv;
-see README.md next to this file for how /tmp/hf_tests was assembled for transformers 5.24.0):
+Usage (README.md next to this file has the recipe): from the root of a transformers test tree of the
+installed version, with ``REPO`` this repository's root,
 
-    cd /tmp/hf_tests
-    HF_HUB_OFFLINE=1 PYTHONPATH=/work/main/tools:/tmp/hf_deps \
-      /work/main/.venv/bin/python -m pytest -p transformers_model_tests.conftest \
-      -p no:cacheprovider --timeout 600 tests/models/olmoe
+    PYTHONPATH=$REPO/tools $REPO/.venv/bin/python -m pytest -p transformers_model_tests.conftest tests/models/olmoe
 
-(``transformers_model_tests`` is a namespace package once /work/main/tools is on sys.path.) Without
-``-p transformers_model_tests.conftest`` the same command runs transformers' default. Alternatively copy
-this file to /tmp/hf_tests/tests/conftest.py. Set SONAR_DEFAULT=0 to load the plugin but leave the default.
+(``transformers_model_tests`` is a namespace package once ``$REPO/tools`` is on sys.path.) Without
+``-p transformers_model_tests.conftest`` the same command runs transformers' default. Set SONAR_DEFAULT=0
+to load the plugin but leave the default.
 """
 
 from __future__ import annotations
