@@ -51,7 +51,15 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     assert set(table["roofline"]) >= {"up", "down", "wgrad dW1", "wgrad dW2", "total_seconds"}
     # Every launch of the step, labelled from its arguments (bench/kernel_times.py).
     gemms = ["up", "down", "dgrad G", "dgrad dX"]
-    common = ["routing histogram", "routing scan", "routing scatter", "combine", "routing-weight grad", "combine dX", *gemms]
+    common = [
+        "routing histogram",
+        "routing scan",
+        "routing scatter",
+        "combine",
+        "routing-weight grad",
+        "combine dX",
+        *gemms,
+    ]
     fused, unfused = table["kernels"]["sonar-fused"], table["kernels"]["sonar-unfused"]
     assert set(fused) == {*common, "wgrad dW2 check", "wgrad dW2 adamw", "wgrad dW1 check", "wgrad dW1 adamw",
                           "adamw scalars"}  # fmt: skip
