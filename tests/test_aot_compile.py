@@ -10,6 +10,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+# The report compiles every kernel twice for two targets (about 280 builds): minutes on 2 cores with a
+# cold Triton cache, more than the suite's per-test limit.
+pytestmark = pytest.mark.timeout(2400)
 
 
 @pytest.fixture(scope="module")

@@ -201,9 +201,12 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
         # A NaN gradient of down_proj only (the torch backend's wgrad): the other updates still run.
         original = ops.torch_backend.moe_mlp_bwd
 
-        def nan_down_proj_grad(*args):
-            grad_x, grad_w, grad_w1, grad_w2 = original(*args)
-            return grad_x, grad_w, grad_w1, torch.full_like(grad_w2, NAN)
+        def nan_down_proj_grad(*args, down_proj_update, **kwargs):
+            # The update receives the NaN gradient as soon as the wgrad made it.
+            def update(grad):
+                down_proj_update(torch.full_like(grad, NAN))
+
+            return original(*args, down_proj_update=update, **kwargs)
 
         with monkeypatch.context() as patch:
             patch.setattr(ops.torch_backend, "moe_mlp_bwd", nan_down_proj_grad)
@@ -262,9 +265,12 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     original = ops.torch_backend.moe_mlp_bwd
 
-    def inf_gate_up_proj_grad(*args):  # an infinite gradient of gate_up_proj (the torch backend's wgrad)
-        grad_x, grad_w, grad_w1, grad_w2 = original(*args)
-        return grad_x, grad_w, torch.full_like(grad_w1, float("inf")), grad_w2
+    def inf_gate_up_proj_grad(*args, gate_up_proj_update, **kwargs):
+        # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
+        def update(grad):
+            gate_up_proj_update(torch.full_like(grad, float("inf")))
+
+        return original(*args, gate_up_proj_update=update, **kwargs)
 
     monkeypatch.setattr(ops.torch_backend, "moe_mlp_bwd", inf_gate_up_proj_grad)
     x, y = _sonar_batch(0)

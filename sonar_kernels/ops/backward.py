@@ -1,5 +1,8 @@
 """Triton launchers of the backward: dHpre and the routing-weight gradient, the wgrad of each expert
-weight with the AdamW update in its epilogue (or its split path), dX. No host sync on any path here."""
+weight with the AdamW update in its epilogue (or its split path), dX. No host sync on any path here.
+
+(About 430 lines, on purpose: the launch order of one backward, with the update's and the accumulator's
+specs it reads, is one sequence; split, the order would be spread over modules.)"""
 
 from __future__ import annotations
 
