@@ -21,6 +21,8 @@ Must run without TRITON_INTERPRET (kernels decorated under the interpreter canno
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import itertools
 import json
 import multiprocessing
@@ -35,6 +37,7 @@ from pathlib import Path
 
 import triton
 import triton.language as tl
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -344,17 +347,20 @@ def _adamw_specs() -> list[Spec]:
     return out
 
 
-def _ptxas_stats(ptx: str, arch: str) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "k.ptx"
-        path.write_text(ptx)
-        res = subprocess.run(
-            [str(PTXAS), "-v", f"--gpu-name={arch}", str(path), "-o", str(Path(tmp) / "k.cubin")],
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-    log = res.stdout + res.stderr
+def _ptxas_stats(ptx: str, arch: str, log: str = "") -> dict:
+    """Registers and spills from ptxas -v: ``log`` when the compile above printed one (a fresh build),
+    else from running ptxas on ``ptx`` here (a build served from Triton's cache)."""
+    if "Used" not in log:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "k.ptx"
+            path.write_text(ptx)
+            res = subprocess.run(
+                [str(PTXAS), "-v", f"--gpu-name={arch}", str(path), "-o", str(Path(tmp) / "k.cubin")],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+        log = res.stdout + res.stderr
 
     def grab(pattern):
         m = re.search(pattern, log)
@@ -371,7 +377,12 @@ def _build(task: tuple[int, bool, str]) -> dict:
     """Compile specs()[index] for one specialisation and target; one row of the report."""
     index, aligned, arch = task
     spec = specs()[index]
-    compiled = triton.compile(_source(spec, aligned), target=TARGETS[arch], options=spec.options)
+    # Triton runs ptxas -v for the cubin; with dump_ptxas_log it prints that log, which is read here
+    # instead of running ptxas a second time.
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True
+        compiled = triton.compile(_source(spec, aligned), target=TARGETS[arch], options=spec.options)
     ptx = compiled.asm["ptx"]
     return {
         "kernel": spec.kernel.fn.__name__,
@@ -387,7 +398,7 @@ def _build(task: tuple[int, bool, str]) -> dict:
         "mma_sync": "mma.sync" in ptx,
         # Kernel parameters passed as doubles (none: the AdamW hyperparameters are read from memory).
         "f64_params": len(re.findall(r"\.param \.f64\b", ptx)),
-        **_ptxas_stats(ptx, arch),
+        **_ptxas_stats(ptx, arch, log.getvalue()),
     }
 
 
