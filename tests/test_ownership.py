@@ -152,66 +152,66 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(60)
-def test_a_dtensor_weight_passed_as_to_local_reaches_the_owners_update():
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo process group and its CPU DeviceMesh, destroyed after the test."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        standard, sonar = Tiny(), Tiny()
-        for model in (standard, sonar):
-            experts = model.experts
-            for name in ("gate_up_proj", "down_proj"):
-                local = getattr(experts, name).detach()
-                experts.register_parameter(
-                    name, torch.nn.Parameter(distribute_tensor(local, mesh, [Replicate()]))
-                )
-            experts.forward = _to_local_forward(experts)
-        optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
-        assert all(
-            isinstance(p, DTensor) and any(q is p for q in optimizer.expert_tensors) for p in _experts(sonar)
-        )
-        _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
-        _train(sonar, optimizer, 2)
-        for p, q in zip(_experts(sonar), _experts(standard), strict=True):
-            assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
-            assert torch.equal(p.to_local(), q.to_local())
-        assert float(optimizer.expert_grad_norm()) > 0
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)
-def test_fsdp2_unsharded_weights_reach_the_owners_update():
+def test_a_dtensor_weight_passed_as_to_local_reaches_the_owners_update(one_rank_mesh):
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    mesh = one_rank_mesh
+    standard, sonar = Tiny(), Tiny()
+    for model in (standard, sonar):
+        experts = model.experts
+        for name in ("gate_up_proj", "down_proj"):
+            local = getattr(experts, name).detach()
+            experts.register_parameter(
+                name, torch.nn.Parameter(distribute_tensor(local, mesh, [Replicate()]))
+            )
+        experts.forward = _to_local_forward(experts)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
+    assert all(
+        isinstance(p, DTensor) and any(q is p for q in optimizer.expert_tensors) for p in _experts(sonar)
+    )
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
+    _train(sonar, optimizer, 2)
+    for p, q in zip(_experts(sonar), _experts(standard), strict=True):
+        assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
+        assert torch.equal(p.to_local(), q.to_local())
+    assert float(optimizer.expert_grad_norm()) > 0
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_unsharded_weights_reach_the_owners_update(one_rank_mesh):
     # FSDP2 runs the forward on unsharded parameters (other tensor objects, without the update); their
     # gradient is reduce-scattered into the sharded DTensor parameter's .grad, whose hook applies the
     # owner's update: the same bits as FSDP2 with torch.optim.AdamW.
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        standard, sonar = Tiny(), Tiny()
-        for model in (standard, sonar):
-            fully_shard(model.experts, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
-        assert all(isinstance(p, DTensor) for p in _experts(sonar))
-        assert len(optimizer.expert_tensors) == 2
-        _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
-        _train(sonar, optimizer, 2)
-        for p, q in zip(sonar.parameters(), standard.parameters(), strict=True):
-            assert torch.equal(p.to_local(), q.to_local())
-        for p in _experts(sonar):
-            assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
-        assert float(optimizer.expert_grad_norm()) > 0
-    finally:
-        dist.destroy_process_group()
+    mesh = one_rank_mesh
+    standard, sonar = Tiny(), Tiny()
+    for model in (standard, sonar):
+        fully_shard(model.experts, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER)
+    assert all(isinstance(p, DTensor) for p in _experts(sonar))
+    assert len(optimizer.expert_tensors) == 2
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2)
+    _train(sonar, optimizer, 2)
+    for p, q in zip(sonar.parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p.to_local(), q.to_local())
+    for p in _experts(sonar):
+        assert float(optimizer.state[p]["step"]) == 2.0 and p.grad is None
+    assert float(optimizer.expert_grad_norm()) > 0
