@@ -402,15 +402,24 @@ def _build(task: tuple[int, bool, str]) -> dict:
     }
 
 
-def compile_all(jobs: int = 1, kernels: tuple[str, ...] = ()) -> list[dict]:
+def compile_all(
+    jobs: int = 1, kernels: tuple[str, ...] = (), unaligned_targets: tuple[str, ...] = tuple(TARGETS)
+) -> list[dict]:
     """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
-    ``kernels``: only the kernels whose name contains one of these strings (all when empty)."""
+    ``kernels``: only the kernels whose name contains one of these strings (all when empty);
+    ``unaligned_targets``: the targets the unaligned specialisation is built for (aligned: all)."""
     chosen = [
         i
         for i, spec in enumerate(specs())
         if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
     ]
-    tasks = [(i, aligned, arch) for i in chosen for aligned in (True, False) for arch in TARGETS]
+    tasks = [
+        (i, aligned, arch)
+        for i in chosen
+        for aligned in (True, False)
+        for arch in TARGETS
+        if aligned or arch in unaligned_targets
+    ]
     if jobs <= 1:
         return [_build(task) for task in tasks]
     # spawn: a fresh interpreter per worker, nothing inherited from this process's threads.
@@ -428,11 +437,19 @@ def main(argv=None) -> int:
         default=(),
         help="only kernels whose name contains one of these (default: all)",
     )
+    parser.add_argument(
+        "--unaligned-targets",
+        nargs="*",
+        choices=tuple(TARGETS),
+        default=tuple(TARGETS),
+        help="targets to build the unaligned specialisation for (default: all; the test suite builds "
+        "sm_90a only, to save time)",
+    )
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
-    rows = compile_all(args.jobs, tuple(args.kernels))
+    rows = compile_all(args.jobs, tuple(args.kernels), tuple(args.unaligned_targets))
     header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))
