@@ -82,6 +82,9 @@ class ExpertUpdate:
         foreach, torch_fused: torch.optim.AdamW's flags for the updates that torch's AdamW applies (the
             torch backend, and gradients that reach ``.grad``).
         accumulation_steps: micro-batches per optimizer step.
+        reduce_first: the gradient must be averaged over a data-parallel group before the update: the
+            backward gives the tensor an ordinary gradient, and the owner reduces it and applies the
+            update when the reduction is done (never in the wgrad epilogue).
 
     The methods are the owner's bookkeeping, which the autograd layer calls in eager mode only (under
     torch.compile the backward reads the tensors above and nothing else). Copying or pickling an update
@@ -102,6 +105,7 @@ class ExpertUpdate:
         foreach: bool | None = None,
         torch_fused: bool | None = None,
         accumulation_steps: int = 1,
+        reduce_first: bool = False,
     ):
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
@@ -114,6 +118,7 @@ class ExpertUpdate:
         self.foreach = foreach
         self.torch_fused = torch_fused
         self.accumulation_steps = accumulation_steps
+        self.reduce_first = reduce_first
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is

@@ -28,6 +28,8 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return None
     update = specs.update_of(weight)
+    if update is not None and update.reduce_first:
+        return None  # an ordinary gradient, reduced over the data-parallel group before the update
     if update is not None and torch.compiler.is_compiling() and update.accumulation_steps > 1:
         raise RuntimeError(
             "gradient accumulation (accumulation_steps > 1) of in-backward updates runs in eager mode only; "

@@ -71,9 +71,19 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             releases it with ``.grad``). The k-th backward adds its own wgrad to that sum in the
             epilogue and applies the update. ``step()`` applies a window cut short (through torch's
             AdamW). Default 1: no gradient tensor is ever allocated.
+        data_parallel_group: the torch.distributed ProcessGroup (or 1-D DeviceMesh) over which the expert
+            tensors are replicated (data parallelism). Their gradient then reaches ``.grad``, is averaged
+            over the group by an asynchronous all-reduce (divided by the group's size, then summed, as
+            DDP does) while the backward goes on, and the update is applied when the reduction is done:
+            at most two expert tensors in flight, all done by the end of the backward. Keep these tensors
+            out of DDP's reducer (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``;
+            SonarAdamW does it for the module it is given). None: no reduction; with more than one rank
+            in the job, only sharded (DTensor, FSDP2) expert tensors are accepted.
     Raises:
-        ValueError: a hyperparameter outside its range, a tensor that is not dense, or one already
-            managed by another live ExpertAdamW.
+        ValueError: a hyperparameter outside its range, a tensor that is not dense, or, with more than one
+            rank, an expert tensor that is neither a DTensor nor covered by ``data_parallel_group`` (also
+            raised as RuntimeError by a backward, before any update, when torch.distributed was
+            initialized after the optimizer was built).
         TypeError: a tensor of an unsupported dtype, or an unsupported moments_dtype / grad_dtype.
     """
 
@@ -89,9 +99,12 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
+        data_parallel_group=None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
-        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
+        self._init_in_backward(
+            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group
+        )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 

@@ -26,6 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from sonar_kernels import ops, specs
 from sonar_kernels.ops.common import like
 from sonar_kernels.ops.validation import as_float
+from sonar_kernels.optim import distributed
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
@@ -77,6 +78,7 @@ class _OwnedUpdate(specs.ExpertUpdate):
                 "graph first."
             )
         optimizer._check_not_updated(param)
+        optimizer._check_complete([param], RuntimeError)
         # The group's hyperparameters as they are now (the tensor the kernels read).
         optimizer._hyper_tensor(param)
 
@@ -132,7 +134,9 @@ class InBackwardAdamW:
     :meth:`_end_step` at the end of its ``step()``.
     """
 
-    def _init_in_backward(self, moments_dtype, grad_dtype, fused_epilogue, accumulation_steps=1) -> None:
+    def _init_in_backward(
+        self, moments_dtype, grad_dtype, fused_epilogue, accumulation_steps=1, data_parallel_group=None
+    ) -> None:
         if (
             isinstance(accumulation_steps, bool)
             or not isinstance(accumulation_steps, int)
@@ -140,6 +144,14 @@ class InBackwardAdamW:
         ):
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self.accumulation_steps = accumulation_steps
+        # The group over which the expert tensors are replicated; their gradients are averaged over it
+        # before their update (optim/distributed.py).
+        self.data_parallel_group = distributed.resolve_group(data_parallel_group)
+        self._reducer = (
+            distributed.GradientReducer(self.data_parallel_group)
+            if self.data_parallel_group is not None
+            else None
+        )
         # Managed tensor -> micro-batch gradients accumulated since the last step(): in its .grad, or in
         # its buffer in _buffers when grad_dtype is not its dtype (.grad must have the tensor's dtype).
         self._micro = WeakIdKeyDictionary()
@@ -182,6 +194,18 @@ class InBackwardAdamW:
                 raise TypeError(f"{name}: expert tensors must be float32, bfloat16 or float16, got {p.dtype}")
             if not ops.is_dense(p):
                 raise ValueError(f"{name}: expert tensors must be dense tensors, got strides {p.stride()}")
+        self._check_complete(params)
+
+    def _check_complete(self, params, error=ValueError) -> None:
+        """Refuse (``error``) expert tensors whose in-backward update would use a partial gradient: more
+        than one rank, and neither sharded nor data-parallel (optim/distributed.py)."""
+        distributed.check_complete(type(self).__name__, params, self.data_parallel_group, error)
+
+    def _reduces_first(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
+        return (
+            self._reducer is not None and distributed.layout(p, self.data_parallel_group) == "data-parallel"
+        )
 
     def _watch_group(self, group: dict) -> _Group:
         """``group`` as a :class:`_Group` that rewrites the hyperparameter tensor when a value is set."""
@@ -223,7 +247,7 @@ class InBackwardAdamW:
             self, p, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], step=state["step"],
             hyper=self._hyper_tensor(p), grad_norm_sq=self._grad_norm_sq[p], skipped=self._skipped[p],
             grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
-            accumulation_steps=self.accumulation_steps,
+            accumulation_steps=self.accumulation_steps, reduce_first=self._reduces_first(p),
         )  # fmt: skip
         old = self._updates.get(p)
         self._updates[p] = update
@@ -385,6 +409,7 @@ class InBackwardAdamW:
                 "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
             )
         self._check_not_updated(p)
+        self._check_complete([p], RuntimeError)
         if self._uses_buffer(p):
             buffer = self._buffers.get(p)
             with torch.no_grad():
@@ -394,7 +419,11 @@ class InBackwardAdamW:
                     buffer.add_(p.grad)
             p.grad = None
         if self._count_micro_batch(p) >= self.accumulation_steps:
-            self._apply_grad(p)
+            if self._reduces_first(p):
+                # Averaged over the data-parallel group while the backward goes on; updated when done.
+                self._reducer.reduce(self._buffers.get(p, p.grad), _weak_call(self, "_apply_grad", p))
+            else:
+                self._apply_grad(p)
 
     @property
     def expert_tensors(self) -> list[torch.Tensor]:
@@ -474,12 +503,21 @@ class InBackwardAdamW:
         """Apply once a gradient found on a managed tensor (it had requires_grad=False when it was given,
         so its hook came later), then end the step: each managed tensor may be updated again."""
         try:
+            if self._reducer is not None:
+                self._reducer.drain()  # reductions left by a backward that raised
             for p in list(self._managed.keys()):
                 if p.grad is not None and p in self._updated:
                     # Left by a backward that already raised (one more than accumulation_steps).
                     p.grad = None
                 elif p.grad is not None or p in self._buffers:
-                    self._apply_grad(p)
+                    if self._reduces_first(p):
+                        self._reducer.reduce(
+                            self._buffers.get(p, p.grad),
+                            _weak_call(self, "_apply_grad", p),
+                            in_backward=False,
+                        )
+                    else:
+                        self._apply_grad(p)
             for p in list(self._managed.keys()):
                 if p not in self._updated:
                     self._grad_norm_sq[p].zero_()  # no gradient this step: it counts as 0
@@ -590,14 +628,14 @@ class InBackwardAdamW:
             self._attach(p)
 
 
-def _weak_call(obj, method: str):
-    """A callable that calls ``obj.<method>(*args)`` while ``obj`` lives, holding it weakly."""
+def _weak_call(obj, method: str, *bound):
+    """A callable that calls ``obj.<method>(*bound, *args)`` while ``obj`` lives, holding it weakly."""
     ref = weakref.ref(obj)
 
     def call(*args):
         target = ref()
         if target is not None:
-            getattr(target, method)(*args)
+            getattr(target, method)(*bound, *args)
 
     return call
 

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from sonar_kernels import ops, specs
+from sonar_kernels.optim import distributed
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
     is_expert_tensor,
@@ -66,9 +67,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
             ExpertAdamW (with accumulation_steps=k, call ``step()`` once per k backward passes, as for
             standard accumulation).
+        data_parallel_group: the ProcessGroup (or 1-D DeviceMesh) over which the expert tensors are
+            replicated, as in ExpertAdamW: their gradients are averaged over it before their update.
+            Given a module, SonarAdamW puts its expert tensors on DDP's ignore list, so build it before
+            ``DistributedDataParallel(model)`` wraps the module (DDP reduces the dense parameters; their
+            clipping and update are torch's, in ``step()``).
     Raises:
         ValueError: a hyperparameter outside its range (max_grad_norm must be a finite float > 0), a
-            non-dense expert tensor or one already managed by another in-backward optimizer.
+            non-dense expert tensor; a DistributedDataParallel-wrapped model whose reducer holds expert
+            tensors; with more than one rank, an expert tensor that is neither a DTensor (FSDP2) nor
+            covered by ``data_parallel_group``.
         TypeError: an expert tensor of an unsupported dtype.
     """
 
@@ -88,6 +96,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
         clip_norm_includes_experts: bool = False,
+        data_parallel_group=None,
     ):
         ops.check_hyperparameters(lr, betas, eps, weight_decay)
         if max_grad_norm is not None and (
@@ -104,7 +113,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.dense_skipped_steps: torch.Tensor | None = None
-        self._init_in_backward(moments_dtype, grad_dtype, fused_epilogue, accumulation_steps)
+        self._init_in_backward(
+            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group
+        )
         params = params_or_model
         if isinstance(params_or_model, nn.Module):
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
@@ -122,6 +133,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     'them first (model.set_experts_implementation("sonar")), then build the optimizer.',
                     stacklevel=2,
                 )
+            experts = [p for p in params_or_model.parameters() if is_expert_tensor(p)]
+            if isinstance(params_or_model, distributed.ddp_class()) or self.data_parallel_group is not None:
+                # Before any state exists: a DDP reducer that holds the experts is refused here.
+                distributed.exclude_from_ddp(params_or_model, experts)
             params = params_or_model.parameters()
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,

@@ -1,0 +1,196 @@
+"""In-backward updates with several processes: which expert tensors get their complete gradient, the
+refusal of those that would not, and the data-parallel reduction of expert gradients before their update.
+
+The rule (docs/design.md, "Where the fused update is valid"): an expert tensor is updated only from its
+complete gradient. With more than one rank an expert tensor is one of:
+
+- ``"sharded"``: a DTensor sharded on every mesh dimension of more than one rank (FSDP2's
+  ``fully_shard``; experts sharded over an expert-parallel mesh): the forward runs on another tensor
+  object, which carries no update; FSDP2 reduce-scatters the gradient into the sharded parameter's
+  ``.grad``, and the owner's post-accumulate-grad hook applies the update there. A DTensor replicated over
+  more than one rank (HSDP's replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing
+  here can tell whether its gradient was reduced over the replicas.
+- ``"data-parallel"``: replicated over the optimizer's ``data_parallel_group``: its gradient reaches
+  ``.grad``, is averaged over the group by an asynchronous all-reduce (as DDP averages: divided by the
+  group's size, then summed), and updated when the reduction is done (:class:`GradientReducer`).
+- ``"local"``: anything else. With more than one rank in the job it is refused before any update: each
+  rank would apply AdamW to its own partial gradient and the replicas would silently diverge.
+
+torch.distributed is the engine (process groups, DeviceMesh, DTensor, DDP's ignore list); nothing here
+communicates by other means.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradientReducer", "check_complete", "exclude_from_ddp", "layout", "resolve_group", "world_size"]
+
+# How many expert tensors' gradients may be in flight (all-reduce started, update not yet applied) at
+# once: one layer's two expert tensors (gate_up_proj, down_proj). With the gradients of the layer whose
+# backward just produced them, at most two layers' expert gradients are alive at any time.
+MAX_IN_FLIGHT = 2
+
+_FIX = (
+    "pass data_parallel_group= (the process group, or a 1-D DeviceMesh, over which the experts are "
+    "replicated) to the optimizer, or shard the experts with FSDP2's fully_shard"
+)
+
+
+def world_size() -> int:
+    """Ranks of the default process group; 1 when torch.distributed is not initialized."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def resolve_group(data_parallel_group) -> dist.ProcessGroup | None:
+    """The process group of ``data_parallel_group``: a ProcessGroup, a 1-D DeviceMesh (e.g. one dimension
+    of a larger mesh, ``mesh["dp"]``), or None.
+
+    Raises:
+        TypeError: anything else.
+        ValueError: a DeviceMesh of more than one dimension, or torch.distributed not initialized.
+    """
+    if data_parallel_group is None:
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("data_parallel_group needs torch.distributed to be initialized (init_process_group)")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(data_parallel_group, DeviceMesh):
+        if data_parallel_group.ndim != 1:
+            raise ValueError(
+                f"data_parallel_group: a DeviceMesh of {data_parallel_group.ndim} dimensions; pass the "
+                'data-parallel dimension, e.g. mesh["dp"]'
+            )
+        return data_parallel_group.get_group()
+    if isinstance(data_parallel_group, dist.ProcessGroup):
+        return data_parallel_group
+    raise TypeError(
+        "data_parallel_group must be None, a torch.distributed ProcessGroup or a 1-D DeviceMesh, got "
+        f"{type(data_parallel_group).__name__}"
+    )
+
+
+def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
+    """``"sharded"``, ``"data-parallel"`` or ``"local"`` (see the module docstring)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if isinstance(p, DTensor):
+        mesh = p.device_mesh
+        if all(
+            isinstance(placement, Shard) or mesh.size(dim) == 1 for dim, placement in enumerate(p.placements)
+        ):
+            return "sharded"
+        return "local"
+    if group is not None:
+        return "data-parallel"
+    return "local"
+
+
+def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=ValueError) -> None:
+    """Raise ``error`` when the job has more than one rank and one of ``params`` is ``"local"``: its
+    in-backward update would use this rank's partial gradient."""
+    if world_size() <= 1:
+        return
+    local = [p for p in params if layout(p, group) == "local"]
+    if local:
+        shapes = ", ".join(str(tuple(p.shape)) for p in local[:4]) + (", ..." if len(local) > 4 else "")
+        raise error(
+            f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) "
+            f"(shapes {shapes}) are neither sharded nor given a data-parallel group: each rank would update "
+            f"them from its own partial gradient and the ranks would diverge. Fix: {_FIX}."
+        )
+
+
+def ddp_class():
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel
+
+
+def exclude_from_ddp(model: torch.nn.Module, experts) -> None:
+    """Put ``experts`` on DDP's ignore list of ``model`` (the module DDP will wrap), so that DDP's reducer
+    does not hold them: their gradients are reduced by the optimizer before their update.
+
+    Raises:
+        ValueError: ``model`` is already wrapped by DistributedDataParallel and its reducer holds one of
+            ``experts`` (the optimizer must be built on the bare module first).
+    """
+    ddp = ddp_class()
+    experts = list(experts)
+    if isinstance(model, ddp):
+        ignored = getattr(model, "parameters_to_ignore", set())
+        held = [
+            name for name, p in model.module.named_parameters() if name not in ignored and _among(p, experts)
+        ]
+        if held:
+            raise ValueError(
+                f"the model is already wrapped by DistributedDataParallel, whose reducer holds the expert "
+                f"tensors {held[:4]}: DDP would all-reduce buckets of them every step while they are updated "
+                "here. Build the optimizer on the bare module first, then wrap it: "
+                "opt = SonarAdamW(model, data_parallel_group=group); model = DistributedDataParallel(model)"
+            )
+        return
+    names = [name for name, p in model.named_parameters() if _among(p, experts)]
+    ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))
+    ddp._set_params_and_buffers_to_ignore_for_model(model, ignored + [n for n in names if n not in ignored])
+
+
+def _among(p: torch.Tensor, tensors) -> bool:
+    return any(p is q for q in tensors)
+
+
+class GradientReducer:
+    """Averages expert gradients over a data-parallel group, then applies their updates.
+
+    :meth:`reduce` divides the gradient by the group's size and starts an asynchronous all-reduce (sum)
+    of it, in place: the same arithmetic as DDP's default communication hook. The update is applied once
+    the reduction is done: when more than :data:`MAX_IN_FLIGHT` reductions are in flight (the oldest
+    first), and for all of them at the end of the backward pass (an autograd engine callback), so the
+    backward of the next layers overlaps with the communication. Every rank must reduce the same tensors
+    in the same order: the autograd order of one model is the same on every rank.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, max_in_flight: int = MAX_IN_FLIGHT):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        self.max_in_flight = max_in_flight
+        self._pending: deque = deque()
+        self._drain_queued = False
+
+    def reduce(self, grad: torch.Tensor, apply: Callable[[], None], in_backward: bool = True) -> None:
+        """Average ``grad`` over the group in place, then call ``apply`` (after the reduction). Outside a
+        backward (``in_backward=False``) it waits for the reduction at once."""
+        with torch.no_grad():
+            grad.div_(self.size)
+            work = dist.all_reduce(grad, group=self.group, async_op=True)
+        self._pending.append((work, apply))
+        if not in_backward:
+            self.drain()
+            return
+        if not self._drain_queued:
+            self._drain_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.drain)
+        while len(self._pending) > self.max_in_flight:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        work, apply = self._pending.popleft()
+        work.wait()
+        apply()
+
+    def drain(self) -> None:
+        """Wait for every reduction in flight and apply its update, oldest first."""
+        self._drain_queued = False
+        while self._pending:
+            self._finish_oldest()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._pending)

@@ -1,0 +1,226 @@
+"""Several processes (gloo on CPU): data-parallel experts averaged before their in-backward update, FSDP2,
+and the refusal of every layout in which an update would use a rank's partial gradient.
+
+Each rank writes its parameters and optimizer state to a file; the test process compares the ranks with
+each other, with torch.optim.AdamW under the same wrapper (dense-only clipping), and with single-process
+training on the concatenated batch. Spawned ranks import this module: keep its work in functions.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ranks
+import torch
+import torch.distributed as dist
+from numerics import rel_err
+from torch import nn
+
+import sonar_kernels
+
+H, I, E, TOP_K, T = 16, 8, 4, 2, 8  # T tokens per rank
+HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+MAX_NORM = 0.5
+STEPS = 3
+
+pytestmark = pytest.mark.timeout(180)
+
+
+class TinyMoE(nn.Module):
+    """Dense layers around one SonarExperts layer, routed by a softmax top-k router."""
+
+    def __init__(self, backend):
+        super().__init__()
+        self.embed = nn.Linear(H, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+        self.head = nn.Linear(H, H)
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+        weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+        h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
+        return self.head(h)
+
+
+def _model(backend):
+    torch.manual_seed(0)  # the same initial weights on every rank
+    return TinyMoE(backend)
+
+
+def _batch(step, rank):
+    generator = torch.Generator().manual_seed(1000 + 100 * step + rank)
+    return 3 * torch.randn(T, H, generator=generator), torch.randn(T, H, generator=generator)
+
+
+def _dense(model):
+    return [p for name, p in model.named_parameters() if ".experts." not in f".{name}"]
+
+
+def _experts(model):
+    return [model.experts.gate_up_proj, model.experts.down_proj]
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, dist.tensor.DTensor) else t
+
+
+def _snapshot(model, optimizer):
+    """Parameters by name, and the expert tensors' AdamW state (full tensors)."""
+    state = []
+    for p in _experts(model):
+        s = optimizer.state[p]
+        state.append({k: _full(s[k]).detach().clone() for k in ("exp_avg", "exp_avg_sq", "step")})
+    return {
+        "params": {name: _full(p).detach().clone() for name, p in model.named_parameters()},
+        "state": state,
+    }
+
+
+def _train(model, optimizer, rank, steps=STEPS, sonar=True):
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        if sonar:
+            assert all(p.grad is None for p in _experts(model.module if hasattr(model, "module") else model))
+        else:
+            inner = model.module if hasattr(model, "module") else model
+            nn.utils.clip_grad_norm_(_dense(inner), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def _ddp_rank(rank, world_size, backend, mode, out):
+    model = _model(backend)
+    if mode == "sonar":
+        # Built on the bare module: SonarAdamW puts the experts on DDP's ignore list.
+        optimizer = sonar_kernels.SonarAdamW(
+            model, **HYPER, max_grad_norm=MAX_NORM, data_parallel_group=dist.group.WORLD
+        )
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        assert {"experts.gate_up_proj", "experts.down_proj"} <= wrapped.parameters_to_ignore
+    else:
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    _train(wrapped, optimizer, rank, sonar=mode == "sonar")
+    torch.save(_snapshot(model, optimizer), out / f"{mode}-{rank}.pt")
+
+
+def _single_process(backend, world_size):
+    """torch.optim.AdamW with dense-only clipping, one process, the ranks' batches concatenated."""
+    model = _model(backend)
+    optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    for step in range(STEPS):
+        batches = [_batch(step, r) for r in range(world_size)]
+        x, y = (torch.cat(t) for t in zip(*batches, strict=True))
+        nn.functional.mse_loss(model(x), y).backward()
+        nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    for name in a:
+        assert torch.equal(a[name], b[name]), (
+            f"{what}: {name} differs by {(a[name] - b[name]).abs().max():.3e}"
+        )
+
+
+@pytest.mark.parametrize(
+    ("backend", "world_size"),
+    [("torch", 2), ("torch", 4), ("triton", 2)],
+)
+def test_ddp_with_a_data_parallel_group_matches_ddp_with_torch_adamw(tmp_path, backend, world_size):
+    ranks.run(_ddp_rank, world_size, backend, "sonar", tmp_path)
+    ranks.run(_ddp_rank, world_size, "torch", "standard", tmp_path)
+    sonar = [torch.load(tmp_path / f"sonar-{r}.pt") for r in range(world_size)]
+    standard = [torch.load(tmp_path / f"standard-{r}.pt") for r in range(world_size)]
+    for r in range(1, world_size):  # every rank holds the same bits, weights and AdamW state
+        _assert_equal(sonar[r]["params"], sonar[0]["params"], f"rank {r} against rank 0")
+        for a, b in zip(sonar[r]["state"], sonar[0]["state"], strict=True):
+            _assert_equal(a, b, f"rank {r} state")
+    assert all(float(s["step"]) == STEPS for s in sonar[0]["state"])
+    if backend == "torch" and world_size == 2:
+        # The experts' gradients are averaged as DDP averages the dense ones (divided by the group's size,
+        # then summed): the same bits as DDP with torch.optim.AdamW on every parameter. (On more ranks,
+        # gloo's ring splits DDP's buckets into chunks whose reduction order depends on the bucket, and
+        # DDP's buckets differ once the experts are out of them: fp32 tolerance below.)
+        _assert_equal(sonar[0]["params"], standard[0]["params"], "against DDP + torch.optim.AdamW")
+    else:
+        for name, p in sonar[0]["params"].items():
+            assert rel_err(p, standard[0]["params"][name]) <= 1e-5, name
+    single = _single_process("torch", world_size)
+    for name, p in sonar[0]["params"].items():
+        # The mean of the ranks' mean losses is the mean over the concatenated batch (equal batches).
+        assert rel_err(p, single[name]) <= 1e-5, name
+    # The update moved the experts (a comparison of unchanged weights would prove nothing).
+    initial = dict(_model("torch").named_parameters())
+    assert rel_err(initial["experts.gate_up_proj"].detach(), single["experts.gate_up_proj"]) > 1e-2
+
+
+def _refusal_rank(rank, world_size, port, case, out):
+    model = _model("torch")
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if case == "built-before-init":
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER)  # one process so far: accepted
+        ranks.init(rank, world_size, port)
+        x, y = _batch(0, rank)
+        with pytest.raises(RuntimeError, match="data_parallel_group") as raised:
+            nn.functional.mse_loss(model(x), y).backward()
+        assert all(float(optimizer.state[p]["step"]) == 0 for p in _experts(model))
+        assert all(not s["exp_avg"].any() for s in optimizer.state.values())
+    else:
+        ranks.init(rank, world_size, port)
+        if case == "no-group":
+            with pytest.raises(ValueError, match="neither sharded nor given a data-parallel group") as raised:
+                sonar_kernels.SonarAdamW(model, **HYPER)
+        elif case == "ddp-wrapped-first":
+            with pytest.raises(ValueError, match="Build the optimizer on the bare module first") as raised:
+                sonar_kernels.SonarAdamW(
+                    nn.parallel.DistributedDataParallel(model), **HYPER, data_parallel_group=dist.group.WORLD
+                )
+        elif case == "expert-adamw":
+            with pytest.raises(ValueError, match="data_parallel_group=") as raised:
+                sonar_kernels.ExpertAdamW(model.experts.parameters(), **HYPER)
+        assert not any(hasattr(p, "sonar_update") for p in model.parameters())
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    (out / f"{case}-{rank}.txt").write_text(str(raised.value))
+
+
+@pytest.mark.parametrize("case", ["no-group", "ddp-wrapped-first", "expert-adamw", "built-before-init"])
+def test_what_would_diverge_is_refused_before_anything_changes(tmp_path, case):
+    ranks.run(_refusal_rank, 2, case, tmp_path, initialize=False)
+    message = (tmp_path / f"{case}-0.txt").read_text()
+    assert "diverge" in message or "bare module" in message
+
+
+def _fsdp_rank(rank, world_size, mode, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = _model("torch")
+    fully_shard(model.experts, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if mode == "sonar":
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=MAX_NORM)
+        assert len(optimizer.expert_tensors) == 2
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    _train(model, optimizer, rank, sonar=mode == "sonar")
+    torch.save(_snapshot(model, optimizer), out / f"{mode}-{rank}.pt")
+
+
+def test_fsdp2_equals_fsdp2_with_torch_adamw_bitwise(tmp_path):
+    ranks.run(_fsdp_rank, 2, "sonar", tmp_path)
+    ranks.run(_fsdp_rank, 2, "standard", tmp_path)
+    for r in range(2):
+        sonar = torch.load(tmp_path / f"sonar-{r}.pt")
+        standard = torch.load(tmp_path / f"standard-{r}.pt")
+        _assert_equal(sonar["params"], standard["params"], f"rank {r}")
+        for a, b in zip(sonar["state"], standard["state"], strict=True):
+            _assert_equal(a, b, f"rank {r} state")
+    single = _single_process("torch", 2)
+    for name, p in sonar["params"].items():
+        assert rel_err(p, single[name]) <= 1e-5, name
