@@ -61,6 +61,7 @@ IMPLEMENTATION = "sonar"
 # The attributes that carry ownership on an expert tensor (see "Ownership" in the README).
 EXPERT_MARK = "sonar_expert"
 UPDATE_ATTRIBUTE = "sonar_update"
+EXPERT_PARALLEL_ATTRIBUTE = "sonar_expert_parallel_group"
 
 
 class ExpertUpdate:
@@ -161,6 +162,19 @@ def mark_expert_tensors(*tensors: torch.Tensor) -> None:
     ``load_state_dict(assign=True)``)."""
     for t in tensors:
         setattr(t, EXPERT_MARK, True)
+
+
+def mark_expert_parallel(group, *tensors: torch.Tensor) -> None:
+    """Declare ``tensors`` expert-parallel over the torch.distributed process group ``group``: each rank
+    holds its own experts, and every token routed to them reaches this rank (an all-to-all dispatch), so
+    the rank's gradient of them is complete and their in-backward update needs no gradient collective."""
+    for t in tensors:
+        setattr(t, EXPERT_PARALLEL_ATTRIBUTE, group)
+
+
+def expert_parallel_group(t: torch.Tensor):
+    """The group given to :func:`mark_expert_parallel` for ``t``, or None."""
+    return getattr(t, EXPERT_PARALLEL_ATTRIBUTE, None)
 
 
 def is_expert_tensor(t: torch.Tensor) -> bool:

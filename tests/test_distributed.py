@@ -224,3 +224,121 @@ def test_fsdp2_equals_fsdp2_with_torch_adamw_bitwise(tmp_path):
     single = _single_process("torch", 2)
     for name, p in sonar["params"].items():
         assert rel_err(p, single[name]) <= 1e-5, name
+
+
+def _telemetry_rank(rank, world_size, mode, out):
+    """2 micro-batches per step (DDP's no_sync for the first), and a NaN target on rank 1 in step 1."""
+    from contextlib import nullcontext
+
+    model = _model("torch")
+    sonar = mode != "standard"
+    if sonar:
+        optimizer = sonar_kernels.SonarAdamW(
+            model, **HYPER, max_grad_norm=MAX_NORM, accumulation_steps=2, data_parallel_group=dist.group.WORLD
+        )
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    if not sonar:
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    norms = []
+    for step in range(STEPS):
+        for micro in range(2):
+            x, y = _batch(2 * step + micro, rank)
+            if step == 1 and rank == 1 and mode == "sonar-nan":
+                y[0, 0] = float("nan")
+            with wrapped.no_sync() if micro == 0 else nullcontext():
+                nn.functional.mse_loss(wrapped(x), y).backward()
+        if sonar:
+            norms.append(optimizer.expert_grad_norm().clone())
+        else:
+            norms.append(torch.nn.utils.get_total_norm([p.grad for p in _experts(model)]))
+            nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
+        optimizer.step()
+        optimizer.zero_grad()
+    result = _snapshot(model, optimizer) | {"norms": torch.stack(norms)}
+    if sonar:
+        result["skipped"] = optimizer.expert_skipped_updates().clone()
+        result["dense_skipped"] = optimizer.dense_skipped_steps.clone()
+    torch.save(result, out / f"{mode}-{rank}.pt")
+
+
+def test_accumulation_norms_and_the_non_finite_guard_hold_over_the_group(tmp_path):
+    for mode in ("sonar", "standard", "sonar-nan"):
+        ranks.run(_telemetry_rank, 2, mode, tmp_path)
+    sonar, standard, nan = (
+        [torch.load(tmp_path / f"{mode}-{r}.pt") for r in range(2)]
+        for mode in ("sonar", "standard", "sonar-nan")
+    )
+    # Micro-batches summed locally, averaged once at the last one, as DDP with no_sync does.
+    _assert_equal(sonar[0]["params"], standard[0]["params"], "against DDP + torch.optim.AdamW")
+    _assert_equal(sonar[1]["params"], sonar[0]["params"], "rank 1 against rank 0")
+    # The expert norm is that of the averaged gradient, the one DDP would leave in .grad.
+    assert torch.allclose(sonar[0]["norms"], standard[0]["norms"], rtol=1e-6, atol=0)
+    assert torch.equal(sonar[0]["norms"], sonar[1]["norms"]) and int(sonar[0]["skipped"]) == 0
+    # A NaN on one rank reaches every rank's averaged gradient: every rank skips the same updates.
+    for r in range(2):
+        assert int(nan[r]["skipped"]) == 2 and int(nan[r]["dense_skipped"]) == 1
+        assert all(float(s["step"]) == STEPS - 1 for s in nan[r]["state"])
+        assert torch.isinf(nan[r]["norms"][1]) and torch.isfinite(nan[r]["norms"][[0, 2]]).all()
+    _assert_equal(nan[1]["params"], nan[0]["params"], "rank 1 against rank 0 after a skipped step")
+    assert all(torch.isfinite(p).all() for p in nan[0]["params"].values())
+
+
+class DeepMoE(nn.Module):
+    """LAYERS SonarExperts layers whose expert tensors dwarf everything else (W1 64 KiB, W2 32 KiB)."""
+
+    LAYERS, E, H, I = 4, 8, 32, 32
+
+    def __init__(self):
+        super().__init__()
+        self.routers = nn.ModuleList(nn.Linear(self.H, self.E, bias=False) for _ in range(self.LAYERS))
+        self.layers = nn.ModuleList(
+            sonar_kernels.SonarExperts(self.E, self.H, self.I, backend="torch") for _ in range(self.LAYERS)
+        )
+
+    def forward(self, x):
+        for router, experts in zip(self.routers, self.layers, strict=True):
+            weights, index = torch.softmax(router(x), dim=-1).topk(TOP_K, dim=-1)
+            x = x + experts(x, index, weights)
+        return x
+
+
+def _memory_rank(rank, world_size, mode, out):
+    from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
+
+    torch.manual_seed(0)
+    model = DeepMoE()
+    if mode == "sonar":
+        optimizer = sonar_kernels.SonarAdamW(model, lr=1e-3, data_parallel_group=dist.group.WORLD)
+    wrapped = nn.parallel.DistributedDataParallel(model)
+    if mode != "sonar":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(seed):
+        x = torch.randn(4, DeepMoE.H, generator=torch.Generator().manual_seed(seed + rank))
+        wrapped(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step(0)  # torch's AdamW state of the dense parameters
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer)
+    with tracker:
+        step(1)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    torch.save({"grad": int(peak[_MemRefType.GRAD])}, out / f"{mode}-{rank}.pt")
+
+
+@pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass")
+def test_data_parallel_path_keeps_at_most_two_layers_of_expert_gradients(tmp_path):
+    ranks.run(_memory_rank, 2, "sonar", tmp_path)
+    ranks.run(_memory_rank, 2, "standard", tmp_path)
+    torch.manual_seed(0)
+    model = DeepMoE()
+    layer = sum(p.numel() * 4 for p in model.layers[0].parameters())
+    dense = sum(p.numel() * 4 for p in model.routers.parameters())
+    for r in range(2):
+        sonar = torch.load(tmp_path / f"sonar-{r}.pt")["grad"]
+        standard = torch.load(tmp_path / f"standard-{r}.pt")["grad"]
+        print(f"rank {r}: peak gradient bytes {sonar} (sonar) against {standard} (standard)")
+        assert standard >= DeepMoE.LAYERS * layer  # every layer's expert gradient until the step
+        assert sonar <= 2 * layer + dense  # the stated bound: two layers' expert gradients

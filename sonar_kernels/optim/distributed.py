@@ -10,6 +10,10 @@ complete gradient. With more than one rank an expert tensor is one of:
   ``.grad``, and the owner's post-accumulate-grad hook applies the update there. A DTensor replicated over
   more than one rank (HSDP's replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing
   here can tell whether its gradient was reduced over the replicas.
+- ``"expert-parallel"``: declared with :func:`sonar_kernels.specs.mark_expert_parallel`: each rank holds
+  its own experts and receives every token routed to them, so its gradient is complete; the update runs
+  in the backward as on one process. (With a ``data_parallel_group`` as well, the experts are also
+  replicated over that group, and their gradients are averaged over it first.)
 - ``"data-parallel"``: replicated over the optimizer's ``data_parallel_group``: its gradient reaches
   ``.grad``, is averaged over the group by an asynchronous all-reduce (as DDP averages: divided by the
   group's size, then summed), and updated when the reduction is done (:class:`GradientReducer`).
@@ -28,6 +32,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from sonar_kernels import specs
+
 __all__ = ["GradientReducer", "check_complete", "exclude_from_ddp", "layout", "resolve_group", "world_size"]
 
 # How many expert tensors' gradients may be in flight (all-reduce started, update not yet applied) at
@@ -37,7 +43,9 @@ MAX_IN_FLIGHT = 2
 
 _FIX = (
     "pass data_parallel_group= (the process group, or a 1-D DeviceMesh, over which the experts are "
-    "replicated) to the optimizer, or shard the experts with FSDP2's fully_shard"
+    "replicated) to the optimizer, shard the experts with FSDP2's fully_shard, or, when each rank holds "
+    "its own experts and receives every token routed to them, declare them with "
+    "sonar_kernels.specs.mark_expert_parallel(group, *tensors)"
 )
 
 
@@ -78,7 +86,8 @@ def resolve_group(data_parallel_group) -> dist.ProcessGroup | None:
 
 
 def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
-    """``"sharded"``, ``"data-parallel"`` or ``"local"`` (see the module docstring)."""
+    """``"sharded"``, ``"expert-parallel"``, ``"data-parallel"`` or ``"local"`` (see the module
+    docstring)."""
     from torch.distributed.tensor import DTensor, Shard
 
     if isinstance(p, DTensor):
@@ -90,6 +99,8 @@ def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
         return "local"
     if group is not None:
         return "data-parallel"
+    if specs.expert_parallel_group(p) is not None:
+        return "expert-parallel"
     return "local"
 
 

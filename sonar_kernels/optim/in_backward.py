@@ -1,6 +1,6 @@
 """The in-backward AdamW machinery shared by ExpertAdamW and SonarAdamW.
 
-(About 600 lines, on purpose: one state machine (ownership, micro-batch accumulation, the hook path,
+(About 650 lines, on purpose: one state machine (ownership, micro-batch accumulation, the hook path,
 checkpoints) over one set of private per-tensor tables; split across modules, those tables would be
 shared private state.)
 
