@@ -133,7 +133,7 @@ def _valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
 def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | None, T: int, top_k: int):
     """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights)."""
     kept = (meta.row_of_slot >= 0).reshape(T, top_k, 1)
-    gathered = rows[meta.row_of_slot.clamp(min=0).long()].reshape(T, top_k, -1).float()
+    gathered = rows[meta.row_of_slot.clamp(min=0).long()].reshape(T, top_k, rows.shape[-1]).float()
     if weights is not None:
         gathered = weights.float().unsqueeze(-1) * gathered
     return torch.where(kept, gathered, 0.0).sum(dim=1)

@@ -134,7 +134,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     stacklevel=2,
                 )
             experts = [p for p in params_or_model.parameters() if is_expert_tensor(p)]
-            if isinstance(params_or_model, distributed.ddp_class()) or self.data_parallel_group is not None:
+            if (
+                isinstance(params_or_model, distributed.ddp_class())
+                or self.data_parallel_group is not None
+                or any(specs.expert_parallel_group(p) is not None for p in experts)
+            ):
                 # Before any state exists: a DDP reducer that holds the experts is refused here.
                 distributed.exclude_from_ddp(params_or_model, experts)
             params = params_or_model.parameters()

@@ -1,0 +1,132 @@
+"""Expert parallelism for :class:`sonar_kernels.SonarExperts`: each rank of a process group holds E / P
+experts; tokens travel to the rank of their expert and back with ``all_to_all_single`` (torch.distributed's
+differentiable collective), and the local experts run the same custom op as on one process, with their
+AdamW update fused in the backward: every token routed to a local expert reaches its rank, so the rank's
+gradient is complete and no gradient collective is needed.
+
+Gradient convention (DDP's): each rank's loss is a mean over its own tokens and the objective is the mean
+of the ranks' losses. The backward of the dispatch sums the gradients that come back from the P ranks, so
+the expert gradient is scaled by 1 / P (exact for a power-of-two P) to be the gradient of that mean,
+the gradient that single-process training on the concatenated batch gives; the gradient to the tokens is
+not scaled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.nn.functional import all_to_all_single
+
+from sonar_kernels.autograd.moe_mlp import moe_mlp
+
+__all__ = ["expert_parallel_moe_mlp", "resolve_ep_group"]
+
+
+def resolve_ep_group(ep_group) -> dist.ProcessGroup:
+    """The process group of ``ep_group`` (a ProcessGroup or a 1-D DeviceMesh).
+
+    Raises:
+        ValueError: torch.distributed not initialized, or a DeviceMesh of more than one dimension.
+        TypeError: anything else.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("ep_group needs torch.distributed to be initialized (init_process_group)")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(ep_group, DeviceMesh):
+        if ep_group.ndim != 1:
+            raise ValueError(
+                f'ep_group: a DeviceMesh of {ep_group.ndim} dimensions; pass the expert-parallel one, e.g. mesh["ep"]'
+            )
+        return ep_group.get_group()
+    if isinstance(ep_group, dist.ProcessGroup):
+        return ep_group
+    raise TypeError(f"ep_group must be a ProcessGroup or a 1-D DeviceMesh, got {type(ep_group).__name__}")
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity forward; the backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def expert_parallel_moe_mlp(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    group: dist.ProcessGroup,
+    num_experts: int,
+    activation: str,
+    backend: str,
+) -> torch.Tensor:
+    """:func:`sonar_kernels.moe_mlp` over experts spread across ``group``: rank r holds experts
+    [r * E / P, (r + 1) * E / P) as ``gate_up_proj`` [E / P, 2I, H] and ``down_proj`` [E / P, H, I].
+
+    Args:
+        hidden_states: [T_r, H], this rank's tokens.
+        top_k_index: [T_r, top_k] global expert ids in [0, num_experts); others are dropped.
+        top_k_weights: [T_r, top_k] routing weights, applied on this rank (the combine).
+    Returns:
+        [T_r, H], dtype of hidden_states: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x_t), the combine in
+        fp32 in ``j`` order, rounded once.
+
+    The token counts per rank are exchanged first and read on the host (one sync per layer and
+    direction, as the split sizes of ``all_to_all_single`` require).
+    """
+    size = dist.get_world_size(group)
+    local = num_experts // size
+    T, top_k = top_k_index.shape
+    H = hidden_states.shape[-1]
+    flat = top_k_index.reshape(-1)
+    kept = (flat >= 0) & (flat < num_experts)
+    # Destination rank of each slot (size for a dropped one); slots sorted by it, stable.
+    dest = torch.where(kept, flat.div(local, rounding_mode="floor"), size)
+    order = torch.sort(dest, stable=True).indices
+    counts = torch.bincount(dest, minlength=size + 1)[:size]
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    send_splits, recv_splits = counts.tolist(), received.tolist()
+    slots = order[: sum(send_splits)]
+    tokens = slots.div(top_k, rounding_mode="floor")
+    # The local expert id travels with each row; the routing weight stays here for the combine.
+    ids = (flat[slots] - dest[slots] * local).to(torch.int32)
+    recv_ids = ids.new_empty(sum(recv_splits))
+    dist.all_to_all_single(recv_ids, ids, recv_splits, send_splits, group=group)
+    x_recv = all_to_all_single(
+        hidden_states.new_empty(sum(recv_splits), H),
+        hidden_states[tokens],
+        recv_splits,
+        send_splits,
+        group=group,
+    )
+    # The expert gradient is the gradient of the mean of the ranks' losses (module docstring): dY scaled
+    # by 1 / size before the experts' backward, dX scaled back by size after it.
+    x_recv = _ScaleGrad.apply(x_recv, float(size))
+    y_recv = moe_mlp(
+        x_recv,
+        recv_ids[:, None],
+        torch.ones(recv_ids.shape[0], 1, dtype=hidden_states.dtype, device=hidden_states.device),
+        gate_up_proj,
+        down_proj,
+        activation=activation,
+        backend=backend,
+    )
+    y_recv = _ScaleGrad.apply(y_recv, 1.0 / size)
+    y = all_to_all_single(y_recv.new_empty(slots.shape[0], H), y_recv, send_splits, recv_splits, group=group)
+    # The combine as on one process: in fp32, over j in order, no atomics (a dropped slot adds 0).
+    weighted = y.float() * top_k_weights.reshape(-1)[slots].float()[:, None]
+    per_slot = weighted.new_zeros(T * top_k, H).index_copy(0, slots, weighted).view(T, top_k, H)
+    out = per_slot[:, 0]
+    for j in range(1, top_k):
+        out = out + per_slot[:, j]
+    return out.to(hidden_states.dtype)
