@@ -179,6 +179,9 @@ def _refusal_rank(rank, world_size, port, case, out):
                 sonar_kernels.SonarAdamW(
                     nn.parallel.DistributedDataParallel(model), **HYPER, data_parallel_group=dist.group.WORLD
                 )
+        elif case == "ep-indivisible":
+            with pytest.raises(ValueError, match="must be divisible by the size of ep_group") as raised:
+                sonar_kernels.SonarExperts(3, H, I, ep_group=dist.group.WORLD)
         elif case == "expert-adamw":
             with pytest.raises(ValueError, match="data_parallel_group=") as raised:
                 sonar_kernels.ExpertAdamW(model.experts.parameters(), **HYPER)
@@ -188,11 +191,18 @@ def _refusal_rank(rank, world_size, port, case, out):
     (out / f"{case}-{rank}.txt").write_text(str(raised.value))
 
 
-@pytest.mark.parametrize("case", ["no-group", "ddp-wrapped-first", "expert-adamw", "built-before-init"])
+@pytest.mark.parametrize(
+    "case", ["no-group", "ddp-wrapped-first", "expert-adamw", "built-before-init", "ep-indivisible"]
+)
 def test_what_would_diverge_is_refused_before_anything_changes(tmp_path, case):
     ranks.run(_refusal_rank, 2, case, tmp_path, initialize=False)
     message = (tmp_path / f"{case}-0.txt").read_text()
-    assert "diverge" in message or "bare module" in message
+    assert "diverge" in message or "bare module" in message or "divisible" in message
+
+
+def test_an_expert_parallel_layer_needs_torch_distributed():
+    with pytest.raises(ValueError, match="ep_group needs torch.distributed to be initialized"):
+        sonar_kernels.SonarExperts(4, H, I, ep_group=object())
 
 
 def _fsdp_rank(rank, world_size, mode, out):
