@@ -201,7 +201,7 @@ def test_what_would_diverge_is_refused_before_anything_changes(tmp_path, case):
 
 
 def test_an_expert_parallel_layer_needs_torch_distributed():
-    with pytest.raises(ValueError, match="ep_group needs torch.distributed to be initialized"):
+    with pytest.raises(ValueError, match=r"ep_group needs torch\.distributed to be initialized"):
         sonar_kernels.SonarExperts(4, H, I, ep_group=object())
 
 

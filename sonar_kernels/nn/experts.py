@@ -155,5 +155,9 @@ class SonarExperts(nn.Module):
         return (
             f"num_experts={self.num_experts}, hidden_size={self.hidden_size}, "
             f"intermediate_size={self.intermediate_size}, activation={self.activation!r}, backend={self.backend!r}"
-            + ("" if getattr(self, "ep_group", None) is None else f", local_experts={self.num_local_experts} (expert parallel)")
+            + (
+                ""
+                if getattr(self, "ep_group", None) is None
+                else f", local_experts={self.num_local_experts} (expert parallel)"
+            )
         )
