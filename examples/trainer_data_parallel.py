@@ -10,8 +10,8 @@ wraps the model in DistributedDataParallel: SonarAdamW puts the experts on DDP's
 reduces the dense parameters and SonarAdamW the experts. Without the group, SonarAdamW raises, naming
 this fix (each rank would otherwise update the experts from its own gradient and the ranks would
 diverge). Trainer's own clipping (``max_grad_norm``) sees only the dense gradients: the expert gradients
-never wait in ``.grad`` for it; pass ``max_grad_norm`` to SonarAdamW instead (here: no clipping, so that
-``--optimizer torch`` trains the same model).
+never wait in ``.grad`` for it (the paper's dense-only clipping). Here there is no clipping, so that
+``--optimizer torch`` (whose clipping would include the experts) trains the same model.
 
 Rank 0 prints whether the ranks' expert weights are identical (a checksum per rank); with ``--out`` each
 rank also saves its parameters there.
