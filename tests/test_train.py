@@ -169,3 +169,38 @@ def test_all_in_backward_arm_updates_every_parameter_in_the_backward_like_unclip
             assert torch.equal(p, q), name
         else:  # the Triton wgrad and its fused epilogue: fp32 sums in another order
             assert_close(q, p, torch.float32, what=name)
+
+
+def _torchrun_train(argv, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import ranks
+
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+         str(ranks.free_port()), "-m", "sonar_kernels.train", *argv, "--out", str(tmp_path), "--name", "d"],
+        capture_output=True, text=True, timeout=240, env=os.environ | {"OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+def test_data_parallel_run_on_two_processes_reports_ranks_that_agree(tmp_path):
+    done = _torchrun_train(
+        ["--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32", "--heldout-batches", "2"],
+        tmp_path,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    dist = report["distributed"]
+    assert dist["ranks"] == 2 and "data parallel" in dist["layout"]
+    sums = dist["expert_checksums"]
+    assert set(sums) == {"standard", "sonar", "standard-dense-clip"}
+    assert all(len(s) == 2 and s[0] == s[1] for s in sums.values()) and dist["ranks_agree"] is True
+    # Averaged before the update, the experts train as DDP's do: the control's bits.
+    assert sums["sonar"] == sums["standard-dense-clip"] != sums["standard"]
+    assert report["sonar_equals_control_bitwise"] is True
+    assert "the ranks' expert weights are identical in every arm: True" in done.stdout
+    refused = _torchrun_train(["--steps", "1", "--layers", "1", "--arms", "all-in-backward"], tmp_path)
+    assert refused.returncode != 0 and "runs on one process only" in refused.stderr

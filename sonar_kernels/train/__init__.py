@@ -24,9 +24,14 @@ state exists), with torch's MemTracker, which splits it into parameters, gradien
 activations and tells whether the peak falls in the forward, the backward or the optimizer step; on CUDA
 the allocator's peak is reported as well.
 
+On several processes (``torchrun --nproc-per-node N -m sonar_kernels.train``) the run is data parallel:
+each rank trains on its own batches, DDP reduces the dense gradients and SonarAdamW averages each
+expert gradient over the ranks before its update; the report names the ranks and the layout and gives
+a checksum of the expert weights per rank and arm (``distributed``).
+
 The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``memory``
-(the MemTracker pass), ``report`` (table and figure), ``cli`` (``sonar-train``, ``python -m
-sonar_kernels.train``).
+(the MemTracker pass), ``report`` (table and figure), ``distributed`` (torchrun: the process group, the
+ranks' batches, DDP, the checksums), ``cli`` (``sonar-train``, ``python -m sonar_kernels.train``).
 """
 
 from sonar_kernels.train.arms import (

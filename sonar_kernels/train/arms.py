@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_kernels.train import distributed
 from sonar_kernels.train.data import ByteData, Preset
 
 ARMS = ("standard", "sonar", "standard-dense-clip")
@@ -126,6 +127,7 @@ class Arm:
     optimizer: object  # a torch.optim.Optimizer, or AllInBackward
     schedulers: list
     clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step(), or nothing is clipped
+    wrapped: object = None  # the model as trained: DistributedDataParallel on several ranks
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -143,7 +145,9 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
     flags = {"foreach": args.foreach, "fused": args.fused}
     clip = None
     if name == "sonar":
-        optimizer = sonar_kernels.SonarAdamW(model, **hyper, **flags, max_grad_norm=args.max_grad_norm)
+        optimizer = sonar_kernels.SonarAdamW(
+            model, **hyper, **flags, max_grad_norm=args.max_grad_norm, data_parallel_group=distributed.group()
+        )
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
     else:
@@ -157,7 +161,7 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))
         return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    arm = Arm(name, model, optimizer, [], clip)
+    arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model))
     arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
     return arm
 
@@ -167,7 +171,7 @@ def train_step(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step; returns (loss, norm used for clipping, None when nothing is clipped) as device
     tensors (no host sync)."""
-    loss = arm.model(input_ids=tokens, labels=tokens).loss
+    loss = (arm.wrapped or arm.model)(input_ids=tokens, labels=tokens).loss
     loss.backward()
     norm = None
     if arm.clip_params is not None:
@@ -202,7 +206,7 @@ def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, he
 
     losses, norms, times = [], [], []
     for step in tqdm(range(steps), desc=f"{arm.name:>19}", unit="step", file=sys.stderr, disable=args.quiet):
-        tokens = data.batch(step).to(device)
+        tokens = data.batch(distributed.batch_index(step)).to(device)
         sync(device)
         start = time.perf_counter()
         loss, norm = train_step(arm, tokens, args.max_grad_norm)

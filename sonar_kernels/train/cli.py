@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
 from sonar_kernels.train.memory import LABELS, measure_memory
@@ -90,10 +91,13 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        distributed.setup(args)  # under torchrun: one rank of a data-parallel run
         return _run(args)
     except UsageError as e:
         print(f"sonar-train: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        distributed.teardown()
 
 
 def _run(args) -> int:
@@ -104,6 +108,13 @@ def _run(args) -> int:
 
     preset = PRESETS[args.preset]
     device = args.device_obj
+    ranks, leader = distributed.world_size(), distributed.rank() == 0
+    if ranks > 1 and "all-in-backward" in args.arms:
+        raise UsageError(
+            "--arms all-in-backward runs on one process only: its dense parameters are updated in the "
+            "backward from their local, not yet averaged, gradient"
+        )
+    args.quiet = args.quiet or not leader
     if device.type == "cuda":
         # The sonar arm and its control are compared bit for bit: deterministic kernels where torch has them.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -152,10 +163,15 @@ def _run(args) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "arms": {},
     }
+    if ranks > 1:
+        report["distributed"] = {"ranks": ranks, "layout": distributed.LAYOUT, "expert_checksums": {}}
     final = {}  # the compared arms' parameters after training, on the CPU
     for name in args.arms:
         arm = build_arm(name, initial, args, steps)
         report["arms"][name] = run_arm(arm, data, steps, args, device, heldout)
+        if ranks > 1:  # the ranks' expert weights after training, one checksum each
+            experts = [p for n, p in arm.model.named_parameters() if n.endswith(EXPERT_PARAMS)]
+            report["distributed"]["expert_checksums"][name] = distributed.expert_checksums(experts)
         if name == "sonar":
             # The verdict means something only if SonarAdamW updated every expert tensor in the backward.
             report["sonar_expert_tensors_updated_in_backward"] = len(arm.optimizer.expert_tensors)
@@ -185,6 +201,12 @@ def _run(args) -> int:
                 report["arms"]["sonar"]["peak_memory_bytes"] / report["arms"]["standard"]["peak_memory_bytes"]
             )
         report["speedup"] = report["arms"]["standard"]["step_time_s"] / report["arms"]["sonar"]["step_time_s"]
+    if ranks > 1:
+        report["distributed"]["ranks_agree"] = all(
+            len(set(sums)) == 1 for sums in report["distributed"]["expert_checksums"].values()
+        )
+    if not leader:
+        return 0
     out = Path(args.out) / (args.name or args.preset)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -6,6 +6,7 @@ import warnings
 
 import torch
 
+from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import build_arm, sync, train_step
 from sonar_kernels.train.data import ByteData
 
@@ -35,8 +36,8 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
 
     arm = build_arm(name, initial, args, steps=3)
     for step in range(2):
-        train_step(arm, data.batch(step).to(device), args.max_grad_norm)
-    tokens = data.batch(2).to(device)
+        train_step(arm, data.batch(distributed.batch_index(step)).to(device), args.max_grad_norm)
+    tokens = data.batch(distributed.batch_index(2)).to(device)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

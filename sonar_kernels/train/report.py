@@ -38,6 +38,13 @@ def summary_table(report: dict) -> str:
         lines.append(
             f"sonar and standard-dense-clip bitwise identical (all parameters after training): {verdict}"
         )
+    dist = report.get("distributed")
+    if dist is not None:
+        lines.append("")
+        lines.append(f"{dist['ranks']} ranks, {dist['layout']}")
+        for name, sums in dist["expert_checksums"].items():
+            lines.append(f"  {name:<20} expert checksums per rank: {' '.join(sums)}")
+        lines.append(f"the ranks' expert weights are identical in every arm: {dist['ranks_agree']}")
     return "\n".join(lines)
 
 

@@ -1,0 +1,76 @@
+"""sonar-train on several processes (``torchrun --nproc-per-node N -m sonar_kernels.train``): data parallel.
+
+Every rank holds the whole model and trains on its own batches (batch ``step * N + rank`` of the data):
+DistributedDataParallel reduces the dense gradients in every arm; in the sonar arm, SonarAdamW is given
+the world as its data-parallel group, so each expert gradient is averaged over the ranks before its
+in-backward update. Rank 0 writes the report, which names the ranks and the layout and carries one
+checksum of the expert weights per rank and arm.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import os
+
+import torch
+import torch.distributed as dist
+
+LAYOUT = "data parallel: DDP for the dense parameters; SonarAdamW(data_parallel_group=world) for the experts"
+
+
+def setup(args) -> None:
+    """Join the process group that torchrun describes (WORLD_SIZE > 1): gloo on the CPU, nccl on CUDA
+    (one GPU per rank: ``cuda:LOCAL_RANK``)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
+        return
+    if args.device_obj.type == "cuda":
+        args.device_obj = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(args.device_obj)
+    dist.init_process_group(
+        "nccl" if args.device_obj.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10)
+    )
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def batch_index(step: int) -> int:
+    """The data's batch of this rank at ``step`` (each rank its own)."""
+    return step * world_size() + rank()
+
+
+def group():
+    """The data-parallel group of the experts: the world, or None on one process."""
+    return dist.group.WORLD if world_size() > 1 else None
+
+
+def wrap(model):
+    """``model`` in DistributedDataParallel on several ranks (after its optimizer was built, so that
+    SonarAdamW's experts are on DDP's ignore list); ``model`` itself on one."""
+    if world_size() <= 1:
+        return model
+    return torch.nn.parallel.DistributedDataParallel(model)
+
+
+def expert_checksums(tensors) -> list[str]:
+    """One checksum of ``tensors`` (their bytes) per rank, in rank order."""
+    digest = hashlib.sha256()
+    for t in tensors:
+        digest.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+    mine = digest.hexdigest()[:16]
+    if world_size() <= 1:
+        return [mine]
+    every = [None] * world_size()
+    dist.all_gather_object(every, mine)
+    return every
