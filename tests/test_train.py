@@ -201,6 +201,28 @@ def test_data_parallel_run_on_two_processes_reports_ranks_that_agree(tmp_path):
     # Averaged before the update, the experts train as DDP's do: the control's bits.
     assert sums["sonar"] == sums["standard-dense-clip"] != sums["standard"]
     assert report["sonar_equals_control_bitwise"] is True
-    assert "the ranks' expert weights are identical in every arm: True" in done.stdout
+    assert "the ranks' dense and expert weights are identical in every arm: True" in done.stdout
     refused = _torchrun_train(["--steps", "1", "--layers", "1", "--arms", "all-in-backward"], tmp_path)
     assert refused.returncode != 0 and "runs on one process only" in refused.stderr
+
+
+@pytest.mark.timeout(300)
+def test_expert_parallel_run_on_two_processes(tmp_path):
+    done = _torchrun_train(
+        ["--ep", "2", "--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+         "--heldout-batches", "2", "--no-memory"],
+        tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "d" / "report.json").read_text())
+    dist = report["distributed"]
+    assert dist["ranks"] == 2 and dist["expert_parallel"] is True and "16 of the 32 experts" in dist["layout"]
+    assert dist["ranks_agree"] is True
+    for arm in ("standard", "sonar", "standard-dense-clip"):
+        dense, experts = dist["dense_checksums"][arm], dist["expert_checksums"][arm]
+        assert dense[0] == dense[1] and experts[0] != experts[1]  # each rank its own experts
+    # The experts updated in the backward from their complete local gradient: the control's bits.
+    assert dist["expert_checksums"]["sonar"] == dist["expert_checksums"]["standard-dense-clip"]
+    assert report["sonar_equals_control_bitwise"] is True
+    wrong = _torchrun_train(["--ep", "4", "--steps", "1", "--layers", "1"], tmp_path)
+    assert wrong.returncode != 0 and "--ep 4 needs 4 ranks" in wrong.stderr

@@ -19,11 +19,14 @@ import torch
 from torch import nn
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
+from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.specs import (
     BACKENDS,
     IMPLEMENTATION,
     expert_tensors_of,
     is_experts_module,
+    mark_expert_parallel,
     mark_expert_tensors,
 )
 
@@ -36,6 +39,7 @@ __all__ = [
     "is_experts_module",
     "register",
     "set_backend",
+    "shard_experts",
     "sonar_experts_forward",
 ]
 MIN_TRANSFORMERS = (5, 13)
@@ -52,6 +56,9 @@ LAYOUT = {
 }
 # The attribute of an experts module that picks its moe_mlp backend (default "auto").
 BACKEND_ATTRIBUTE = "sonar_backend"
+# The attributes of an experts module sharded by shard_experts: its process group, its global expert count.
+EP_GROUP_ATTRIBUTE = "sonar_ep_group"
+EP_EXPERTS_ATTRIBUTE = "sonar_num_experts"
 
 
 def _check_transformers():
@@ -180,6 +187,16 @@ def sonar_experts_forward(
     expert-parallel sentinels, are dropped), [T, top_k] routing weights -> [T, H] in the dtype of
     ``hidden_states``."""
     activation = check_experts_module(self)
+    group = getattr(self, EP_GROUP_ATTRIBUTE, None)
+    if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all
+        backend = check_moe_mlp_args(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation,
+            getattr(self, BACKEND_ATTRIBUTE, "auto"),
+        )  # fmt: skip
+        return expert_parallel_moe_mlp(
+            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, group=group,
+            num_experts=getattr(self, EP_EXPERTS_ATTRIBUTE), activation=activation, backend=backend,
+        )  # fmt: skip
     return moe_mlp(
         hidden_states,
         top_k_index,
@@ -189,6 +206,48 @@ def sonar_experts_forward(
         activation=activation,
         backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
     )
+
+
+def shard_experts(model: nn.Module, ep_group) -> nn.Module:
+    """Expert parallelism for a transformers model whose experts run "sonar": on rank r of the P ranks of
+    ``ep_group`` (a ProcessGroup or a 1-D DeviceMesh), every experts module keeps experts
+    [r * E / P, (r + 1) * E / P) (its ``gate_up_proj`` and ``down_proj`` replaced, in place, by those
+    slices) and its forward sends each routed token to its expert's rank and back, as
+    ``SonarExperts(ep_group=...)`` does (``sonar_kernels/nn/expert_parallel.py``: the all-to-all, the
+    gradient convention). The local expert tensors are declared expert-parallel, so SonarAdamW updates them
+    in the backward with no gradient collective. Call it on every rank with the same model (the same
+    initial weights), before building the optimizer; keep the experts out of DDP (SonarAdamW does it for
+    the module it is given). Returns ``model``.
+
+    Raises:
+        ValueError: a model without experts modules running "sonar", an expert count not divisible by P,
+            or torch.distributed not initialized.
+    """
+    group = resolve_ep_group(ep_group)
+    size, rank = torch.distributed.get_world_size(group), torch.distributed.get_rank(group)
+    modules = [m for m in model.modules() if expert_tensors(m) is not None]
+    if not modules:
+        raise ValueError(
+            'shard_experts: the model has no experts module running experts_implementation "sonar"'
+        )
+    for module in modules:
+        experts = module.gate_up_proj.shape[0]
+        if experts % size:
+            raise ValueError(f"shard_experts: {experts} experts cannot be split evenly over {size} ranks")
+    for module in modules:
+        experts = module.gate_up_proj.shape[0]
+        local = experts // size
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(module, name)
+            part = nn.Parameter(
+                full.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad
+            )
+            setattr(module, name, part)
+            mark_expert_tensors(part)
+            mark_expert_parallel(group, part)
+        setattr(module, EP_GROUP_ATTRIBUTE, group)
+        setattr(module, EP_EXPERTS_ATTRIBUTE, experts)
+    return model
 
 
 def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:

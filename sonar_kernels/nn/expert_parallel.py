@@ -1,8 +1,8 @@
 """Expert parallelism for :class:`sonar_kernels.SonarExperts`: each rank of a process group holds E / P
 experts; tokens travel to the rank of their expert and back with ``all_to_all_single`` (torch.distributed's
-differentiable collective), and the local experts run the same custom op as on one process, with their
-AdamW update fused in the backward: every token routed to a local expert reaches its rank, so the rank's
-gradient is complete and no gradient collective is needed.
+differentiable functional collective), and the local experts run the same custom op as on one process,
+with their AdamW update fused in the backward: every token routed to a local expert reaches its rank, so
+the rank's gradient is complete and no gradient collective is needed.
 
 Gradient convention (DDP's): each rank's loss is a mean over its own tokens and the objective is the mean
 of the ranks' losses. The backward of the dispatch sums the gradients that come back from the P ranks, so
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.nn.functional import all_to_all_single
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 
@@ -55,6 +55,13 @@ class _ScaleGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale, None
+
+
+def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
+    """Rows exchanged with ``all_to_all_single``, differentiable (the backward is the reverse exchange):
+    torch's functional collective, waited for here."""
+    out = all_to_all_single_autograd(rows.contiguous(), output_splits, input_splits, group)
+    return out.wait() if hasattr(out, "wait") else out
 
 
 def expert_parallel_moe_mlp(
@@ -102,13 +109,7 @@ def expert_parallel_moe_mlp(
     ids = (flat[slots] - dest[slots] * local).to(torch.int32)
     recv_ids = ids.new_empty(sum(recv_splits))
     dist.all_to_all_single(recv_ids, ids, recv_splits, send_splits, group=group)
-    x_recv = all_to_all_single(
-        hidden_states.new_empty(sum(recv_splits), H),
-        hidden_states[tokens],
-        recv_splits,
-        send_splits,
-        group=group,
-    )
+    x_recv = _all_to_all(hidden_states[tokens], recv_splits, send_splits, group)
     # The expert gradient is the gradient of the mean of the ranks' losses (module docstring): dY scaled
     # by 1 / size before the experts' backward, dX scaled back by size after it.
     x_recv = _ScaleGrad.apply(x_recv, float(size))
@@ -122,7 +123,7 @@ def expert_parallel_moe_mlp(
         backend=backend,
     )
     y_recv = _ScaleGrad.apply(y_recv, 1.0 / size)
-    y = all_to_all_single(y_recv.new_empty(slots.shape[0], H), y_recv, send_splits, recv_splits, group=group)
+    y = _all_to_all(y_recv, send_splits, recv_splits, group)
     # The combine as on one process: in fp32, over j in order, no atomics (a dropped slot adds 0).
     weighted = y.float() * top_k_weights.reshape(-1)[slots].float()[:, None]
     per_slot = weighted.new_zeros(T * top_k, H).index_copy(0, slots, weighted).view(T, top_k, H)

@@ -128,6 +128,7 @@ class Arm:
     schedulers: list
     clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step(), or nothing is clipped
     wrapped: object = None  # the model as trained: DistributedDataParallel on several ranks
+    ep_experts: list[torch.Tensor] | None = None  # this rank's expert tensors under --ep (else None)
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -138,6 +139,12 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
     import sonar_kernels
 
     model = copy.deepcopy(initial).to(args.device_obj)
+    ep_experts = None
+    if getattr(args, "ep", 1) > 1:  # this rank's experts of every layer, reached by all-to-all
+        from sonar_kernels.integrations import transformers as hf
+
+        hf.shard_experts(model, distributed.group())
+        ep_experts = [p for n, p in model.named_parameters() if n.endswith(EXPERT_PARAMS)]
     if args.checkpointing:
         enable_checkpointing(model)
     model.train()
@@ -146,13 +153,18 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
     clip = None
     if name == "sonar":
         optimizer = sonar_kernels.SonarAdamW(
-            model, **hyper, **flags, max_grad_norm=args.max_grad_norm, data_parallel_group=distributed.group()
-        )
+            model, **hyper, **flags, max_grad_norm=args.max_grad_norm,
+            data_parallel_group=None if ep_experts is not None else distributed.group(),
+        )  # fmt: skip
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, **flags)
         clip = list(model.parameters()) if name == "standard" else dense_parameters(model)
+        if ep_experts is not None:  # each rank's own experts: never in DDP (SonarAdamW does this itself)
+            from sonar_kernels.optim.distributed import exclude_from_ddp
+
+            exclude_from_ddp(model, ep_experts)
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10)
 
     def schedule(step):  # linear warm-up, then cosine decay to LR_FLOOR
@@ -161,7 +173,7 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
         progress = min(1.0, (step - warmup) / max(1, steps - warmup))
         return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model))
+    arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
     arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
     return arm
 
@@ -175,7 +187,16 @@ def train_step(
     loss.backward()
     norm = None
     if arm.clip_params is not None:
-        norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
+        if arm.ep_experts is not None and arm.name == "standard":
+            # The global norm over all parameters: each rank holds other experts, so their squared norms
+            # are summed over the ranks (the dense gradients are the same on every rank after DDP).
+            experts = [p.grad for p in arm.ep_experts if p.grad is not None]
+            dense = [p.grad for p in arm.clip_params if p.grad is not None and not _among(p, arm.ep_experts)]
+            expert_sq = distributed.all_reduce_sum(torch.nn.utils.get_total_norm(experts).square())
+            norm = torch.sqrt(torch.nn.utils.get_total_norm(dense).square() + expert_sq)
+            torch.nn.utils.clip_grads_with_norm_(arm.clip_params, max_grad_norm, norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
     arm.optimizer.step()
     if arm.name == "sonar":
         norm = arm.optimizer.last_dense_grad_norm
@@ -183,6 +204,10 @@ def train_step(
         scheduler.step()
     arm.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), None if norm is None else norm.detach()
+
+
+def _among(p: torch.Tensor, tensors) -> bool:
+    return any(p is q for q in tensors)
 
 
 @torch.no_grad()

@@ -53,11 +53,14 @@ def parse_args(argv):
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA, off on CPU)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory pass")
+    parser.add_argument("--ep", type=int, default=1,
+                        help="expert parallelism over N ranks (under torchrun with N processes; default: 1, "
+                        "data parallel on several processes)")  # fmt: skip
     parser.add_argument("--out", default="runs", help="output folder (default: runs)")
     parser.add_argument("--name", help="run name (default: the preset)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for name in ("layers", "steps", "batch_size", "seq_len", "heldout_batches"):
+    for name in ("layers", "steps", "batch_size", "seq_len", "heldout_batches", "ep"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -114,6 +117,11 @@ def _run(args) -> int:
             "--arms all-in-backward runs on one process only: its dense parameters are updated in the "
             "backward from their local, not yet averaged, gradient"
         )
+    if args.ep > 1 and args.ep != ranks:
+        raise UsageError(
+            f"--ep {args.ep} needs {args.ep} ranks: torchrun --nproc-per-node {args.ep} -m sonar_kernels.train "
+            f"(this run has {ranks})"
+        )
     args.quiet = args.quiet or not leader
     if device.type == "cuda":
         # The sonar arm and its control are compared bit for bit: deterministic kernels where torch has them.
@@ -164,14 +172,25 @@ def _run(args) -> int:
         "arms": {},
     }
     if ranks > 1:
-        report["distributed"] = {"ranks": ranks, "layout": distributed.LAYOUT, "expert_checksums": {}}
+        experts = initial.config.num_experts if preset.family == "olmoe" else initial.config.num_local_experts
+        layout = (
+            distributed.EP_LAYOUT.format(local=experts // args.ep, experts=experts)
+            if args.ep > 1
+            else distributed.LAYOUT
+        )
+        report["distributed"] = {"ranks": ranks, "layout": layout, "expert_parallel": args.ep > 1,
+                                 "dense_checksums": {}, "expert_checksums": {}}  # fmt: skip
     final = {}  # the compared arms' parameters after training, on the CPU
     for name in args.arms:
         arm = build_arm(name, initial, args, steps)
         report["arms"][name] = run_arm(arm, data, steps, args, device, heldout)
-        if ranks > 1:  # the ranks' expert weights after training, one checksum each
-            experts = [p for n, p in arm.model.named_parameters() if n.endswith(EXPERT_PARAMS)]
-            report["distributed"]["expert_checksums"][name] = distributed.expert_checksums(experts)
+        if ranks > 1:  # the ranks' weights after training, one checksum each
+            named = list(arm.model.named_parameters())
+            for kind, chosen in (
+                ("dense", [p for n, p in named if not n.endswith(EXPERT_PARAMS)]),
+                ("expert", [p for n, p in named if n.endswith(EXPERT_PARAMS)]),
+            ):
+                report["distributed"][f"{kind}_checksums"][name] = distributed.checksums(chosen)
         if name == "sonar":
             # The verdict means something only if SonarAdamW updated every expert tensor in the backward.
             report["sonar_expert_tensors_updated_in_backward"] = len(arm.optimizer.expert_tensors)
@@ -202,8 +221,13 @@ def _run(args) -> int:
             )
         report["speedup"] = report["arms"]["standard"]["step_time_s"] / report["arms"]["sonar"]["step_time_s"]
     if ranks > 1:
+        # Replicated weights must be identical on every rank: the dense ones always, the experts when
+        # they are replicated (data parallel).
+        replicated = ("dense",) if args.ep > 1 else ("dense", "expert")
         report["distributed"]["ranks_agree"] = all(
-            len(set(sums)) == 1 for sums in report["distributed"]["expert_checksums"].values()
+            len(set(sums)) == 1
+            for kind in replicated
+            for sums in report["distributed"][f"{kind}_checksums"].values()
         )
     if not leader:
         return 0

@@ -1,10 +1,18 @@
-"""sonar-train on several processes (``torchrun --nproc-per-node N -m sonar_kernels.train``): data parallel.
+"""sonar-train on several processes (``torchrun --nproc-per-node N -m sonar_kernels.train``).
 
-Every rank holds the whole model and trains on its own batches (batch ``step * N + rank`` of the data):
-DistributedDataParallel reduces the dense gradients in every arm; in the sonar arm, SonarAdamW is given
-the world as its data-parallel group, so each expert gradient is averaged over the ranks before its
-in-backward update. Rank 0 writes the report, which names the ranks and the layout and carries one
-checksum of the expert weights per rank and arm.
+Every rank trains on its own batches (batch ``step * N + rank`` of the data) and DistributedDataParallel
+reduces the dense gradients in every arm. The experts:
+
+- data parallel (the default): every rank holds them all; in the sonar arm SonarAdamW is given the world
+  as its data-parallel group, so each expert gradient is averaged over the ranks before its in-backward
+  update;
+- expert parallel (``--ep N``, N the number of ranks): each rank holds E / N experts of every layer
+  (``integrations.transformers.shard_experts``), tokens reach them by all-to-all, and their gradient is
+  complete on their rank: updated in the backward with no gradient collective. The standard arm's
+  global-norm clipping sums the experts' squared norms over the ranks.
+
+Rank 0 writes the report, which names the ranks and the layout and carries checksums of the dense and
+expert weights per rank and arm.
 """
 
 from __future__ import annotations
@@ -17,6 +25,10 @@ import torch
 import torch.distributed as dist
 
 LAYOUT = "data parallel: DDP for the dense parameters; SonarAdamW(data_parallel_group=world) for the experts"
+EP_LAYOUT = (
+    "expert parallel: each rank holds {local} of the {experts} experts of every layer (all-to-all dispatch, "
+    "updated in the backward with no gradient collective); DDP for the dense parameters"
+)
 
 
 def setup(args) -> None:
@@ -63,7 +75,14 @@ def wrap(model):
     return torch.nn.parallel.DistributedDataParallel(model)
 
 
-def expert_checksums(tensors) -> list[str]:
+def all_reduce_sum(t: torch.Tensor) -> torch.Tensor:
+    """``t`` summed over the ranks (in place; ``t`` itself on one process)."""
+    if world_size() > 1:
+        dist.all_reduce(t)
+    return t
+
+
+def checksums(tensors) -> list[str]:
     """One checksum of ``tensors`` (their bytes) per rank, in rank order."""
     digest = hashlib.sha256()
     for t in tensors:

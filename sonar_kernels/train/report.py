@@ -42,9 +42,13 @@ def summary_table(report: dict) -> str:
     if dist is not None:
         lines.append("")
         lines.append(f"{dist['ranks']} ranks, {dist['layout']}")
-        for name, sums in dist["expert_checksums"].items():
-            lines.append(f"  {name:<20} expert checksums per rank: {' '.join(sums)}")
-        lines.append(f"the ranks' expert weights are identical in every arm: {dist['ranks_agree']}")
+        for name in dist["expert_checksums"]:
+            lines.append(
+                f"  {name:<20} checksums per rank: dense {' '.join(dist['dense_checksums'][name])}, "
+                f"experts {' '.join(dist['expert_checksums'][name])}"
+            )
+        what = "dense weights" if dist.get("expert_parallel") else "dense and expert weights"
+        lines.append(f"the ranks' {what} are identical in every arm: {dist['ranks_agree']}")
     return "\n".join(lines)
 
 
