@@ -397,12 +397,13 @@ def _ep_batch(step, rank, ep_size):
     return x, y, mask
 
 
-def _ep_reference(world_size, ep_size):
+def _ep_reference(world_size, ep_size, clip_experts=False):
     """torch.optim.AdamW with dense-only clipping on one process, all 8 experts, the ranks' batches
     concatenated; the loss is the mean of the ranks' mean losses (DDP's objective)."""
     torch.manual_seed(0)
     model = EPMoE("torch")
     optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    norms = []
     for step in range(STEPS):
         batches = [_ep_batch(step, r, ep_size) for r in range(world_size)]
         out = model(torch.cat([b[0] for b in batches]), torch.cat([b[2] for b in batches]))
@@ -411,13 +412,18 @@ def _ep_reference(world_size, ep_size):
             losses.append(nn.functional.mse_loss(out[start : start + len(x)], y))
             start += len(x)
         torch.stack(losses).mean().backward()
-        nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
+        if clip_experts:  # the norm over every parameter scales the dense gradients (the experts' are spent)
+            norm = nn.utils.get_total_norm([p.grad for p in model.parameters()])
+            nn.utils.clip_grads_with_norm_(_dense(model), MAX_NORM, norm)
+            norms.append(norm)
+        else:
+            nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
         optimizer.step()
         optimizer.zero_grad()
-    return {name: p.detach() for name, p in model.named_parameters()}
+    return {name: p.detach() for name, p in model.named_parameters()} | {"norms": norms}
 
 
-def _ep_rank(rank, world_size, backend, ep_size, out):
+def _ep_rank(rank, world_size, backend, ep_size, clip_experts, out):
     from torch.distributed.device_mesh import init_device_mesh
 
     dp_size = world_size // ep_size
@@ -434,28 +440,46 @@ def _ep_rank(rank, world_size, backend, ep_size, out):
         }
     )
     group = mesh["dp"] if dp_size > 1 else None
-    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=MAX_NORM, data_parallel_group=group)
+    optimizer = sonar_kernels.SonarAdamW(
+        model,
+        **HYPER,
+        max_grad_norm=MAX_NORM,
+        data_parallel_group=group,
+        clip_norm_includes_experts=clip_experts,
+    )
     wrapped = nn.parallel.DistributedDataParallel(model)  # the dense parameters, over all ranks
+    norms = []
     for step in range(STEPS):
         x, y, mask = _ep_batch(step, rank, ep_size)
         nn.functional.mse_loss(wrapped(x, mask), y).backward()
         assert all(p.grad is None for p in _experts(model))
         optimizer.step()
+        norms.append(optimizer.last_grad_norm)
         optimizer.zero_grad()
-    torch.save(_snapshot(model, optimizer) | {"ep_rank": ep_rank}, out / f"ep-{rank}.pt")
+    torch.save(_snapshot(model, optimizer) | {"ep_rank": ep_rank, "norms": norms}, out / f"ep-{rank}.pt")
 
 
 @pytest.mark.parametrize(
-    ("backend", "world_size", "ep_size"),
-    [("torch", 2, 2), ("torch", 4, 4), ("torch", 4, 2), ("triton", 2, 2)],
-    ids=["torch-ep2", "torch-ep4", "torch-ep2xdp2", "triton-ep2"],
-)
-def test_expert_parallel_matches_single_process_training(tmp_path, backend, world_size, ep_size):
-    ranks.run(_ep_rank, world_size, backend, ep_size, tmp_path)
-    single = _ep_reference(world_size, ep_size)
+    ("backend", "world_size", "ep_size", "clip_experts"),
+    [("torch", 2, 2, False), ("torch", 4, 4, False), ("torch", 4, 2, False), ("triton", 2, 2, False),
+     ("torch", 4, 2, True)],
+    ids=["torch-ep2", "torch-ep4", "torch-ep2xdp2", "triton-ep2", "torch-ep2xdp2-clip-all"],
+)  # fmt: skip
+def test_expert_parallel_matches_single_process_training(
+    tmp_path, backend, world_size, ep_size, clip_experts
+):
+    # clip-all: clip_norm_includes_experts, whose norm sums the experts' squares over the ranks that hold
+    # them, against the norm over every parameter on one process, scaling the dense gradients.
+    ranks.run(_ep_rank, world_size, backend, ep_size, clip_experts, tmp_path)
+    single = _ep_reference(world_size, ep_size, clip_experts)
+    reference_norms = single.pop("norms")
     local = EP_E // ep_size
     results = [torch.load(tmp_path / f"ep-{r}.pt") for r in range(world_size)]
     for r, result in enumerate(results):
+        if clip_experts:  # every rank sees the whole model's norm
+            assert torch.allclose(
+                torch.stack(result["norms"]), torch.stack(reference_norms), rtol=1e-4, atol=0
+            )
         assert all(float(s["step"]) == STEPS for s in result["state"])
         e = result["ep_rank"]
         for name, p in result["params"].items():

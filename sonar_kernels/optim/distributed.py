@@ -119,6 +119,32 @@ def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=Va
         )
 
 
+def sum_over_expert_parallel_groups(values, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The sum of the 0-dim ``values[p]`` over ``params``, in order, on the first one's device, where the
+    part of expert-parallel tensors (:func:`sonar_kernels.specs.mark_expert_parallel`) is summed over their
+    group as well (each rank holds other experts): a collective per group, in the order the groups first
+    appear in ``params`` (the same on every rank). A 0-dim CPU zero of ``dtype`` when ``params`` is empty."""
+    if not params:
+        return torch.zeros((), dtype=dtype)
+    device = values[params[0]].device
+    total = torch.zeros((), dtype=dtype, device=device)
+    groups: dict = {}
+    for p in params:
+        group = specs.expert_parallel_group(p)
+        if group is None:
+            total = total + values[p].to(device)
+        else:
+            groups.setdefault(group, []).append(p)
+    for group, members in groups.items():
+        part = torch.zeros((), dtype=dtype, device=device)
+        for p in members:
+            part = part + values[p].to(device)
+        if world_size() > 1:
+            dist.all_reduce(part, group=group)
+        total = total + part
+    return total
+
+
 def ddp_class():
     from torch.nn.parallel import DistributedDataParallel
 

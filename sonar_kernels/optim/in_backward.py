@@ -438,13 +438,20 @@ class InBackwardAdamW:
         update was skipped (see :meth:`expert_skipped_updates`) as inf. Reading it (``float()``) syncs
         with the device.
 
+        With several ranks it is the norm of the whole model's expert gradients, the same on every rank:
+        expert-parallel tensors (each rank holds other experts) add their squared norms over their
+        expert-parallel group (a collective: call it on every rank); data-parallel ones are averaged
+        before their update and sharded ones (FSDP2) are reduced over their mesh already.
+
         Args:
             params: the expert tensors to include (e.g. one layer's ``SonarExperts.parameters()``); None:
                 all of this optimizer's expert tensors.
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
-        return self._sum_in_order(self._grad_norm_sq, params, torch.float32).sqrt()
+        return distributed.sum_over_expert_parallel_groups(
+            self._grad_norm_sq, self._ordered(params), torch.float32
+        ).sqrt()
 
     def expert_skipped_updates(self, params=None) -> torch.Tensor:
         """How many in-backward updates were skipped because the gradient had an entry that was NaN,
@@ -458,9 +465,8 @@ class InBackwardAdamW:
         """
         return self._sum_in_order(self._skipped, params, torch.int64)
 
-    def _sum_in_order(self, values, params, dtype: torch.dtype) -> torch.Tensor:
-        """The per-tensor 0-dim ``values`` of ``params`` (None: all managed tensors), added in
-        param_groups order on the first one's device (a 0-dim CPU zero of ``dtype`` when there are none).
+    def _ordered(self, params) -> list[torch.Tensor]:
+        """``params`` (None: all managed tensors) in param_groups order.
 
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
@@ -475,6 +481,16 @@ class InBackwardAdamW:
         ordered = self.expert_tensors
         if chosen is not None:
             ordered = [p for p in ordered if any(p is q for q in chosen)]
+        return ordered
+
+    def _sum_in_order(self, values, params, dtype: torch.dtype) -> torch.Tensor:
+        """The per-tensor 0-dim ``values`` of ``params`` (None: all managed tensors), added in
+        param_groups order on the first one's device (a 0-dim CPU zero of ``dtype`` when there are none).
+
+        Raises:
+            ValueError: a tensor this optimizer does not update in the backward.
+        """
+        ordered = self._ordered(params)
         if not ordered:
             return torch.zeros((), dtype=dtype)
         total = values[ordered[0]].clone()
