@@ -20,6 +20,7 @@ rank also saves its parameters there.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import os
 import tempfile
@@ -101,6 +102,10 @@ def main(argv=None) -> int:
         torch.save(params, args.out / f"{args.optimizer}-{rank}.pt")
     if rank == 0:
         print(f"{args.optimizer}: {world} ranks, expert checksums {sums}, identical: {len(set(sums)) == 1}")
+    if dist.is_initialized():
+        del trainer, optimizer, model
+        gc.collect()  # DDP's reference cycles hold the group's work
+        dist.destroy_process_group()
     return 0
 
 

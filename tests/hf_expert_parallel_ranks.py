@@ -4,6 +4,7 @@ the same checkpoint; each rank saves both models' full parameters. Run by torchr
 tests/test_transformers_expert_parallel.py: ``python -m torch.distributed.run --nproc-per-node 2
 tests/hf_expert_parallel_ranks.py CHECKPOINT OUT``."""
 
+import gc
 import sys
 from pathlib import Path
 
@@ -41,6 +42,8 @@ def main(checkpoint: str, out: str) -> None:
         }
         torch.save(params, Path(out) / f"{kind}-{rank}.pt")
         del model, optimizer
+    gc.collect()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

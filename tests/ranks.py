@@ -7,8 +7,10 @@ work inside functions. Each rank runs with one intra-op thread (2 cores, up to 4
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
+import sys
 import time
 
 import torch
@@ -43,8 +45,14 @@ def _entry(rank: int, fn, world_size: int, port: int, args: tuple, initialize: b
             init(rank, world_size, port)
         fn(rank, world_size, *args) if initialize else fn(rank, world_size, port, *args)
     finally:
+        gc.collect()  # DDP's and the optimizers' reference cycles let go of the group's work first
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The results are on disk: leave without interpreter finalization, during which gloo's worker threads
+    # can abort the process ("terminate called without an active exception", pytorch/pytorch#179291).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(fn, world_size: int, *args, timeout: float = 120, initialize: bool = True) -> None:

@@ -128,7 +128,7 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
 
 @pytest.mark.parametrize(
     ("backend", "world_size"),
-    [("torch", 2), ("torch", 4), ("triton", 2)],
+    [("torch", 2), ("torch", 4), ("triton", 2), ("triton", 4)],
 )
 def test_ddp_with_a_data_parallel_group_matches_ddp_with_torch_adamw(tmp_path, backend, world_size):
     ranks.run(_ddp_rank, world_size, backend, "sonar", tmp_path)

@@ -18,6 +18,7 @@ expert weights per rank and arm.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import os
 
@@ -45,7 +46,10 @@ def setup(args) -> None:
 
 
 def teardown() -> None:
+    """Destroy the process group, after the models and optimizers that hold its work (DDP's reference
+    cycles) are collected."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
