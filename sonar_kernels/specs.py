@@ -133,6 +133,10 @@ class ExpertUpdate:
     def track(self, graph) -> None:
         """A forward recorded ``graph`` (its autograd node) over the tensor."""
 
+    def untrack(self, graph) -> None:
+        """The backward of ``graph`` ran without computing the tensor's gradient: it no longer counts as
+        a live graph over the tensor."""
+
     def begin_backward(self, graph) -> None:
         """The backward of ``graph`` is about to update the tensor or add to its gradient: raise now,
         before anything is written, when that would be wrong."""

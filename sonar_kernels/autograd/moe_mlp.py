@@ -12,6 +12,7 @@ whole step compiles (``fullgraph=True``); the owner's host-side checks run in ea
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -63,23 +64,78 @@ def _setup_context(ctx, inputs, output) -> None:
     # without attributes): read from the tensors passed in now (saved tensors may come back as other
     # objects, e.g. under activation checkpointing).
     ctx.owners = (None, None)
+    ctx.watched = (None, None)
     if not torch.compiler.is_compiling():
         ctx.owners = tuple(
             specs.update_of(w) if state else None
             for w, state in ((gate_up_proj, gate_up_proj_state), (down_proj, down_proj_state))
+        )
+        # Per owned weight: its gradient edge (whether a backward asks for its gradient) and the versions
+        # of the weight and the hyperparameters this forward saw (whether they changed before the backward).
+        ctx.watched = tuple(
+            None if owner is None else _Watched(w, hyper)
+            for owner, w, hyper in zip(
+                ctx.owners, (gate_up_proj, down_proj), (gate_up_proj_hyper, down_proj_hyper), strict=True
+            )
         )
         for owner in ctx.owners:
             if owner is not None:
                 owner.track(ctx)
 
 
+class _Watched:
+    """What the backward checks of an owned weight before it unpacks anything (eager mode)."""
+
+    def __init__(self, weight: torch.Tensor, hyper: torch.Tensor):
+        self.weight, self.weight_version = weakref.ref(weight), weight._version
+        self.hyper, self.hyper_version = weakref.ref(hyper), hyper._version
+
+    def requested(self, node) -> bool:
+        """Whether the running backward computes this weight's gradient (``torch.autograd.grad`` or
+        ``backward(inputs=...)`` without it does not): whether the engine runs the weight's
+        AccumulateGrad node among the next functions of ``node`` (this op's backward node)."""
+        weight = self.weight()
+        for fn, _ in node.next_functions:
+            if fn is not None and getattr(fn, "variable", None) is weight:
+                return torch._C._will_engine_execute_node(fn)
+        return True  # not a leaf's accumulator: its gradient flows on
+
+    def check_unchanged(self) -> None:
+        """Raise the library's error (before autograd's own, which names no cause) when the weight or its
+        hyperparameters changed since the forward."""
+        weight, hyper = self.weight(), self.hyper()
+        if weight is not None and weight._version != self.weight_version:
+            raise RuntimeError(
+                f"an expert tensor of shape {tuple(weight.shape)} changed after the forward of this graph "
+                "(typically: its in-backward update already ran, in an earlier backward of this graph with "
+                "retain_graph=True); an in-backward update runs once per forward: run the forward again for "
+                "another backward"
+            )
+        if hyper is not None and hyper._version != self.hyper_version:
+            raise RuntimeError(
+                "a hyperparameter (lr, betas, eps, weight_decay) of an expert tensor's parameter group was set "
+                "between this forward and its backward; set it after optimizer.step() (step an LR scheduler "
+                "after optimizer.step(), as torch documents)"
+            )
+
+
 def _backward(ctx, grad_out, *unused):
+    needs = list(ctx.needs_input_grad)
+    # Eager mode, owned weights: checks that raise the library's own errors before any saved tensor is
+    # unpacked (autograd's version check would fail first) and before anything is written; a weight whose
+    # gradient this backward does not compute (torch.autograd.grad of other inputs) is neither updated nor
+    # given a gradient.
+    for (index, _), watched, owner in zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True):
+        if watched is not None and needs[index]:
+            watched.check_unchanged()
+            needs[index] = watched.requested(ctx)
+            if not needs[index]:
+                owner.untrack(ctx)
     hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
     meta, hypers, rest = rest[:5], rest[5:7], rest[7:]
     n1, n2 = ctx.state_sizes
     states = (rest[:n1], rest[n1 : n1 + n2])
     fused_epilogue, foreach, torch_fused = ctx.options
-    needs = ctx.needs_input_grad
     triton = ctx.backend == "triton"
     # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
     plans = []

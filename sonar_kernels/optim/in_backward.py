@@ -67,6 +67,9 @@ class _OwnedUpdate(specs.ExpertUpdate):
     def track(self, graph) -> None:
         self.live.add(graph)
 
+    def untrack(self, graph) -> None:
+        self.live.discard(graph)
+
     def begin_backward(self, graph) -> None:
         optimizer, param = self._owner()
         self.live.discard(graph)
