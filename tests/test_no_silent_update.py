@@ -81,3 +81,89 @@ def test_a_hyperparameter_set_between_forward_and_backward_raises_the_librarys_e
     with pytest.raises(RuntimeError, match="set between this forward and its backward"):
         loss.backward()
     _assert_untouched(experts, optimizer, before)
+
+
+# Kind 2: every option of a torch.optim.AdamW parameter group is honoured for the expert tensors or refused.
+REFUSED = [("maximize", True), ("amsgrad", True), ("capturable", True), ("differentiable", True),
+           ("decoupled_weight_decay", False)]  # fmt: skip
+
+
+class _Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(H, H)
+        self.experts = sonar_kernels.SonarExperts(E, H, I, backend="torch")
+
+    def forward(self, x, index, weights):
+        return self.experts(self.proj(x), index, weights)
+
+
+def _groups(model, **options):
+    return [
+        {"params": list(model.experts.parameters()), **options},
+        {"params": list(model.proj.parameters())},
+    ]
+
+
+@pytest.mark.parametrize(("option", "value"), REFUSED)
+@pytest.mark.parametrize("how", ["SonarAdamW", "ExpertAdamW", "add_param_group", "set later"])
+def test_an_adamw_option_the_update_does_not_implement_is_refused_before_anything(option, value, how):
+    torch.manual_seed(0)
+    model = _Model()
+    experts = list(model.experts.parameters())
+    match = f"{option}={value}"
+    if how == "SonarAdamW":
+        with pytest.raises(ValueError, match=match):
+            sonar_kernels.SonarAdamW(_groups(model, **{option: value}), lr=1e-2)
+    elif how == "ExpertAdamW":
+        with pytest.raises(ValueError, match=match):
+            sonar_kernels.ExpertAdamW([{"params": experts, option: value}], lr=1e-2)
+    elif how == "add_param_group":
+        optimizer = sonar_kernels.SonarAdamW(model.proj.parameters(), lr=1e-2)
+        with pytest.raises(ValueError, match=match):
+            optimizer.add_param_group({"params": experts, option: value})
+        assert len(optimizer.param_groups) == 1
+    else:
+        optimizer = sonar_kernels.SonarAdamW(_groups(model), lr=1e-2)
+        with pytest.raises(ValueError, match=match):
+            optimizer.param_groups[0][option] = value
+        assert optimizer.param_groups[0].get(option) != value
+        return
+    assert not any(hasattr(p, "sonar_update") for p in experts)  # nothing attached, nothing to update
+
+
+def _train_one_step(model, optimizer):
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(T, H, generator=generator)
+    index = torch.randint(0, E, (T, TOP_K), generator=generator)
+    model(x, index, torch.rand(T, TOP_K, generator=generator)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+@pytest.mark.parametrize(
+    "group",
+    [{"lr": torch.tensor(1e-2)}, {"foreach": True}, {"foreach": False}, {"dense_maximize": True}],
+    ids=["lr-tensor", "foreach", "for-loop", "maximize-on-dense-only"],
+)
+def test_the_options_it_accepts_give_torch_adamws_update(group):
+    group = dict(group)
+    dense_options = {"maximize": group.pop("dense_maximize")} if "dense_maximize" in group else {}
+    models = []
+    for kind in ("sonar", "torch"):
+        torch.manual_seed(0)
+        model = _Model()
+        groups = [
+            {"params": list(model.experts.parameters()), **group},
+            {"params": list(model.proj.parameters()), **dense_options},
+        ]
+        optimizer = (sonar_kernels.SonarAdamW if kind == "sonar" else torch.optim.AdamW)(groups, lr=3e-3)
+        _train_one_step(model, optimizer)
+        models.append(model)
+    for p, q in zip(models[0].parameters(), models[1].parameters(), strict=True):
+        if "lr" in group:
+            # A tensor lr is read as a float by the update (its value, not torch's tensor-lr arithmetic,
+            # which rounds step_size in fp32): the same update within a few ulps.
+            assert rel_err(p, q) <= 1e-7
+        else:
+            assert torch.equal(p, q)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from sonar_kernels.ops import check_hyperparameters
-from sonar_kernels.optim.in_backward import InBackwardAdamW
+from sonar_kernels.optim.in_backward import InBackwardAdamW, check_group_options
 
 
 class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
@@ -115,6 +115,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         params = [params] if isinstance(params, torch.Tensor) else list(params)
         # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
         param_group = self._watch_group({**param_group, "params": params})
+        check_group_options(type(self).__name__, param_group, bool(params))
         self._check_managed(params)
         check_hyperparameters(
             param_group.get("lr", self.defaults["lr"]),

@@ -106,11 +106,41 @@ class _OwnedUpdate(specs.ExpertUpdate):
         self._buffer = None
 
 
+# torch.optim.AdamW options the in-backward update does not implement, with the only value it accepts for
+# a parameter group that holds expert tensors (foreach and fused pick torch's AdamW path and are honoured;
+# lr may be a one-element CPU tensor).
+UNSUPPORTED_OPTIONS = {
+    "maximize": False,
+    "amsgrad": False,
+    "capturable": False,
+    "differentiable": False,
+    "decoupled_weight_decay": True,
+}
+
+
+def check_group_options(owner: str, group: dict, has_experts: bool) -> None:
+    """Raise ValueError when ``group`` holds expert tensors and sets an option of
+    :data:`UNSUPPORTED_OPTIONS` to another value than the one the update implements."""
+    if not has_experts:
+        return
+    for key, accepted in UNSUPPORTED_OPTIONS.items():
+        if key in group and group[key] is not None and bool(group[key]) != accepted:
+            raise ValueError(
+                f"{owner}: a parameter group with {key}={group[key]!r} holds expert tensors, which are updated "
+                f"in the backward by AdamW without {key} (only {key}={accepted} is implemented); put the expert "
+                "tensors in a group without it"
+            )
+
+
 class _Group(dict):
     """A parameter group that tells its optimizer when a hyperparameter is set (an LR scheduler's
-    ``group["lr"] = ...``), so that the device tensor the kernels read is rewritten at once."""
+    ``group["lr"] = ...``), so that the device tensor the kernels read is rewritten at once, and refuses an
+    option the in-backward update does not implement (``group["maximize"] = True``) before it is set."""
 
     def __setitem__(self, key, value) -> None:
+        on_option = getattr(self, "on_option", None)
+        if on_option is not None and key in UNSUPPORTED_OPTIONS:
+            on_option(self, {key: value})
         super().__setitem__(key, value)
         on_change = getattr(self, "on_change", None)
         if on_change is not None and key in ("lr", "betas", "eps", "weight_decay"):
@@ -214,7 +244,11 @@ class InBackwardAdamW:
         """``group`` as a :class:`_Group` that rewrites the hyperparameter tensor when a value is set."""
         group = group if isinstance(group, _Group) else _Group(group)
         group.on_change = _weak_call(self, "_on_group_change")
+        group.on_option = _weak_call(self, "_on_group_option")
         return group
+
+    def _on_group_option(self, group: dict, option: dict) -> None:
+        check_group_options(type(self).__name__, option, any(p in self._managed for p in group["params"]))
 
     def _on_group_change(self, group: dict) -> None:
         for p in group["params"]:

@@ -12,6 +12,7 @@ from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
+    check_group_options,
     is_expert_tensor,
     mark_expert_tensors,
 )
@@ -158,6 +159,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
         param_group = self._watch_group({**param_group, "params": params})
         experts = [p for p in params if is_expert_tensor(p)]
+        check_group_options(type(self).__name__, param_group, bool(experts))
         self._check_managed(experts)
         super().add_param_group(param_group)
         self._manage(experts)
