@@ -167,3 +167,21 @@ def test_the_options_it_accepts_give_torch_adamws_update(group):
             assert rel_err(p, q) <= 1e-7
         else:
             assert torch.equal(p, q)
+
+
+def test_a_model_whose_experts_do_not_dispatch_through_the_interface_is_named():
+    # transformers 5.24's JetMoe accepts experts_implementation "sonar" and never calls it.
+    import transformers
+
+    from sonar_kernels.integrations import transformers as sonar_transformers
+
+    sonar_transformers.register()
+    config = transformers.JetMoeConfig(
+        hidden_size=32, num_hidden_layers=1, vocab_size=64, num_local_experts=4, num_experts_per_tok=2,
+        kv_channels=8, intermediate_size=16, num_key_value_heads=4,
+    )  # fmt: skip
+    config._experts_implementation = "sonar"
+    model = transformers.JetMoeForCausalLM(config)
+    with pytest.warns(UserWarning, match=r"none of its modules dispatches.*mlp\.input_linear\.weight"):
+        optimizer = sonar_kernels.SonarAdamW(model)
+    assert optimizer.expert_tensors == []

@@ -135,6 +135,17 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     stacklevel=2,
                 )
             experts = [p for p in params_or_model.parameters() if is_expert_tensor(p)]
+            if not experts and _selects_sonar(params_or_model):
+                # The config asks for "sonar", but no experts module dispatches through transformers'
+                # ExpertsInterface (e.g. JetMoe, Dbrx, Llama4 in transformers 5.24): nothing runs the kernels.
+                batched = [name for name, p in params_or_model.named_parameters() if p.dim() == 3]
+                warnings.warn(
+                    'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
+                    "dispatches through transformers' ExpertsInterface, so no expert tensor is updated in the "
+                    f"backward and every parameter is trained as a dense one; batched (3-D) weights: {batched[:4]}"
+                    f"{' ...' if len(batched) > 4 else ''}. The sonar kernels do not run in this model.",
+                    stacklevel=2,
+                )
             if (
                 isinstance(params_or_model, distributed.ddp_class())
                 or self.data_parallel_group is not None
@@ -217,6 +228,14 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             adamw_step(self)
         self.dense_skipped_steps += found.long()
         return loss
+
+
+def _selects_sonar(model: nn.Module) -> bool:
+    """Whether a config of ``model`` (or of a submodule) selects experts_implementation "sonar"."""
+    return any(
+        getattr(getattr(m, "config", None), "_experts_implementation", None) == specs.IMPLEMENTATION
+        for m in model.modules()
+    )
 
 
 def _found_inf(params: list[torch.Tensor], norm: torch.Tensor | None) -> torch.Tensor:
