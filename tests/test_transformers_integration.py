@@ -108,9 +108,17 @@ def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
 
 def test_unsupported_activation_and_layout_are_refused_by_name():
     hf.register()
-    model = _model("granitemoe", activation="gelu_pytorch_tanh", implementation="sonar")
-    with pytest.raises(ValueError, match=r"act_fn=GELUTanh .hidden_act='gelu_pytorch_tanh'"):
-        model(_tokens())
+    # Refused when chosen: at construction (the config selects "sonar") and at the switch, which leaves
+    # the model as it was.
+    refused = r"cannot run (model\.)?layers\.0\.block_sparse_moe\.experts: GraniteMoeExperts: act_fn=GELUTanh"
+    with pytest.raises(ValueError, match=refused):
+        _model("granitemoe", activation="gelu_pytorch_tanh", implementation="sonar")
+    model = _model("granitemoe", activation="gelu_pytorch_tanh")
+    with pytest.raises(ValueError, match=refused):
+        model.set_experts_implementation("sonar")
+    assert model.config._experts_implementation == "eager"
+    model(_tokens())  # still runs its own implementation
+    # A module changed after the switch is refused by name at the forward.
     model = _model("olmoe", implementation="sonar")
     experts = model.model.layers[0].mlp.experts
     for flag, value in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),

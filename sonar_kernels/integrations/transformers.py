@@ -35,6 +35,7 @@ __all__ = [
     "apply_sonar_kernel_to_granitemoe",
     "apply_sonar_kernel_to_olmoe",
     "check_experts_module",
+    "check_sonar_modules",
     "expert_tensors",
     "is_experts_module",
     "register",
@@ -90,10 +91,60 @@ def register() -> None:
     Raises:
         ImportError: transformers missing or older than 5.13.
     """
-    _check_transformers()
+    transformers = _check_transformers()
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(IMPLEMENTATION, sonar_experts_forward)
+    _install_switch_checks(transformers.PreTrainedModel)
+
+
+def check_sonar_modules(model: nn.Module, selected_only: bool = True) -> None:
+    """Refuse a model whose experts modules the kernels cannot run: every experts module whose config
+    selects "sonar" (``selected_only=False``: every experts module) must pass
+    :func:`check_experts_module`.
+
+    Raises:
+        ValueError: naming the module (its path in ``model``) and what the kernels refuse.
+    """
+    for name, module in model.named_modules():
+        if not is_experts_module(module):
+            continue
+        selected = getattr(getattr(module, "config", None), "_experts_implementation", None) == IMPLEMENTATION
+        if selected_only and not selected:
+            continue
+        try:
+            check_experts_module(module)
+        except ValueError as e:
+            raise ValueError(
+                f'experts_implementation "sonar" cannot run {name or "the model"}: {e}'
+            ) from None
+
+
+def _install_switch_checks(cls) -> None:
+    """Make transformers refuse "sonar" where the kernels cannot run it when it is chosen, not at the first
+    forward: ``set_experts_implementation("sonar")`` checks every experts module before it switches (the
+    model unchanged when it raises), and a model built with it (``from_pretrained(...,
+    experts_implementation="sonar")``, a config that selects it) is checked at the end of its ``__init__``
+    (``post_init``). Installed once, by :func:`register`; the wrapped methods stay transformers' own."""
+    if getattr(cls.set_experts_implementation, "_sonar_checks", False):
+        return
+    original_set, original_post_init = cls.set_experts_implementation, cls.post_init
+
+    @functools.wraps(original_set)
+    def set_experts_implementation(self, experts_implementation):
+        if experts_implementation == IMPLEMENTATION:
+            check_sonar_modules(self, selected_only=False)
+        return original_set(self, experts_implementation)
+
+    @functools.wraps(original_post_init)
+    def post_init(self, *args, **kwargs):
+        result = original_post_init(self, *args, **kwargs)
+        check_sonar_modules(self)
+        return result
+
+    set_experts_implementation._sonar_checks = True
+    cls.set_experts_implementation = set_experts_implementation
+    cls.post_init = post_init
 
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
