@@ -87,14 +87,23 @@ def torch_adamw_(
     with torch.no_grad():
         found = whole(~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype)))
         step_before = step.clone()
+        # Weight, gradient and moments of one dtype: torch's AdamW on them as they are (standard training's
+        # bits). Mixed dtypes (moments_dtype, grad_dtype): the rule of the Triton epilogue (docs/design.md,
+        # "Arithmetic"): all four as fp32, the arithmetic in fp32, each stored once in its own dtype.
+        tensors = (weight, grad, exp_avg, exp_avg_sq)
+        mixed = len({t.dtype for t in tensors}) > 1
+        p, g, m, v = (t.float() for t in tensors) if mixed else tensors
         try:
             if fused or not bool(found):
                 torch_adamw(
-                    [weight], [grad.to(exp_avg.dtype)], [exp_avg], [exp_avg_sq], [], [step],
+                    [p], [g], [m], [v], [], [step],
                     foreach=foreach, fused=fused, capturable=False, amsgrad=False, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
                     found_inf=found.float() if fused else None,
                 )  # fmt: skip
+                for stored, computed in ((weight, p), (exp_avg, m), (exp_avg_sq, v)):
+                    if computed is not stored:
+                        stored.copy_(computed)
         except BaseException:
             # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
             step.copy_(step_before)

@@ -137,7 +137,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             experts = [p for p in params_or_model.parameters() if is_expert_tensor(p)]
             if not experts and _selects_sonar(params_or_model):
                 # The config asks for "sonar", but no experts module dispatches through transformers'
-                # ExpertsInterface (e.g. JetMoe, Dbrx, Llama4 in transformers 5.24): nothing runs the kernels.
+                # ExpertsInterface (e.g. JetMoe in transformers 5.24): nothing runs the kernels.
                 batched = [name for name, p in params_or_model.named_parameters() if p.dim() == 3]
                 warnings.warn(
                     'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
