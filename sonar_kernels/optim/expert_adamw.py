@@ -78,12 +78,14 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             at most two expert tensors in flight, all done by the end of the backward. Keep these tensors
             out of DDP's reducer (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``;
             SonarAdamW does it for the module it is given). None: no reduction; with more than one rank
-            in the job, only sharded (DTensor, FSDP2) expert tensors are accepted.
+            in the job, only sharded (DTensor, FSDP2) and expert-parallel
+            (``specs.mark_expert_parallel``) expert tensors are accepted.
     Raises:
-        ValueError: a hyperparameter outside its range, a tensor that is not dense, or, with more than one
-            rank, an expert tensor that is neither a DTensor nor covered by ``data_parallel_group`` (also
-            raised as RuntimeError by a backward, before any update, when torch.distributed was
-            initialized after the optimizer was built).
+        ValueError: a hyperparameter outside its range, a tensor that is not dense, a parameter group with
+            maximize, amsgrad, capturable, differentiable or decoupled_weight_decay=False, or, with more
+            than one rank, an expert tensor that is neither sharded, expert-parallel nor covered by
+            ``data_parallel_group`` (also raised as RuntimeError by a backward, before any update, when
+            torch.distributed was initialized after the optimizer was built).
         TypeError: a tensor of an unsupported dtype, or an unsupported moments_dtype / grad_dtype.
     """
 

@@ -75,9 +75,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             clipping and update are torch's, in ``step()``).
     Raises:
         ValueError: a hyperparameter outside its range (max_grad_norm must be a finite float > 0), a
-            non-dense expert tensor; a DistributedDataParallel-wrapped model whose reducer holds expert
-            tensors; with more than one rank, an expert tensor that is neither a DTensor (FSDP2) nor
-            covered by ``data_parallel_group``.
+            non-dense expert tensor; a group holding expert tensors with maximize, amsgrad, capturable,
+            differentiable or decoupled_weight_decay=False; a DistributedDataParallel-wrapped model whose
+            reducer holds expert tensors; with more than one rank, an expert tensor that is neither
+            sharded (FSDP2), expert-parallel nor covered by ``data_parallel_group``.
         TypeError: an expert tensor of an unsupported dtype.
     """
 
