@@ -185,3 +185,19 @@ def test_a_model_whose_experts_do_not_dispatch_through_the_interface_is_named():
     with pytest.warns(UserWarning, match=r"none of its modules dispatches.*mlp\.input_linear\.weight"):
         optimizer = sonar_kernels.SonarAdamW(model)
     assert optimizer.expert_tensors == []
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loss_scaled_by_grad_scaler_is_refused_before_any_update(backend):
+    experts, optimizer, x, index, weights = _setup(backend)
+    before = _snapshot(experts, optimizer)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    with pytest.raises(RuntimeError, match=r"scaled by torch\.amp\.GradScaler.*Nothing was updated"):
+        scaler.scale(experts(x, index, weights).square().sum()).backward()
+    _assert_untouched(experts, optimizer, before)
+    # A disabled scaler, and plain backward passes afterwards, train as usual: one update each.
+    x.grad = None
+    torch.amp.GradScaler("cpu", enabled=False).scale(experts(x, index, weights).square().sum()).backward()
+    optimizer.step()
+    experts(x, index, weights).square().sum().backward()
+    assert all(float(optimizer.state[p]["step"]) == 2 for p in experts.parameters())

@@ -45,8 +45,9 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
     ``expert_grad_norm()`` reports inf for a skipped tensor.
 
     Loss scaling (``torch.amp.GradScaler``) cannot be combined with it: the update happens inside the
-    backward, before a scaler could unscale the gradient or skip the step, so a scaled loss gives a
-    scaled update. Train in bf16 (or fp32), which needs no loss scaling.
+    backward, before a scaler could unscale the gradient or skip the step, so the backward of a loss an
+    enabled GradScaler scaled raises RuntimeError before any update (``optim/loss_scaling.py``). Train in
+    bf16 (or fp32), which needs no loss scaling.
 
     Args:
         params: tensors or parameter groups, as for torch.optim.AdamW; float32/bfloat16/float16, dense.

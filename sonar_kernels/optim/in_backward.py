@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from sonar_kernels import ops, specs
 from sonar_kernels.ops.common import like
 from sonar_kernels.ops.validation import as_float
-from sonar_kernels.optim import distributed
+from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
@@ -82,6 +82,7 @@ class _OwnedUpdate(specs.ExpertUpdate):
             )
         optimizer._check_not_updated(param)
         optimizer._check_complete([param], RuntimeError)
+        loss_scaling.refuse(type(optimizer).__name__)
         # The group's hyperparameters as they are now (the tensor the kernels read).
         optimizer._hyper_tensor(param)
 
@@ -177,6 +178,7 @@ class InBackwardAdamW:
         ):
             raise ValueError(f"accumulation_steps must be an int >= 1, got {accumulation_steps!r}")
         self.accumulation_steps = accumulation_steps
+        loss_scaling.install()  # a backward of a GradScaler-scaled loss is refused before any update
         # The group over which the expert tensors are replicated; their gradients are averaged over it
         # before their update (optim/distributed.py).
         self.data_parallel_group = distributed.resolve_group(data_parallel_group)
@@ -447,6 +449,7 @@ class InBackwardAdamW:
             )
         self._check_not_updated(p)
         self._check_complete([p], RuntimeError)
+        loss_scaling.refuse(type(self).__name__)
         if self._uses_buffer(p):
             buffer = self._buffers.get(p)
             with torch.no_grad():
