@@ -185,12 +185,15 @@ def run_moe_mlp_bwd(
         )  # fmt: skip
     else:
         apply = [
-            functools.partial(_torch_update, weight, state, hyper, buffer, foreach, torch_fused, done)
+            functools.partial(
+                _torch_update, weight, state, hyper, buffer, foreach, torch_fused, done, grad_dtype=grad_dtype
+            )
             if mode == "update" else None
-            for weight, mode, state, hyper, buffer, done in (
+            for weight, mode, state, hyper, buffer, grad_dtype, done in (
                 (gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-                 on_done[0]),
-                (down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer, on_done[1]),
+                 gate_up_proj_grad_dtype, on_done[0]),
+                (down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer,
+                 down_proj_grad_dtype, on_done[1]),
             )
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
@@ -241,9 +244,13 @@ def expert_adamw_(
     _torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
 
 
-def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad) -> None:
-    """The body of :func:`expert_adamw_`; then ``done()`` when given."""
+def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
+    """The body of :func:`expert_adamw_`; then ``done()`` when given. ``grad_dtype``: the gradient is
+    rounded to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum
+    with ``grad_in`` (already in that dtype) is rounded once more."""
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
+    if grad_dtype is not None:
+        grad = grad.to(grad_dtype)
     total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
     torch_adamw_(
         weight, total, exp_avg, exp_avg_sq, step, tuple(hyper.tolist()), grad_norm_sq, skipped,
