@@ -201,3 +201,24 @@ def test_a_loss_scaled_by_grad_scaler_is_refused_before_any_update(backend):
     optimizer.step()
     experts(x, index, weights).square().sum().backward()
     assert all(float(optimizer.state[p]["step"]) == 2 for p in experts.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_double_backward_is_refused_before_anything_changes(backend):
+    experts, optimizer, x, index, weights = _setup(backend)
+    before = _snapshot(experts, optimizer)
+    with pytest.raises(RuntimeError, match="differentiable once"):
+        torch.autograd.grad(experts(x, index, weights).square().sum(), x, create_graph=True)
+    _assert_untouched(experts, optimizer, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_weights_changed_in_place_after_the_forward_are_refused_by_name(backend):
+    experts, optimizer, x, index, weights = _setup(backend)
+    loss = experts(x, index, weights).square().sum()
+    with torch.no_grad():
+        experts.down_proj.mul_(0.5)
+    before = _snapshot(experts, optimizer)
+    with pytest.raises(RuntimeError, match="changed after the forward of this graph"):
+        loss.backward()
+    _assert_untouched(experts, optimizer, before)

@@ -107,9 +107,9 @@ class _Watched:
         if weight is not None and weight._version != self.weight_version:
             raise RuntimeError(
                 f"an expert tensor of shape {tuple(weight.shape)} changed after the forward of this graph "
-                "(typically: its in-backward update already ran, in an earlier backward of this graph with "
-                "retain_graph=True); an in-backward update runs once per forward: run the forward again for "
-                "another backward"
+                "(its in-backward update already ran, in an earlier backward of this graph with "
+                "retain_graph=True, or it was modified in place): an in-backward update runs once per "
+                "forward, from the weights that forward used; run the forward again for another backward"
             )
         if hyper is not None and hyper._version != self.hyper_version:
             raise RuntimeError(
@@ -120,6 +120,13 @@ class _Watched:
 
 
 def _backward(ctx, grad_out, *unused):
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        # create_graph=True: the backward would have to record a graph of itself (and of the in-backward
+        # update); the expert MLP is differentiable once. Refused before anything is computed or written.
+        raise RuntimeError(
+            "moe_mlp is differentiable once: its backward cannot be differentiated (create_graph=True, "
+            "double backward); compute higher-order gradients without the sonar experts"
+        )
     needs = list(ctx.needs_input_grad)
     # Eager mode, owned weights: checks that raise the library's own errors before any saved tensor is
     # unpacked (autograd's version check would fail first) and before anything is written; a weight whose
