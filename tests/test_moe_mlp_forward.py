@@ -215,6 +215,6 @@ def test_double_backward_is_refused_clearly(device):
     x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32, device=device)
     x.requires_grad_()
     out = sonar_kernels.moe_mlp(x, index, w, w1, w2, backend="triton")
-    (gx,) = torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    with pytest.raises(RuntimeError, match=r"moe_mlp_bwd.* no autograd formula"):
-        gx.sum().backward()
+    # Refused when the differentiable backward is asked for (create_graph=True), not later.
+    with pytest.raises(RuntimeError, match="moe_mlp is differentiable once"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)

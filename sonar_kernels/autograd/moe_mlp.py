@@ -247,8 +247,8 @@ def moe_mlp(
 
     Returns:
         [T, H], dtype of hidden_states (the autocast dtype under autocast). Differentiable (once) in
-        hidden_states, top_k_weights and both weights; on the triton backend the backward runs Triton
-        kernels only. A weight that carries an in-backward update (given by the optimizer that owns it,
+        hidden_states, top_k_weights and both weights (a backward with ``create_graph=True`` raises
+        RuntimeError); on the triton backend the backward runs Triton kernels only. A weight that carries an in-backward update (given by the optimizer that owns it,
         :class:`sonar_kernels.ExpertAdamW` or :class:`sonar_kernels.SonarAdamW`) is updated inside that
         backward and gets no gradient (see ExpertAdamW for the rules: one backward per step, one live
         graph over the weights when it runs). One ``sonar_kernels::moe_mlp_fwd`` op: torch.compile
