@@ -87,8 +87,8 @@ def expert_parallel_moe_mlp(
         [T_r, H], dtype of hidden_states: out[t] = sum_j w[t, j] * expert_{id[t, j]}(x_t), the combine in
         fp32 in ``j`` order, rounded once.
 
-    The token counts per rank are exchanged first and read on the host (one sync per layer and
-    direction, as the split sizes of ``all_to_all_single`` require).
+    The token counts per rank are exchanged first and read on the host (one sync per layer, in the
+    forward, as the split sizes of ``all_to_all_single`` require; the backward reuses them).
     """
     size = dist.get_world_size(group)
     local = num_experts // size
