@@ -86,7 +86,10 @@ def _check_transformers():
 
 def register() -> None:
     """Register "sonar" in transformers' ExpertsInterface (idempotent). The backend is chosen per model
-    or module (:func:`set_backend`), not here.
+    or module (:func:`set_backend`), not here. Also wraps ``PreTrainedModel.set_experts_implementation``
+    and ``PreTrainedModel.post_init`` once, so that "sonar" is refused (ValueError naming the module)
+    when it is chosen for experts the kernels cannot run, not at the first forward (see
+    :func:`check_sonar_modules`).
 
     Raises:
         ImportError: transformers missing or older than 5.13.
