@@ -13,33 +13,16 @@ import ranks
 import torch
 import torch.distributed as dist
 from numerics import rel_err
+from test_sonar_adamw import HYPER, TOP_K, H, I, TinyMoE
 from torch import nn
 
 import sonar_kernels
 
-H, I, E, TOP_K, T = 16, 8, 4, 2, 8  # T tokens per rank
-HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+T = 8  # tokens per rank (TinyMoE's H, I, top-k and the hyperparameters are test_sonar_adamw's)
 MAX_NORM = 0.5
 STEPS = 3
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class TinyMoE(nn.Module):
-    """Dense layers around one SonarExperts layer, routed by a softmax top-k router."""
-
-    def __init__(self, backend):
-        super().__init__()
-        self.embed = nn.Linear(H, H)
-        self.router = nn.Linear(H, E, bias=False)
-        self.experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
-        self.head = nn.Linear(H, H)
-
-    def forward(self, x):
-        h = torch.tanh(self.embed(x))
-        weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
-        h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
-        return self.head(h)
 
 
 def _model(backend):
@@ -363,22 +346,9 @@ def test_peak_expert_gradients_two_layers_data_parallel_none_expert_parallel(tmp
 EP_E = 8
 
 
-class EPMoE(nn.Module):
-    """TinyMoE with 8 experts, optionally expert-parallel; ``mask`` (added to the router logits) shapes
-    the routing."""
-
-    def __init__(self, backend, ep_group=None):
-        super().__init__()
-        self.embed = nn.Linear(H, H)
-        self.router = nn.Linear(H, EP_E, bias=False)
-        self.experts = sonar_kernels.SonarExperts(EP_E, H, I, backend=backend, ep_group=ep_group)
-        self.head = nn.Linear(H, H)
-
-    def forward(self, x, mask):
-        h = torch.tanh(self.embed(x))
-        weights, index = torch.softmax(self.router(h) + mask, dim=-1).topk(TOP_K, dim=-1)
-        h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
-        return self.head(h)
+def EPMoE(backend, ep_group=None):
+    """TinyMoE with 8 experts, optionally expert-parallel; its forward takes the routing mask."""
+    return TinyMoE(backend, num_experts=EP_E, ep_group=ep_group)
 
 
 def _ep_batch(step, rank, ep_size):

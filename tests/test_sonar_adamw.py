@@ -16,18 +16,21 @@ STEPS = 20
 
 
 class TinyMoE(nn.Module):
-    """Dense layers around one SonarExperts layer, routed by a softmax top-k router."""
+    """Dense layers around one SonarExperts layer, routed by a softmax top-k router (also used by
+    test_nonfinite.py and test_distributed.py). ``num_experts``, ``ep_group``: of the SonarExperts layer;
+    ``mask`` [T, num_experts], added to the router logits, shapes the routing."""
 
-    def __init__(self, backend):
+    def __init__(self, backend, num_experts=E, ep_group=None):
         super().__init__()
         self.embed = nn.Linear(H, H)
-        self.router = nn.Linear(H, E, bias=False)
-        self.experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+        self.router = nn.Linear(H, num_experts, bias=False)
+        self.experts = sonar_kernels.SonarExperts(num_experts, H, I, backend=backend, ep_group=ep_group)
         self.head = nn.Linear(H, H)
 
-    def forward(self, x):
+    def forward(self, x, mask=None):
         h = torch.tanh(self.embed(x))
-        weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+        logits = self.router(h) if mask is None else self.router(h) + mask
+        weights, index = torch.softmax(logits, dim=-1).topk(TOP_K, dim=-1)
         h = h + self.experts(h, index, weights / weights.sum(-1, keepdim=True))
         return self.head(h)
 

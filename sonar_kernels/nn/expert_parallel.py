@@ -18,30 +18,19 @@ import torch.distributed as dist
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.optim.distributed import resolve_group
 
 __all__ = ["expert_parallel_moe_mlp", "resolve_ep_group"]
 
 
 def resolve_ep_group(ep_group) -> dist.ProcessGroup:
-    """The process group of ``ep_group`` (a ProcessGroup or a 1-D DeviceMesh).
+    """The process group of ``ep_group`` (a ProcessGroup or a 1-D DeviceMesh, e.g. ``mesh["ep"]``).
 
     Raises:
         ValueError: torch.distributed not initialized, or a DeviceMesh of more than one dimension.
         TypeError: anything else.
     """
-    if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("ep_group needs torch.distributed to be initialized (init_process_group)")
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if isinstance(ep_group, DeviceMesh):
-        if ep_group.ndim != 1:
-            raise ValueError(
-                f'ep_group: a DeviceMesh of {ep_group.ndim} dimensions; pass the expert-parallel one, e.g. mesh["ep"]'
-            )
-        return ep_group.get_group()
-    if isinstance(ep_group, dist.ProcessGroup):
-        return ep_group
-    raise TypeError(f"ep_group must be a ProcessGroup or a 1-D DeviceMesh, got {type(ep_group).__name__}")
+    return resolve_group(ep_group, "ep_group", "ep")
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -56,32 +56,28 @@ def world_size() -> int:
     return 1
 
 
-def resolve_group(data_parallel_group) -> dist.ProcessGroup | None:
-    """The process group of ``data_parallel_group``: a ProcessGroup, a 1-D DeviceMesh (e.g. one dimension
-    of a larger mesh, ``mesh["dp"]``), or None.
+def resolve_group(group, name: str = "data_parallel_group", dim: str = "dp") -> dist.ProcessGroup | None:
+    """The process group of ``group``: a ProcessGroup, a 1-D DeviceMesh (e.g. one dimension of a larger
+    mesh, ``mesh["dp"]``), or None. ``name`` and ``dim`` name the argument and the mesh dimension in errors.
 
     Raises:
         TypeError: anything else.
         ValueError: a DeviceMesh of more than one dimension, or torch.distributed not initialized.
     """
-    if data_parallel_group is None:
+    if group is None:
         return None
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError("data_parallel_group needs torch.distributed to be initialized (init_process_group)")
+        raise ValueError(f"{name} needs torch.distributed to be initialized (init_process_group)")
     from torch.distributed.device_mesh import DeviceMesh
 
-    if isinstance(data_parallel_group, DeviceMesh):
-        if data_parallel_group.ndim != 1:
-            raise ValueError(
-                f"data_parallel_group: a DeviceMesh of {data_parallel_group.ndim} dimensions; pass the "
-                'data-parallel dimension, e.g. mesh["dp"]'
-            )
-        return data_parallel_group.get_group()
-    if isinstance(data_parallel_group, dist.ProcessGroup):
-        return data_parallel_group
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f'{name}: a DeviceMesh of {group.ndim} dimensions; pass one, e.g. mesh["{dim}"]')
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
     raise TypeError(
-        "data_parallel_group must be None, a torch.distributed ProcessGroup or a 1-D DeviceMesh, got "
-        f"{type(data_parallel_group).__name__}"
+        f"{name} must be None, a torch.distributed ProcessGroup or a 1-D DeviceMesh, got {type(group).__name__}"
     )
 
 

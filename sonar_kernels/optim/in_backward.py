@@ -80,9 +80,7 @@ class _OwnedUpdate(specs.ExpertUpdate):
                 "updated weights. Call the experts once per forward (or once per backward), or free the other "
                 "graph first."
             )
-        optimizer._check_not_updated(param)
-        optimizer._check_complete([param], RuntimeError)
-        loss_scaling.refuse(type(optimizer).__name__)
+        optimizer._check_may_update(param)
         # The group's hyperparameters as they are now (the tensor the kernels read).
         optimizer._hyper_tensor(param)
 
@@ -235,6 +233,14 @@ class InBackwardAdamW:
         """Refuse (``error``) expert tensors whose in-backward update would use a partial gradient: more
         than one rank, and neither sharded nor data-parallel (optim/distributed.py)."""
         distributed.check_complete(type(self).__name__, params, self.data_parallel_group, error)
+
+    def _check_may_update(self, p: torch.Tensor) -> None:
+        """The checks before a backward updates ``p`` or adds to its gradient, each raising RuntimeError
+        before anything is written: not updated since step(), its gradient complete with several ranks,
+        not the backward of a GradScaler-scaled loss."""
+        self._check_not_updated(p)
+        self._check_complete([p], RuntimeError)
+        loss_scaling.refuse(type(self).__name__)
 
     def _reduces_first(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
@@ -447,9 +453,7 @@ class InBackwardAdamW:
                 "outside the expert MLP (e.g. a penalty on the weights) after the MLP's backward updated it; a "
                 "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
             )
-        self._check_not_updated(p)
-        self._check_complete([p], RuntimeError)
-        loss_scaling.refuse(type(self).__name__)
+        self._check_may_update(p)
         if self._uses_buffer(p):
             buffer = self._buffers.get(p)
             with torch.no_grad():
