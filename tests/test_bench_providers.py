@@ -165,13 +165,14 @@ def test_kernel_timing_labels_each_launch_by_what_it_computes():
         return _labels(run, w1, w2)
 
     backward_middle = ["routing-weight grad", "dgrad dX", "combine dX"]
-    # Both fused; only W1 fused (W2's gradient plain); both on the split path.
-    assert step(True, (0, 1)) == [*forward, "dgrad G", "wgrad dW2 check", "adamw scalars", "wgrad dW2 adamw",
-                                  *backward_middle, "wgrad dW1 check", "adamw scalars", "wgrad dW1 adamw"]  # fmt: skip
+    # Both fused; only W1 fused (W2's gradient plain); both on the split path. An updated weight's wgrad
+    # runs once its whole gradient is known, in the pre-hook of its AccumulateGrad node, after dX.
+    assert step(True, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "adamw scalars",
+                                  "wgrad dW1 adamw", "wgrad dW2 check", "adamw scalars", "wgrad dW2 adamw"]  # fmt: skip
     assert step(True, (0,)) == [*forward, "dgrad G", "wgrad dW2 store", *backward_middle, "wgrad dW1 check",
                                 "adamw scalars", "wgrad dW1 adamw"]  # fmt: skip
-    assert step(False, (0, 1)) == [*forward, "dgrad G", "wgrad dW2 store", "adamw scalars", "adamw dW2",
-                                   *backward_middle, "wgrad dW1 store", "adamw scalars", "adamw dW1"]  # fmt: skip
+    assert step(False, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 store", "adamw scalars",
+                                   "adamw dW1", "wgrad dW2 store", "adamw scalars", "adamw dW2"]  # fmt: skip
     # Per step, the seconds of each label; an entry of None separates steps.
     import kernel_times
 

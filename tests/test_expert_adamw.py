@@ -438,9 +438,10 @@ def test_several_wgrad_tiles_per_expert_fused_equals_split_and_torch(device):
     assert rel_err(results[0][0], q1) <= 2e-5 and rel_err(results[0][1], q2) <= 2e-5
 
 
-def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch):
+def test_a_failure_before_the_updates_changes_nothing_and_the_graph_can_run_again(device, monkeypatch):
     w1, w2 = _weights(torch.float32, device)
     optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    before = [w1.detach().clone(), w2.detach().clone()]
     x, index, weights, grad_out = _batch(0, torch.float32, device)
     x.requires_grad_()
     out = sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
@@ -448,16 +449,46 @@ def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("simulated")
 
-    # down_proj is updated first, then dX fails: W2's update stands and is recorded, W1 is untouched.
+    # dX fails: the updates wait for the weights' whole gradients (after dX), so none ran.
     with monkeypatch.context() as patch:
         patch.setattr(ops.backward, "_dx", out_of_memory)
         with pytest.raises(torch.OutOfMemoryError):
             out.backward(grad_out, retain_graph=True)
-    assert float(optimizer.state[w2]["step"]) == 1 and float(optimizer.state[w1]["step"]) == 0
-    # Retrying that graph fails loudly (W2 changed since the forward) instead of updating twice.
+    assert all(float(optimizer.state[w]["step"]) == 0 for w in (w1, w2))
+    assert torch.equal(w1, before[0]) and torch.equal(w2, before[1])
+    # The graph runs again and updates each weight once, as a first backward would.
+    out.backward(grad_out)
+    assert all(float(optimizer.state[w]["step"]) == 1 for w in (w1, w2))
+    q1, q2 = (torch.nn.Parameter(w.clone()) for w in before)
+    _owner = sonar_kernels.ExpertAdamW([q1, q2], **HYPER)  # alive until the backward ran
+    sonar_kernels.moe_mlp(x, index, weights, q1, q2, backend="triton").backward(grad_out)
+    assert torch.equal(w1, q1) and torch.equal(w2, q2)
+
+
+def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch):
+    w1, w2 = _weights(torch.float32, device)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    x, index, weights, grad_out = _batch(0, torch.float32, device)
+    x.requires_grad_()
+    out = sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
+    original = ops.backward._wgrad
+
+    def fail_second(*args, **kwargs):
+        if kwargs["name"] == "down_proj" and args[7] is not None and args[7].defer is None:
+            raise torch.OutOfMemoryError("simulated")
+        return original(*args, **kwargs)
+
+    # gate_up_proj is updated first, then down_proj's launch fails: W1's update stands and is recorded,
+    # W2 is untouched.
+    with monkeypatch.context() as patch:
+        patch.setattr(ops.backward, "_wgrad", fail_second)
+        with pytest.raises(torch.OutOfMemoryError):
+            out.backward(grad_out, retain_graph=True)
+    assert float(optimizer.state[w1]["step"]) == 1 and float(optimizer.state[w2]["step"]) == 0
+    # Retrying that graph fails loudly (W1 changed since the forward) instead of updating twice.
     with pytest.raises(RuntimeError, match="changed after the forward of this graph"):
         out.backward(grad_out)
-    assert float(optimizer.state[w2]["step"]) == 1
+    assert float(optimizer.state[w1]["step"]) == 1
 
 
 def test_param_groups_from_generators(device):

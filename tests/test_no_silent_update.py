@@ -222,3 +222,67 @@ def test_weights_changed_in_place_after_the_forward_are_refused_by_name(backend)
     with pytest.raises(RuntimeError, match="changed after the forward of this graph"):
         loss.backward()
     _assert_untouched(experts, optimizer, before)
+
+
+# The update uses the tensor's complete gradient: parts given by other uses of the tensor in the same
+# backward (a penalty on the weights, a second use) are added, whichever order the engine runs them in.
+# Expected: torch.optim.AdamW on an equal fp32 model (reference.moe_mlp, plain torch autograd).
+OTHER_USES = {
+    "penalty after the MLP": lambda out, w1, w2: out.square().sum() + 0.1 * (w1.square().sum() + w2.square().sum()),
+    "penalty before the MLP": lambda out, w1, w2: 0.1 * (w1.square().sum() + w2.square().sum()) + out.square().sum(),
+    "a second use of one weight": lambda out, w1, w2: out.square().sum() + (w2[1] @ torch.ones(I)).sin().sum(),
+    "none": lambda out, w1, w2: out.square().sum(),
+}
+
+
+def _assert_weights_alike(actual, expected):
+    for a, b in zip(actual, expected, strict=True):
+        assert rel_err(a, b) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use", list(OTHER_USES))
+@pytest.mark.parametrize("accumulation_steps", [1, 2])
+def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(backend, use, accumulation_steps):
+    torch.manual_seed(0)
+    experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+    optimizer = sonar_kernels.ExpertAdamW(
+        experts.parameters(), lr=1e-2, weight_decay=0.1, accumulation_steps=accumulation_steps
+    )
+    plain = [p.detach().clone().requires_grad_() for p in experts.parameters()]
+    standard = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    loss_of = OTHER_USES[use]
+    for step in range(2):
+        for _ in range(accumulation_steps):
+            x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+            loss_of(experts(x, index, weights), *experts.parameters()).backward()
+            loss_of(reference.moe_mlp(x, index, weights, *plain), *plain).backward()
+        assert all(p.grad is None for p in experts.parameters())
+        optimizer.step()
+        standard.step()
+        standard.zero_grad()
+        _assert_weights_alike(experts.parameters(), plain)
+        for p, q in zip(experts.parameters(), plain, strict=True):
+            assert float(optimizer.state[p]["step"]) == step + 1
+            assert rel_err(optimizer.state[p]["exp_avg"], standard.state[q]["exp_avg"]) <= 1e-6
+            assert rel_err(optimizer.state[p]["exp_avg_sq"], standard.state[q]["exp_avg_sq"]) <= 1e-6
+
+
+def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
+    # bf16 weights with fp32 micro-batch buffers (grad_dtype): the Triton backward adds each micro-batch's
+    # gradient to the buffer, and the penalty's part is added there too. The update's gradient norm is the
+    # norm of the whole gradient as plain torch autograd gives it (fp32 over the same bf16 weights).
+    torch.manual_seed(0)
+    experts = sonar_kernels.SonarExperts(E, H, I, dtype=torch.bfloat16, backend="triton")
+    optimizer = sonar_kernels.ExpertAdamW(
+        experts.parameters(), lr=1e-2, accumulation_steps=2, grad_dtype=torch.float32
+    )
+    plain = [p.detach().float().requires_grad_() for p in experts.parameters()]
+    loss_of = OTHER_USES["penalty after the MLP"]
+    for _ in range(2):
+        x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+        loss_of(experts(x.bfloat16(), index, weights.bfloat16()).float(), *experts.parameters()).backward()
+        loss_of(reference.moe_mlp(x.bfloat16().float(), index, weights.bfloat16().float(), *plain), *plain).backward()
+    expected = torch.cat([q.grad.flatten() for q in plain]).norm()
+    assert abs(float(optimizer.expert_grad_norm()) - float(expected)) <= 4 * 2.0**-8 * float(expected)
+    assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())

@@ -202,9 +202,9 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
         original = ops.torch_backend.moe_mlp_bwd
 
         def nan_down_proj_grad(*args, down_proj_update, **kwargs):
-            # The update receives the NaN gradient as soon as the wgrad made it.
-            def update(grad):
-                down_proj_update(torch.full_like(grad, NAN))
+            # The update computes a NaN gradient in place of the wgrad's.
+            def update(compute):
+                down_proj_update(lambda: torch.full_like(compute(), NAN))
 
             return original(*args, down_proj_update=update, **kwargs)
 
@@ -267,8 +267,8 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
 
     def inf_gate_up_proj_grad(*args, gate_up_proj_update, **kwargs):
         # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
-        def update(grad):
-            gate_up_proj_update(torch.full_like(grad, float("inf")))
+        def update(compute):
+            gate_up_proj_update(lambda: torch.full_like(compute(), float("inf")))
 
         return original(*args, gate_up_proj_update=update, **kwargs)
 

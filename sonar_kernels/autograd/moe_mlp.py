@@ -90,15 +90,21 @@ class _Watched:
         self.weight, self.weight_version = weakref.ref(weight), weight._version
         self.hyper, self.hyper_version = weakref.ref(hyper), hyper._version
 
-    def requested(self, node) -> bool:
-        """Whether the running backward computes this weight's gradient (``torch.autograd.grad`` or
-        ``backward(inputs=...)`` without it does not): whether the engine runs the weight's
-        AccumulateGrad node among the next functions of ``node`` (this op's backward node)."""
+    def accumulator(self, node):
+        """The weight's AccumulateGrad node among the next functions of ``node`` (this op's backward
+        node), or None (the weight is not a leaf: its gradient flows on through other nodes)."""
         weight = self.weight()
         for fn, _ in node.next_functions:
             if fn is not None and getattr(fn, "variable", None) is weight:
-                return torch._C._will_engine_execute_node(fn)
-        return True  # not a leaf's accumulator: its gradient flows on
+                return fn
+        return None
+
+    def requested(self, node) -> bool:
+        """Whether the running backward computes this weight's gradient (``torch.autograd.grad`` or
+        ``backward(inputs=...)`` without it does not): whether the engine runs the weight's
+        AccumulateGrad node."""
+        accumulator = self.accumulator(node)
+        return accumulator is None or torch._C._will_engine_execute_node(accumulator)
 
     def check_unchanged(self) -> None:
         """Raise the library's error (before autograd's own, which names no cause) when the weight or its
@@ -145,9 +151,14 @@ def _backward(ctx, grad_out, *unused):
     fused_epilogue, foreach, torch_fused = ctx.options
     triton = ctx.backend == "triton"
     # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
-    plans = []
-    for (index, _), state, hyper, owner, grad_dtype in zip(
-        _WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True
+    # Eager mode with owners: a leaf weight's update waits for its whole gradient. It runs in the pre-hook
+    # of the weight's AccumulateGrad node, which the engine runs once every other producer of that
+    # gradient (a penalty on the weights, another use of the tensor) has delivered its part, with those
+    # parts added to the update's grad_in; nothing reaches .grad. A gradient added to a buffer (mode
+    # "accumulate") gets those parts added to the buffer in the same pre-hook.
+    plans, defer, accumulators = [], [None, None], [None, None]
+    for i, ((index, _), state, hyper, owner, watched, grad_dtype) in enumerate(
+        zip(_WEIGHTS, states, hypers, ctx.owners, ctx.watched, ctx.grad_dtypes, strict=True)
     ):
         mode, buffer, add = "grad", None, False
         if state and needs[index]:
@@ -156,10 +167,13 @@ def _backward(ctx, grad_out, *unused):
             else:
                 # Raises before anything is written (a second update before step(), another live graph).
                 owner.begin_backward(ctx)
+                accumulators[i] = watched.accumulator(ctx)
                 if owner.accumulating():
                     accumulation = owner.accumulation_buffer() if triton else None
                     if accumulation is not None:
                         mode, (buffer, add) = "accumulate", accumulation
+                elif accumulators[i] is not None:
+                    mode, defer[i] = "update", functools.partial(_when_complete, accumulators[i], owner)
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
@@ -178,7 +192,10 @@ def _backward(ctx, grad_out, *unused):
             functools.partial(owner.finish, mode == "update") if owner is not None and mode != "grad" else None
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
-        grads = library.run_moe_mlp_bwd(*args, on_done=done)
+        grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer))
+        for accumulator, owner, (mode, *_) in zip(accumulators, ctx.owners, plans, strict=True):
+            if mode == "accumulate" and accumulator is not None:
+                _on_accumulator(accumulator, owner.add_to_buffer)
     else:
         grads = library.moe_mlp_bwd(*args)
     # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
@@ -207,6 +224,30 @@ def _backward(ctx, grad_out, *unused):
         None,
         None,
     )
+
+
+def _when_complete(accumulator, owner, run) -> None:
+    """Call ``run(grad_in)`` (the deferred wgrad and update) in the pre-hook of ``accumulator``, with the
+    gradient of earlier micro-batches and of the weight's other producers in this backward."""
+    _on_accumulator(accumulator, lambda other: run(owner.grad_in(other)))
+
+
+def _on_accumulator(accumulator, fn) -> None:
+    """Call ``fn(other)`` once, in the pre-hook of the AccumulateGrad node ``accumulator`` in the running
+    backward (the engine runs it when every producer of the weight's gradient has run), with ``other``
+    the sum of the gradients the other producers gave (None when there are none); the node then
+    accumulates nothing. A hook left by a backward that failed before reaching the node removes itself
+    and lets the gradient through."""
+    task = torch._C._current_graph_task_id()
+
+    def pre_hook(grad_outputs):
+        handle.remove()
+        if torch._C._current_graph_task_id() != task:
+            return None
+        fn(grad_outputs[0])
+        return (None,)
+
+    handle = accumulator.register_prehook(pre_hook)
 
 
 torch.library.register_autograd("sonar_kernels::moe_mlp_fwd", _backward, setup_context=_setup_context)

@@ -63,6 +63,10 @@ class AdamWUpdate(NamedTuple):
         skipped: a 0-dim int64 tensor on the weight's device, incremented when the update is skipped.
         on_done: called right after this weight's update is launched, before any later launch of the
             backward (so a failure further on cannot leave an applied update unrecorded).
+        defer: when given, the wgrad launch and the update are not run in this backward:
+            ``defer(run)`` is called instead, and ``run(grad_in)`` launches them later with that grad_in
+            (validated then; the launch's operands are kept alive until then). The autograd layer uses
+            it to apply the update once the weight's whole gradient is known (docs/design.md).
 
     Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
@@ -81,6 +85,7 @@ class AdamWUpdate(NamedTuple):
     grad_norm_sq: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
     on_done: Callable[[], None] | None = None
+    defer: Callable[[Callable[[torch.Tensor | None], None]], None] | None = None
 
 
 class GradAccumulator(NamedTuple):
@@ -229,7 +234,7 @@ def _launch_bwd(
         # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
         grad_w2 = _wgrad(
             grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
-            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator,
+            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator, name="down_proj",
         )  # fmt: skip
     del a
 
@@ -259,6 +264,7 @@ def _launch_bwd(
         grad_w1 = _wgrad(
             grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
             two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
+            name="gate_up_proj",
         )  # fmt: skip
     return grad_x, grad_w, grad_w1, grad_w2
 
@@ -316,11 +322,11 @@ def overflow_possible(
 
 def _wgrad(
     p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret,
-    bound=None, accumulator=None,
+    bound=None, accumulator=None, name="weight",
 ):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
-    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, or
-    when the gradient was added to ``accumulator``.
+    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, when
+    it was deferred (``update.defer``), or when the gradient was added to ``accumulator``.
 
     With an update the decision to skip it (non-finite or too large gradient, see
     :class:`AdamWUpdate`) is made on the device before the update's launch: on the split path from the
@@ -329,6 +335,17 @@ def _wgrad(
     returns at once unless ``bound`` (largest |P|, largest |Q|, most rows of an expert) says the
     gradient may exceed the limit. No host sync.
     """
+    if update is not None and update.defer is not None:
+        operands = (p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight)
+
+        def run(grad_in: torch.Tensor | None) -> None:
+            now = update._replace(grad_in=grad_in, defer=None)
+            check_update(name, weight, now)
+            with on_device(weight.device):
+                _wgrad(*operands, now, M, N, top_k, dtype, interpret, bound, name=name)
+
+        update.defer(run)
+        return None
     E = weight.shape[0]
     cfg = WGRAD_CONFIG
     grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)

@@ -85,11 +85,13 @@ def _moe_mlp_fwd_fake(
     )
 
 
-def _update(state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done) -> triton_bwd.AdamWUpdate:
+def _update(
+    state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
+) -> triton_bwd.AdamWUpdate:
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
     return triton_bwd.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
-        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done,
+        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
     )  # fmt: skip
 
 
@@ -156,25 +158,28 @@ def run_moe_mlp_bwd(
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
     foreach, torch_fused, activation, backend,
-    on_done=(None, None),
+    on_done=(None, None), defer=(None, None),
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
     run right after the launch that updated it or added to its buffer (before any later launch, so that a
-    failure further on cannot leave an applied update unrecorded). Mutated tensors' version counters are
-    the caller's to bump here (the op bumps them)."""
+    failure further on cannot leave an applied update unrecorded); and ``defer``: per weight in mode
+    "update", None (the update runs in this backward) or a callable given ``run``, a function of the
+    gradient of earlier micro-batches (``grad_in``, or None) that computes the weight's gradient and
+    applies the update when it is called, later (see ``ops.AdamWUpdate.defer``). Mutated tensors'
+    version counters are the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
     needs = tuple(needs_input_grad)
     if backend == "triton":
         updates, accumulators = {}, {}
         weights = (
             ("gate_up_proj", gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-             gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0]),
+             gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0], defer[0]),
             ("down_proj", down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add,
-             down_proj_grad_dtype, on_done[1]),
+             down_proj_grad_dtype, on_done[1], defer[1]),
         )  # fmt: skip
-        for name, mode, state, hyper, buffer, add, grad_dtype, done in weights:
+        for name, mode, state, hyper, buffer, add, grad_dtype, done, later in weights:
             if mode == "update":
-                updates[name] = _update(state, hyper, grad_dtype, fused_epilogue, buffer, done)
+                updates[name] = _update(state, hyper, grad_dtype, fused_epilogue, buffer, done, later)
             elif mode == "accumulate":
                 accumulators[name] = triton_bwd.GradAccumulator(buffer, add, done)
         grads = triton_bwd.moe_mlp_bwd(
@@ -186,14 +191,14 @@ def run_moe_mlp_bwd(
     else:
         apply = [
             functools.partial(
-                _torch_update, weight, state, hyper, buffer, foreach, torch_fused, done, grad_dtype=grad_dtype
+                _torch_update_of, weight, state, hyper, buffer, foreach, torch_fused, done, grad_dtype, later
             )
             if mode == "update" else None
-            for weight, mode, state, hyper, buffer, grad_dtype, done in (
+            for weight, mode, state, hyper, buffer, grad_dtype, done, later in (
                 (gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-                 gate_up_proj_grad_dtype, on_done[0]),
+                 gate_up_proj_grad_dtype, on_done[0], defer[0]),
                 (down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer,
-                 down_proj_grad_dtype, on_done[1]),
+                 down_proj_grad_dtype, on_done[1], defer[1]),
             )
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
@@ -242,6 +247,19 @@ def expert_adamw_(
     ([5] float64, :data:`sonar_kernels.specs.HYPERPARAMETERS`) on the host (a sync on a GPU; the Triton
     backend reads them in its kernels)."""
     _torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
+
+
+def _torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, compute) -> None:
+    """The torch backend's update of one weight, given ``compute`` (a function of no arguments that
+    returns the weight's gradient): now, or through ``defer`` (see :func:`run_moe_mlp_bwd`)."""
+    if defer is None:
+        _torch_update(weight, state, hyper, grad_in, foreach, fused, done, compute(), grad_dtype=grad_dtype)
+    else:
+        defer(
+            lambda later: _torch_update(
+                weight, state, hyper, later, foreach, fused, done, compute(), grad_dtype=grad_dtype
+            )
+        )
 
 
 def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:

@@ -166,10 +166,11 @@ def moe_mlp_bwd(
     ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no. Weight gradients in the weight's
     dtype; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
-    ``down_proj_update`` / ``gate_up_proj_update``: a callable that takes the weight's gradient and
-    updates the weight in place, called as soon as that gradient exists (W2's after G, which reads W2,
-    and before dX; W1's last); the gradient is then released (None returned for it), so one expert
-    gradient is alive at a time."""
+    ``down_proj_update`` / ``gate_up_proj_update``: a callable that updates the weight in place, given a
+    function of no arguments that computes the weight's gradient; called where that gradient would be
+    computed (W2's after G, which reads W2, and before dX; W1's last). It computes the gradient then, or
+    later (a deferred update keeps the operands alive until then); None is returned for the weight, and
+    each gradient is released after its update, so one expert gradient is alive at a time."""
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
@@ -197,20 +198,32 @@ def moe_mlp_bwd(
             grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
             del d_gate, d_up
     if need_w2:
-        p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-        grad_w2 = grouped_wgrad(p, a, meta.expert_offsets).to(down_proj.dtype)
-        del p
-        if down_proj_update is not None:
-            down_proj_update(grad_w2)
-            grad_w2 = None
+        compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj.dtype)
+        if down_proj_update is None:
+            grad_w2 = compute()
+        else:
+            down_proj_update(compute)
+        del compute
     if need_x:
         rows = grouped_mm(grad_hpre, gate_up_proj.to(dtype), meta.expert_offsets)
         grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
         del rows
     if need_w1:
-        grad_w1 = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets).to(gate_up_proj.dtype)
-        if gate_up_proj_update is not None:
-            del grad_hpre, grad_rows, g, a
-            gate_up_proj_update(grad_w1)
-            grad_w1 = None
+        compute = functools.partial(_grad_w1, grad_hpre, hidden_states, tokens, meta, gate_up_proj.dtype)
+        del grad_hpre, grad_rows, g, a
+        if gate_up_proj_update is None:
+            grad_w1 = compute()
+        else:
+            gate_up_proj_update(compute)
     return grad_x, grad_w, grad_w1, grad_w2
+
+
+def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight_dtype):
+    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype."""
+    p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
+    return grouped_wgrad(p, a, meta.expert_offsets).to(weight_dtype)
+
+
+def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight_dtype):
+    """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype."""
+    return grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets).to(weight_dtype)

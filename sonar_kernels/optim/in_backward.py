@@ -84,9 +84,17 @@ class _OwnedUpdate(specs.ExpertUpdate):
         # The group's hyperparameters as they are now (the tensor the kernels read).
         optimizer._hyper_tensor(param)
 
-    def grad_in(self):
+    def grad_in(self, other=None):
         optimizer, param = self._owner()
-        return optimizer._grad_in(param)
+        return optimizer._grad_in(param, other)
+
+    def add_to_buffer(self, other) -> None:
+        """Add ``other`` (the gradient the tensor's other producers gave in this backward, or None) to
+        the micro-batch buffer the backward just added to."""
+        if other is not None:
+            optimizer, param = self._owner()
+            with torch.no_grad():
+                optimizer._buffers[param].add_(other)
 
     def accumulation_buffer(self):
         optimizer, param = self._owner()
@@ -402,11 +410,15 @@ class InBackwardAdamW:
         self._micro[p] = count
         return count
 
-    def _grad_in(self, p: torch.Tensor) -> torch.Tensor | None:
-        """The gradient of earlier micro-batches of ``p`` (its buffer or ``.grad``) in ``grad_dtype`` with
-        ``p``'s strides, which the backward's update adds to its own; None when there is none."""
+    def _grad_in(self, p: torch.Tensor, other: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The gradient of earlier micro-batches of ``p`` (its buffer or ``.grad``) plus ``other`` (what
+        the tensor's other producers gave in this backward), in ``grad_dtype`` with ``p``'s strides, which
+        the backward's update adds to its own; None when there is none."""
         grad_dtype = self.grad_dtype or p.dtype
         grad_in = self._buffers.get(p, p.grad)
+        if other is not None:
+            with torch.no_grad():
+                grad_in = other if grad_in is None else grad_in + other
         if grad_in is not None and (grad_in.dtype != grad_dtype or grad_in.stride() != p.stride()):
             grad_in = torch.empty_like(p, dtype=grad_dtype).copy_(grad_in)
         return grad_in
