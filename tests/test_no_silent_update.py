@@ -286,3 +286,28 @@ def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
     expected = torch.cat([q.grad.flatten() for q in plain]).norm()
     assert abs(float(optimizer.expert_grad_norm()) - float(expected)) <= 4 * 2.0**-8 * float(expected)
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("change", ["load_state_dict", "a new optimizer"])
+def test_an_update_replaced_between_forward_and_backward_is_refused_before_anything(backend, change):
+    # The forward recorded the optimizer state it would update; after load_state_dict() (new state
+    # tensors) or a new optimizer over the tensors (the newest owns them) that state is not the owner's.
+    experts, optimizer, x, index, weights = _setup(backend)
+    experts(x, index, weights).square().sum().backward()
+    optimizer.step()
+    saved = optimizer.state_dict()
+    loss = experts(x, index, weights).square().sum()
+    if change == "load_state_dict":
+        optimizer.load_state_dict(saved)
+        owner = optimizer
+    else:
+        owner = sonar_kernels.ExpertAdamW(experts.parameters(), lr=1e-2)
+    before = _snapshot(experts, optimizer) + _snapshot(experts, owner)
+    with pytest.raises(RuntimeError, match="changed between this graph's forward and its backward"):
+        loss.backward()
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(experts, optimizer) + _snapshot(experts, owner), before))
+    # A new forward updates through the current owner.
+    x.grad = None
+    experts(x, index, weights).square().sum().backward()
+    assert all(float(owner.state[p]["step"]) == (2 if owner is optimizer else 1) for p in experts.parameters())

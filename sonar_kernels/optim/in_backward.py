@@ -73,6 +73,13 @@ class _OwnedUpdate(specs.ExpertUpdate):
     def begin_backward(self, graph) -> None:
         optimizer, param = self._owner()
         self.live.discard(graph)
+        if update_of(param) is not self:
+            raise RuntimeError(
+                f"an expert tensor of shape {tuple(param.shape)}: its in-backward update changed between this "
+                "graph's forward and its backward (an optimizer was built over it, or load_state_dict() replaced "
+                "its state), so the state this forward recorded is no longer the optimizer's; nothing was "
+                "updated: run the forward again"
+            )
         if len(self.live):
             raise RuntimeError(
                 f"an expert tensor of shape {tuple(param.shape)}: {len(self.live)} other live autograd graph(s) use "
