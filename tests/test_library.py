@@ -113,3 +113,32 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
         before = w2.clone()
         grads = library.moe_mlp_bwd(*args)
         assert grads[3].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(w2, before)
+
+
+def test_check_op_passes_opcheck_and_raises_unless_the_backward_accumulates_the_weights_gradient():
+    w = torch.randn(2, 4, 3)
+    step = torch.zeros((), dtype=torch.float32)
+    torch.library.opcheck(library.check_update_requested, (w, step, "w"), test_utils=("test_schema", "test_faketensor"))
+
+    def loss_with_check(weight, x):
+        # A node whose backward runs the check against its own next functions (weight's AccumulateGrad).
+        class Checked(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, weight, x):
+                return (weight.sum(0) * x).sum()
+
+            @staticmethod
+            def backward(ctx, grad):
+                library.check_update_requested(weight, step, "w")
+                return grad * x.expand_as(weight), grad * weight.sum(0)
+
+        return Checked.apply(weight, x)
+
+    weight, x = w.clone().requires_grad_(), torch.randn(4, 3, requires_grad=True)
+    loss_with_check(weight, x).backward()  # accumulated in .grad: no error
+    assert weight.grad is not None
+    with pytest.raises(RuntimeError, match="does not compute the gradient of the expert tensor"):
+        torch.autograd.grad(loss_with_check(weight, x), [x])
+    with pytest.raises(RuntimeError, match="returns to its caller the gradient of the expert tensor"):
+        torch.autograd.grad(loss_with_check(weight, x), [weight, x])
+    assert torch.equal(step, torch.zeros(()))

@@ -57,6 +57,54 @@ def test_a_backward_that_does_not_ask_for_the_weights_leaves_them_and_their_stat
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
 
 
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_autograd_grad_of_the_weights_returns_their_gradients_and_updates_nothing(backend):
+    # torch.autograd.grad accumulates nothing: the weights' gradients go to the caller, as plain torch
+    # autograd gives them (float64 reference), and no optimizer sees them.
+    experts, optimizer, x, index, weights = _setup(backend)
+    before = _snapshot(experts, optimizer)
+    grads = torch.autograd.grad(experts(x, index, weights).square().sum(), [x, *experts.parameters()])
+    _assert_untouched(experts, optimizer, before)
+    x64 = x.detach().double().requires_grad_()
+    w64 = [p.detach().double().requires_grad_() for p in experts.parameters()]
+    expected = torch.autograd.grad(
+        reference.moe_mlp(x64, index, weights.double(), *w64).square().sum(), [x64, *w64]
+    )
+    for actual, reference_grad in zip(grads, expected, strict=True):
+        assert rel_err(actual, reference_grad) <= 1e-5
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ("autograd.grad", "does not compute the gradient of"),
+        ("Tensor.backward(inputs=)", "does not compute the gradient of"),
+        ("autograd.grad with the weights", "returns to its caller the gradient of"),
+    ],
+)
+def test_a_compiled_backward_that_does_not_accumulate_the_weights_is_refused_before_anything(
+    compiler, entry, message
+):
+    # Under torch.compile the update runs inside the compiled backward, which cannot leave it out: refused
+    # before any update, then a backward that accumulates the weights' gradients updates them once.
+    experts, optimizer, x, index, weights = _setup("torch")
+    compiled = torch.compile(experts, backend=compiler, fullgraph=True)
+    before = _snapshot(experts, optimizer)
+    loss = compiled(x, index, weights).square().sum()
+    with pytest.raises(RuntimeError, match=message):
+        if entry == "autograd.grad":
+            torch.autograd.grad(loss, x)
+        elif entry == "autograd.grad with the weights":
+            torch.autograd.grad(loss, [x, *experts.parameters()])
+        else:
+            loss.backward(inputs=[x])
+    _assert_untouched(experts, optimizer, before)
+    x.grad = None
+    compiled(x, index, weights).square().sum().backward()
+    assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("step_between", [False, True])
 def test_a_second_backward_of_one_graph_raises_the_librarys_error_and_changes_nothing(backend, step_between):

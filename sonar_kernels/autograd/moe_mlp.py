@@ -90,21 +90,11 @@ class _Watched:
         self.weight, self.weight_version = weakref.ref(weight), weight._version
         self.hyper, self.hyper_version = weakref.ref(hyper), hyper._version
 
-    def accumulator(self, node):
-        """The weight's AccumulateGrad node among the next functions of ``node`` (this op's backward
-        node), or None (the weight is not a leaf: its gradient flows on through other nodes)."""
-        weight = self.weight()
-        for fn, _ in node.next_functions:
-            if fn is not None and getattr(fn, "variable", None) is weight:
-                return fn
-        return None
-
-    def requested(self, node) -> bool:
-        """Whether the running backward computes this weight's gradient (``torch.autograd.grad`` or
-        ``backward(inputs=...)`` without it does not): whether the engine runs the weight's
-        AccumulateGrad node."""
-        accumulator = self.accumulator(node)
-        return accumulator is None or torch._C._will_engine_execute_node(accumulator)
+    def request(self, node) -> tuple[object, str]:
+        """(the weight's AccumulateGrad node or None, what the running backward does with its gradient:
+        "accumulate", "capture" or "none"; see :func:`sonar_kernels.ops.library.gradient_request`),
+        read at ``node`` (this op's backward node)."""
+        return library.gradient_request(node, self.weight())
 
     def check_unchanged(self) -> None:
         """Raise the library's error (before autograd's own, which names no cause) when the weight or its
@@ -138,13 +128,20 @@ def _backward(ctx, grad_out, *unused):
     # unpacked (autograd's version check would fail first) and before anything is written; a weight whose
     # gradient this backward does not compute (torch.autograd.grad of other inputs) is neither updated nor
     # given a gradient.
-    for (index, _), watched, owner in zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True):
+    # torch.autograd.grad that returns a weight's gradient to the caller: the gradient, no update (autograd.grad
+    # accumulates nothing, and an optimizer does not see it).
+    captured = [False, False]
+    accumulators = [None, None]
+    for i, ((index, _), watched, owner) in enumerate(zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True)):
         if watched is not None and needs[index]:
             watched.check_unchanged()
-            needs[index] = watched.requested(ctx)
-            if not needs[index]:
+            accumulators[i], request = watched.request(ctx)
+            needs[index] = request != "none"
+            captured[i] = request == "capture"
+            if request != "accumulate":
                 owner.untrack(ctx)
     hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
+    weights = (gate_up_proj, down_proj)
     meta, hypers, rest = rest[:5], rest[5:7], rest[7:]
     n1, n2 = ctx.state_sizes
     states = (rest[:n1], rest[n1 : n1 + n2])
@@ -156,18 +153,20 @@ def _backward(ctx, grad_out, *unused):
     # gradient (a penalty on the weights, another use of the tensor) has delivered its part, with those
     # parts added to the update's grad_in; nothing reaches .grad. A gradient added to a buffer (mode
     # "accumulate") gets those parts added to the buffer in the same pre-hook.
-    plans, defer, accumulators = [], [None, None], [None, None]
-    for i, ((index, _), state, hyper, owner, watched, grad_dtype) in enumerate(
-        zip(_WEIGHTS, states, hypers, ctx.owners, ctx.watched, ctx.grad_dtypes, strict=True)
+    plans, defer = [], [None, None]
+    for i, ((index, _), state, hyper, owner, grad_dtype) in enumerate(
+        zip(_WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True)
     ):
         mode, buffer, add = "grad", None, False
-        if state and needs[index]:
+        if state and needs[index] and not captured[i]:
             if owner is None:  # compiled: the update, nothing accumulated
                 mode = "update"
+                # Raises, before any update of this backward, when the backward does not ask for the
+                # weight's gradient (torch.autograd.grad of other inputs).
+                library.check_update_requested(weights[i], state[2], _WEIGHTS[i][1])
             else:
                 # Raises before anything is written (a second update before step(), another live graph).
                 owner.begin_backward(ctx)
-                accumulators[i] = watched.accumulator(ctx)
                 if owner.accumulating():
                     accumulation = owner.accumulation_buffer() if triton else None
                     if accumulation is not None:

@@ -281,3 +281,53 @@ def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, gra
 @expert_adamw_.register_fake
 def _expert_adamw_fake(weight, grad, grad_in, state, hyper, foreach, fused):
     return None
+
+
+def gradient_request(node, weight: Tensor) -> tuple[object, str]:
+    """What the running backward does with the gradient of the leaf ``weight``, read from the engine at
+    ``node`` (the backward node running now): (its AccumulateGrad node among ``node``'s next functions,
+    or None when there is none, e.g. the weight is not a leaf; and one of "accumulate" (the gradient
+    reaches .grad), "capture" (``torch.autograd.grad`` returns it to the caller and nothing is
+    accumulated), "none" (the backward does not compute it: ``autograd.grad`` or ``backward(inputs=)``
+    without it)). "accumulate" when there is no AccumulateGrad node: the gradient flows on."""
+    for fn, _ in node.next_functions:
+        variable = getattr(fn, "variable", None)
+        if variable is not None and _same_tensor(variable, weight):
+            try:
+                return fn, ("accumulate" if torch._C._will_engine_execute_node(fn) else "none")
+            except RuntimeError:
+                # The engine refuses the question for a leaf whose gradient torch.autograd.grad captures.
+                return fn, "capture"
+    return None, "accumulate"
+
+
+@torch.library.custom_op("sonar_kernels::check_update_requested", mutates_args=("step",))
+def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
+    """Raise RuntimeError when the running backward does not accumulate the gradient of ``weight``
+    (``torch.autograd.grad`` or ``backward(inputs=...)`` without it, or ``torch.autograd.grad`` that
+    returns it), which an in-backward update of it inside a compiled backward would otherwise consume.
+    Runs in Python inside the compiled backward, before the update (it is declared to mutate the
+    update's ``step`` so that the graph keeps it there, ahead of the backward op that updates it; it
+    writes nothing). Eager backwards check this without the op (``sonar_kernels.autograd``)."""
+    node = torch._C._current_autograd_node()
+    if node is None:  # not inside the engine's run of a node (e.g. compiled autograd): nothing to read
+        return
+    _, request = gradient_request(node, weight)
+    if request != "accumulate":
+        what = "returns to its caller the gradient of" if request == "capture" else "does not compute the gradient of"
+        raise RuntimeError(
+            f"{name}: this backward {what} the expert tensor of shape {tuple(weight.shape)}, and the compiled "
+            "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
+            "over the expert weights, or run this backward without torch.compile"
+        )
+
+
+def _same_tensor(a: Tensor, b: Tensor) -> bool:
+    return a is b or (
+        a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+    )
+
+
+@check_update_requested.register_fake
+def _check_update_requested_fake(weight, step, name):
+    return None
