@@ -118,7 +118,9 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
 def test_check_op_passes_opcheck_and_raises_unless_the_backward_accumulates_the_weights_gradient():
     w = torch.randn(2, 4, 3)
     step = torch.zeros((), dtype=torch.float32)
-    torch.library.opcheck(library.check_update_requested, (w, step, "w"), test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        library.check_update_requested, (w, step, "w"), test_utils=("test_schema", "test_faketensor")
+    )
 
     def loss_with_check(weight, x):
         # A node whose backward runs the check against its own next functions (weight's AccumulateGrad).

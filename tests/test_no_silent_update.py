@@ -57,7 +57,6 @@ def test_a_backward_that_does_not_ask_for_the_weights_leaves_them_and_their_stat
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
 
 
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_autograd_grad_of_the_weights_returns_their_gradients_and_updates_nothing(backend):
     # torch.autograd.grad accumulates nothing: the weights' gradients go to the caller, as plain torch
@@ -104,6 +103,7 @@ def test_a_compiled_backward_that_does_not_accumulate_the_weights_is_refused_bef
     x.grad = None
     compiled(x, index, weights).square().sum().backward()
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
+
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("step_between", [False, True])
@@ -276,9 +276,15 @@ def test_weights_changed_in_place_after_the_forward_are_refused_by_name(backend)
 # backward (a penalty on the weights, a second use) are added, whichever order the engine runs them in.
 # Expected: torch.optim.AdamW on an equal fp32 model (reference.moe_mlp, plain torch autograd).
 OTHER_USES = {
-    "penalty after the MLP": lambda out, w1, w2: out.square().sum() + 0.1 * (w1.square().sum() + w2.square().sum()),
-    "penalty before the MLP": lambda out, w1, w2: 0.1 * (w1.square().sum() + w2.square().sum()) + out.square().sum(),
-    "a second use of one weight": lambda out, w1, w2: out.square().sum() + (w2[1] @ torch.ones(I)).sin().sum(),
+    "penalty after the MLP": lambda out, w1, w2: (
+        out.square().sum() + 0.1 * (w1.square().sum() + w2.square().sum())
+    ),
+    "penalty before the MLP": lambda out, w1, w2: (
+        0.1 * (w1.square().sum() + w2.square().sum()) + out.square().sum()
+    ),
+    "a second use of one weight": lambda out, w1, w2: (
+        out.square().sum() + (w2[1] @ torch.ones(I)).sin().sum()
+    ),
     "none": lambda out, w1, w2: out.square().sum(),
 }
 
@@ -330,7 +336,9 @@ def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
     for _ in range(2):
         x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
         loss_of(experts(x.bfloat16(), index, weights.bfloat16()).float(), *experts.parameters()).backward()
-        loss_of(reference.moe_mlp(x.bfloat16().float(), index, weights.bfloat16().float(), *plain), *plain).backward()
+        loss_of(
+            reference.moe_mlp(x.bfloat16().float(), index, weights.bfloat16().float(), *plain), *plain
+        ).backward()
     expected = torch.cat([q.grad.flatten() for q in plain]).norm()
     assert abs(float(optimizer.expert_grad_norm()) - float(expected)) <= 4 * 2.0**-8 * float(expected)
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
@@ -354,8 +362,11 @@ def test_an_update_replaced_between_forward_and_backward_is_refused_before_anyth
     before = _snapshot(experts, optimizer) + _snapshot(experts, owner)
     with pytest.raises(RuntimeError, match="changed between this graph's forward and its backward"):
         loss.backward()
-    assert all(torch.equal(a, b) for a, b in zip(_snapshot(experts, optimizer) + _snapshot(experts, owner), before))
+    after = _snapshot(experts, optimizer) + _snapshot(experts, owner)
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
     # A new forward updates through the current owner.
     x.grad = None
     experts(x, index, weights).square().sum().backward()
-    assert all(float(owner.state[p]["step"]) == (2 if owner is optimizer else 1) for p in experts.parameters())
+    assert all(
+        float(owner.state[p]["step"]) == (2 if owner is optimizer else 1) for p in experts.parameters()
+    )

@@ -4,8 +4,10 @@ point :func:`moe_mlp`.
 The forward is the op ``sonar_kernels::moe_mlp_fwd``; its registered backward calls
 ``sonar_kernels::moe_mlp_bwd`` and, on the torch backend, ``sonar_kernels::expert_adamw_``. A weight
 whose tensor carries an in-backward update (:func:`sonar_kernels.specs.update_of`, attached by the
-optimizer that owns it) is updated inside that backward and gets no gradient; every other weight gets
-its gradient. The update's tensors are inputs of the forward op, so torch.compile sees them and the
+optimizer that owns it) is updated inside that backward and gets no gradient; in eager mode the update
+of a leaf weight waits in the pre-hook of its AccumulateGrad node until the engine has every part of its
+gradient (docs/design.md, "When the updates run"). Every other weight gets its gradient, and so does an
+owned one whose gradient ``torch.autograd.grad`` returns to its caller (no update then). The update's tensors are inputs of the forward op, so torch.compile sees them and the
 whole step compiles (``fullgraph=True``); the owner's host-side checks run in eager mode only.
 """
 

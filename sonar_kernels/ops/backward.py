@@ -125,7 +125,8 @@ def moe_mlp_bwd(
     Launch order (docs/design.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
     when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
     (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given). Each wgrad launch covers every
-    expert. No host sync; no atomics.
+    expert. An update with ``defer`` set is launched later by its caller (after dX). No host sync; no
+    atomics.
 
     Args:
         grad_out: [T, H] dtype of hidden_states; any strides, 0 included.

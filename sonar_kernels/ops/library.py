@@ -314,7 +314,11 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
         return
     _, request = gradient_request(node, weight)
     if request != "accumulate":
-        what = "returns to its caller the gradient of" if request == "capture" else "does not compute the gradient of"
+        what = (
+            "returns to its caller the gradient of"
+            if request == "capture"
+            else "does not compute the gradient of"
+        )
         raise RuntimeError(
             f"{name}: this backward {what} the expert tensor of shape {tuple(weight.shape)}, and the compiled "
             "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
@@ -324,7 +328,10 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
     return a is b or (
-        a.device == b.device and a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride()
+        a.device == b.device
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
     )
 
 

@@ -8,7 +8,9 @@ A tensor "managed" here is updated inside the backward pass. The optimizer attac
 :class:`sonar_kernels.specs.ExpertUpdate` to it (``_OwnedUpdate``: the state tensors, and the
 bookkeeping the autograd layer calls in eager mode), so that the expert MLP's backward applies the
 update itself: in the Triton wgrad epilogue, or through torch's AdamW right after its gradient is
-computed (the torch backend). A gradient that reaches ``.grad`` instead (a weight passed to the MLP as a
+computed (the torch backend); in eager mode once the tensor's whole gradient is known (the pre-hook of
+its AccumulateGrad node, with the parts of other uses of the tensor added: docs/design.md, "When the
+updates run"). A gradient that reaches ``.grad`` instead (a weight passed to the MLP as a
 cast or another copy, a penalty on the weights, FSDP2's reduced shard) is applied by the optimizer's
 post-accumulate-grad hook on the tensor, then released.
 
