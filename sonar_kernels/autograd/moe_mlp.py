@@ -7,8 +7,9 @@ whose tensor carries an in-backward update (:func:`sonar_kernels.specs.update_of
 optimizer that owns it) is updated inside that backward and gets no gradient; in eager mode the update
 of a leaf weight waits in the pre-hook of its AccumulateGrad node until the engine has every part of its
 gradient (docs/design.md, "When the updates run"). Every other weight gets its gradient, and so does an
-owned one whose gradient ``torch.autograd.grad`` returns to its caller (no update then). The update's tensors are inputs of the forward op, so torch.compile sees them and the
-whole step compiles (``fullgraph=True``); the owner's host-side checks run in eager mode only.
+owned one whose gradient ``torch.autograd.grad`` returns to its caller (no update then). The update's
+tensors are inputs of the forward op, so torch.compile sees them and the whole step compiles
+(``fullgraph=True``); the owner's host-side checks run in eager mode only.
 """
 
 from __future__ import annotations
@@ -130,8 +131,8 @@ def _backward(ctx, grad_out, *unused):
     # unpacked (autograd's version check would fail first) and before anything is written; a weight whose
     # gradient this backward does not compute (torch.autograd.grad of other inputs) is neither updated nor
     # given a gradient.
-    # torch.autograd.grad that returns a weight's gradient to the caller: the gradient, no update (autograd.grad
-    # accumulates nothing, and an optimizer does not see it).
+    # torch.autograd.grad that returns a weight's gradient to the caller: the gradient, no update
+    # (autograd.grad accumulates nothing, and an optimizer does not see it).
     captured = [False, False]
     accumulators = [None, None]
     for i, ((index, _), watched, owner) in enumerate(zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True)):
