@@ -26,6 +26,15 @@ def _snapshot(experts, optimizer):
     return [t.detach().clone() for p in experts.parameters() for t in (p, *optimizer.state[p].values())]
 
 
+def _float64_grads(experts, x, index, weights):
+    """(dX, d gate_up_proj, d down_proj) of the tests' loss as plain torch autograd gives them in float64
+    over reference.moe_mlp."""
+    x64 = x.detach().double().requires_grad_()
+    w64 = [p.detach().double().requires_grad_() for p in experts.parameters()]
+    loss = reference.moe_mlp(x64, index, weights.double(), *w64).square().sum()
+    return torch.autograd.grad(loss, [x64, *w64])
+
+
 def _assert_untouched(experts, optimizer, before):
     after = _snapshot(experts, optimizer)
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
@@ -47,11 +56,7 @@ def test_a_backward_that_does_not_ask_for_the_weights_leaves_them_and_their_stat
         torch.autograd.backward([loss], inputs=[x])
         grad_x = x.grad
     _assert_untouched(experts, optimizer, before)
-    # dX as plain torch autograd gives it, in float64.
-    x64 = x.detach().double().requires_grad_()
-    w1, w2 = (p.detach().double() for p in experts.parameters())
-    reference.moe_mlp(x64, index, weights.double(), w1, w2).square().sum().backward()
-    assert rel_err(grad_x, x64.grad) <= 1e-5
+    assert rel_err(grad_x, _float64_grads(experts, x, index, weights)[0]) <= 1e-5
     # A backward that asks for them updates them, once.
     experts(x, index, weights).square().sum().backward()
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
@@ -65,12 +70,7 @@ def test_autograd_grad_of_the_weights_returns_their_gradients_and_updates_nothin
     before = _snapshot(experts, optimizer)
     grads = torch.autograd.grad(experts(x, index, weights).square().sum(), [x, *experts.parameters()])
     _assert_untouched(experts, optimizer, before)
-    x64 = x.detach().double().requires_grad_()
-    w64 = [p.detach().double().requires_grad_() for p in experts.parameters()]
-    expected = torch.autograd.grad(
-        reference.moe_mlp(x64, index, weights.double(), *w64).square().sum(), [x64, *w64]
-    )
-    for actual, reference_grad in zip(grads, expected, strict=True):
+    for actual, reference_grad in zip(grads, _float64_grads(experts, x, index, weights), strict=True):
         assert rel_err(actual, reference_grad) <= 1e-5
 
 
