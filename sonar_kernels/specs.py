@@ -153,6 +153,17 @@ class ExpertUpdate:
     def finish(self, applied: bool) -> None:
         """Right after the launch that updated the tensor (``applied``) or added to its buffer."""
 
+    def forward_without_graph(self) -> None:
+        """A forward used the tensor without recording a graph (grad mode off while it requires grad):
+        reentrant activation checkpointing runs a region so, and records it again inside the backward."""
+
+    def forward_in_backward(self, accumulates: bool) -> bool:
+        """A forward recorded a graph over the tensor inside the running backward (reentrant activation
+        checkpointing's recomputation), whose own backward runs nested in it; ``accumulates``: the
+        running backward also delivers a part of the tensor's gradient (a penalty on the weights).
+        Returns whether that part already reached ``.grad`` (the update then reads it there)."""
+        return False
+
     def __reduce__(self):
         return (type(None), ())
 

@@ -29,7 +29,12 @@ _WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
 
 def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
     """The update of ``weight`` when this forward records a graph that computes its gradient."""
-    if not (torch.is_grad_enabled() and weight.requires_grad):
+    if not weight.requires_grad:
+        return None
+    if not torch.is_grad_enabled():
+        update = specs.update_of(weight)
+        if update is not None and not torch.compiler.is_compiling():
+            update.forward_without_graph()
         return None
     update = specs.update_of(weight)
     if update is not None and update.reduce_first:
@@ -92,6 +97,7 @@ class _Watched:
     def __init__(self, weight: torch.Tensor, hyper: torch.Tensor):
         self.weight, self.weight_version = weakref.ref(weight), weight._version
         self.hyper, self.hyper_version = weakref.ref(hyper), hyper._version
+        self.outer_task = None  # see _outer_task_accumulating
 
     def request(self, node) -> tuple[object, str]:
         """(the weight's AccumulateGrad node or None, what the running backward does with its gradient:
@@ -118,6 +124,24 @@ class _Watched:
             )
 
 
+def _outer_task_accumulating(weight: torch.Tensor, owner: specs.ExpertUpdate) -> int | None:
+    """Called for a forward that runs inside a backward (the recomputation of reentrant activation
+    checkpointing; its graph's backward runs nested in the running one): the id of the running backward
+    when it also delivers a part of the leaf ``weight``'s gradient (a penalty on the weights outside the
+    checkpointed region) that has not reached the weight yet; else None. The update then waits for that
+    backward's AccumulateGrad node, where the gradient is complete; a part that already arrived waits in
+    ``.grad``, where the update reads it."""
+    accumulates = False
+    if weight.is_leaf:
+        try:
+            node = torch.autograd.graph.get_gradient_edge(weight).node
+            accumulates = torch._C._will_engine_execute_node(node)
+        except RuntimeError:  # the running backward is torch.autograd.grad, which accumulates nothing
+            pass
+    arrived = owner.forward_in_backward(accumulates)
+    return torch._C._current_graph_task_id() if accumulates and not arrived else None
+
+
 def _backward(ctx, grad_out, *unused):
     if torch.is_grad_enabled() and not torch.compiler.is_compiling():
         # create_graph=True: the backward would have to record a graph of itself (and of the in-backward
@@ -134,10 +158,11 @@ def _backward(ctx, grad_out, *unused):
     # torch.autograd.grad that returns a weight's gradient to the caller: the gradient, no update
     # (autograd.grad accumulates nothing, and an optimizer does not see it).
     captured = [False, False]
-    accumulators = [None, None]
+    accumulators, outer_tasks = [None, None], [None, None]
     for i, ((index, _), watched, owner) in enumerate(zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True)):
         if watched is not None and needs[index]:
             watched.check_unchanged()
+            outer_tasks[i] = watched.outer_task
             accumulators[i], request = watched.request(ctx)
             needs[index] = request != "none"
             captured[i] = request == "capture"
@@ -175,7 +200,8 @@ def _backward(ctx, grad_out, *unused):
                     if accumulation is not None:
                         mode, (buffer, add) = "accumulate", accumulation
                 elif accumulators[i] is not None:
-                    mode, defer[i] = "update", functools.partial(_when_complete, accumulators[i], owner)
+                    mode = "update"
+                    defer[i] = functools.partial(_when_complete, accumulators[i], owner, outer_tasks[i])
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
@@ -195,9 +221,15 @@ def _backward(ctx, grad_out, *unused):
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
         grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer))
-        for accumulator, owner, (mode, *_) in zip(accumulators, ctx.owners, plans, strict=True):
+        for accumulator, outer, owner, (mode, *_) in zip(accumulators, outer_tasks, ctx.owners, plans, strict=True):
             if mode == "accumulate" and accumulator is not None:
-                _on_accumulator(accumulator, owner.add_to_buffer)
+                _on_accumulator(accumulator, owner.add_to_buffer, outer)
+    elif mode1 == mode2 == "grad":
+        # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
+        grads = library.moe_mlp_bwd_grads(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
+            [needs[0], needs[2], needs[3], needs[4]], ctx.activation, ctx.backend,
+        )  # fmt: skip
     else:
         grads = library.moe_mlp_bwd(*args)
     # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
@@ -228,25 +260,34 @@ def _backward(ctx, grad_out, *unused):
     )
 
 
-def _when_complete(accumulator, owner, run) -> None:
+def _when_complete(accumulator, owner, outer_task, run) -> None:
     """Call ``run(grad_in)`` (the deferred wgrad and update) in the pre-hook of ``accumulator``, with the
-    gradient of earlier micro-batches and of the weight's other producers in this backward."""
-    _on_accumulator(accumulator, lambda other: run(owner.grad_in(other)))
+    gradient of earlier micro-batches and of the weight's other producers (see :func:`_on_accumulator`)."""
+    _on_accumulator(accumulator, lambda other: run(owner.grad_in(other)), outer_task)
 
 
-def _on_accumulator(accumulator, fn) -> None:
-    """Call ``fn(other)`` once, in the pre-hook of the AccumulateGrad node ``accumulator`` in the running
-    backward (the engine runs it when every producer of the weight's gradient has run), with ``other``
-    the sum of the gradients the other producers gave (None when there are none); the node then
-    accumulates nothing. A hook left by a backward that failed before reaching the node removes itself
-    and lets the gradient through."""
+def _on_accumulator(accumulator, fn, outer_task: int | None = None) -> None:
+    """Call ``fn(other)`` once, in the pre-hook of the AccumulateGrad node ``accumulator`` (the engine runs
+    it when every producer of the weight's gradient has run), with ``other`` the sum of the gradients the
+    other producers gave (None when there are none); the node then accumulates nothing.
+
+    The node runs in the backward running now; when this backward is nested in the backward
+    ``outer_task`` (reentrant activation checkpointing) that also delivers to the node, it runs there
+    again: ``fn`` then waits for that second run and gets the parts of both. A hook left by a backward
+    that failed before reaching the node removes itself and lets the gradient through."""
     task = torch._C._current_graph_task_id()
+    parts = []
 
     def pre_hook(grad_outputs):
+        now = torch._C._current_graph_task_id()
+        if now == task and outer_task is not None and not parts:
+            parts.append(grad_outputs[0])  # the nested backward's part; the hook stays for the outer one
+            return (None,)
         handle.remove()
-        if torch._C._current_graph_task_id() != task:
+        if now != (task if outer_task is None else outer_task):
             return None
-        fn(grad_outputs[0])
+        other = [g for g in (*parts, grad_outputs[0]) if g is not None]
+        fn(functools.reduce(torch.add, other) if other else None)
         return (None,)
 
     handle = accumulator.register_prehook(pre_hook)
@@ -333,4 +374,15 @@ def moe_mlp(
         first.torch_fused if first is not None else None,
         activation, backend,
     )  # fmt: skip
-    return outputs[0]
+    out = outputs[0]
+    if (
+        torch._C._current_graph_task_id() != -1
+        and not torch.compiler.is_compiling()
+        and hasattr(out.grad_fn, "watched")
+    ):
+        # This forward runs inside a backward (reentrant activation checkpointing recomputes it there).
+        node = out.grad_fn
+        for watched, owner, weight in zip(node.watched, node.owners, (gate_up_proj, down_proj), strict=True):
+            if watched is not None:
+                watched.outer_task = _outer_task_accumulating(weight, owner)
+    return out

@@ -229,6 +229,46 @@ def _moe_mlp_bwd_fake(
     )
 
 
+@torch.library.custom_op("sonar_kernels::moe_mlp_bwd_grads", mutates_args=())
+def moe_mlp_bwd_grads(
+    grad_out: Tensor,
+    hidden_states: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    hpre: Tensor,
+    expert_offsets: Tensor,
+    tile_offsets: Tensor,
+    row_of_slot: Tensor,
+    token_of_row: Tensor,
+    slot_of_row: Tensor,
+    needs_input_grad: list[bool],
+    activation: str,
+    backend: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward with ordinary gradients only (no weight updated or accumulated): as
+    :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
+    stay as they are and another saved use of a weight (a penalty computed before the MLP) still runs
+    after this backward."""
+    return run_moe_mlp_bwd(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, "grad", [], None, None, False, None, "grad", [],
+        None, None, False, None, True, None, None, activation, backend,
+    )  # fmt: skip
+
+
+@moe_mlp_bwd_grads.register_fake
+def _moe_mlp_bwd_grads_fake(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
+    row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend,
+):  # fmt: skip
+    return _moe_mlp_bwd_fake(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, "grad", [], None, None, False, None, "grad", [],
+        None, None, False, None, True, None, None, activation, backend,
+    )  # fmt: skip
+
+
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))
 def expert_adamw_(
     weight: Tensor,

@@ -121,6 +121,17 @@ class _OwnedUpdate(specs.ExpertUpdate):
             optimizer._accumulated_into(param, self._buffer)
         self._buffer = None
 
+    def forward_without_graph(self) -> None:
+        optimizer, param = self._owner()
+        optimizer._without_graph[param] = True
+
+    def forward_in_backward(self, accumulates: bool) -> bool:
+        optimizer, param = self._owner()
+        optimizer._without_graph.pop(param, None)
+        if accumulates:
+            optimizer._hold_until_backward_ends(param)
+        return optimizer._arrived_in.get(param) == torch._C._current_graph_task_id()
+
 
 # torch.optim.AdamW options the in-backward update does not implement, with the only value it accepts for
 # a parameter group that holds expert tensors (foreach and fused pick torch's AdamW path and are honoured;
@@ -230,6 +241,13 @@ class InBackwardAdamW:
         self._hyper: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
         # Managed tensor -> the update attached to it.
         self._updates = WeakIdKeyDictionary()
+        # Reentrant activation checkpointing (a tensor's gradient arrives in a backward and in the backward
+        # nested in it): managed tensors used by a forward without a graph since their last update; those
+        # whose gradients reaching .grad wait for the end of the running backward; the backward (graph
+        # task id) in which such a gradient reached .grad.
+        self._without_graph = WeakIdKeyDictionary()
+        self._held = WeakIdKeyDictionary()
+        self._arrived_in = WeakIdKeyDictionary()
         # [tensor ref, update, hook handle] of each managed tensor: removed when this optimizer is
         # garbage-collected (the finalizer holds the list, not the optimizer).
         self._entries: list = []
@@ -438,6 +456,7 @@ class InBackwardAdamW:
         self._updated[p] = True
         self._updated_in_backward[p] = True
         self._micro.pop(p, None)
+        self._without_graph.pop(p, None)
         p.grad = None  # the accumulated gradient, consumed by the update
         self._buffers.pop(p, None)
         state = self.state[p]
@@ -465,9 +484,32 @@ class InBackwardAdamW:
         self._updated[p] = True
         self._micro.pop(p, None)
 
+    def _hold_until_backward_ends(self, p: torch.Tensor) -> None:
+        """Gradients of ``p`` that reach ``.grad`` from now on wait for the end of the running backward
+        (they arrive in it and in backwards nested in it), where they count as one."""
+        if p not in self._held:
+            self._held[p] = True
+            torch.autograd.Variable._execution_engine.queue_callback(_weak_call(self, "_release_held", p))
+
+    def _release_held(self, p: torch.Tensor) -> None:
+        self._held.pop(p, None)
+        self._arrived_in.pop(p, None)
+        if p.grad is not None:
+            self._on_grad_accumulated(p)
+
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
         """A gradient was added to ``p.grad`` (torch backend, or a micro-batch before the last): keep it
-        until the k-th micro-batch, then apply torch's AdamW and release it."""
+        until the k-th micro-batch, then apply torch's AdamW and release it.
+
+        After a forward without a graph (reentrant activation checkpointing), the part of this backward
+        waits for its end: the checkpointed region's backward, nested in this one, may add the MLP's part
+        (its update then reads ``.grad``)."""
+        if p in self._held:
+            return
+        if p in self._without_graph and torch._C._current_graph_task_id() != -1:
+            self._arrived_in[p] = torch._C._current_graph_task_id()
+            self._hold_until_backward_ends(p)
+            return
         if p in self._updated and self._updated_in_backward.get(p, False):
             raise RuntimeError(
                 f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} received a gradient from "
