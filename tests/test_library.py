@@ -41,18 +41,22 @@ def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backward_op_passes_opcheck_and_matches_the_reference(backend, device):
+@pytest.mark.parametrize("op", ["moe_mlp_bwd", "moe_mlp_bwd_grads"])
+def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, device):
     x, index, weights, w1, w2 = _inputs(device=device)
     out, hpre, *meta = library.moe_mlp_fwd(
         x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend
     )
     grad_out = torch.randn_like(out)
-    args = (
-        grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True],
-        "grad", [], None, None, False, None, "grad", [], None, None, False, None, True, None, None, "silu", backend,
-    )  # fmt: skip
-    torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
-    grads = library.moe_mlp_bwd(*args)
+    args = (grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True])
+    if op == "moe_mlp_bwd":
+        args += ("grad", [], None, None, False, None, "grad", [], None, None, False, None, True, None, None)
+    args += ("silu", backend)
+    torch.library.opcheck(getattr(library, op), args, test_utils=("test_schema", "test_faketensor"))
+    versions = (w1._version, w2._version)
+    grads = getattr(library, op)(*args)
+    if op == "moe_mlp_bwd_grads":  # it mutates nothing: a weight saved by another node stays usable
+        assert (w1._version, w2._version) == versions
     leaves = [t.requires_grad_() for t in to_double(x, weights, w1, w2)]
     reference.moe_mlp(leaves[0], index, *leaves[1:]).backward(*to_double(grad_out))
     for got, leaf in zip(grads, leaves, strict=True):

@@ -283,7 +283,7 @@ OTHER_USES = {
         0.1 * (w1.square().sum() + w2.square().sum()) + out.square().sum()
     ),
     "a second use of one weight": lambda out, w1, w2: (
-        out.square().sum() + (w2[1] @ torch.ones(I)).sin().sum()
+        out.square().sum() + (w2[1] @ torch.ones(I, dtype=w2.dtype)).sin().sum()
     ),
     "none": lambda out, w1, w2: out.square().sum(),
 }
@@ -297,7 +297,12 @@ def _assert_weights_alike(actual, expected):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("use", list(OTHER_USES))
 @pytest.mark.parametrize("accumulation_steps", [1, 2])
-def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(backend, use, accumulation_steps):
+@pytest.mark.parametrize("checkpointing", ["none", "reentrant"])
+def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(
+    backend, use, accumulation_steps, checkpointing
+):
+    # Reentrant activation checkpointing runs the MLP's backward nested in the outer one, which delivers
+    # the other uses' parts before it (penalty after) or after it (penalty before).
     torch.manual_seed(0)
     experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
     optimizer = sonar_kernels.ExpertAdamW(
@@ -309,7 +314,16 @@ def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(backen
     for step in range(2):
         for _ in range(accumulation_steps):
             x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
-            loss_of(experts(x, index, weights), *experts.parameters()).backward()
+            if checkpointing == "none":
+                out = experts(x, index, weights)
+            else:
+                x.requires_grad_()  # reentrant checkpointing records a graph when an input requires grad
+
+                def region(x, index=index, weights=weights):
+                    return experts(x, index, weights)
+
+                out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=True)
+            loss_of(out, *experts.parameters()).backward()
             loss_of(reference.moe_mlp(x, index, weights, *plain), *plain).backward()
         assert all(p.grad is None for p in experts.parameters())
         optimizer.step()
@@ -320,6 +334,21 @@ def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(backen
             assert float(optimizer.state[p]["step"]) == step + 1
             assert rel_err(optimizer.state[p]["exp_avg"], standard.state[q]["exp_avg"]) <= 1e-6
             assert rel_err(optimizer.state[p]["exp_avg_sq"], standard.state[q]["exp_avg_sq"]) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use", ["penalty before the MLP", "a second use of one weight"])
+def test_plain_gradients_with_another_use_of_a_weight_equal_torch_autograds(backend, use):
+    # No in-backward optimizer: ordinary gradients. The MLP's backward writes no weight, so a node of the
+    # other use that saved the weight and runs after it still finds the version it saved.
+    torch.manual_seed(0)
+    experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+    plain = [p.detach().double().requires_grad_() for p in experts.parameters()]
+    x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+    OTHER_USES[use](experts(x, index, weights), *experts.parameters()).backward()
+    OTHER_USES[use](reference.moe_mlp(x.double(), index, weights.double(), *plain), *plain).backward()
+    for p, q in zip(experts.parameters(), plain, strict=True):
+        assert rel_err(p.grad, q.grad) <= 1e-5
 
 
 def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():

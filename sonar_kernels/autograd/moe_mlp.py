@@ -376,8 +376,8 @@ def moe_mlp(
     )  # fmt: skip
     out = outputs[0]
     if (
-        torch._C._current_graph_task_id() != -1
-        and not torch.compiler.is_compiling()
+        not torch.compiler.is_compiling()
+        and torch._C._current_graph_task_id() != -1
         and hasattr(out.grad_fn, "watched")
     ):
         # This forward runs inside a backward (reentrant activation checkpointing recomputes it there).
