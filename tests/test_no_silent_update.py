@@ -105,6 +105,32 @@ def test_a_compiled_backward_that_does_not_accumulate_the_weights_is_refused_bef
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
 
 
+class _TwoLayers(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = sonar_kernels.SonarExperts(E, H, I, backend="torch")
+        self.second = sonar_kernels.SonarExperts(E, H, I, backend="torch")
+
+    def forward(self, x, index, weights):
+        return self.second(self.first(x, index, weights), index, weights)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_compiled_backward_that_asks_for_one_layers_weights_only_is_refused_before_any_update(compiler):
+    # The second layer's backward runs first and its weights are asked for; the first layer's are not:
+    # refused at the first check, before the second layer's update.
+    torch.manual_seed(0)
+    model = _TwoLayers()
+    optimizer = sonar_kernels.ExpertAdamW(model.parameters(), lr=1e-2)
+    x, index, weights = torch.randn(T, H, requires_grad=True), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+    compiled = torch.compile(model, backend=compiler, fullgraph=True)
+    before = _snapshot(model, optimizer)
+    loss = compiled(x, index, weights).square().sum()
+    with pytest.raises(RuntimeError, match="does not compute the gradient of"):
+        loss.backward(inputs=[x, *model.second.parameters()])
+    _assert_untouched(model, optimizer, before)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("step_between", [False, True])
 def test_a_second_backward_of_one_graph_raises_the_librarys_error_and_changes_nothing(backend, step_between):

@@ -16,6 +16,8 @@ import functools
 import torch
 from torch import Tensor
 
+from sonar_kernels import specs
+
 from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
@@ -343,27 +345,37 @@ def gradient_request(node, weight: Tensor) -> tuple[object, str]:
 
 @torch.library.custom_op("sonar_kernels::check_update_requested", mutates_args=("step",))
 def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
-    """Raise RuntimeError when the running backward does not accumulate the gradient of ``weight``
+    """Raise RuntimeError when the running backward does not accumulate the gradient of ``weight``, or of
+    any other expert tensor with an in-backward update among the inputs of the compiled graph it runs in
     (``torch.autograd.grad`` or ``backward(inputs=...)`` without it, or ``torch.autograd.grad`` that
-    returns it), which an in-backward update of it inside a compiled backward would otherwise consume.
+    returns it), which an in-backward update inside a compiled backward would otherwise consume. Checking
+    every such input at the first check of the backward refuses a backward that asks for some layers'
+    weights and not others before any layer's update.
     Runs in Python inside the compiled backward, before the update (it is declared to mutate the
     update's ``step`` so that the graph keeps it there, ahead of the backward op that updates it; it
     writes nothing). Eager backwards check this without the op (``sonar_kernels.autograd``)."""
     node = torch._C._current_autograd_node()
     if node is None:  # not inside the engine's run of a node (e.g. compiled autograd): nothing to read
         return
-    _, request = gradient_request(node, weight)
-    if request != "accumulate":
-        what = (
-            "returns to its caller the gradient of"
-            if request == "capture"
-            else "does not compute the gradient of"
-        )
-        raise RuntimeError(
-            f"{name}: this backward {what} the expert tensor of shape {tuple(weight.shape)}, and the compiled "
-            "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
-            "over the expert weights, or run this backward without torch.compile"
-        )
+    checked = [(weight, name)] + [
+        (fn.variable, "an expert tensor of this compiled graph")
+        for fn, _ in node.next_functions
+        if _updated_in_backward(getattr(fn, "variable", None))
+    ]
+    for tensor, what in checked:
+        _, request = gradient_request(node, tensor)
+        if request != "accumulate":
+            verb = "returns to its caller the gradient of" if request == "capture" else "does not compute the gradient of"
+            raise RuntimeError(
+                f"{what}: this backward {verb} the expert tensor of shape {tuple(tensor.shape)}, and the compiled "
+                "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
+                "over the expert weights, or run this backward without torch.compile"
+            )
+
+
+def _updated_in_backward(t) -> bool:
+    update = None if t is None else specs.update_of(t)
+    return update is not None and not update.reduce_first
 
 
 def _same_tensor(a: Tensor, b: Tensor) -> bool:
