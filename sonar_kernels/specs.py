@@ -153,6 +153,10 @@ class ExpertUpdate:
     def finish(self, applied: bool) -> None:
         """Right after the launch that updated the tensor (``applied``) or added to its buffer."""
 
+    def compiled_update(self) -> None:
+        """A compiled backward is about to update the tensor (its check op, at run time): raise when that
+        would be wrong (it was updated since the last ``step()``), else record the update."""
+
     def forward_without_graph(self) -> None:
         """A forward used the tensor without recording a graph (grad mode off while it requires grad):
         reentrant activation checkpointing runs a region so, and records it again inside the backward."""

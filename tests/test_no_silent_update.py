@@ -131,6 +131,40 @@ def test_a_compiled_backward_that_asks_for_one_layers_weights_only_is_refused_be
     _assert_untouched(model, optimizer, before)
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_another_use_of_a_weight_inside_a_compiled_graph_is_refused_at_compile_time(compiler):
+    # The update inside a compiled backward cannot wait for the penalty's part: refused while torch.compile
+    # traces the backward, before anything runs.
+    experts, optimizer, x, index, weights = _setup("torch")
+
+    def loss_of(x):
+        return OTHER_USES["penalty after the MLP"](experts(x, index, weights), *experts.parameters())
+
+    before = _snapshot(experts, optimizer)
+    with pytest.raises(RuntimeError, match="another use of this expert tensor in the compiled graph"):
+        torch.compile(loss_of, backend=compiler, fullgraph=True)(x).backward()
+    _assert_untouched(experts, optimizer, before)
+
+
+@pytest.mark.parametrize("what", ["a penalty outside the compiled graph", "a second backward before step()"])
+def test_a_compiled_update_is_recorded_so_a_second_one_raises_and_never_applies_twice(what):
+    # Outside the compiled graph the penalty's part arrives after the compiled update (a documented limit):
+    # it raises the library's error instead of applying a second AdamW step from the penalty alone.
+    # A second compiled backward before step() is refused before its update.
+    experts, optimizer, x, index, weights = _setup("torch")
+    compiled = torch.compile(experts, backend="aot_eager", fullgraph=True)
+    if what == "a second backward before step()":
+        compiled(x, index, weights).square().sum().backward()
+        before = _snapshot(experts, optimizer)
+        with pytest.raises(RuntimeError, match="already updated in a backward"):
+            compiled(x, index, weights).square().sum().backward()
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(experts, optimizer), before, strict=True))
+    else:
+        with pytest.raises(RuntimeError, match="received a gradient from outside the expert MLP"):
+            OTHER_USES["penalty after the MLP"](compiled(x, index, weights), *experts.parameters()).backward()
+    assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("step_between", [False, True])
 def test_a_second_backward_of_one_graph_raises_the_librarys_error_and_changes_nothing(backend, step_between):

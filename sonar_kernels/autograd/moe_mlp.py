@@ -192,6 +192,8 @@ def _backward(ctx, grad_out, *unused):
                 # Raises, before any update of this backward, when the backward does not ask for the
                 # weight's gradient (torch.autograd.grad of other inputs).
                 library.check_update_requested(weights[i], state[2], _WEIGHTS[i][1])
+                if weights[i].requires_grad:  # tracing: refuse other producers at compile time
+                    weights[i].register_hook(functools.partial(_refuse_other_producers, _WEIGHTS[i][1]))
             else:
                 # Raises before anything is written (a second update before step(), another live graph).
                 owner.begin_backward(ctx)
@@ -258,6 +260,20 @@ def _backward(ctx, grad_out, *unused):
         None,
         None,
     )
+
+
+def _refuse_other_producers(name: str, grad) -> None:
+    """A hook on a weight while torch.compile traces the backward: the MLP's backward gives the updated
+    weight no gradient, so a gradient here comes from another use of the tensor inside the compiled graph
+    (a penalty on the weights), which the update inside the compiled backward could not include. Raised
+    at compile time, before anything runs."""
+    if grad is not None:
+        raise RuntimeError(
+            f"{name}: another use of this expert tensor in the compiled graph (a penalty on the weights, a "
+            "second use) adds to its gradient, and the update inside a compiled backward runs before that part "
+            "is known; nothing was updated. Run the model without torch.compile (in eager mode the update "
+            "waits for every use of the tensor), or leave the other use out"
+        )
 
 
 def _when_complete(accumulator, owner, outer_task, run) -> None:

@@ -371,6 +371,11 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
                 "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
                 "over the expert weights, or run this backward without torch.compile"
             )
+    # Recorded with the owner: a second update before step(), or a gradient that reaches .grad after
+    # this update (another use of the tensor outside the compiled graph), then raises.
+    update = specs.update_of(weight)
+    if update is not None:
+        update.compiled_update()
 
 
 def _updated_in_backward(t) -> bool:

@@ -121,6 +121,12 @@ class _OwnedUpdate(specs.ExpertUpdate):
             optimizer._accumulated_into(param, self._buffer)
         self._buffer = None
 
+    def compiled_update(self) -> None:
+        optimizer, param = self._owner()
+        optimizer._check_may_update(param)
+        optimizer._updated[param] = True
+        optimizer._updated_in_backward[param] = True
+
     def forward_without_graph(self) -> None:
         optimizer, param = self._owner()
         optimizer._without_graph[param] = True
