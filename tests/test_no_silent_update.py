@@ -2,6 +2,8 @@
 library's own error before anything changes (both backends). Expected dX from the float64 reference
 (plain torch autograd over sonar_kernels.reference)."""
 
+import functools
+
 import pytest
 import torch
 from numerics import rel_err
@@ -122,7 +124,11 @@ def test_a_compiled_backward_that_asks_for_one_layers_weights_only_is_refused_be
     torch.manual_seed(0)
     model = _TwoLayers()
     optimizer = sonar_kernels.ExpertAdamW(model.parameters(), lr=1e-2)
-    x, index, weights = torch.randn(T, H, requires_grad=True), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+    x, index, weights = (
+        torch.randn(T, H, requires_grad=True),
+        torch.randint(0, E, (T, TOP_K)),
+        torch.rand(T, TOP_K),
+    )
     compiled = torch.compile(model, backend=compiler, fullgraph=True)
     before = _snapshot(model, optimizer)
     loss = compiled(x, index, weights).square().sum()
@@ -138,7 +144,7 @@ def test_another_use_of_a_weight_inside_a_compiled_graph_is_refused_at_compile_t
     experts, optimizer, x, index, weights = _setup("torch")
 
     def loss_of(x):
-        return OTHER_USES["penalty after the MLP"](experts(x, index, weights), *experts.parameters())
+        return OTHER_USES["penalty after the MLP"](lambda: experts(x, index, weights), *experts.parameters())
 
     before = _snapshot(experts, optimizer)
     with pytest.raises(RuntimeError, match="another use of this expert tensor in the compiled graph"):
@@ -161,7 +167,8 @@ def test_a_compiled_update_is_recorded_so_a_second_one_raises_and_never_applies_
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(experts, optimizer), before, strict=True))
     else:
         with pytest.raises(RuntimeError, match="received a gradient from outside the expert MLP"):
-            OTHER_USES["penalty after the MLP"](compiled(x, index, weights), *experts.parameters()).backward()
+            forward = functools.partial(compiled, x, index, weights)
+            OTHER_USES["penalty after the MLP"](forward, *experts.parameters()).backward()
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())
 
 
@@ -335,17 +342,20 @@ def test_weights_changed_in_place_after_the_forward_are_refused_by_name(backend)
 # The update uses the tensor's complete gradient: parts given by other uses of the tensor in the same
 # backward (a penalty on the weights, a second use) are added, whichever order the engine runs them in.
 # Expected: torch.optim.AdamW on an equal fp32 model (reference.moe_mlp, plain torch autograd).
+def _penalty(w1, w2):
+    return 0.1 * (w1.square().sum() + w2.square().sum())
+
+
+# Each: the loss of (forward, w1, w2), forward() giving the MLP's output. A penalty created before the
+# MLP's forward runs its backward after the MLP's (the engine runs later nodes first), one created after
+# it runs before.
 OTHER_USES = {
-    "penalty after the MLP": lambda out, w1, w2: (
-        out.square().sum() + 0.1 * (w1.square().sum() + w2.square().sum())
+    "penalty after the MLP": lambda forward, w1, w2: forward().square().sum() + _penalty(w1, w2),
+    "penalty before the MLP": lambda forward, w1, w2: _penalty(w1, w2) + forward().square().sum(),
+    "a second use of one weight": lambda forward, w1, w2: (
+        forward().square().sum() + (w2[1] @ torch.ones(I, dtype=w2.dtype)).sin().sum()
     ),
-    "penalty before the MLP": lambda out, w1, w2: (
-        0.1 * (w1.square().sum() + w2.square().sum()) + out.square().sum()
-    ),
-    "a second use of one weight": lambda out, w1, w2: (
-        out.square().sum() + (w2[1] @ torch.ones(I, dtype=w2.dtype)).sin().sum()
-    ),
-    "none": lambda out, w1, w2: out.square().sum(),
+    "none": lambda forward, w1, w2: forward().square().sum(),
 }
 
 
@@ -375,16 +385,13 @@ def test_the_update_uses_the_complete_gradient_of_every_use_of_the_tensor(
         for _ in range(accumulation_steps):
             x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
             if checkpointing == "none":
-                out = experts(x, index, weights)
+                forward = functools.partial(experts, x, index, weights)
             else:
                 x.requires_grad_()  # reentrant checkpointing records a graph when an input requires grad
-
-                def region(x, index=index, weights=weights):
-                    return experts(x, index, weights)
-
-                out = torch.utils.checkpoint.checkpoint(region, x, use_reentrant=True)
-            loss_of(out, *experts.parameters()).backward()
-            loss_of(reference.moe_mlp(x, index, weights, *plain), *plain).backward()
+                region = functools.partial(experts, top_k_index=index, top_k_weights=weights)
+                forward = functools.partial(torch.utils.checkpoint.checkpoint, region, x, use_reentrant=True)
+            loss_of(forward, *experts.parameters()).backward()
+            loss_of(functools.partial(reference.moe_mlp, x, index, weights, *plain), *plain).backward()
         assert all(p.grad is None for p in experts.parameters())
         optimizer.step()
         standard.step()
@@ -405,8 +412,9 @@ def test_plain_gradients_with_another_use_of_a_weight_equal_torch_autograds(back
     experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
     plain = [p.detach().double().requires_grad_() for p in experts.parameters()]
     x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
-    OTHER_USES[use](experts(x, index, weights), *experts.parameters()).backward()
-    OTHER_USES[use](reference.moe_mlp(x.double(), index, weights.double(), *plain), *plain).backward()
+    OTHER_USES[use](functools.partial(experts, x, index, weights), *experts.parameters()).backward()
+    forward64 = functools.partial(reference.moe_mlp, x.double(), index, weights.double(), *plain)
+    OTHER_USES[use](forward64, *plain).backward()
     for p, q in zip(experts.parameters(), plain, strict=True):
         assert rel_err(p.grad, q.grad) <= 1e-5
 
@@ -424,10 +432,15 @@ def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
     loss_of = OTHER_USES["penalty after the MLP"]
     for _ in range(2):
         x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
-        loss_of(experts(x.bfloat16(), index, weights.bfloat16()).float(), *experts.parameters()).backward()
+        x16, weights16 = x.bfloat16(), weights.bfloat16()
         loss_of(
-            reference.moe_mlp(x.bfloat16().float(), index, weights.bfloat16().float(), *plain), *plain
+            lambda x16=x16, index=index, w16=weights16: experts(x16, index, w16).float(),
+            *experts.parameters(),
         ).backward()
+        forward = functools.partial(
+            reference.moe_mlp, x.bfloat16().float(), index, weights.bfloat16().float(), *plain
+        )
+        loss_of(forward, *plain).backward()
     expected = torch.cat([q.grad.flatten() for q in plain]).norm()
     assert abs(float(optimizer.expert_grad_norm()) - float(expected)) <= 4 * 2.0**-8 * float(expected)
     assert all(float(optimizer.state[p]["step"]) == 1 for p in experts.parameters())

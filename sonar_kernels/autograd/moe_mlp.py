@@ -223,7 +223,9 @@ def _backward(ctx, grad_out, *unused):
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
         grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer))
-        for accumulator, outer, owner, (mode, *_) in zip(accumulators, outer_tasks, ctx.owners, plans, strict=True):
+        for accumulator, outer, owner, (mode, *_) in zip(
+            accumulators, outer_tasks, ctx.owners, plans, strict=True
+        ):
             if mode == "accumulate" and accumulator is not None:
                 _on_accumulator(accumulator, owner.add_to_buffer, outer)
     elif mode1 == mode2 == "grad":

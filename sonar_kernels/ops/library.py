@@ -17,7 +17,6 @@ import torch
 from torch import Tensor
 
 from sonar_kernels import specs
-
 from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
@@ -365,7 +364,11 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
     for tensor, what in checked:
         _, request = gradient_request(node, tensor)
         if request != "accumulate":
-            verb = "returns to its caller the gradient of" if request == "capture" else "does not compute the gradient of"
+            verb = (
+                "returns to its caller the gradient of"
+                if request == "capture"
+                else "does not compute the gradient of"
+            )
             raise RuntimeError(
                 f"{what}: this backward {verb} the expert tensor of shape {tuple(tensor.shape)}, and the compiled "
                 "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
