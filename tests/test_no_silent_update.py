@@ -419,6 +419,29 @@ def test_plain_gradients_with_another_use_of_a_weight_equal_torch_autograds(back
         assert rel_err(p.grad, q.grad) <= 1e-5
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("use", ["penalty after the MLP", "penalty before the MLP"])
+def test_weights_passed_as_views_get_the_complete_gradient_through_autograd(backend, use):
+    # The MLP sees views (non-leaf tensors, no update attached): it gives them ordinary gradients, which
+    # autograd sums with the penalty's at the parameters; the owner's hook then applies the update.
+    torch.manual_seed(0)
+    experts = sonar_kernels.SonarExperts(E, H, I, backend=backend)
+    optimizer = sonar_kernels.ExpertAdamW(experts.parameters(), lr=1e-2, weight_decay=0.1)
+    plain = [p.detach().clone().requires_grad_() for p in experts.parameters()]
+    standard = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+        views = [p.view_as(p) for p in experts.parameters()]
+        forward = functools.partial(sonar_kernels.moe_mlp, x, index, weights, *views, backend=backend)
+        OTHER_USES[use](forward, *experts.parameters()).backward()
+        OTHER_USES[use](functools.partial(reference.moe_mlp, x, index, weights, *plain), *plain).backward()
+        optimizer.step()
+        standard.step()
+        standard.zero_grad()
+    _assert_weights_alike(experts.parameters(), plain)
+    assert all(float(optimizer.state[p]["step"]) == 2 and p.grad is None for p in experts.parameters())
+
+
 def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
     # bf16 weights with fp32 micro-batch buffers (grad_dtype): the Triton backward adds each micro-batch's
     # gradient to the buffer, and the penalty's part is added there too. The update's gradient norm is the

@@ -62,16 +62,18 @@ def _assert_stored_alike(actual, expected, what):
         (torch.bfloat16, torch.float32, None),
         (torch.float32, torch.float32, torch.bfloat16),
         (torch.float32, torch.bfloat16, torch.bfloat16),
+        (torch.bfloat16, torch.float32, torch.float32),
     ],
     ids=["fp32-weights-bf16-moments", "fp32-weights-fp16-moments", "bf16-weights-fp32-moments",
-         "fp32-weights-bf16-grad", "fp32-weights-bf16-moments-bf16-grad"],
+         "fp32-weights-bf16-grad", "fp32-weights-bf16-moments-bf16-grad", "bf16-weights-fp32-moments-fp32-grad"],
 )  # fmt: skip
 def test_mixed_dtypes_follow_the_documented_rule_on_both_backends(
     backend, weight_dtype, moments_dtype, grad_dtype
 ):
     # grad_dtype: the wgrad is rounded to it before the update; with fp32 weights the emulation rounds the
-    # fp32 gradient of the ordinary backward the same way. (A grad_dtype wider than 16-bit weights is not
-    # covered: that gradient never reaches a .grad to compare with.)
+    # fp32 gradient of the ordinary backward the same way. A grad_dtype wider than 16-bit weights: the
+    # ordinary backward of fp32 weights holding the same values (the GEMMs run in the activations' dtype,
+    # the weights rounded to it in registers, so every product is the same) gives that gradient in fp32.
     torch.manual_seed(0)
     model = sonar_kernels.SonarExperts(E, H, I, backend=backend, dtype=weight_dtype)
     optimizer = sonar_kernels.ExpertAdamW(
@@ -81,10 +83,14 @@ def test_mixed_dtypes_follow_the_documented_rule_on_both_backends(
     # Each step is emulated from the model's own state before it, with the gradient of the same backend's
     # ordinary backward on the same weights (no optimizer: the gradient in the weight's dtype, which is
     # what the update uses by default).
-    shadow = sonar_kernels.SonarExperts(E, H, I, backend=backend, dtype=weight_dtype)
+    wide_grad = grad_dtype is not None and grad_dtype.itemsize > weight_dtype.itemsize
+    shadow_dtype = grad_dtype if wide_grad else weight_dtype
+    shadow = sonar_kernels.SonarExperts(E, H, I, backend=backend, dtype=shadow_dtype)
     for step in range(1, STEPS + 1):
         x, index, weights, grad_out = _batch(step, weight_dtype)
-        shadow.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for q, p in zip(shadow.parameters(), model.parameters(), strict=True):
+                q.copy_(p)
         shadow.zero_grad()
         shadow(x, index, weights).backward(grad_out.to(weight_dtype))
         before = {
