@@ -62,11 +62,17 @@ def fresh_dynamo():
 
 
 @pytest.mark.parametrize("compiled_autograd", [False, True], ids=["aot", "compiled-autograd"])
-def test_fullgraph_step_under_aot_eager_equals_eager_bitwise(compiled_autograd):
+@pytest.mark.parametrize("clip_norm_includes_experts", [False, True], ids=["dense-norm", "global-norm"])
+def test_fullgraph_step_under_aot_eager_equals_eager_bitwise(compiled_autograd, clip_norm_includes_experts):
+    # With the experts' norm in the clipping norm, the compiled updates' norms must reach the optimizer.
+    clip = {"max_grad_norm": 0.5, "clip_norm_includes_experts": clip_norm_includes_experts}
     eager, compiled = Tiny(), Tiny()
-    _run(eager, sonar_kernels.SonarAdamW(eager, **HYPER, max_grad_norm=0.5), 3)
-    optimizer = sonar_kernels.SonarAdamW(compiled, **HYPER, max_grad_norm=0.5)
+    standard = sonar_kernels.SonarAdamW(eager, **HYPER, **clip)
+    _run(eager, standard, 3)
+    optimizer = sonar_kernels.SonarAdamW(compiled, **HYPER, **clip)
     _run(compiled, optimizer, 3, "aot_eager", compiled_autograd=compiled_autograd)
+    assert torch.equal(optimizer.expert_grad_norm(), standard.expert_grad_norm())
+    assert float(optimizer.expert_grad_norm()) > 0
     for p in _experts(compiled):
         assert float(optimizer.state[p]["step"]) == 3.0 and p.grad is None
     for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):

@@ -354,8 +354,17 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
     update's ``step`` so that the graph keeps it there, ahead of the backward op that updates it; it
     writes nothing). Eager backwards check this without the op (``sonar_kernels.autograd``)."""
     node = torch._C._current_autograd_node()
-    if node is None:  # not inside the engine's run of a node (e.g. compiled autograd): nothing to read
-        return
+    if node is not None:  # None outside the engine's run of a node (compiled autograd): nothing to read
+        _check_requested(node, weight, name)
+    # Recorded with the owner (its norm and step bookkeeping): a second update before step(), or a
+    # gradient that reaches .grad after this update (another use of the tensor outside the compiled
+    # graph), then raises.
+    update = specs.update_of(weight)
+    if update is not None:
+        update.compiled_update()
+
+
+def _check_requested(node, weight: Tensor, name: str) -> None:
     checked = [(weight, name)] + [
         (fn.variable, "an expert tensor of this compiled graph")
         for fn, _ in node.next_functions
@@ -374,11 +383,6 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
                 "backward would update it in place; nothing was updated. Under torch.compile, run backward() "
                 "over the expert weights, or run this backward without torch.compile"
             )
-    # Recorded with the owner: a second update before step(), or a gradient that reaches .grad after
-    # this update (another use of the tensor outside the compiled graph), then raises.
-    update = specs.update_of(weight)
-    if update is not None:
-        update.compiled_update()
 
 
 def _updated_in_backward(t) -> bool:
