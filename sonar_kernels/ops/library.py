@@ -350,9 +350,11 @@ def check_update_requested(weight: Tensor, step: Tensor, name: str) -> None:
     returns it), which an in-backward update inside a compiled backward would otherwise consume. Checking
     every such input at the first check of the backward refuses a backward that asks for some layers'
     weights and not others before any layer's update.
+    Then records the update with the owner of ``weight`` (``specs.ExpertUpdate.compiled_update``), which
+    raises first when the tensor was already updated since the last ``step()``.
     Runs in Python inside the compiled backward, before the update (it is declared to mutate the
     update's ``step`` so that the graph keeps it there, ahead of the backward op that updates it; it
-    writes nothing). Eager backwards check this without the op (``sonar_kernels.autograd``)."""
+    writes no tensor). Eager backwards check this without the op (``sonar_kernels.autograd``)."""
     node = torch._C._current_autograd_node()
     if node is not None:  # None outside the engine's run of a node (compiled autograd): nothing to read
         _check_requested(node, weight, name)
