@@ -442,9 +442,12 @@ def test_weights_passed_as_views_get_the_complete_gradient_through_autograd(back
     assert all(float(optimizer.state[p]["step"]) == 2 and p.grad is None for p in experts.parameters())
 
 
-def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
+@pytest.mark.parametrize("use", ["penalty after the MLP", "penalty before the MLP"])
+@pytest.mark.parametrize("checkpointing", ["none", "reentrant"])
+def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch(use, checkpointing):
     # bf16 weights with fp32 micro-batch buffers (grad_dtype): the Triton backward adds each micro-batch's
-    # gradient to the buffer, and the penalty's part is added there too. The update's gradient norm is the
+    # gradient to the buffer, and the penalty's part is added there too (with reentrant checkpointing it
+    # may arrive in the outer backward, before or after the MLP's). The update's gradient norm is the
     # norm of the whole gradient as plain torch autograd gives it (fp32 over the same bf16 weights).
     torch.manual_seed(0)
     experts = sonar_kernels.SonarExperts(E, H, I, dtype=torch.bfloat16, backend="triton")
@@ -452,14 +455,16 @@ def test_a_penalty_reaches_the_gradient_buffer_of_a_micro_batch():
         experts.parameters(), lr=1e-2, accumulation_steps=2, grad_dtype=torch.float32
     )
     plain = [p.detach().float().requires_grad_() for p in experts.parameters()]
-    loss_of = OTHER_USES["penalty after the MLP"]
+    loss_of = OTHER_USES[use]
     for _ in range(2):
         x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
-        x16, weights16 = x.bfloat16(), weights.bfloat16()
-        loss_of(
-            lambda x16=x16, index=index, w16=weights16: experts(x16, index, w16).float(),
-            *experts.parameters(),
-        ).backward()
+        region = functools.partial(experts, top_k_index=index, top_k_weights=weights.bfloat16())
+        x16 = x.bfloat16().requires_grad_(checkpointing == "reentrant")
+        if checkpointing == "none":
+            forward = functools.partial(region, x16)
+        else:
+            forward = functools.partial(torch.utils.checkpoint.checkpoint, region, x16, use_reentrant=True)
+        loss_of(lambda forward=forward: forward().float(), *experts.parameters()).backward()
         forward = functools.partial(
             reference.moe_mlp, x.bfloat16().float(), index, weights.bfloat16().float(), *plain
         )

@@ -437,6 +437,8 @@ class InBackwardAdamW:
     def _accumulated_into(self, p: torch.Tensor, buffer: torch.Tensor) -> None:
         self._buffers[p] = buffer
         self._count_micro_batch(p)
+        if p in self._held:
+            self._held[p] = True  # this backward's micro-batch is counted
 
     def _count_micro_batch(self, p: torch.Tensor) -> int:
         count = self._micro.get(p, 0) + 1
@@ -449,6 +451,9 @@ class InBackwardAdamW:
         the backward's update adds to its own; None when there is none."""
         grad_dtype = self.grad_dtype or p.dtype
         grad_in = self._buffers.get(p, p.grad)
+        if grad_in is not p.grad and p.grad is not None:
+            # A buffer, and a part held in .grad (reentrant checkpointing, see _hold_until_backward_ends).
+            other = p.grad if other is None else other + p.grad
         if other is not None:
             with torch.no_grad():
                 grad_in = other if grad_in is None else grad_in + other
@@ -492,15 +497,23 @@ class InBackwardAdamW:
 
     def _hold_until_backward_ends(self, p: torch.Tensor) -> None:
         """Gradients of ``p`` that reach ``.grad`` from now on wait for the end of the running backward
-        (they arrive in it and in backwards nested in it), where they count as one."""
+        (they arrive in it and in backwards nested in it), where they count as one micro-batch, or join
+        the one the MLP's backward counted (``_held[p]`` True: it added to the buffer) or consumed (its
+        update read ``.grad``)."""
         if p not in self._held:
-            self._held[p] = True
+            self._held[p] = False
             torch.autograd.Variable._execution_engine.queue_callback(_weak_call(self, "_release_held", p))
 
     def _release_held(self, p: torch.Tensor) -> None:
-        self._held.pop(p, None)
+        counted = self._held.pop(p, False)
         self._arrived_in.pop(p, None)
-        if p.grad is not None:
+        if p.grad is None:
+            return
+        if counted:
+            with torch.no_grad():
+                self._buffers[p].add_(p.grad)
+            p.grad = None
+        else:
             self._on_grad_accumulated(p)
 
     def _on_grad_accumulated(self, p: torch.Tensor) -> None:
