@@ -29,17 +29,16 @@ _WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
 
 def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
     """The update of ``weight`` when this forward records a graph that computes its gradient."""
-    if not weight.requires_grad:
+    update = specs.update_of(weight)
+    if update is None or not weight.requires_grad:
         return None
+    if update.reduce_first:
+        return None  # an ordinary gradient, reduced over the data-parallel group before the update
     if not torch.is_grad_enabled():
-        update = specs.update_of(weight)
-        if update is not None and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling():
             update.forward_without_graph()
         return None
-    update = specs.update_of(weight)
-    if update is not None and update.reduce_first:
-        return None  # an ordinary gradient, reduced over the data-parallel group before the update
-    if update is not None and torch.compiler.is_compiling() and update.accumulation_steps > 1:
+    if torch.compiler.is_compiling() and update.accumulation_steps > 1:
         raise RuntimeError(
             "gradient accumulation (accumulation_steps > 1) of in-backward updates runs in eager mode only; "
             "under torch.compile use accumulation_steps=1"

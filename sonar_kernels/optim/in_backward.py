@@ -68,6 +68,9 @@ class _OwnedUpdate(specs.ExpertUpdate):
 
     def track(self, graph) -> None:
         self.live.add(graph)
+        optimizer, param = self._optimizer(), self._param()
+        if optimizer is not None and param is not None:
+            optimizer._without_graph.pop(param, None)  # a forward with a graph came after it
 
     def untrack(self, graph) -> None:
         self.live.discard(graph)
