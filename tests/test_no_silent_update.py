@@ -500,3 +500,95 @@ def test_an_update_replaced_between_forward_and_backward_is_refused_before_anyth
     assert all(
         float(owner.state[p]["step"]) == (2 if owner is optimizer else 1) for p in experts.parameters()
     )
+
+
+# Misuse paths found by trying the library as a new user would (each failed on the code before its fix).
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_saved_tensor_hooks_that_return_copies_still_update_the_parameters(backend):
+    # torch.autograd.graph.save_on_cpu gives back copies on CUDA: the update must write the parameters
+    # and their state, not the copies. Two steps against torch.optim.AdamW on an equal plain model.
+    experts, optimizer, *_ = _setup(backend)
+    plain = [p.detach().clone().requires_grad_() for p in experts.parameters()]
+    standard = torch.optim.AdamW(plain, lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        x, index, weights = torch.randn(T, H), torch.randint(0, E, (T, TOP_K)), torch.rand(T, TOP_K)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t.clone(), lambda t: t):
+            experts(x, index, weights).square().sum().backward()
+        reference.moe_mlp(x, index, weights, *plain).square().sum().backward()
+        optimizer.step()
+        standard.step()
+        standard.zero_grad()
+    _assert_weights_alike(experts.parameters(), plain)
+    for p, q in zip(experts.parameters(), plain, strict=True):
+        assert float(optimizer.state[p]["step"]) == 2
+        assert rel_err(optimizer.state[p]["exp_avg"], standard.state[q]["exp_avg"]) <= 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("hook", ["register_hook", "register_post_accumulate_grad_hook"])
+def test_a_users_gradient_hook_on_an_expert_tensor_is_refused_before_anything(backend, hook):
+    # The gradient never reaches a tensor the hook could see or change.
+    experts, optimizer, x, index, weights = _setup(backend)
+    getattr(experts.gate_up_proj, hook)(lambda t: None)
+    before = _snapshot(experts, optimizer)
+    with pytest.raises(RuntimeError, match="has a gradient hook of its own"):
+        experts(x, index, weights).square().sum().backward()
+    _assert_untouched(experts, optimizer, before)
+
+
+@pytest.mark.parametrize("change", ["lr set", "scheduler step", "load_state_dict"])
+def test_a_change_between_backward_and_step_that_the_update_already_missed_is_refused(change):
+    # torch reads lr and the state at step(); the in-backward update ran before. Refused before the value
+    # or the state changes.
+    experts, optimizer, x, index, weights = _setup("torch")
+    saved = optimizer.state_dict()
+    experts(x, index, weights).square().sum().backward()
+    before = _snapshot(experts, optimizer)
+    with pytest.raises(RuntimeError, match="before step"):
+        if change == "lr set":
+            optimizer.param_groups[0]["lr"] = 5e-3
+        elif change == "scheduler step":
+            torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5).step()
+        else:
+            optimizer.load_state_dict(saved)
+    assert optimizer.param_groups[0]["lr"] == 1e-2
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(experts, optimizer), before, strict=True))
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 5e-3  # after step(): taken by the next update
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_requires_grad_turned_off_between_forward_and_backward_updates_nothing(backend):
+    # torch accumulates nothing into a leaf that no longer requires grad.
+    experts, optimizer, x, index, weights = _setup(backend)
+    out = experts(x, index, weights).square().sum()
+    experts.down_proj.requires_grad_(False)
+    down_before = experts.down_proj.detach().clone()
+    out.backward()
+    assert torch.equal(experts.down_proj, down_before)
+    assert float(optimizer.state[experts.down_proj]["step"]) == 0
+    assert float(optimizer.state[experts.gate_up_proj]["step"]) == 1
+
+
+def test_copying_or_pickling_the_optimizer_raises_a_clear_type_error():
+    import copy
+    import pickle
+
+    _, optimizer, *_ = _setup("torch")
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copy.deepcopy(optimizer)
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(optimizer)
+    copy.deepcopy(optimizer.state_dict())  # the supported way
+
+
+@pytest.mark.parametrize("transform", ["grad", "vmap"])
+def test_torch_func_transforms_are_refused_in_the_librarys_words(transform):
+    experts, _, x, index, weights = _setup("torch")
+    with pytest.raises(RuntimeError, match=r"does not support torch\.func transforms"):
+        if transform == "grad":
+            torch.func.grad(lambda x: experts(x, index, weights).sum())(x.detach())
+        else:
+            torch.func.vmap(lambda x: experts(x, index, weights))(x.detach()[None])

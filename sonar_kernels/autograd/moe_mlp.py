@@ -168,10 +168,16 @@ def _backward(ctx, grad_out, *unused):
             if request != "accumulate":
                 owner.untrack(ctx)
     hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
-    weights = (gate_up_proj, down_proj)
+    weights = [gate_up_proj, down_proj]
     meta, hypers, rest = rest[:5], rest[5:7], rest[7:]
     n1, n2 = ctx.state_sizes
-    states = (rest[:n1], rest[n1 : n1 + n2])
+    states = [rest[:n1], rest[n1 : n1 + n2]]
+    # Eager mode with owners: the update writes the parameter and its owner's state, never what
+    # saved-tensor hooks gave back (torch.autograd.graph.save_on_cpu returns copies on CUDA).
+    for i, (watched, owner) in enumerate(zip(ctx.watched, ctx.owners, strict=True)):
+        if owner is not None and watched.weight() is not None:
+            weights[i], states[i] = watched.weight(), owner.state()
+    gate_up_proj, down_proj = weights
     fused_epilogue, foreach, torch_fused = ctx.options
     triton = ctx.backend == "triton"
     # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
@@ -296,6 +302,10 @@ def _on_accumulator(accumulator, fn, outer_task: int | None = None) -> None:
     parts = []
 
     def pre_hook(grad_outputs):
+        if not accumulator.variable.requires_grad:
+            # requires_grad_(False) after the forward: torch accumulates nothing into such a leaf.
+            handle.remove()
+            return (None,)
         now = torch._C._current_graph_task_id()
         if now == task and outer_task is not None and not parts:
             parts.append(grad_outputs[0])  # the nested backward's part; the hook stays for the outer one
@@ -375,6 +385,11 @@ def moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=activation, backend=backend,
             )  # fmt: skip
+    if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
+        raise RuntimeError(
+            "moe_mlp does not support torch.func transforms (grad, vjp, jacrev, vmap, functional_call under "
+            "them): its forward and backward are custom ops without functorch rules; use torch.autograd"
+        )
     backend = check_moe_mlp_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
     )

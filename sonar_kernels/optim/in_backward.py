@@ -93,6 +93,7 @@ class _OwnedUpdate(specs.ExpertUpdate):
                 "graph first."
             )
         optimizer._check_may_update(param)
+        optimizer._check_no_user_hooks(param)
         # The group's hyperparameters as they are now (the tensor the kernels read).
         optimizer._hyper_tensor(param)
 
@@ -174,6 +175,9 @@ class _Group(dict):
     option the in-backward update does not implement (``group["maximize"] = True``) before it is set."""
 
     def __setitem__(self, key, value) -> None:
+        before_set = getattr(self, "before_set", None)
+        if before_set is not None and key in ("lr", "betas", "eps", "weight_decay"):
+            before_set(self, key, value)
         on_option = getattr(self, "on_option", None)
         if on_option is not None and key in UNSUPPORTED_OPTIONS:
             on_option(self, {key: value})
@@ -296,6 +300,7 @@ class InBackwardAdamW:
         """``group`` as a :class:`_Group` that rewrites the hyperparameter tensor when a value is set."""
         group = group if isinstance(group, _Group) else _Group(group)
         group.on_change = _weak_call(self, "_on_group_change")
+        group.before_set = _weak_call(self, "_check_hyper_settable")
         group.on_option = _weak_call(self, "_on_group_option")
         return group
 
@@ -408,9 +413,35 @@ class InBackwardAdamW:
         if p in self._updated:
             raise RuntimeError(
                 f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} was already updated in a backward "
-                "since the last optimizer.step(); call step() between backward passes (the update is applied "
-                "in the backward, so another backward would update it twice), or set accumulation_steps to "
-                "the number of micro-batches per step"
+                "since the last optimizer.step() (also when that backward raised afterwards: the update had run); "
+                "call step() between backward passes (the update is applied in the backward, so another backward "
+                "would update it twice), or set accumulation_steps to the number of micro-batches per step"
+            )
+
+    def _check_no_user_hooks(self, p: torch.Tensor) -> None:
+        """Raise when a hook other than this optimizer's is registered on ``p``: a gradient hook
+        (``register_hook``) or a post-accumulate-grad hook would never see the gradient the update uses."""
+        ours = 1 if p in self._hooked else 0
+        post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        if getattr(p, "_backward_hooks", None) or len(post) > ours:
+            raise RuntimeError(
+                f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} has a gradient hook of its own "
+                "(register_hook or register_post_accumulate_grad_hook), which the in-backward update would bypass: "
+                "its gradient never reaches a tensor or .grad; nothing was updated. Remove the hook, or give the "
+                "tensor to torch.optim.AdamW"
+            )
+
+    def _check_hyper_settable(self, group: dict, key: str, value) -> None:
+        """Raise before ``group[key] = value`` changes a hyperparameter that an in-backward update of this
+        step already used (set after backward(), before step())."""
+        if key in group and _same_value(group[key], value):
+            return
+        if any(p in self._updated and p in self._managed for p in group["params"]):
+            raise RuntimeError(
+                f"{type(self).__name__}: {key} of a parameter group was set after its expert tensors were updated "
+                "in this step's backward and before step(): their update already used the old value. Set "
+                "hyperparameters after optimizer.step() (an LR scheduler's step() after the optimizer's, as torch "
+                "documents), or before the forward"
             )
 
     def _accumulating(self, p: torch.Tensor) -> bool:
@@ -674,6 +705,18 @@ class InBackwardAdamW:
             self._buffers = WeakIdKeyDictionary()
             self._register_hooks()
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"{type(self).__name__} cannot be copied: it owns the in-backward updates of its expert tensors "
+            "(one owner per tensor); copy optimizer.state_dict() and load it into a new optimizer"
+        )
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"{type(self).__name__} cannot be pickled: save optimizer.state_dict() (torch.save) and load it into "
+            "a new optimizer"
+        )
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As torch.optim.Optimizer.zero_grad, and it starts a new gradient-accumulation window: the
         micro-batches counted towards ``accumulation_steps`` are forgotten with their gradient (the
@@ -711,7 +754,14 @@ class InBackwardAdamW:
                 weight decay (Adam), which these optimizers do not implement, or hyperparameters outside
                 their ranges; a parameter state without moments, or moments whose shape is not the
                 parameter's.
+            RuntimeError: called after a backward that updated expert tensors and before ``step()``.
         """
+        if any(p in self._managed for p in self._updated):
+            raise RuntimeError(
+                f"{type(self).__name__}: load_state_dict() after a backward that updated expert tensors and before "
+                "step(): the weights already hold this step's update, and the loaded moments and step would not "
+                "match them; call step() (or load before the forward)"
+            )
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
         for group in saved_groups:
@@ -771,6 +821,12 @@ class InBackwardAdamW:
                     del state[key]
             # The update reads the new state tensors.
             self._attach(p)
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is b
+    return a == b
 
 
 def _weak_call(obj, method: str, *bound):
