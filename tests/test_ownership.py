@@ -81,6 +81,38 @@ def test_hooks_and_updates_are_removed_when_the_optimizer_is_collected():
     assert all(p.grad is not None for p in _experts(model))
 
 
+@pytest.mark.parametrize("optimizer_class", ["SonarAdamW", "ExpertAdamW"])
+def test_a_newer_owner_collected_gives_the_experts_back_to_the_older_one(optimizer_class):
+    # An optimizer built over the experts and dropped (a throwaway, a failed set-up) must not leave them
+    # without an owner: the older optimizer trains on as if the newer one had never been built (equal
+    # bits to a model that only ever had the older one; with clipping, so experts kept out of the dense
+    # norm matters).
+    kind = getattr(sonar_kernels, optimizer_class)
+
+    def build(model):
+        target = model if optimizer_class == "SonarAdamW" else list(model.parameters())
+        extra = {"max_grad_norm": 0.05} if optimizer_class == "SonarAdamW" else {}
+        return kind(target, **HYPER, **extra)
+
+    reference_model, model = Tiny(), Tiny()
+    reference_optimizer, optimizer = build(reference_model), build(model)
+    _train(reference_model, reference_optimizer, 1)
+    _train(model, optimizer, 1)
+    newer = build(model)
+    del newer
+    gc.collect()
+    for p in _experts(model):
+        assert sonar_kernels.optim.expert_optimizer(p) is optimizer and _hooks(p) == 1
+    for step in (1, 2):
+        for m, o in ((reference_model, reference_optimizer), (model, optimizer)):
+            m(_batch(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    assert all(float(optimizer.state[p]["step"]) == 3.0 for p in _experts(model))
+
+
 @pytest.mark.parametrize("given", ["model", "parameters"])
 def test_after_an_assign_load_the_new_expert_tensors_are_managed(given):
     model = Tiny()

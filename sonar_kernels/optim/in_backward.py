@@ -187,15 +187,20 @@ class _Group(dict):
             on_change(self)
 
 
-def _release(entries: list) -> None:
+def _release(entries: list, previous: WeakIdKeyDictionary) -> None:
     """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor ref, update,
-    hook handle or None])."""
+    hook handle or None]); a tensor it took from an optimizer still alive goes back to that one
+    (``previous``: tensor -> weak reference to it), so the tensor is never left without its owner."""
     for ref, update, handle in entries:
         if handle is not None:
             handle.remove()
         param = ref()
         if param is not None and update_of(param) is update:
             specs.attach_update(param, None)
+            before = previous.get(param)
+            before = before() if before is not None else None
+            if before is not None:
+                before._take_back(param)
     entries.clear()
 
 
@@ -264,7 +269,10 @@ class InBackwardAdamW:
         # [tensor ref, update, hook handle] of each managed tensor: removed when this optimizer is
         # garbage-collected (the finalizer holds the list, not the optimizer).
         self._entries: list = []
-        weakref.finalize(self, _release, self._entries)
+        # Managed tensor -> weak reference to the optimizer that owned it before this one (it takes the
+        # tensor back when this one is garbage-collected).
+        self._previous = WeakIdKeyDictionary()
+        weakref.finalize(self, _release, self._entries, self._previous)
 
     def _check_managed(self, params) -> None:
         name = type(self).__name__
@@ -321,6 +329,7 @@ class InBackwardAdamW:
             previous = expert_optimizer(p)
             if previous is not None and previous is not self:
                 previous._let_go(p)
+                self._previous[p] = weakref.ref(previous)
             moments = self.moments_dtype or p.dtype
             self.state[p] = {
                 "step": torch.zeros((), dtype=torch.float32, device=p.device),
@@ -362,6 +371,13 @@ class InBackwardAdamW:
         self._managed.pop(p, None)
         self._updates.pop(p, None)
         self._entries[:] = [entry for entry in self._entries if entry[0]() is not p]
+
+    def _take_back(self, p: torch.Tensor) -> None:
+        """The newer optimizer that took ``p`` was garbage-collected: own it again, with the state kept."""
+        if p in self.state and any(q is p for group in self.param_groups for q in group["params"]):
+            self._managed[p] = True
+            self._attach(p)
+            self._register_hooks()
 
     def _register_hooks(self) -> None:
         """The update of gradients that reach a managed tensor's ``.grad``. A hook needs requires_grad:
