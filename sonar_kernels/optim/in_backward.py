@@ -435,11 +435,14 @@ class InBackwardAdamW:
             )
 
     def _check_no_user_hooks(self, p: torch.Tensor) -> None:
-        """Raise when a hook other than this optimizer's is registered on ``p``: a gradient hook
-        (``register_hook``) or a post-accumulate-grad hook would never see the gradient the update uses."""
-        ours = 1 if p in self._hooked else 0
-        post = getattr(p, "_post_accumulate_grad_hooks", None) or {}
-        if getattr(p, "_backward_hooks", None) or len(post) > ours:
+        """Raise when a hook of the user's is registered on ``p``: a gradient hook (``register_hook``) or
+        a post-accumulate-grad hook would never see the gradient the update uses. The library's own hook
+        and torch's memory trackers' (``torch.distributed._tools``, which only read sizes) are not."""
+        hooks = [
+            *(getattr(p, "_backward_hooks", None) or {}).values(),
+            *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values(),
+        ]
+        if any(not getattr(hook, "__module__", "").startswith(_KNOWN_HOOK_MODULES) for hook in hooks):
             raise RuntimeError(
                 f"{type(self).__name__}: the expert tensor of shape {tuple(p.shape)} has a gradient hook of its own "
                 "(register_hook or register_post_accumulate_grad_hook), which the in-backward update would bypass: "
@@ -837,6 +840,11 @@ class InBackwardAdamW:
                     del state[key]
             # The update reads the new state tensors.
             self._attach(p)
+
+
+# Modules whose hooks on an expert tensor are known not to need its gradient: this library's, and torch's
+# memory trackers (MemTracker).
+_KNOWN_HOOK_MODULES = (__name__, "torch.distributed._tools.")
 
 
 def _same_value(a, b) -> bool:
