@@ -1,7 +1,7 @@
 """The in-backward AdamW machinery shared by ExpertAdamW and SonarAdamW.
 
-(About 650 lines, on purpose: one state machine (ownership, micro-batch accumulation, the hook path,
-checkpoints) over one set of private per-tensor tables; split across modules, those tables would be
+(About 870 lines, on purpose: one state machine (ownership, micro-batch accumulation, the hook path,
+reentrant checkpointing's held gradients, checkpoints) over one set of private per-tensor tables; split across modules, those tables would be
 shared private state.)
 
 A tensor "managed" here is updated inside the backward pass. The optimizer attaches an
