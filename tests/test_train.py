@@ -84,6 +84,43 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     assert sonar["train_losses"] == control["train_losses"]
     assert sonar["peak_memory"]["gradients"] < control["peak_memory"]["gradients"]
     assert "bitwise identical (all parameters after training): True" in out
+    # What ran, and from which source: the resolved backend, the commit, the data.
+    assert report["backend"] == report["backend_requested"] == "torch"
+    assert "sonar arm: backend torch" in out
+    assert report["commit"] == "unknown" or len(report["commit"]) == 40
+    assert report["data"] == "pydoc_data.topics"
+
+
+def test_a_missing_train_extra_exits_2_naming_the_install_command(tmp_path, capsys, monkeypatch):
+    import importlib.util
+
+    from sonar_kernels.train import cli
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)
+    )
+    assert cli.main(["--steps", "1", "--out", str(tmp_path), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert "matplotlib not installed" in err and "pip install 'sonar-kernels[train]'" in err
+    assert not any(tmp_path.iterdir())  # nothing trained, nothing written
+
+
+def test_help_describes_the_run_and_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        train.main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "module docstring" not in out and "standard-dense-clip (its control)" in out
+    options = out[out.index("options:") :]
+    for option, default in (
+        ("--lr", "0.003"),
+        ("--max-grad-norm", "1.0"),
+        ("--seed", "0"),
+        ("--preset", "tiny-olmoe"),
+    ):
+        # the option's own help text, up to the next option
+        text = options[options.index(f" {option} ") :]
+        assert f"default: {default}" in text[: text.index(" --", 1)], option
 
 
 def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys):

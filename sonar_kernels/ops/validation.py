@@ -106,12 +106,20 @@ def check_moe_mlp_args(
             )
 
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
+        return resolve_backend(backend, device)
     if backend == "triton" and device.type != "cuda" and not (device.type == "cpu" and triton_interpreting()):
         raise ValueError(
             f"backend='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set before "
             f"sonar_kernels is imported; got tensors on {device}. Use backend='torch' or 'auto'."
         )
+    return backend
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend that ``backend`` ("auto", "triton" or "torch") selects for tensors on ``device``:
+    "auto" is "triton" on CUDA, "torch" otherwise."""
+    if backend == "auto":
+        return "triton" if device.type == "cuda" else "torch"
     return backend
 
 

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import math
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
+from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
@@ -22,23 +25,34 @@ from sonar_kernels.train.report import plot, summary_table
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="sonar-train",
-        description="Train an MoE model with standard and sonar training side by side (see the module docstring).",
+        description=(
+            "Train an MoE model (a transformers OLMoE or Granite MoE preset: tiny ones for a CPU, the real "
+            "models' dimensions for GPUs) three ways from the same initialization and batches: standard (torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: "
+            "expert tensors updated in the backward, dense clipping) and standard-dense-clip (its control). "
+            "Writes report.json and report.png under --out and prints held-out loss, peak memory and step time."
+        ),
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe")
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny-olmoe", help="default: %(default)s"
+    )
     parser.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
     parser.add_argument(
         "--data", help="UTF-8 text file, or .jsonl with a 'text' field (default: pydoc_data.topics)"
     )
     parser.add_argument("--steps", type=int, help="training steps per arm (default: the preset's)")
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
+    parser.add_argument("--seq-len", type=int, help="bytes per sequence (default: the preset's)")
+    parser.add_argument(
+        "--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)"
+    )
     parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up (default: a tenth of the steps)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0)
+    parser.add_argument("--max-grad-norm", type=float, default=1.0,
+                        help="clipping threshold of every arm (default: %(default)s)")  # fmt: skip
     parser.add_argument(
         "--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="initialization and batch order (default: %(default)s)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
                         help="default: %(default)s")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
@@ -49,7 +63,8 @@ def parse_args(argv):
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="turn activation checkpointing off (on by default)")  # fmt: skip
-    parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA, off on CPU)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory pass")
@@ -91,8 +106,20 @@ def parse_args(argv):
     return args
 
 
+# What sonar-train imports beyond the base package: the [train] extra (pyproject.toml).
+TRAIN_EXTRA = ("transformers", "tqdm", "matplotlib")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
+    if missing:
+        print(
+            f"sonar-train: error: {', '.join(missing)} not installed; sonar-train needs the [train] extra: "
+            "pip install 'sonar-kernels[train]'",
+            file=sys.stderr,
+        )
+        return 2
     try:
         distributed.setup(args)  # under torchrun: one rank of a data-parallel run
         return _run(args)
@@ -161,8 +188,10 @@ def _run(args) -> int:
         "activation_checkpointing": args.checkpointing,
         "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "backend": args.backend,
-        "data": args.data or "pydoc_data.topics",
+        "backend": resolve_backend(args.backend, device),
+        "backend_requested": args.backend,
+        "data": str(Path(args.data).resolve()) if args.data else "pydoc_data.topics",
+        "commit": _commit(),
         "train_tokens": len(data.train),
         "heldout_tokens": len(data.heldout),
         "torch": torch.__version__,
@@ -234,7 +263,21 @@ def _run(args) -> int:
     out = Path(args.out) / (args.name or args.preset)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, out / "report.png")
     print(summary_table(report))
+    plot(report, out / "report.png")
     print(f"\nwrote {out / 'report.json'} and {out / 'report.png'}")
     return 0
+
+
+def _commit() -> str:
+    """The git commit of the sonar_kernels source that runs, or "unknown" (an installed package)."""
+    import sonar_kernels
+
+    try:
+        result = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=Path(sonar_kernels.__file__).parent, capture_output=True,
+            text=True, timeout=10, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return result.stdout.strip() if result.returncode == 0 else "unknown"

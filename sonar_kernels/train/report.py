@@ -32,6 +32,13 @@ def summary_table(report: dict) -> str:
     for name, r in arms.items():
         parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in LABELS)
         lines.append(f"  {name:<20} {parts}")
+    if "sonar" in arms and "backend" in report:
+        ran = {
+            "triton": "the Triton kernels, AdamW in the wgrad epilogue",
+            "torch": "torch's grouped GEMM, each expert tensor's AdamW right after its gradient (no Triton kernel)",
+        }[report["backend"]]
+        lines.append("")
+        lines.append(f"sonar arm: backend {report['backend']} ({ran})")
     verdict = report.get("sonar_equals_control_bitwise")
     if verdict is not None:
         lines.append("")
