@@ -27,8 +27,9 @@ def parse_args(argv):
         prog="sonar-train",
         description=(
             "Train an MoE model (a transformers OLMoE or Granite MoE preset: tiny ones for a CPU, the real "
-            "models' dimensions for GPUs) three ways from the same initialization and batches: standard (torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: "
-            "expert tensors updated in the backward, dense clipping) and standard-dense-clip (its control). "
+            "models' dimensions for GPUs) three ways from the same initialization and batches: standard "
+            "(torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: expert tensors updated in the "
+            "backward, dense clipping) and standard-dense-clip (its control). "
             "Writes report.json and report.png under --out and prints held-out loss, peak memory and step time."
         ),
     )
