@@ -251,23 +251,23 @@ def moe_mlp_bwd_grads(
     :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
     stay as they are and another saved use of a weight (a penalty computed before the MLP) still runs
     after this backward."""
-    return run_moe_mlp_bwd(
+    return run_moe_mlp_bwd(*_with_plain_gradients(
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, "grad", [], None, None, False, None, "grad", [],
-        None, None, False, None, True, None, None, activation, backend,
-    )  # fmt: skip
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend,
+    ))  # fmt: skip
 
 
 @moe_mlp_bwd_grads.register_fake
-def _moe_mlp_bwd_grads_fake(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-    row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend,
-):  # fmt: skip
-    return _moe_mlp_bwd_fake(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, "grad", [], None, None, False, None, "grad", [],
-        None, None, False, None, True, None, None, activation, backend,
-    )  # fmt: skip
+def _moe_mlp_bwd_grads_fake(*args):
+    return _moe_mlp_bwd_fake(*_with_plain_gradients(*args))
+
+
+def _with_plain_gradients(*args) -> tuple:
+    """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: both weights in mode
+    "grad" (no state, no buffer)."""
+    *tensors, activation, backend = args
+    plain = ("grad", [], None, None, False, None)
+    return (*tensors, *plain, *plain, True, None, None, activation, backend)
 
 
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))
