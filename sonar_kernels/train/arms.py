@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import functools
 import math
-import statistics
 import sys
 import time
 import warnings
@@ -43,6 +42,7 @@ def build_model(preset: Preset, layers: int | None, seed: int, dtype: torch.dtyp
         "num_experts_per_tok": preset.top_k,
         "max_position_embeddings": 4096,
         "output_router_logits": True,  # the load-balancing loss is part of the training loss
+        "use_cache": False,  # training only (and transformers warns when checkpointing meets the cache)
         "bos_token_id": None,
         "eos_token_id": None,
         "pad_token_id": None,
@@ -129,13 +129,19 @@ class Arm:
     clip_params: list[torch.Tensor] | None  # None: SonarAdamW clips in step(), or nothing is clipped
     wrapped: object = None  # the model as trained: DistributedDataParallel on several ranks
     ep_experts: list[torch.Tensor] | None = None  # this rank's expert tensors under --ep (else None)
+    # sonar: the expert updates counted from the tensors' AdamW step counts, in the backward and in
+    # step() (device tensors; None when not counted, e.g. in the memory pass).
+    updates: dict | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         return getattr(self.optimizer, "optimizers", [self.optimizer])
 
 
-def build_arm(name: str, initial, args, steps: int) -> Arm:
+def build_arm(name: str, initial, args, steps: int, count_updates: bool = False) -> Arm:
+    """Arm ``name`` on a copy of ``initial`` (moved to ``args.device_obj``), with its optimizer and LR
+    schedule over ``steps`` steps; ``count_updates``: count the sonar arm's expert updates (see
+    :func:`train_step`)."""
     import sonar_kernels
 
     model = copy.deepcopy(initial).to(args.device_obj)
@@ -174,6 +180,8 @@ def build_arm(name: str, initial, args, steps: int) -> Arm:
         return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
     arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
+    if name == "sonar" and count_updates:
+        arm.updates = {"backward": 0, "step": 0}
     arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
     return arm
 
@@ -182,9 +190,13 @@ def train_step(
     arm: Arm, tokens: torch.Tensor, max_grad_norm: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step; returns (loss, norm used for clipping, None when nothing is clipped) as device
-    tensors (no host sync)."""
+    tensors (no host sync). With ``arm.updates``, the expert tensors' AdamW step counts are read (on the
+    device) before and after the backward and after ``step()``: the increments are the updates that
+    happened in each."""
     loss = (arm.wrapped or arm.model)(input_ids=tokens, labels=tokens).loss
+    before = _expert_step_count(arm) if arm.updates is not None else None
     loss.backward()
+    after_backward = _expert_step_count(arm) if arm.updates is not None else None
     norm = None
     if arm.clip_params is not None:
         if arm.ep_experts is not None and arm.name == "standard":
@@ -198,6 +210,9 @@ def train_step(
         else:
             norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
     arm.optimizer.step()
+    if arm.updates is not None:
+        arm.updates["backward"] = arm.updates["backward"] + (after_backward - before)
+        arm.updates["step"] = arm.updates["step"] + (_expert_step_count(arm) - after_backward)
     if arm.name == "sonar":
         norm = arm.optimizer.last_dense_grad_norm
     for scheduler in arm.schedulers:
@@ -206,15 +221,26 @@ def train_step(
     return loss.detach(), None if norm is None else norm.detach()
 
 
+def _expert_step_count(arm: Arm) -> torch.Tensor:
+    """The sum of the AdamW step counts of the sonar optimizer's expert tensors (a device tensor)."""
+    state = arm.optimizer.state
+    return torch.stack([state[p]["step"] for p in arm.optimizer.expert_tensors]).sum()
+
+
 def _among(p: torch.Tensor, tensors) -> bool:
     return any(p is q for q in tensors)
 
 
 @torch.no_grad()
-def heldout_loss(model, batches: list[torch.Tensor]) -> float:
-    """Mean next-byte cross-entropy (nats) over the held-out batches, without the load-balancing loss."""
+def heldout_loss(model, batches: list[torch.Tensor], progress=None) -> float:
+    """Mean next-byte cross-entropy (nats) over the held-out batches, without the load-balancing loss.
+    ``progress``: tqdm keyword arguments for a progress bar (None: none)."""
     model.eval()
     total = 0.0
+    if progress is not None:
+        from tqdm import tqdm
+
+        batches = tqdm(batches, unit="batch", file=sys.stderr, **progress)
     for tokens in batches:
         total += float(model(input_ids=tokens, labels=tokens, output_router_logits=False).loss)
     model.train()
@@ -226,11 +252,14 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout) -> dict:
+def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout, label: str = "") -> dict:
+    """Train ``arm`` for ``steps`` steps of ``data``, then evaluate it on ``heldout``. Every step is timed
+    (synchronized with the device around it); the caller leaves out the warm-up steps."""
     from tqdm import tqdm
 
+    label = label or arm.name
     losses, norms, times = [], [], []
-    for step in tqdm(range(steps), desc=f"{arm.name:>19}", unit="step", file=sys.stderr, disable=args.quiet):
+    for step in tqdm(range(steps), desc=label, unit="step", file=sys.stderr, disable=args.quiet):
         tokens = data.batch(distributed.batch_index(step)).to(device)
         sync(device)
         start = time.perf_counter()
@@ -241,14 +270,14 @@ def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, he
         norms.append(norm)
     losses = [float(x) for x in losses]
     norms = None if norms[0] is None else [float(x) for x in norms]
-    timed = times[3:] if len(times) > 3 else times
+    progress = None if args.quiet else {"desc": f"{label} held-out", "leave": False}
     return {
         "train_losses": losses,
-        "heldout_loss": heldout_loss(arm.model, heldout),
+        "heldout_loss": heldout_loss(arm.model, heldout, progress),
         # clip_grad_norm_ scales by max / (norm + 1e-6): the gradients change when that is below 1.
         "clip_fraction": 0.0
         if norms is None
         else sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
         "grad_norms": norms,
-        "step_time_s": statistics.median(timed),
+        "step_times_s": times,
     }

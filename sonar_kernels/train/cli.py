@@ -8,6 +8,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,7 @@ from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
 from sonar_kernels.train.memory import LABELS, measure_memory
-from sonar_kernels.train.report import plot, summary_table
+from sonar_kernels.train.report import heldout_statistics, plot, speedup, step_time_summary, summary_table
 
 
 def parse_args(argv):
@@ -29,38 +30,38 @@ def parse_args(argv):
             "Train an MoE model (a transformers OLMoE or Granite MoE preset: tiny ones for a CPU, the real "
             "models' dimensions for GPUs) three ways from the same initialization and batches: standard "
             "(torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: expert tensors updated in the "
-            "backward, dense clipping) and standard-dense-clip (its control). "
-            "Writes report.json and report.png under --out and prints held-out loss, peak memory and step time."
+            "backward, dense clipping) and standard-dense-clip (its control, which must equal sonar bit for "
+            "bit), over several seeds. Writes report.json and report.png under --out/--name and prints the "
+            "held-out loss per seed with a statistical verdict, peak memory and step time."
         ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="tiny-olmoe", help="default: %(default)s"
-    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
+                        help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
     parser.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
-    parser.add_argument(
-        "--data", help="UTF-8 text file, or .jsonl with a 'text' field (default: pydoc_data.topics)"
-    )
-    parser.add_argument("--steps", type=int, help="training steps per arm (default: the preset's)")
+    parser.add_argument("--data", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
+                        "held out (default: the Python docs in pydoc_data.topics)")  # fmt: skip
+    parser.add_argument("--steps", type=int, help="training steps per arm and seed (default: the preset's)")
+    parser.add_argument("--seeds", type=int, default=3,
+                        help="runs per arm, seeds --seed, --seed+1, ...: each another initialization and batch "
+                        "order; the held-out difference is judged over them (standard-dense-clip runs the "
+                        "first seed only)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the first seed")
     parser.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
     parser.add_argument("--seq-len", type=int, help="bytes per sequence (default: the preset's)")
-    parser.add_argument(
-        "--lr", type=float, default=3e-3, help="peak AdamW learning rate (default: %(default)s)"
-    )
-    parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up (default: a tenth of the steps)")
-    parser.add_argument("--max-grad-norm", type=float, default=1.0,
-                        help="clipping threshold of every arm (default: %(default)s)")  # fmt: skip
-    parser.add_argument(
-        "--heldout-batches", type=int, help="held-out batches to evaluate (default: the whole split)"
-    )
-    parser.add_argument("--seed", type=int, default=0,
-                        help="initialization and batch order (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up, then cosine decay to a tenth of "
+                        "--lr (default: a tenth of the steps)")  # fmt: skip
+    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping threshold of every arm")
+    parser.add_argument("--heldout-batches", type=int, default=HELDOUT_BATCHES,
+                        help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
-                        help="default: %(default)s")  # fmt: skip
+                        help="all-in-backward (not run by default): every parameter updated in the backward "
+                        "and nothing clipped, the paper's other comparison")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
-                        help="moe_mlp backend of the sonar experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
-    parser.add_argument(
-        "--dtype", choices=("float32", "bfloat16"), help="default: bfloat16 on CUDA, float32 on CPU"
-    )
+                        help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
+                        help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
     parser.add_argument("--device", help="default: cuda when available, else cpu")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="turn activation checkpointing off (on by default)")  # fmt: skip
@@ -68,18 +69,24 @@ def parse_args(argv):
                         help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA, off on CPU)")  # fmt: skip
-    parser.add_argument("--no-memory", dest="memory", action="store_false", help="skip the memory pass")
+    parser.add_argument("--no-memory", dest="memory", action="store_false",
+                        help="skip the memory pass (3 MemTracker-tracked steps per arm, first seed)")  # fmt: skip
     parser.add_argument("--ep", type=int, default=1,
-                        help="expert parallelism over N ranks (under torchrun with N processes; default: 1, "
-                        "data parallel on several processes)")  # fmt: skip
-    parser.add_argument("--out", default="runs", help="output folder (default: runs)")
-    parser.add_argument("--name", help="run name (default: the preset)")
+                        help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
+                        "parallel on several processes)")  # fmt: skip
+    parser.add_argument("--out", default="runs", help="output folder")
+    parser.add_argument("--name", help="run name: the run writes --out/NAME, or NAME-2, NAME-3, ... when that "
+                        "holds a report already (default: the preset)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    for name in ("layers", "steps", "batch_size", "seq_len", "heldout_batches", "ep"):
+    for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    for name in ("warmup_steps", "heldout_batches"):
+        value = getattr(args, name)
+        if value is not None and value < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         parser.error(f"--lr must be a finite number > 0, got {args.lr}")
     if not (args.max_grad_norm > 0 and math.isfinite(args.max_grad_norm)):
@@ -104,7 +111,12 @@ def parse_args(argv):
     for path in (out, out / (args.name or args.preset)):
         if path.exists() and not path.is_dir():
             parser.error(f"--out: {path} exists and is not a folder")
+    args.run_dir = run_directory(out, args.name or args.preset)
     return args
+
+
+# Held-out batches evaluated by default: enough that the evaluation costs a few training steps per arm.
+HELDOUT_BATCHES = 32
 
 
 # What sonar-train imports beyond the base package: the [train] extra (pyproject.toml).
@@ -162,8 +174,9 @@ def _run(args) -> int:
     steps = args.steps or preset.steps
     sequence_length = args.seq_len or preset.sequence_length
     batch_size = args.batch_size or preset.batch_size
-    data = ByteData(load_text(args.data), sequence_length, batch_size, args.seed)
-    heldout = [b.to(device) for b in data.heldout_batches(args.heldout_batches)]
+    text = load_text(args.data)
+    data = ByteData(text, sequence_length, batch_size, args.seed)
+    heldout = [b.to(device) for b in data.heldout_batches(args.heldout_batches or None)]
     hf.register()
     initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
     hf.set_backend(initial, args.backend)  # an attribute of each experts module, copied with it
@@ -172,8 +185,10 @@ def _run(args) -> int:
     if not args.quiet:
         print(
             f"sonar-train: {args.preset}, {initial.config.num_hidden_layers} layers, {n_params / 1e6:.2f} M parameters "
-            f"({100 * n_expert / n_params:.0f} % in experts), {dtype}, {device}, {steps} steps of "
-            f"{batch_size} x {sequence_length} bytes, activation checkpointing {'on' if args.checkpointing else 'off'}",
+            f"({100 * n_expert / n_params:.0f} % in experts), {dtype}, {device}, backend "
+            f"{resolve_backend(args.backend, device)}; {args.seeds} seed(s) x {steps} steps of {batch_size} x "
+            f"{sequence_length} bytes, activation checkpointing {'on' if args.checkpointing else 'off'}; "
+            f"writing {args.run_dir}",
             file=sys.stderr,
         )
     report = {
@@ -195,6 +210,7 @@ def _run(args) -> int:
         "commit": _commit(),
         "train_tokens": len(data.train),
         "heldout_tokens": len(data.heldout),
+        "heldout_batches": len(heldout),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "sonar_kernels": sonar_kernels.__version__,
@@ -210,46 +226,65 @@ def _run(args) -> int:
         )
         report["distributed"] = {"ranks": ranks, "layout": layout, "expert_parallel": args.ep > 1,
                                  "dense_checksums": {}, "expert_checksums": {}}  # fmt: skip
-    final = {}  # the compared arms' parameters after training, on the CPU
+    seeds = [args.seed + i for i in range(args.seeds)]
+    report["seeds"] = seeds
+    report["seeds_run"] = len(seeds)
+    results = {name: [] for name in args.arms}  # per arm, one run_arm result per seed it ran
+    final = {}  # the compared arms' parameters after training (first seed), on the CPU
+    updates = {"backward": 0, "step": 0, "expected": 0}
+    for i, seed in enumerate(seeds):
+        if i > 0:  # another initialization and batch order
+            data = ByteData(text, sequence_length, batch_size, seed)
+            initial = None  # one initial model at a time (the real presets are large)
+            initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
+            hf.set_backend(initial, args.backend)
+        for name in args.arms:
+            if i > 0 and name == "standard-dense-clip":
+                continue  # the exactness control: compared bit for bit on the first seed
+            arm = build_arm(name, initial, args, steps, count_updates=True)
+            label = f"seed {seed} {name}" if len(seeds) > 1 else name
+            result = run_arm(arm, data, steps, args, device, heldout, label)
+            results[name].append({"seed": seed, **result})
+            if ranks > 1 and i == 0:  # the ranks' weights after training, one checksum each
+                named = list(arm.model.named_parameters())
+                for kind, chosen in (
+                    ("dense", [p for n, p in named if not n.endswith(EXPERT_PARAMS)]),
+                    ("expert", [p for n, p in named if n.endswith(EXPERT_PARAMS)]),
+                ):
+                    report["distributed"][f"{kind}_checksums"][name] = distributed.checksums(chosen)
+            if name == "sonar":
+                # The verdict means something only if every expert tensor was updated in every backward:
+                # counted from the tensors' AdamW step counts, not assumed.
+                updates["backward"] += int(arm.updates["backward"])
+                updates["step"] += int(arm.updates["step"])
+                updates["expected"] += steps * len(arm.optimizer.expert_tensors)
+                report["expert_tensors"] = len(arm.optimizer.expert_tensors)
+            if i == 0 and name in ("sonar", "standard-dense-clip"):
+                final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
+            del arm
+        if i == 0:
+            memory = _memory_pass(args, initial, data, device)
     for name in args.arms:
-        arm = build_arm(name, initial, args, steps)
-        report["arms"][name] = run_arm(arm, data, steps, args, device, heldout)
-        if ranks > 1:  # the ranks' weights after training, one checksum each
-            named = list(arm.model.named_parameters())
-            for kind, chosen in (
-                ("dense", [p for n, p in named if not n.endswith(EXPERT_PARAMS)]),
-                ("expert", [p for n, p in named if n.endswith(EXPERT_PARAMS)]),
-            ):
-                report["distributed"][f"{kind}_checksums"][name] = distributed.checksums(chosen)
-        if name == "sonar":
-            # The verdict means something only if SonarAdamW updated every expert tensor in the backward.
-            report["sonar_expert_tensors_updated_in_backward"] = len(arm.optimizer.expert_tensors)
-            report["expert_tensors"] = 2 * arm.model.config.num_hidden_layers
-        if name in ("sonar", "standard-dense-clip"):
-            final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
-        del arm
-    if args.memory:
-        for name in args.arms:
-            report["arms"][name].update(measure_memory(name, initial, data, args, device))
-    else:
-        for name in args.arms:
-            report["arms"][name].update({"peak_memory_bytes": 0, "peak_memory": dict.fromkeys(LABELS, 0),
-                                         "peak_phase": "not measured"})  # fmt: skip
+        report["arms"][name] = _aggregate(results[name])
+        report["arms"][name].update(memory[name])
+    if "sonar" in args.arms:
+        report["sonar_expert_updates_in_backward"] = updates["backward"]
+        report["sonar_expert_updates_in_step"] = updates["step"]
+        report["sonar_expert_updates_expected"] = updates["expected"]
     if len(final) == 2:
-        report["sonar_equals_control_bitwise"] = report["sonar_expert_tensors_updated_in_backward"] == report[
-            "expert_tensors"
-        ] and all(
-            torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True)
+        report["sonar_equals_control_bitwise"] = (
+            updates["backward"] == updates["expected"]
+            and updates["step"] == 0
+            and all(torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True))
         )
     if "sonar" in report["arms"] and "standard" in report["arms"]:
-        report["heldout_loss_delta"] = (
-            report["arms"]["sonar"]["heldout_loss"] - report["arms"]["standard"]["heldout_loss"]
+        sonar_arm, standard_arm = report["arms"]["sonar"], report["arms"]["standard"]
+        report["heldout"] = heldout_statistics(standard_arm["heldout_losses"], sonar_arm["heldout_losses"])
+        report["heldout_loss_delta"] = report["heldout"]["mean_delta"]
+        report["peak_memory_reduction"] = (
+            1 - sonar_arm["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
         )
-        if args.memory:
-            report["peak_memory_reduction"] = 1 - (
-                report["arms"]["sonar"]["peak_memory_bytes"] / report["arms"]["standard"]["peak_memory_bytes"]
-            )
-        report["speedup"] = report["arms"]["standard"]["step_time_s"] / report["arms"]["sonar"]["step_time_s"]
+        report["speedup"], report["speedup_note"] = speedup(standard_arm["step_time"], sonar_arm["step_time"])
     if ranks > 1:
         # Replicated weights must be identical on every rank: the dense ones always, the experts when
         # they are replicated (data parallel).
@@ -261,13 +296,53 @@ def _run(args) -> int:
         )
     if not leader:
         return 0
-    out = Path(args.out) / (args.name or args.preset)
+    out = args.run_dir
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(summary_table(report))
     plot(report, out / "report.png")
     print(f"\nwrote {out / 'report.json'} and {out / 'report.png'}")
     return 0
+
+
+def _memory_pass(args, initial, data, device) -> dict:
+    """Per arm, the peak of one training step by category (MemTracker), or zeros under --no-memory."""
+    from tqdm import tqdm
+
+    if not args.memory:
+        return {name: {"peak_memory_bytes": 0, "peak_memory": dict.fromkeys(LABELS, 0),
+                       "peak_phase": "not measured"} for name in args.arms}  # fmt: skip
+    names = tqdm(args.arms, desc="memory pass (3 steps per arm)", unit="arm", file=sys.stderr,
+                 disable=args.quiet, leave=False)  # fmt: skip
+    return {name: measure_memory(name, initial, data, args, device) for name in names}
+
+
+def _aggregate(runs: list[dict]) -> dict:
+    """One arm's results over the seeds it ran: per-seed lists and their summaries."""
+    heldout = [r["heldout_loss"] for r in runs]
+    clip = [r["clip_fraction"] for r in runs]
+    return {
+        "seeds": [r["seed"] for r in runs],
+        "heldout_losses": heldout,
+        "heldout_loss": statistics.fmean(heldout),
+        "train_losses": [r["train_losses"] for r in runs],
+        "grad_norms": [r["grad_norms"] for r in runs],
+        "clip_fractions": clip,
+        "clip_fraction": statistics.fmean(clip),
+        "step_times_s": [r["step_times_s"] for r in runs],
+        "step_time": (timing := step_time_summary([r["step_times_s"] for r in runs])),
+        "step_time_s": timing["median_s"],
+    }
+
+
+def run_directory(out: Path, name: str) -> Path:
+    """``out/name``, or ``out/name-2``, ``-3``, ... when that folder already holds a report: a run never
+    overwrites another's."""
+    candidate, number = out / name, 1
+    while (candidate / "report.json").exists() or (candidate / "report.png").exists():
+        number += 1
+        candidate = out / f"{name}-{number}"
+    return candidate
 
 
 def _commit() -> str:

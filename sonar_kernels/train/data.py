@@ -80,6 +80,8 @@ def load_text(path: str | None) -> str:
     if path is None:
         return default_text()
     file = Path(path)
+    if file.is_dir():
+        raise UsageError(f"--data {path}: a folder; give a text or .jsonl file")
     if not file.is_file():
         raise UsageError(f"--data {path}: no such file")
     raw = file.read_bytes()

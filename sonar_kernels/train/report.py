@@ -1,49 +1,182 @@
-"""sonar-train's report: the summary table and the figure."""
+"""sonar-train's report: the statistics over seeds and steps, the summary table and the figure."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 from sonar_kernels.train.memory import LABELS
+
+# Step times: the first TIMING_WARMUP steps of every run are left out (allocator, caches, lazy state);
+# a time ratio is given only when both arms have at least MIN_TIMED_STEPS timed steps.
+TIMING_WARMUP = 5
+MIN_TIMED_STEPS = 10
+
+# What the sonar arm executes, by resolved backend.
+BACKEND_RUNS = {
+    "triton": "the Triton kernels, AdamW in the wgrad epilogue",
+    "torch": "torch's grouped GEMM, each expert tensor's AdamW right after its gradient (no Triton kernel)",
+}
+
+
+def step_time_summary(times_per_run: list[list[float]]) -> dict:
+    """The step times of one arm over its runs (seeds), each run's first ``TIMING_WARMUP`` steps left
+    out: median, 10th and 90th percentiles (seconds, None without samples) and the number of samples."""
+    samples = sorted(t for times in times_per_run for t in times[TIMING_WARMUP:])
+    if not samples:
+        return {"median_s": None, "p10_s": None, "p90_s": None, "samples": 0, "warmup_steps": TIMING_WARMUP}
+    deciles = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
+    return {
+        "median_s": statistics.median(samples),
+        "p10_s": deciles[0],
+        "p90_s": deciles[-1],
+        "samples": len(samples),
+        "warmup_steps": TIMING_WARMUP,
+    }
+
+
+def speedup(standard: dict, sonar: dict) -> tuple[float | None, str]:
+    """standard's median step time over sonar's (> 1: sonar faster), or None and the reason when either
+    arm has fewer than ``MIN_TIMED_STEPS`` timed steps."""
+    fewest = min(standard["samples"], sonar["samples"])
+    if fewest < MIN_TIMED_STEPS:
+        return None, (
+            f"no time ratio: {fewest} timed steps (after {TIMING_WARMUP} warm-up steps per run), fewer than "
+            f"{MIN_TIMED_STEPS}"
+        )
+    ratio = standard["median_s"] / sonar["median_s"]
+    return ratio, f"ratio of median step times over {fewest}+ timed steps per arm"
+
+
+def heldout_statistics(standard: list[float], sonar: list[float]) -> dict:
+    """The held-out difference sonar - standard over paired seeds (same initialization and batches per
+    seed): per-seed differences, their mean and its standard error (sample standard deviation / sqrt(n)),
+    the standard arm's own seed-to-seed standard deviation, and a verdict in words: no difference
+    detectable when |mean| <= 2 standard errors, otherwise which arm has the lower loss and by how much.
+    One seed gives no verdict."""
+    deltas = [b - a for a, b in zip(standard, sonar, strict=True)]
+    n = len(deltas)
+    mean = statistics.fmean(deltas)
+    result = {
+        "seeds": n,
+        "deltas": deltas,
+        "mean_delta": mean,
+        "standard_error": None,
+        "standard_seed_sd": None,
+    }
+    if n < 2:
+        result["verdict"] = "one seed: no statistical verdict (run --seeds 3 or more)"
+        return result
+    se = statistics.stdev(deltas) / math.sqrt(n)
+    result["standard_error"] = se
+    result["standard_seed_sd"] = statistics.stdev(standard)
+    if abs(mean) <= 2 * se:
+        result["verdict"] = (
+            f"no difference detectable at this scale (|mean| {abs(mean):.4f} <= 2 standard errors, {2 * se:.4f})"
+        )
+    else:
+        better = "sonar" if mean < 0 else "standard"
+        result["verdict"] = (
+            f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f})"
+        )
+    return result
+
+
+def paired_difference(arm: dict, standard: dict) -> float:
+    """Mean over the seeds both arms ran of (arm's held-out loss - standard's)."""
+    by_seed = dict(zip(standard["seeds"], standard["heldout_losses"], strict=True))
+    return statistics.fmean(
+        loss - by_seed[seed] for seed, loss in zip(arm["seeds"], arm["heldout_losses"], strict=True) if seed in by_seed
+    )
 
 
 def summary_table(report: dict) -> str:
     arms = report["arms"]
     std = arms.get("standard")
-    lines = [
-        f"{'arm':<20} {'held-out loss':>13} {'vs standard':>11} {'peak MiB':>9} {'vs standard':>11} "
-        f"{'peak in':>14} {'step ms':>8} {'speedup':>7} {'clipped':>7}"
-    ]
-    for name, r in arms.items():
-        d_loss = r["heldout_loss"] - std["heldout_loss"] if std else float("nan")
-        d_mem = (
-            100 * (r["peak_memory_bytes"] / std["peak_memory_bytes"] - 1)
-            if std and std["peak_memory_bytes"]
-            else float("nan")
-        )
-        speedup = std["step_time_s"] / r["step_time_s"] if std else float("nan")
+    lines = []
+    if "backend" in report:
         lines.append(
-            f"{name:<20} {r['heldout_loss']:>13.4f} {d_loss:>+11.4f} {r['peak_memory_bytes'] / 2**20:>9.2f} "
-            f"{d_mem:>+10.1f}% {r['peak_phase']:>14} {1000 * r['step_time_s']:>8.1f} {speedup:>6.2f}x "
-            f"{100 * r['clip_fraction']:>6.0f}%"
+            f"{report['preset']}, {_seeds(report)} x {report['steps']} steps, "
+            f"data {report.get('data', '?')}, commit {report.get('commit', 'unknown')[:12]}"
         )
-    lines.append("")
-    lines.append("peak memory by category (MiB): " + ", ".join(LABELS))
-    for name, r in arms.items():
-        parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in LABELS)
-        lines.append(f"  {name:<20} {parts}")
-    if "sonar" in arms and "backend" in report:
-        ran = {
-            "triton": "the Triton kernels, AdamW in the wgrad epilogue",
-            "torch": "torch's grouped GEMM, each expert tensor's AdamW right after its gradient (no Triton kernel)",
-        }[report["backend"]]
+        if "sonar" in arms:
+            lines.append(f"sonar arm: backend {report['backend']} ({BACKEND_RUNS[report['backend']]})")
         lines.append("")
-        lines.append(f"sonar arm: backend {report['backend']} ({ran})")
+    measured = any(r["peak_memory_bytes"] for r in arms.values())
+    # "vs standard": paired, over the seeds both arms ran.
+    header = f"{'arm':<20} {'seeds':>5} {'held-out loss':>13} {'vs standard':>11}"
+    if measured:
+        header += f" {'peak MiB':>9} {'vs standard':>11} {'peak in':>14}"
+    header += f" {'step ms median (p10-p90)':>25} {'clipped':>7}"
+    lines.append(header)
+    for name, r in arms.items():
+        d_loss = paired_difference(r, std) if std else float("nan")
+        line = f"{name:<20} {len(r['seeds']):>5} {r['heldout_loss']:>13.4f} {d_loss:>+11.4f}"
+        if measured:
+            d_mem = 100 * (r["peak_memory_bytes"] / std["peak_memory_bytes"] - 1) if std else float("nan")
+            line += f" {r['peak_memory_bytes'] / 2**20:>9.2f} {d_mem:>+10.1f}% {r['peak_phase']:>14}"
+        t = r["step_time"]
+        timing = (
+            f"{1000 * t['median_s']:.1f} ({1000 * t['p10_s']:.1f}-{1000 * t['p90_s']:.1f})"
+            if t["samples"]
+            else "not timed"
+        )
+        line += f" {timing:>25} {100 * r['clip_fraction']:>6.0f}%"
+        lines.append(line)
+    if "speedup" in report:
+        ratio = report["speedup"]
+        lines.append(
+            f"step time standard / sonar: {ratio:.2f}x ({report['speedup_note']})"
+            if ratio is not None
+            else f"step time standard / sonar: {report['speedup_note']}"
+        )
+    if measured:
+        lines.append("")
+        lines.append("peak memory by category (MiB, first seed): " + ", ".join(LABELS))
+        for name, r in arms.items():
+            parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in LABELS)
+            lines.append(f"  {name:<20} {parts}")
+    else:
+        lines.append("peak memory: not measured (--no-memory)")
+    heldout = report.get("heldout")
+    if heldout is not None:
+        lines.append("")
+        lines.append("held-out loss by seed (nats per byte; the same held-out batches for every seed):")
+        seeds = arms["standard"]["seeds"]
+        names = [n for n in arms if n != "standard"]
+        lines.append(f"  {'seed':>6} {'standard':>10} " + " ".join(f"{n:>20}" for n in names))
+        for i, seed in enumerate(seeds):
+            cells = []
+            for n in names:
+                by_seed = dict(zip(arms[n]["seeds"], arms[n]["heldout_losses"], strict=True))
+                cells.append(f"{by_seed[seed]:>20.4f}" if seed in by_seed else f"{'-':>20}")
+            lines.append(f"  {seed:>6} {arms['standard']['heldout_losses'][i]:>10.4f} " + " ".join(cells))
+        se = heldout["standard_error"]
+        spread = (
+            f", standard error {se:.4f}; the standard arm's seed-to-seed standard deviation "
+            f"{heldout['standard_seed_sd']:.4f}"
+            if se is not None
+            else ""
+        )
+        lines.append(
+            f"  sonar - standard: {' '.join(f'{d:+.4f}' for d in heldout['deltas'])}; "
+            f"mean {heldout['mean_delta']:+.4f}{spread}"
+        )
+        lines.append(f"  verdict: {heldout['verdict']}")
+    updates = report.get("sonar_expert_updates_in_backward")
+    if updates is not None:
+        lines.append("")
+        lines.append(
+            f"sonar expert updates: {updates} in the backward, {report['sonar_expert_updates_in_step']} in "
+            f"step(), of {report['sonar_expert_updates_expected']} expected "
+            f"({report['expert_tensors']} expert tensors x steps x seeds)"
+        )
     verdict = report.get("sonar_equals_control_bitwise")
     if verdict is not None:
-        lines.append("")
         lines.append(
-            f"sonar and standard-dense-clip bitwise identical (all parameters after training): {verdict}"
+            f"sonar and standard-dense-clip bitwise identical (all parameters after training, seed "
+            f"{arms['standard-dense-clip']['seeds'][0]}): {verdict}"
         )
     dist = report.get("distributed")
     if dist is not None:
@@ -59,33 +192,120 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _seeds(report: dict) -> str:
+    n = report.get("seeds_run", 1)
+    return f"{n} seed{'s' if n > 1 else ''}"
+
+
+def _title(report: dict) -> str:
+    data = report.get("data", "?")
+    data = Path(data).name if data != "pydoc_data.topics" else data
+    first = (
+        f"{report['preset']} ({report['layers']} layers, {report['parameters'] / 1e6:.1f} M parameters, "
+        f"{report['dtype']}, {report['device']}) on {data}; backend {report.get('backend', '?')}; "
+        f"{_seeds(report)} x {report['steps']} steps"
+    )
+    verdicts = []
+    if "sonar_equals_control_bitwise" in report:
+        verdicts.append(
+            "sonar = standard-dense-clip bitwise" if report["sonar_equals_control_bitwise"] else
+            "sonar DIFFERS from standard-dense-clip"
+        )  # fmt: skip
+    heldout = report.get("heldout")
+    if heldout is not None:
+        se = heldout["standard_error"]
+        pm = f" ± {se:.4f} (SE)" if se is not None else ""
+        verdicts.append(f"held-out sonar - standard {heldout['mean_delta']:+.4f}{pm}")
+    if report.get("peak_memory_reduction") is not None:
+        verdicts.append(f"peak memory {-100 * report['peak_memory_reduction']:+.1f} %")
+    if report.get("speedup") is not None:
+        verdicts.append(f"step time standard / sonar {report['speedup']:.2f}x")
+    lines = [first, "; ".join(verdicts)]
+    if heldout is not None:
+        lines.append(f"held-out verdict: {heldout['verdict']}")
+    return "\n".join(lines)
+
+
 def plot(report: dict, path: Path) -> None:
+    """report.png: the training loss (mean over seeds, with the seeds' range), the held-out loss of
+    every seed and arm (the same seed joined across arms), and the peak memory by category; a panel
+    without data (one step, --no-memory) is left out. The title carries what ran and the verdicts."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     arms = report["arms"]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":", "all-in-backward": "-."}
-    for name, r in arms.items():
-        left.plot(
-            r["train_losses"], styles.get(name, "-"), label=f"{name} (held-out {r['heldout_loss']:.3f})"
-        )
-    left.set_xlabel("step")
-    left.set_ylabel("training loss (nats per byte, incl. load balancing)")
-    left.set_title(f"{report['preset']}: training loss")
-    left.legend()
-    bottom = [0.0] * len(arms)
     names = list(arms)
-    for category in LABELS:
-        values = [arms[n]["peak_memory"][category] / 2**20 for n in names]
-        if any(values):
-            right.bar(names, values, bottom=bottom, label=category)
-            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    right.set_ylabel("MiB at the step's peak")
-    right.set_title(f"peak memory ({report['device']})")
-    right.legend(loc="lower center", fontsize=8, framealpha=0.9)
+    panels = []
+    if report["steps"] >= 2:
+        panels.append("loss")
+    panels.append("heldout")
+    measured = any(r["peak_memory_bytes"] for r in arms.values())
+    if measured:
+        panels.append("memory")
+    widths = {"loss": 1.4, "heldout": 1.0, "memory": 1.3}
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5.2 * len(panels) + 1.5, 5.2),
+        gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False,
+    )  # fmt: skip
+    axes = dict(zip(panels, axes[0], strict=True))
+    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":", "all-in-backward": "-."}
+    if "loss" in axes:
+        ax = axes["loss"]
+        for name, r in arms.items():
+            runs = r["train_losses"]
+            steps = range(1, len(runs[0]) + 1)
+            mean = [statistics.fmean(values) for values in zip(*runs, strict=True)]
+            ax.plot(steps, mean, styles.get(name, "-"), color=colors[name],
+                    label=f"{name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})")  # fmt: skip
+            if len(runs) > 1:
+                low = [min(values) for values in zip(*runs, strict=True)]
+                high = [max(values) for values in zip(*runs, strict=True)]
+                ax.fill_between(steps, low, high, color=colors[name], alpha=0.12, linewidth=0)
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss (nats per byte, incl. load balancing)")
+        ax.set_title("training loss (band: range over seeds)")
+        ax.legend(fontsize=8)
+    ax = axes["heldout"]
+    positions = {name: i for i, name in enumerate(names)}
+    seeds = sorted({s for r in arms.values() for s in r["seeds"]})
+    for seed in seeds:  # the same seed joined across arms: the comparison is paired
+        xs, ys = [], []
+        for name, r in arms.items():
+            if seed in r["seeds"]:
+                xs.append(positions[name])
+                ys.append(r["heldout_losses"][r["seeds"].index(seed)])
+        ax.plot(xs, ys, "-o", color="0.6", markersize=4, linewidth=0.8, zorder=1)
+    for name, r in arms.items():
+        values = r["heldout_losses"]
+        se = statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+        ax.errorbar(positions[name] + 0.12, statistics.fmean(values), yerr=se, fmt="D", color=colors[name],
+                    capsize=4, zorder=2)  # fmt: skip
+    heldout = report.get("heldout")
+    if heldout is not None:
+        ax.set_xlabel("sonar - standard per seed: " + " ".join(f"{d:+.4f}" for d in heldout["deltas"]), fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
+    ax.set_xlim(-0.5, len(names) - 0.5)
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title("held-out loss: grey, one seed; diamond, mean ± SE")
+    if "memory" in axes:
+        ax = axes["memory"]
+        bottom = [0.0] * len(names)
+        for category in LABELS:
+            values = [arms[n]["peak_memory"][category] / 2**20 for n in names]
+            if any(values):
+                ax.bar(names, values, bottom=bottom, label=category.replace("_", " "))
+                bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        for i, total in enumerate(bottom):
+            ax.text(i, total, f"{total:.1f}", ha="center", va="bottom", fontsize=8)
+        ax.set_ylabel("MiB at the step's peak (MemTracker)")
+        ax.set_title("peak memory of one step, by category")
+        ax.tick_params(axis="x", labelrotation=15, labelsize=8)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
