@@ -32,6 +32,8 @@ def test_missing_empty_and_non_utf8_data_are_refused_with_exit_code_2(tmp_path, 
     bad_jsonl.write_text('{"text": "a"}\n{"body": "b"}\n')
     code, err = _error(capsys, ["--data", str(bad_jsonl)])
     assert code == 2 and 'line 2 has no "text"' in err
+    code, err = _error(capsys, ["--data", str(tmp_path)])
+    assert code == 2 and "a folder; give a text or .jsonl file" in err
     short = tmp_path / "short.txt"
     short.write_text("tiny")
     code, err = _error(capsys, ["--data", str(short)])
@@ -63,32 +65,143 @@ def test_data_sources(tmp_path):
     assert all(b.shape[1] == 16 for b in data.heldout_batches(8))
 
 
-def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise(tmp_path, capsys):
-    argv = ["--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32", "--heldout-batches", "2",
-            "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch"]  # fmt: skip
+def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise(tmp_path, capfd):
+    argv = ["--steps", "4", "--seeds", "2", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+            "--heldout-batches", "2", "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch"]  # fmt: skip
     assert train.main(argv) == 0
-    out = capsys.readouterr().out
+    out, err = capfd.readouterr()  # file descriptors: transformers' logger writes to the real stderr
+    assert "use_cache" not in err and err == "", err  # --quiet: nothing on stderr
     report = json.loads((tmp_path / "t" / "report.json").read_text())
     assert (tmp_path / "t" / "report.png").stat().st_size > 10_000
     assert report["sonar_equals_control_bitwise"] is True
-    assert report["sonar_expert_tensors_updated_in_backward"] == report["expert_tensors"] == 2
+    assert report["seeds"] == [0, 1] and report["heldout_batches"] == 2
+    # Every expert tensor (2 for one layer) updated once per step and seed, all in the backward: counted.
+    assert report["expert_tensors"] == 2
+    assert report["sonar_expert_updates_in_backward"] == report["sonar_expert_updates_expected"] == 2 * 4 * 2
+    assert report["sonar_expert_updates_in_step"] == 0
     assert set(report["arms"]) == {"standard", "sonar", "standard-dense-clip"}
-    for arm in report["arms"].values():
-        assert len(arm["train_losses"]) == 4 and all(2.0 < x < 8.0 for x in arm["train_losses"])
-        assert arm["heldout_loss"] > 0 and arm["step_time_s"] > 0 and 0 <= arm["clip_fraction"] <= 1
+    for name, arm in report["arms"].items():
+        assert arm["seeds"] == ([0] if name == "standard-dense-clip" else [0, 1])
+        assert len(arm["train_losses"]) == len(arm["seeds"]) == len(arm["heldout_losses"])
+        assert all(len(run) == 4 and all(2.0 < x < 8.0 for x in run) for run in arm["train_losses"])
+        assert arm["heldout_loss"] == pytest.approx(sum(arm["heldout_losses"]) / len(arm["seeds"]), rel=1e-12)
+        assert 0 <= arm["clip_fraction"] <= 1 and all(len(t) == 4 for t in arm["step_times_s"])
+        # 4 steps, all inside the 5 warm-up steps: nothing timed, no time ratio.
+        assert arm["step_time"]["samples"] == 0 and arm["step_time_s"] is None
         breakdown = arm["peak_memory"]
         assert sum(breakdown.values()) == arm["peak_memory_bytes"]
         assert arm["peak_phase"] in ("forward", "backward", "optimizer step")
-    # The control and sonar agree; only the experts' gradients are gone at sonar's peak.
-    sonar, control = report["arms"]["sonar"], report["arms"]["standard-dense-clip"]
-    assert sonar["train_losses"] == control["train_losses"]
+    assert report["speedup"] is None and "fewer than 10" in report["speedup_note"]
+    # The seeds differ (initialization and batches); the control and sonar agree on the first.
+    sonar, control, standard = (report["arms"][n] for n in ("sonar", "standard-dense-clip", "standard"))
+    assert sonar["train_losses"][0] != sonar["train_losses"][1]
+    assert sonar["train_losses"][0] == control["train_losses"][0]
+    assert sonar["heldout_losses"][0] == control["heldout_losses"][0]
     assert sonar["peak_memory"]["gradients"] < control["peak_memory"]["gradients"]
-    assert "bitwise identical (all parameters after training): True" in out
+    # The held-out statistics, recomputed here with torch from the per-seed losses.
+    deltas = torch.tensor(sonar["heldout_losses"], dtype=torch.float64) - torch.tensor(
+        standard["heldout_losses"], dtype=torch.float64
+    )
+    heldout = report["heldout"]
+    assert heldout["deltas"] == pytest.approx(deltas.tolist(), abs=1e-15)
+    assert heldout["mean_delta"] == pytest.approx(float(deltas.mean()), abs=1e-15)
+    assert heldout["standard_error"] == pytest.approx(float(deltas.std() / 2**0.5), rel=1e-12)
+    assert heldout["standard_seed_sd"] == pytest.approx(
+        float(torch.tensor(standard["heldout_losses"]).double().std())
+    )
+    assert report["heldout_loss_delta"] == heldout["mean_delta"]
+    assert "bitwise identical (all parameters after training, seed 0): True" in out
+    assert f"verdict: {heldout['verdict']}" in out and "no time ratio" in out
+    assert "sonar expert updates: 16 in the backward, 0 in step(), of 16 expected" in out
     # What ran, and from which source: the resolved backend, the commit, the data.
     assert report["backend"] == report["backend_requested"] == "torch"
     assert "sonar arm: backend torch" in out
     assert report["commit"] == "unknown" or len(report["commit"]) == 40
     assert report["data"] == "pydoc_data.topics"
+    # A second run with the same name writes a new folder, never over the first.
+    assert train.cli.run_directory(tmp_path, "t") == tmp_path / "t-2"
+
+
+def test_expert_updates_are_counted_from_the_optimizer_state_not_assumed():
+    args = train.parse_args(["--backend", "torch", "--quiet", "--no-checkpointing"])
+    initial = train.build_model(train.PRESETS["tiny-olmoe"], 1, 0, torch.float32, torch.device("cpu"))
+    from sonar_kernels.integrations import transformers as hf
+
+    hf.register()
+    hf.set_backend(initial, "torch")
+    arm = train.build_arm("sonar", initial, args, steps=3, count_updates=True)
+    data = train.ByteData(train.default_text(), 16, 2, seed=0)
+    train.train_step(arm, data.batch(0), 1.0)
+    assert (int(arm.updates["backward"]), int(arm.updates["step"])) == (2, 0)
+    arm.model.model.layers[0].mlp.experts.down_proj.requires_grad_(
+        False
+    )  # frozen: torch computes no gradient
+    train.train_step(arm, data.batch(1), 1.0)
+    assert (int(arm.updates["backward"]), int(arm.updates["step"])) == (3, 0)
+
+
+def test_heldout_verdict_over_seeds():
+    from sonar_kernels.train.report import heldout_statistics
+
+    standard = [2.00, 2.10, 1.95, 2.05]
+    # Differences +0.010, -0.012, +0.004, -0.001: |mean| far inside 2 standard errors.
+    same = heldout_statistics(standard, [2.010, 2.088, 1.954, 2.049])
+    d = torch.tensor(same["deltas"], dtype=torch.float64)
+    assert same["standard_error"] == pytest.approx(float(d.std() / 2), rel=1e-12)
+    assert same["standard_seed_sd"] == pytest.approx(float(torch.tensor(standard, dtype=torch.float64).std()))
+    assert same["verdict"].startswith("no difference detectable at this scale")
+    # Every seed 0.02 +- 0.001 lower: sonar better, by the mean.
+    better = heldout_statistics(standard, [1.979, 2.081, 1.930, 2.030])
+    assert better["verdict"].startswith("sonar lower by 0.0200")
+    worse = heldout_statistics(standard, [2.021, 2.119, 1.970, 2.070])
+    assert worse["verdict"].startswith("standard lower by 0.0200")
+    one = heldout_statistics([2.0], [2.5])
+    assert one["standard_error"] is None and one["verdict"].startswith("one seed: no statistical verdict")
+
+
+def test_step_times_leave_out_the_warm_up_and_give_no_ratio_on_too_few_samples():
+    from sonar_kernels.train.report import TIMING_WARMUP, speedup, step_time_summary
+
+    cold = [9.0] * TIMING_WARMUP
+    fast = step_time_summary([cold + [0.1] * 6, cold + [0.1] * 6])
+    slow = step_time_summary([cold + [0.2] * 12])
+    assert (
+        fast["samples"] == 12
+        and fast["median_s"] == pytest.approx(0.1)
+        and fast["p90_s"] == pytest.approx(0.1)
+    )
+    ratio, note = speedup(slow, fast)
+    assert ratio == pytest.approx(2.0) and "12+ timed steps" in note
+    few = step_time_summary([cold + [0.2] * 9])
+    assert speedup(few, fast)[0] is None and "9 timed steps" in speedup(few, fast)[1]
+    assert step_time_summary([[1.0, 2.0]])["median_s"] is None
+
+
+def test_figure_leaves_out_panels_without_data(tmp_path):
+    from sonar_kernels.train.memory import LABELS
+    from sonar_kernels.train.report import heldout_statistics, plot, summary_table
+
+    arm = {"seeds": [0], "heldout_losses": [2.0], "heldout_loss": 2.0, "train_losses": [[3.0]],
+           "clip_fraction": 0.0, "peak_memory_bytes": 0, "peak_memory": dict.fromkeys(LABELS, 0),
+           "peak_phase": "not measured", "step_time": step_time(), "step_time_s": None}  # fmt: skip
+    report = {"preset": "tiny-olmoe", "layers": 1, "parameters": 1e6, "dtype": "float32", "device": "cpu",
+              "steps": 1, "backend": "torch", "data": "pydoc_data.topics", "commit": "unknown", "seeds_run": 1,
+              "arms": {"standard": arm, "sonar": {**arm, "heldout_losses": [2.1], "heldout_loss": 2.1}},
+              "heldout": heldout_statistics([2.0], [2.1]), "speedup": None, "speedup_note": "no time ratio"}  # fmt: skip
+    assert plot(report, tmp_path / "a.png") == ["heldout"]
+    table = summary_table(report)
+    assert "nan" not in table and "peak memory: not measured" in table and "verdict: one seed" in table
+    report["steps"] = 2
+    for r in report["arms"].values():
+        r["train_losses"] = [[3.0, 2.5]]
+        r["peak_memory_bytes"] = r["peak_memory"]["parameters"] = 2**20
+    assert plot(report, tmp_path / "b.png") == ["loss", "heldout", "memory"]
+
+
+def step_time():
+    from sonar_kernels.train.report import step_time_summary
+
+    return step_time_summary([[0.1]])
 
 
 def test_a_missing_train_extra_exits_2_naming_the_install_command(tmp_path, capsys, monkeypatch):
@@ -110,23 +223,29 @@ def test_help_describes_the_run_and_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "module docstring" not in out and "standard-dense-clip (its control)" in out
+    assert "module docstring" not in out and "standard-dense-clip (its control, which must equal sonar bit for bit)" in out
     options = out[out.index("options:") :]
     for option, default in (
         ("--lr", "0.003"),
         ("--max-grad-norm", "1.0"),
         ("--seed", "0"),
         ("--preset", "tiny-olmoe"),
+        ("--seeds", "3"),
+        ("--heldout-batches", "32"),
     ):
         # the option's own help text, up to the next option
         text = options[options.index(f" {option} ") :]
         assert f"default: {default}" in text[: text.index(" --", 1)], option
+    assert "default: None" not in out and "all-in-backward, an extra arm" in out
 
 
 def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys):
     taken = tmp_path / "file"
     taken.write_text("x")
     for argv, words in (
+        (["--seeds", "0"], "--seeds must be >= 1"),
+        (["--warmup-steps", "-5"], "--warmup-steps must be >= 0"),
+        (["--heldout-batches", "-1"], "--heldout-batches must be >= 0"),
         (["--device", "tpu"], "--device 'tpu'"),
         (["--out", str(taken)], "exists and is not a folder"),
     ):

@@ -252,7 +252,9 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_arm(arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout, label: str = "") -> dict:
+def run_arm(
+    arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout, label: str = ""
+) -> dict:
     """Train ``arm`` for ``steps`` steps of ``data``, then evaluate it on ``heldout``. Every step is timed
     (synchronized with the device around it); the caller leaves out the warm-up steps."""
     from tqdm import tqdm

@@ -23,6 +23,15 @@ from sonar_kernels.train.memory import LABELS, measure_memory
 from sonar_kernels.train.report import heldout_statistics, plot, speedup, step_time_summary, summary_table
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where one is set and the help text does not describe it already."""
+
+    def _get_help_string(self, action):
+        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="sonar-train",
@@ -34,35 +43,43 @@ def parse_args(argv):
             "bit), over several seeds. Writes report.json and report.png under --out/--name and prints the "
             "held-out loss per seed with a statistical verdict, peak memory and step time."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
                         help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
-    parser.add_argument("--layers", type=int, help="number of decoder layers (default: the preset's)")
-    parser.add_argument("--data", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
+    parser.add_argument(
+        "--layers", type=int, metavar="N", help="number of decoder layers (default: the preset's)"
+    )
+    parser.add_argument("--data", metavar="PATH", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
                         "held out (default: the Python docs in pydoc_data.topics)")  # fmt: skip
-    parser.add_argument("--steps", type=int, help="training steps per arm and seed (default: the preset's)")
+    parser.add_argument(
+        "--steps", type=int, metavar="N", help="training steps per arm and seed (default: the preset's)"
+    )
     parser.add_argument("--seeds", type=int, default=3,
-                        help="runs per arm, seeds --seed, --seed+1, ...: each another initialization and batch "
+                        metavar="N", help="runs per arm, with seeds S, S+1, ... (S the first seed): each another initialization and batch "
                         "order; the held-out difference is judged over them (standard-dense-clip runs the "
                         "first seed only)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="the first seed")
-    parser.add_argument("--batch-size", type=int, help="sequences per step (default: the preset's)")
-    parser.add_argument("--seq-len", type=int, help="bytes per sequence (default: the preset's)")
-    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    parser.add_argument("--warmup-steps", type=int, help="linear LR warm-up, then cosine decay to a tenth of "
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="the first seed")
+    parser.add_argument(
+        "--batch-size", type=int, metavar="N", help="sequences per step (default: the preset's)"
+    )
+    parser.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the preset's)")
+    parser.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="peak AdamW learning rate")
+    parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear LR warm-up, then cosine decay to a tenth of "
                         "--lr (default: a tenth of the steps)")  # fmt: skip
-    parser.add_argument("--max-grad-norm", type=float, default=1.0, help="clipping threshold of every arm")
+    parser.add_argument(
+        "--max-grad-norm", type=float, default=1.0, metavar="NORM", help="clipping threshold of every arm"
+    )
     parser.add_argument("--heldout-batches", type=int, default=HELDOUT_BATCHES,
-                        help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
+                        metavar="N", help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
-                        help="all-in-backward (not run by default): every parameter updated in the backward "
+                        help="all-in-backward, an extra arm: every parameter updated in the backward "
                         "and nothing clipped, the paper's other comparison")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
                         help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
-    parser.add_argument("--device", help="default: cuda when available, else cpu")
+    parser.add_argument("--device", metavar="DEVICE", help="default: cuda when available, else cpu")
     parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                         help="turn activation checkpointing off (on by default)")  # fmt: skip
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
@@ -72,10 +89,10 @@ def parse_args(argv):
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the memory pass (3 MemTracker-tracked steps per arm, first seed)")  # fmt: skip
     parser.add_argument("--ep", type=int, default=1,
-                        help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
+                        metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
                         "parallel on several processes)")  # fmt: skip
-    parser.add_argument("--out", default="runs", help="output folder")
-    parser.add_argument("--name", help="run name: the run writes --out/NAME, or NAME-2, NAME-3, ... when that "
+    parser.add_argument("--out", default="runs", metavar="DIR", help="output folder")
+    parser.add_argument("--name", metavar="NAME", help="run name: the run writes --out/NAME, or NAME-2, NAME-3, ... when that "
                         "holds a report already (default: the preset)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -275,7 +292,9 @@ def _run(args) -> int:
         report["sonar_equals_control_bitwise"] = (
             updates["backward"] == updates["expected"]
             and updates["step"] == 0
-            and all(torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True))
+            and all(
+                torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True)
+            )
         )
     if "sonar" in report["arms"] and "standard" in report["arms"]:
         sonar_arm, standard_arm = report["arms"]["sonar"], report["arms"]["standard"]

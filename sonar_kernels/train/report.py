@@ -87,7 +87,9 @@ def paired_difference(arm: dict, standard: dict) -> float:
     """Mean over the seeds both arms ran of (arm's held-out loss - standard's)."""
     by_seed = dict(zip(standard["seeds"], standard["heldout_losses"], strict=True))
     return statistics.fmean(
-        loss - by_seed[seed] for seed, loss in zip(arm["seeds"], arm["heldout_losses"], strict=True) if seed in by_seed
+        loss - by_seed[seed]
+        for seed, loss in zip(arm["seeds"], arm["heldout_losses"], strict=True)
+        if seed in by_seed
     )
 
 
@@ -226,10 +228,11 @@ def _title(report: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(report: dict, path: Path) -> None:
+def plot(report: dict, path: Path) -> list[str]:
     """report.png: the training loss (mean over seeds, with the seeds' range), the held-out loss of
     every seed and arm (the same seed joined across arms), and the peak memory by category; a panel
-    without data (one step, --no-memory) is left out. The title carries what ran and the verdicts."""
+    without data (one step, --no-memory) is left out. The title carries what ran and the verdicts.
+    Returns the panels drawn ("loss", "heldout", "memory")."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -286,7 +289,9 @@ def plot(report: dict, path: Path) -> None:
                     capsize=4, zorder=2)  # fmt: skip
     heldout = report.get("heldout")
     if heldout is not None:
-        ax.set_xlabel("sonar - standard per seed: " + " ".join(f"{d:+.4f}" for d in heldout["deltas"]), fontsize=8)
+        ax.set_xlabel(
+            "sonar - standard per seed: " + " ".join(f"{d:+.4f}" for d in heldout["deltas"]), fontsize=8
+        )
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_ylabel("held-out loss (nats per byte)")
@@ -309,3 +314,4 @@ def plot(report: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
+    return panels
