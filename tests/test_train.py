@@ -223,7 +223,10 @@ def test_help_describes_the_run_and_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         train.main(["--help"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "module docstring" not in out and "standard-dense-clip (its control, which must equal sonar bit for bit)" in out
+    assert (
+        "module docstring" not in out
+        and "standard-dense-clip (its control, which must equal sonar bit for bit)" in out
+    )
     options = out[out.index("options:") :]
     for option, default in (
         ("--lr", "0.003"),
@@ -344,7 +347,20 @@ def _torchrun_train(argv, tmp_path):
 @pytest.mark.timeout(300)
 def test_data_parallel_run_on_two_processes_reports_ranks_that_agree(tmp_path):
     done = _torchrun_train(
-        ["--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32", "--heldout-batches", "2"],
+        [
+            "--steps",
+            "4",
+            "--seeds",
+            "1",
+            "--layers",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "32",
+            "--heldout-batches",
+            "2",
+        ],
         tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -365,7 +381,7 @@ def test_data_parallel_run_on_two_processes_reports_ranks_that_agree(tmp_path):
 @pytest.mark.timeout(300)
 def test_expert_parallel_run_on_two_processes(tmp_path):
     done = _torchrun_train(
-        ["--ep", "2", "--steps", "4", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+        ["--ep", "2", "--steps", "4", "--seeds", "1", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
          "--heldout-batches", "2", "--no-memory"],
         tmp_path,
     )  # fmt: skip

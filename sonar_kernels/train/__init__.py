@@ -16,13 +16,20 @@ Data: by default the Python reference documentation that ships with every CPytho
 ``pydoc_data.topics``, about 465 KB of English), tokenized as bytes (vocabulary 256); ``--data`` takes a
 UTF-8 text file or JSONL with a "text" field. The last tenth is the held-out split.
 
-Output, under ``runs/<name>/``: ``report.json`` (per arm: ``heldout_loss``, ``peak_memory_bytes``,
-``peak_memory``, ``step_time_s``, ``train_losses``, ``clip_fraction``; top level:
-``sonar_equals_control_bitwise``), ``report.png`` (loss curves and memory bars) and the printed summary.
-Peak memory is measured in a separate short pass per arm (after two warm-up steps, so that the optimizer
-state exists), with torch's MemTracker, which splits it into parameters, gradients, optimizer state and
-activations and tells whether the peak falls in the forward, the backward or the optimizer step; on CUDA
-the allocator's peak is reported as well.
+Seeds (``--seeds N``, 3 by default): ``standard`` and ``sonar`` run once per seed (each seed another
+initialization and batch order), ``standard-dense-clip`` on the first; the held-out difference
+sonar - standard is judged over the seeds, paired (mean, standard error, a verdict in words:
+:func:`report.heldout_statistics`).
+
+Output, under ``runs/<name>/`` (``<name>-2``, ... when that holds a report already): ``report.json``
+(per arm and seed: ``heldout_losses``, ``train_losses``, step times; per arm: ``peak_memory_bytes``,
+``peak_memory``, ``step_time``; top level: ``heldout``, ``sonar_equals_control_bitwise``, the counted
+expert updates), ``report.png`` (title with what ran and the verdicts; loss curves, the held-out loss
+per seed, memory bars) and the printed summary. Step times leave out each run's first 5 steps; no time
+ratio is given below 10 timed steps per arm. Peak memory is measured in a separate short pass per arm
+(first seed, after two warm-up steps, so that the optimizer state exists), with torch's MemTracker, which
+splits it into parameters, gradients, optimizer state and activations and tells whether the peak falls
+in the forward, the backward or the optimizer step; on CUDA the allocator's peak is reported as well.
 
 On several processes (``torchrun --nproc-per-node N -m sonar_kernels.train``) the run is data parallel:
 each rank trains on its own batches, DDP reduces the dense gradients and SonarAdamW averages each

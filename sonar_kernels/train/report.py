@@ -99,7 +99,7 @@ def summary_table(report: dict) -> str:
     lines = []
     if "backend" in report:
         lines.append(
-            f"{report['preset']}, {_seeds(report)} x {report['steps']} steps, "
+            f"{report['preset']}, {_seeds(report)}, "
             f"data {report.get('data', '?')}, commit {report.get('commit', 'unknown')[:12]}"
         )
         if "sonar" in arms:
@@ -195,17 +195,18 @@ def summary_table(report: dict) -> str:
 
 
 def _seeds(report: dict) -> str:
-    n = report.get("seeds_run", 1)
-    return f"{n} seed{'s' if n > 1 else ''}"
+    """ "3 seeds x 200 steps"."""
+    n, steps = report.get("seeds_run", 1), report["steps"]
+    return f"{n} seed{'s' if n > 1 else ''} x {steps} step{'s' if steps > 1 else ''}"
 
 
 def _title(report: dict) -> str:
     data = report.get("data", "?")
     data = Path(data).name if data != "pydoc_data.topics" else data
     first = (
-        f"{report['preset']} ({report['layers']} layers, {report['parameters'] / 1e6:.1f} M parameters, "
+        f"{report['preset']} ({report['layers']} layer{'s' if report['layers'] > 1 else ''}, {report['parameters'] / 1e6:.1f} M parameters, "
         f"{report['dtype']}, {report['device']}) on {data}; backend {report.get('backend', '?')}; "
-        f"{_seeds(report)} x {report['steps']} steps"
+        f"{_seeds(report)}"
     )
     verdicts = []
     if "sonar_equals_control_bitwise" in report:
@@ -249,7 +250,7 @@ def plot(report: dict, path: Path) -> list[str]:
         panels.append("memory")
     widths = {"loss": 1.4, "heldout": 1.0, "memory": 1.3}
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(5.2 * len(panels) + 1.5, 5.2),
+        1, len(panels), figsize=(max(10.0, 5.2 * len(panels) + 1.5), 5.2),
         gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False,
     )  # fmt: skip
     axes = dict(zip(panels, axes[0], strict=True))
@@ -292,6 +293,10 @@ def plot(report: dict, path: Path) -> list[str]:
         ax.set_xlabel(
             "sonar - standard per seed: " + " ".join(f"{d:+.4f}" for d in heldout["deltas"]), fontsize=8
         )
+    low, high = ax.get_ylim()
+    middle, half = (low + high) / 2, max(high - low, 0.01) / 2  # a span of at least 0.01 nats
+    ax.set_ylim(middle - half, middle + half)
+    ax.ticklabel_format(axis="y", useOffset=False)
     ax.set_xticks(range(len(names)), names, rotation=15, fontsize=8)
     ax.set_xlim(-0.5, len(names) - 0.5)
     ax.set_ylabel("held-out loss (nats per byte)")
