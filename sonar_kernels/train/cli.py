@@ -203,7 +203,8 @@ def _run(args) -> int:
         print(
             f"sonar-train: {args.preset}, {initial.config.num_hidden_layers} layers, {n_params / 1e6:.2f} M parameters "
             f"({100 * n_expert / n_params:.0f} % in experts), {dtype}, {device}, backend "
-            f"{resolve_backend(args.backend, device)}; {args.seeds} seed(s) x {steps} steps of {batch_size} x "
+            f"{resolve_backend(args.backend, device)}; {args.seeds} seed{'s' if args.seeds > 1 else ''} x {steps} "
+            f"step{'s' if steps > 1 else ''} of {batch_size} x "
             f"{sequence_length} bytes, activation checkpointing {'on' if args.checkpointing else 'off'}; "
             f"writing {args.run_dir}",
             file=sys.stderr,
