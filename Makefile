@@ -40,12 +40,14 @@ kernel-report: install
 	env -u TRITON_INTERPRET $(BIN)/python tools/kernel_report.py
 
 # The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by
-# side; writes runs/tiny-olmoe/report.json and report.png. On CPU the experts run the torch backend.
+# side over 3 seeds; writes runs/tiny-olmoe/report.json and report.png (runs/tiny-olmoe-2/ ... when taken).
+# On CPU the experts run the torch backend.
 demo: install
 	$(BIN)/sonar-train
 
-# One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the tiny
-# shape under the Triton interpreter, 3 rounds). The JSON (device, versions, commit) goes to runs/bench/.
+# One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the torch
+# backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed). The
+# JSON (device, versions, commit) goes to runs/bench/.
 bench: install
 	mkdir -p runs/bench
 	$(BIN)/python -m pytest bench/test_layer.py --benchmark-only --benchmark-columns=median,rounds \
@@ -56,7 +58,8 @@ bench: install
 bench-gpu: install
 	$(BIN)/python bench/gpu_bench.py
 
-# One SonarExperts layer under the Triton interpreter: forward/backward vs float64, ExpertAdamW steps.
+# One SonarExperts layer under the Triton interpreter: the forward vs float64, the backward, ExpertAdamW
+# steps (fused == split bitwise).
 quickstart: install
 	$(BIN)/python examples/quickstart.py
 
