@@ -22,7 +22,7 @@ class Preset:
     num_heads: int
     num_kv_heads: int
     vocab_size: int
-    steps: int = 300
+    steps: int = 200
     batch_size: int = 8
     sequence_length: int = 128
     extra: dict = field(default_factory=dict)
