@@ -57,11 +57,14 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) 
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """Gated linear unit: ``act(gate) * up``; SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
+    """Gated linear unit: ``act(gate) * up``; SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and
+    "gelu_tanh" (the tanh approximation, torch's ``F.gelu(approximate="tanh")``)."""
     if activation == "silu":
         return F.silu(gate) * up
     if activation == "gelu":
         return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
@@ -82,7 +85,7 @@ def moe_mlp(
         top_k_weights: [T, top_k] routing weights, any floating dtype (used in fp32 or wider).
         gate_up_proj: [E, 2I, H], rows [0, I) gate, rows [I, 2I) up.
         down_proj: [E, H, I].
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
     Returns:
         [T, H] in the dtype of ``hidden_states``. Differentiable in every floating input.
     """

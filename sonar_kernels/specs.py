@@ -22,7 +22,9 @@ from typing import NamedTuple
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
-ACTIVATIONS = ("silu", "gelu")
+# "silu": SwiGLU; "gelu": GeGLU with the exact erf GELU; "gelu_tanh": GeGLU with the tanh approximation
+# of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh").
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The routing metadata's expert axis is one register tile.

@@ -38,14 +38,26 @@ def test_backward_matches_float64_reference(case, dtype, device):
         assert_close(grads[i], expected[i], dtype, what=name)
 
 
+@pytest.mark.parametrize("activation", ["gelu", "gelu_tanh"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[7]])
-def test_gelu_backward_matches_float64_reference(case, device):
+def test_gelu_backward_matches_float64_reference(case, activation, device):
     inputs = case.make(torch.float32, device=device)
     grad_out = torch.randn(case.T, case.H).to(device)
-    _, grads = _grads(inputs, grad_out, "gelu", "triton")
-    _, expected = _grads(inputs, grad_out, "gelu", "reference64")
+    _, grads = _grads(inputs, grad_out, activation, "triton")
+    _, expected = _grads(inputs, grad_out, activation, "reference64")
     for i, name in GRAD_NAMES.items():
         assert_close(grads[i], expected[i], torch.float32, what=name)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gelu_tanh_backward_in_bf16_matches_float64_reference(backend, device):
+    case = CASES[7].values[0]  # sentinels
+    inputs = case.make(torch.bfloat16, device=device)
+    grad_out = torch.randn(case.T, case.H).to(torch.bfloat16).to(device)
+    _, grads = _grads(inputs, grad_out, "gelu_tanh", backend)
+    _, expected = _grads(inputs, grad_out, "gelu_tanh", "reference64")
+    for i, name in GRAD_NAMES.items():
+        assert_close(grads[i], expected[i], torch.bfloat16, what=name)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -31,6 +31,18 @@ def test_forward_matches_float64_reference(case, activation, dtype, device):
     assert_close(out, _reference64(inputs, activation), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", [CASES[2], CASES[5], CASES[7]])
+def test_gelu_tanh_forward_matches_float64_reference(case, dtype, device):
+    # The tanh-approximated GELU (Gemma's "gelu_pytorch_tanh"): one more constexpr path of the same kernel.
+    inputs = case.make(dtype, device=device)
+    out = sonar_kernels.moe_mlp(*inputs, activation="gelu_tanh", backend="triton")
+    assert_close(out, _reference64(inputs, "gelu_tanh"), dtype)
+    assert_close(
+        out, reference.moe_mlp(*inputs, activation="gelu_tanh"), dtype, tolerances=SAME_ROUNDING_TOLERANCE
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES[1:])
 @pytest.mark.parametrize("case", CASES)
 def test_forward_matches_reference_at_the_same_rounding_points(case, dtype, device):
@@ -99,12 +111,13 @@ def test_dropped_slot_weights_are_not_read(device):
     assert_close(out, _reference64((x, index, w, w1, w2), "silu"), torch.float32)
 
 
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 @pytest.mark.parametrize("backend", ["torch", "auto"])
-def test_torch_backend_is_the_reference(backend):
+def test_torch_backend_is_the_reference(backend, activation):
     # On CPU tensors "auto" means the torch reference.
     inputs = Case(37, 33, 17, 7, 3, "sentinels").make(torch.float32)
-    out = sonar_kernels.moe_mlp(*inputs, backend=backend)
-    expected = reference.moe_mlp(*inputs)
+    out = sonar_kernels.moe_mlp(*inputs, activation=activation, backend=backend)
+    expected = reference.moe_mlp(*inputs, activation=activation)
     assert torch.equal(out, expected)
 
 

@@ -1,5 +1,7 @@
 """reference.py against independent, naive formulations (loops over tokens and slots, float64)."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -38,7 +40,12 @@ def naive_moe_mlp(x, index, weights, w1, w2, activation):
     """out[t] = sum_j w[t, j] * W2[e] (act(W1[e, :I] x) * (W1[e, I:] x)), one slot at a time."""
     E, two_I, _ = w1.shape
     I = two_I // 2
-    act = F.silu if activation == "silu" else F.gelu
+    act = {
+        "silu": F.silu,
+        "gelu": F.gelu,
+        # The tanh GELU written out (Hendrycks and Gimpel, 2016), independent of F.gelu(approximate="tanh").
+        "gelu_tanh": lambda v: 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v**3))),
+    }[activation]
     out = torch.zeros_like(x)
     for t in range(x.shape[0]):
         for j in range(index.shape[1]):
@@ -49,7 +56,7 @@ def naive_moe_mlp(x, index, weights, w1, w2, activation):
     return out
 
 
-@pytest.mark.parametrize("activation", ["silu", "gelu"])
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 @pytest.mark.parametrize("case", CASES[:4] + CASES[-3:-1])
 def test_reference_float64_matches_naive_loop(case, activation):
     inputs = to_double(*case.make(torch.float32))

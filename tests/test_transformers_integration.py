@@ -62,7 +62,12 @@ def _tokens(seed=0):
     return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
 
 
-CASES = [("olmoe", "silu"), ("granitemoe", "silu"), ("granitemoe", "gelu")]
+CASES = [
+    ("olmoe", "silu"),
+    ("granitemoe", "silu"),
+    ("granitemoe", "gelu"),
+    ("granitemoe", "gelu_pytorch_tanh"),
+]
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
@@ -89,6 +94,66 @@ def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activat
         assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
 
 
+def _gemma4(implementation):
+    torch.manual_seed(0)
+    config = transformers.Gemma4TextConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"],
+        sliding_window=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
+        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, per_layer_config={},
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config._experts_implementation = implementation
+    model = transformers.Gemma4ForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return model
+
+
+@pytest.mark.skipif(not hasattr(transformers, "Gemma4ForCausalLM"), reason="transformers without Gemma 4")
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_gemma4_with_its_tanh_gelu_equals_eager(backend):
+    # Gemma 4's MoE experts use hidden_activation "gelu_pytorch_tanh": the kernels' "gelu_tanh".
+    eager = _gemma4("eager")
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
+    experts = [m for m in sonar.modules() if type(m).__name__ == "Gemma4TextExperts"]
+    assert len(experts) == 2 and all(hf.check_experts_module(m) == "gelu_tanh" for m in experts)
+    tokens = _tokens()
+    outputs = []
+    for model in (eager, sonar):
+        out = model(tokens, labels=tokens)
+        out.loss.backward()
+        outputs.append(out)
+    assert_close(outputs[1].logits, outputs[0].logits, torch.float32, what="logits")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+
+
+def test_every_tanh_gelu_of_transformers_maps_to_gelu_tanh():
+    hf.register()
+    from transformers.activations import ACT2FN
+
+    experts = _model("olmoe").model.layers[0].mlp.experts
+    for name in ("gelu_pytorch_tanh", "gelu_python_tanh", "gelu_new", "gelu_fast"):
+        experts.act_fn = ACT2FN[name]
+        assert hf.check_experts_module(experts) == "gelu_tanh", name
+        # Each is the formula the kernels implement, up to rounding.
+        x = torch.linspace(-6, 6, 101, dtype=torch.float64)
+        expected = 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)))
+        assert torch.allclose(experts.act_fn(x.float()).double(), expected, rtol=0, atol=1e-6), name
+    experts.act_fn = torch.nn.GELU(approximate="tanh")
+    assert hf.check_experts_module(experts) == "gelu_tanh"
+    for name in ("gelu_10", "quick_gelu", "relu"):
+        experts.act_fn = ACT2FN[name]
+        with pytest.raises(ValueError, match="act_fn="):
+            hf.check_experts_module(experts)
+
+
 def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
     hf.register()
     model = _model("olmoe", implementation="sonar", backend="torch")
@@ -110,10 +175,10 @@ def test_unsupported_activation_and_layout_are_refused_by_name():
     hf.register()
     # Refused when chosen: at construction (the config selects "sonar") and at the switch, which leaves
     # the model as it was.
-    refused = r"cannot run (model\.)?layers\.0\.block_sparse_moe\.experts: GraniteMoeExperts: act_fn=GELUTanh"
+    refused = r"cannot run (model\.)?layers\.0\.block_sparse_moe\.experts: GraniteMoeExperts: act_fn=ClippedGELUActivation"
     with pytest.raises(ValueError, match=refused):
-        _model("granitemoe", activation="gelu_pytorch_tanh", implementation="sonar")
-    model = _model("granitemoe", activation="gelu_pytorch_tanh")
+        _model("granitemoe", activation="gelu_10", implementation="sonar")
+    model = _model("granitemoe", activation="gelu_10")
     with pytest.raises(ValueError, match=refused):
         model.set_experts_implementation("sonar")
     assert model.config._experts_implementation == "eager"

@@ -43,6 +43,7 @@ from triton.compiler import ASTSource
 
 from sonar_kernels import ops
 from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, routing
+from sonar_kernels.specs import ACTIVATIONS
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -142,7 +143,7 @@ def _forward_specs() -> list[Spec]:
     blocks, options = _gemm_launch(expert_mlp_fwd.FWD_GEMM_CONFIG)
     for act_dtype, w_dtype in DTYPE_PAIRS:
         common = _precision(act_dtype) | blocks
-        for activation in ("silu", "gelu") if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
+        for activation in ACTIVATIONS if (act_dtype, w_dtype) == ("bf16", "bf16") else ("silu",):
             out.append(
                 Spec(
                     expert_mlp_fwd.expert_mlp_fwd_up_kernel,
@@ -229,6 +230,7 @@ def _backward_specs() -> list[Spec]:
         if (act_dtype, w_dtype) == ("bf16", "bf16"):
             variants += [
                 ("gelu", all_flags, ""),
+                ("gelu_tanh", all_flags, ""),
                 ("silu", all_flags | {"COMPUTE_DW": False}, " no-dw"),
                 ("silu", all_flags | {"STORE_A": False}, " no-A"),
                 ("silu", all_flags | {"HAS_ABSMAX": False}, " no-update"),

@@ -348,7 +348,8 @@ def moe_mlp(
         gate_up_proj: [E, 2I, H]; rows [0, I) are the gate projection, rows [I, 2I) the up projection.
             dtype of hidden_states, or float32 (master weights, rounded to the compute dtype in registers).
         down_proj: [E, H, I], dtype as gate_up_proj.
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU with the exact erf GELU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU with the exact erf GELU) or "gelu_tanh" (GeGLU with
+            the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
             math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
             CUDA, torch otherwise).

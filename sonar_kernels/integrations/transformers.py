@@ -46,7 +46,18 @@ __all__ = [
 MIN_TRANSFORMERS = (5, 13)
 # transformers' hidden_act names -> the activation of moe_mlp. The tanh approximations of GELU
 # ("gelu_pytorch_tanh", "gelu_new", ...) are not the exact erf GELU the kernels compute: refused.
-ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu": "gelu"}
+# transformers' hidden_act names -> the kernels' activations. The tanh GELU comes in four implementations
+# of one formula, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): torch's (gelu_pytorch_tanh), in Python
+# (gelu_python_tanh, gelu_new) and factored (gelu_fast); they differ by rounding only.
+ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_tanh",
+    "gelu_new": "gelu_tanh",
+    "gelu_fast": "gelu_tanh",
+}
 # The layout flags of @use_experts_implementation and the value the kernels need.
 LAYOUT = {
     "is_transposed": False,
@@ -172,13 +183,13 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
 
 
 def check_experts_module(module: nn.Module) -> str:
-    """The activation of ``module`` ("silu" or "gelu") when the sonar kernels can run it: read from its
-    ``act_fn`` (what transformers' eager forward calls), else from ``config.hidden_act``.
+    """The activation of ``module`` ("silu", "gelu" or "gelu_tanh") when the sonar kernels can run it: read
+    from its ``act_fn`` (what transformers' eager forward calls), else from ``config.hidden_act``.
 
     Raises:
         ValueError: a layout flag the kernels do not implement (transposed, interleaved gate/up, bias, no
-            gate, post-expert norm), a custom ``_apply_gate``, or an activation other than SiLU and the
-            exact erf GELU; each named in the message.
+            gate, post-expert norm), a custom ``_apply_gate``, or an activation other than SiLU, the
+            exact erf GELU and its tanh approximation; each named in the message.
     """
     name = type(module).__name__
     for flag, needed in LAYOUT.items():
@@ -205,7 +216,8 @@ def check_experts_module(module: nn.Module) -> str:
 
 def _activation_of(module: nn.Module) -> str:
     """The kernels' activation for the module's ``act_fn`` (what its eager forward calls), or, without
-    one, for ``config.hidden_act``. Raises ValueError for anything but SiLU and the exact erf GELU."""
+    one, for ``config.hidden_act``. Raises ValueError for anything but SiLU, the exact erf GELU and the
+    tanh-approximated GELU."""
     name = type(module).__name__
     act_fn = getattr(module, "act_fn", None)
     if act_fn is None:
@@ -213,10 +225,18 @@ def _activation_of(module: nn.Module) -> str:
         if act not in ACTIVATIONS:
             raise ValueError(
                 f"{name}: hidden_act={act!r} is not supported by the sonar experts implementation "
-                f"(supported: {', '.join(sorted(ACTIVATIONS))}; the GELU is the exact erf one)"
+                f"(supported: {', '.join(sorted(ACTIVATIONS))})"
             )
         return ACTIVATIONS[act]
+    from transformers import activations
     from transformers.activations import GELUActivation, SiLUActivation
+
+    # The tanh GELU's classes (GELUTanh was PytorchGELUTanh in older transformers).
+    tanh_gelus = tuple(
+        getattr(activations, cls)
+        for cls in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "FastGELUActivation")
+        if hasattr(activations, cls)
+    )
 
     if act_fn is torch.nn.functional.silu or isinstance(act_fn, (SiLUActivation, nn.SiLU)):
         return "silu"
@@ -226,10 +246,12 @@ def _activation_of(module: nn.Module) -> str:
         return "gelu"
     if isinstance(act_fn, nn.GELU) and act_fn.approximate == "none":
         return "gelu"
+    if isinstance(act_fn, tanh_gelus) or (isinstance(act_fn, nn.GELU) and act_fn.approximate == "tanh"):
+        return "gelu_tanh"
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     raise ValueError(
         f"{name}: act_fn={type(act_fn).__name__} (hidden_act={act!r}) is not supported by the sonar experts "
-        "implementation (supported: SiLU and the exact erf GELU; tanh approximations are refused)"
+        "implementation (supported: SiLU, the exact erf GELU and its tanh approximation)"
     )
 
 

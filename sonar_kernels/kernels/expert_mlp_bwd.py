@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sonar_kernels.kernels.adamw import adamw_tile
 from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
-from sonar_kernels.kernels.expert_mlp_fwd import glu_fwd
+from sonar_kernels.kernels.expert_mlp_fwd import gelu_tanh_inner, glu_fwd
 
 # dHpre is a grouped GEMM over row tiles, like the forward: it uses the routing metadata's TILE_M rows.
 DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
@@ -41,11 +41,19 @@ DWEIGHTS_CONFIG = {"BLOCK": 256, "num_warps": 4}
 
 @triton.jit
 def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr):
-    """(d gate, d up) of A = act(gate) * up, fp32 in and out; silu (SwiGLU) or exact erf gelu (GeGLU)."""
+    """(d gate, d up) of A = act(gate) * up, fp32 in and out; silu (SwiGLU), exact erf gelu or its tanh
+    approximation (GeGLU)."""
     if ACTIVATION == "silu":
         sig = 1.0 / (1.0 + tl.exp(-gate))
         act = gate * sig
         act_grad = sig * (1.0 + gate * (1.0 - sig))
+    elif ACTIVATION == "gelu_tanh":
+        # d/dx 0.5 x (1 + tanh(u)) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) du/dx, as torch's GeluBackward.
+        tanh = gelu_tanh_inner(gate)
+        act = 0.5 * gate * (1.0 + tanh)
+        act_grad = 0.5 * (1.0 + tanh) + 0.5 * gate * (1.0 - tanh * tanh) * 0.7978845608028654 * (
+            1.0 + 3.0 * 0.044715 * gate * gate
+        )
     else:
         cdf = 0.5 * (1.0 + tl.math.erf(gate * 0.7071067811865476))
         act = gate * cdf

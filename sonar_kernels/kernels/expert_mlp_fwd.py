@@ -26,12 +26,25 @@ COMBINE_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
 
 @triton.jit
 def glu_fwd(gate, up, ACTIVATION: tl.constexpr):
-    """act(gate) * up in fp32: SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
+    """act(gate) * up in fp32: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the
+    tanh approximation)."""
     if ACTIVATION == "silu":
         act = gate / (1.0 + tl.exp(-gate))
+    elif ACTIVATION == "gelu_tanh":
+        act = 0.5 * gate * (1.0 + gelu_tanh_inner(gate))
     else:
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
     return act * up
+
+
+@triton.jit
+def gelu_tanh_inner(x):
+    """tanh(sqrt(2/pi) (x + 0.044715 x^3)) in fp32, as sign(u) (1 - e) / (1 + e) with e = exp(-2|u|) in
+    (0, 1]: Triton has no tanh, and this form never overflows (a NaN stays NaN)."""
+    u = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    e = tl.exp(-2.0 * tl.abs(u))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(u >= 0, t, -t)
 
 
 @triton.jit

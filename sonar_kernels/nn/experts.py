@@ -33,7 +33,7 @@ class SonarExperts(nn.Module):
         num_experts: E >= 1.
         hidden_size: H >= 1.
         intermediate_size: I >= 1, per expert.
-        activation: "silu" (SwiGLU) or "gelu" (GeGLU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
         backend: "auto", "triton" or "torch" (see :func:`sonar_kernels.moe_mlp`).
         device, dtype: of the parameters (dtype float32, bfloat16 or float16).
         ep_group: expert parallelism over this torch.distributed ProcessGroup (or 1-D DeviceMesh) of P

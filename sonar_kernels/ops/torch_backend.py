@@ -108,8 +108,11 @@ def grouped_wgrad(p: torch.Tensor, q: torch.Tensor, expert_offsets: torch.Tensor
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up: SwiGLU for "silu", GeGLU (exact erf GELU) for "gelu"."""
-    return (F.silu(gate) if activation == "silu" else F.gelu(gate)) * up
+    """act(gate) * up: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the tanh
+    approximation)."""
+    if activation == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
 
 
 def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activation: str):
@@ -118,11 +121,24 @@ def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activati
         sig = torch.sigmoid(gate)
         act = gate * sig
         act_grad = sig * (1.0 + gate * (1.0 - sig))
+    elif activation == "gelu_tanh":
+        # act = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); the derivative as torch's
+        # GeluBackward computes it: 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) du/dx.
+        tanh = torch.tanh(GELU_TANH_BETA * (gate + GELU_TANH_KAPPA * gate * gate * gate))
+        act = 0.5 * gate * (1.0 + tanh)
+        act_grad = 0.5 * (1.0 + tanh) + 0.5 * gate * (1.0 - tanh * tanh) * GELU_TANH_BETA * (
+            1.0 + 3.0 * GELU_TANH_KAPPA * gate * gate
+        )
     else:
         cdf = 0.5 * (1.0 + torch.erf(gate * 0.7071067811865476))
         act = gate * cdf
         act_grad = cdf + gate * torch.exp(-0.5 * gate * gate) * 0.3989422804014327
     return grad_a * up * act_grad, grad_a * act
+
+
+# The tanh GELU's constants: sqrt(2 / pi) and the cubic coefficient (Hendrycks and Gimpel, 2016).
+GELU_TANH_BETA = 0.7978845608028654
+GELU_TANH_KAPPA = 0.044715
 
 
 def _valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
