@@ -1,5 +1,5 @@
 """The expert MLP's autograd formula over the sonar_kernels:: custom ops, and the functional entry point."""
 
-from sonar_kernels.autograd.moe_mlp import moe_mlp
+from sonar_kernels.autograd.moe_mlp import grouped_mlp, moe_mlp
 
-__all__ = ["moe_mlp"]
+__all__ = ["grouped_mlp", "moe_mlp"]

@@ -419,3 +419,72 @@ def moe_mlp(
             if watched is not None:
                 watched.outer_task = _outer_task_accumulating(weight, owner)
     return out
+
+
+def grouped_mlp(
+    x_sorted: torch.Tensor,
+    num_tokens_per_expert: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    *,
+    activation: str = "silu",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Gated expert MLP over tokens already grouped by expert (torchtitan's and Megatron-Core's experts
+    interface): rows ``[c_0 + ... + c_{e-1}, c_0 + ... + c_e)`` of ``x_sorted`` go through expert ``e``,
+    ``c = num_tokens_per_expert``; no routing weights, no combine (the caller scales and combines).
+
+    The same kernels, rounding points and in-backward update as :func:`moe_mlp`: this is ``moe_mlp``
+    with top_k 1, each row's expert id from the counts (computed on the device, no host sync) and routing
+    weights 1, which leave every product exact.
+
+    Args:
+        x_sorted: [N, H] float32, bfloat16 or float16, rows grouped by expert in expert order.
+        num_tokens_per_expert: [E] integer counts (any integer dtype, on the device of x_sorted or the
+            CPU), summing to at most N: rows from the sum on (padding) belong to no expert.
+        gate_up_proj, down_proj, activation, backend: as for :func:`moe_mlp` ([E, 2I, H] and [E, H, I]).
+
+    Returns:
+        [N, H], dtype of x_sorted: row r is expert e(r)'s output for row r of x_sorted; padding rows are
+        0 (and their gradient in x_sorted is 0). Differentiable (once) in x_sorted and both weights; an expert weight with an
+        in-backward update is updated in the backward, as in :func:`moe_mlp`.
+    Raises:
+        TypeError: a non-tensor argument, or num_tokens_per_expert not of an integer dtype.
+        ValueError: num_tokens_per_expert not of shape [E] (E = gate_up_proj.shape[0]); CPU counts that
+            are negative or sum to more than N; and every error of :func:`moe_mlp`.
+    """
+    for name, t in (("x_sorted", x_sorted), ("num_tokens_per_expert", num_tokens_per_expert),
+                    ("gate_up_proj", gate_up_proj)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+    counts = num_tokens_per_expert
+    if counts.dtype.is_floating_point or counts.dtype.is_complex or counts.dtype == torch.bool:
+        raise TypeError(f"num_tokens_per_expert must have an integer dtype, got {counts.dtype}")
+    E = gate_up_proj.shape[0] if gate_up_proj.dim() == 3 else None
+    if counts.dim() != 1 or (E is not None and counts.shape[0] != E):
+        raise ValueError(
+            f"num_tokens_per_expert must have shape [E] = [{E}] (E = gate_up_proj.shape[0]), "
+            f"got {tuple(counts.shape)}"
+        )
+    if x_sorted.dim() != 2:
+        raise ValueError(f"x_sorted must have shape [N, H], got {tuple(x_sorted.shape)}")
+    N = x_sorted.shape[0]
+    # Checked where it costs no device sync (CPU counts).
+    if (
+        counts.device.type == "cpu"
+        and not torch.compiler.is_compiling()
+        and (bool((counts < 0).any()) or int(counts.sum()) > N)
+    ):
+        raise ValueError(
+            f"num_tokens_per_expert must be >= 0 and sum to at most x_sorted.shape[0] = {N}, got "
+            f"{counts.tolist()}"
+        )
+    # Row r belongs to the expert e with ends[e-1] <= r < ends[e]; rows from ends[E-1] on get id E, a
+    # sentinel that the kernels drop.
+    ends = torch.cumsum(counts.to(device=x_sorted.device, dtype=torch.int64), 0)
+    rows = torch.arange(N, device=x_sorted.device)
+    expert_of_row = torch.searchsorted(ends, rows, right=True).view(N, 1)
+    ones = torch.ones(N, 1, dtype=x_sorted.dtype, device=x_sorted.device)
+    return moe_mlp(
+        x_sorted, expert_of_row, ones, gate_up_proj, down_proj, activation=activation, backend=backend
+    )
