@@ -113,11 +113,11 @@ def summary_table(report: dict) -> str:
     header += f" {'step ms median (p10-p90)':>25} {'clipped':>7}"
     lines.append(header)
     for name, r in arms.items():
-        d_loss = paired_difference(r, std) if std else float("nan")
-        line = f"{name:<20} {len(r['seeds']):>5} {r['heldout_loss']:>13.4f} {d_loss:>+11.4f}"
+        d_loss = f"{paired_difference(r, std):+.4f}" if std else "-"  # no standard arm: nothing to compare
+        line = f"{name:<20} {len(r['seeds']):>5} {r['heldout_loss']:>13.4f} {d_loss:>11}"
         if measured:
-            d_mem = 100 * (r["peak_memory_bytes"] / std["peak_memory_bytes"] - 1) if std else float("nan")
-            line += f" {r['peak_memory_bytes'] / 2**20:>9.2f} {d_mem:>+10.1f}% {r['peak_phase']:>14}"
+            d_mem = f"{100 * (r['peak_memory_bytes'] / std['peak_memory_bytes'] - 1):+.1f}%" if std else "-"
+            line += f" {r['peak_memory_bytes'] / 2**20:>9.2f} {d_mem:>11} {r['peak_phase']:>14}"
         t = r["step_time"]
         timing = (
             f"{1000 * t['median_s']:.1f} ({1000 * t['p10_s']:.1f}-{1000 * t['p90_s']:.1f})"
