@@ -118,8 +118,11 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     assert "sonar arm: backend torch" in out
     assert report["commit"] == "unknown" or len(report["commit"]) == 40
     assert report["data"] == "pydoc_data.topics"
-    # A second run with the same name writes a new folder, never over the first.
-    assert train.cli.run_directory(tmp_path, "t") == tmp_path / "t-2"
+    # A run reserves its folder when it starts: a second run with the same name, or one started at the
+    # same time, gets a new one, never the first's.
+    assert train.cli.reserve_run_directory(tmp_path, "t") == tmp_path / "t-2"
+    assert train.cli.reserve_run_directory(tmp_path, "t") == tmp_path / "t-3"
+    assert (tmp_path / "t-3").is_dir() and not any((tmp_path / "t-3").iterdir())
 
 
 def test_expert_updates_are_counted_from_the_optimizer_state_not_assumed():
@@ -249,6 +252,9 @@ def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys)
         (["--seeds", "0"], "--seeds must be >= 1"),
         (["--warmup-steps", "-5"], "--warmup-steps must be >= 0"),
         (["--heldout-batches", "-1"], "--heldout-batches must be >= 0"),
+        (["--arms", "standard", "sonar", "sonar"], "--arms: sonar given more than once"),
+        (["--steps", "3", "--warmup-steps", "5"], "--warmup-steps 5 is more than the 3 training steps"),
+        (["--name", "../elsewhere"], "must be a folder name, without a path"),
         (["--device", "tpu"], "--device 'tpu'"),
         (["--out", str(taken)], "exists and is not a folder"),
     ):
@@ -256,6 +262,9 @@ def test_bad_device_backend_and_out_exit_2_before_any_training(tmp_path, capsys)
             train.main(argv)
         assert exit_info.value.code == 2
         assert words in capsys.readouterr().err
+    # Found when the run reserves its folder, before any training: a file in the way of --out/NAME.
+    assert train.main(["--out", str(taken / "sub"), "--quiet"]) == 2
+    assert "cannot create" in capsys.readouterr().err
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit):
             train.main(["--device", "cuda"])

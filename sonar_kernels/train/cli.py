@@ -48,12 +48,18 @@ def parse_args(argv):
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
                         help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
     parser.add_argument(
-        "--layers", type=int, metavar="N", help="number of decoder layers (default: the preset's)"
+        "--layers",
+        type=int,
+        metavar="N",
+        help="number of decoder layers (default: the preset's, 4 for tiny-*)",
     )
     parser.add_argument("--data", metavar="PATH", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
                         "held out (default: the Python docs in pydoc_data.topics)")  # fmt: skip
     parser.add_argument(
-        "--steps", type=int, metavar="N", help="training steps per arm and seed (default: the preset's)"
+        "--steps",
+        type=int,
+        metavar="N",
+        help="training steps per arm and seed (default: the preset's, 200 for tiny-*, 20 for the real ones)",
     )
     parser.add_argument("--seeds", type=int, default=3,
                         metavar="N", help="runs per arm, with seeds S, S+1, ... (S the first seed): each another initialization and batch "
@@ -61,9 +67,14 @@ def parse_args(argv):
                         "first seed only)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="the first seed")
     parser.add_argument(
-        "--batch-size", type=int, metavar="N", help="sequences per step (default: the preset's)"
+        "--batch-size", type=int, metavar="N", help="sequences per step (default: the preset's, 4)"
     )
-    parser.add_argument("--seq-len", type=int, metavar="N", help="bytes per sequence (default: the preset's)")
+    parser.add_argument(
+        "--seq-len",
+        type=int,
+        metavar="N",
+        help="bytes per sequence (default: the preset's, 128 for tiny-*, 1024 for the real ones)",
+    )
     parser.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="peak AdamW learning rate")
     parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear LR warm-up, then cosine decay to a tenth of "
                         "--lr (default: a tenth of the steps)")  # fmt: skip
@@ -73,8 +84,9 @@ def parse_args(argv):
     parser.add_argument("--heldout-batches", type=int, default=HELDOUT_BATCHES,
                         metavar="N", help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
-                        help="all-in-backward, an extra arm: every parameter updated in the backward "
-                        "and nothing clipped, the paper's other comparison")  # fmt: skip
+                        help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
+                        "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
+                        "clipped, the paper's other comparison")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -85,9 +97,10 @@ def parse_args(argv):
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA, off on CPU)")  # fmt: skip
+                        help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA when neither --fused nor "
+                        "--foreach is given, else torch's choice)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false",
-                        help="skip the memory pass (3 MemTracker-tracked steps per arm, first seed)")  # fmt: skip
+                        help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
     parser.add_argument("--ep", type=int, default=1,
                         metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
                         "parallel on several processes)")  # fmt: skip
@@ -100,6 +113,16 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    steps = args.steps or PRESETS[args.preset].steps
+    if args.warmup_steps is not None and args.warmup_steps > steps:
+        parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
+    repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
+    if repeated:
+        parser.error(f"--arms: {', '.join(repeated)} given more than once")
+    if args.name is not None and (
+        not args.name or Path(args.name).name != args.name or args.name in (".", "..")
+    ):
+        parser.error(f"--name {args.name!r} must be a folder name, without a path")
     for name in ("warmup_steps", "heldout_batches"):
         value = getattr(args, name)
         if value is not None and value < 0:
@@ -128,7 +151,6 @@ def parse_args(argv):
     for path in (out, out / (args.name or args.preset)):
         if path.exists() and not path.is_dir():
             parser.error(f"--out: {path} exists and is not a folder")
-    args.run_dir = run_directory(out, args.name or args.preset)
     return args
 
 
@@ -152,6 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         distributed.setup(args)  # under torchrun: one rank of a data-parallel run
+        # The run's folder, reserved before any work (rank 0 writes the report).
+        args.run_dir = None
+        if distributed.rank() == 0:
+            args.run_dir = reserve_run_directory(Path(args.out), args.name or args.preset)
         return _run(args)
     except UsageError as e:
         print(f"sonar-train: error: {e}", file=sys.stderr)
@@ -201,8 +227,9 @@ def _run(args) -> int:
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
     if not args.quiet:
         print(
-            f"sonar-train: {args.preset}, {initial.config.num_hidden_layers} layers, {n_params / 1e6:.2f} M parameters "
-            f"({100 * n_expert / n_params:.0f} % in experts), {dtype}, {device}, backend "
+            f"sonar-train: {args.preset}, {initial.config.num_hidden_layers} layer"
+            f"{'s' if initial.config.num_hidden_layers > 1 else ''}, {n_params / 1e6:.2f} M parameters "
+            f"({100 * n_expert / n_params:.0f} % in experts), {str(dtype).removeprefix('torch.')}, {device}, backend "
             f"{resolve_backend(args.backend, device)}; {args.seeds} seed{'s' if args.seeds > 1 else ''} x {steps} "
             f"step{'s' if steps > 1 else ''} of {batch_size} x "
             f"{sequence_length} bytes, activation checkpointing {'on' if args.checkpointing else 'off'}; "
@@ -317,7 +344,6 @@ def _run(args) -> int:
     if not leader:
         return 0
     out = args.run_dir
-    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     print(summary_table(report))
     plot(report, out / "report.png")
@@ -355,14 +381,26 @@ def _aggregate(runs: list[dict]) -> dict:
     }
 
 
-def run_directory(out: Path, name: str) -> Path:
-    """``out/name``, or ``out/name-2``, ``-3``, ... when that folder already holds a report: a run never
-    overwrites another's."""
-    candidate, number = out / name, 1
-    while (candidate / "report.json").exists() or (candidate / "report.png").exists():
-        number += 1
-        candidate = out / f"{name}-{number}"
-    return candidate
+def reserve_run_directory(out: Path, name: str) -> Path:
+    """Create and return ``out/name``, or ``out/name-2``, ``-3``, ... when that exists: each run reserves
+    its own folder when it starts (an exclusive mkdir), so a run never writes into another's, even when
+    they run at the same time.
+
+    Raises:
+        UsageError: the folder cannot be created (a file in the way, no permission).
+    """
+    number = 1
+    while True:
+        candidate = out / (name if number == 1 else f"{name}-{number}")
+        try:
+            candidate.mkdir(parents=True)
+            return candidate
+        except FileExistsError:
+            if not candidate.is_dir():
+                raise UsageError(f"--out: {candidate} exists and is not a folder") from None
+            number += 1
+        except OSError as e:
+            raise UsageError(f"--out: cannot create {candidate} ({e.strerror})") from None
 
 
 def _commit() -> str:

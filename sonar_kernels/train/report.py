@@ -66,7 +66,9 @@ def heldout_statistics(standard: list[float], sonar: list[float]) -> dict:
         "standard_seed_sd": None,
     }
     if n < 2:
-        result["verdict"] = "one seed: no statistical verdict (run --seeds 3 or more)"
+        result["verdict"] = (
+            "one seed: no statistical verdict (run --seeds 2 or more; 3 or more for a useful one)"
+        )
         return result
     se = statistics.stdev(deltas) / math.sqrt(n)
     result["standard_error"] = se
@@ -77,8 +79,9 @@ def heldout_statistics(standard: list[float], sonar: list[float]) -> dict:
         )
     else:
         better = "sonar" if mean < 0 else "standard"
+        weak = f"; with {n} seeds a weak test, more seeds narrow it" if n < 5 else ""
         result["verdict"] = (
-            f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f})"
+            f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f}{weak})"
         )
     return result
 
@@ -112,9 +115,13 @@ def summary_table(report: dict) -> str:
         header += f" {'peak MiB':>9} {'vs standard':>11} {'peak in':>14}"
     header += f" {'step ms median (p10-p90)':>25} {'clipped':>7}"
     lines.append(header)
+    most = max(len(r["seeds"]) for r in arms.values())
+    fewer = False
     for name, r in arms.items():
         d_loss = f"{paired_difference(r, std):+.4f}" if std else "-"  # no standard arm: nothing to compare
-        line = f"{name:<20} {len(r['seeds']):>5} {r['heldout_loss']:>13.4f} {d_loss:>11}"
+        mark = "*" if len(r["seeds"]) < most else " "
+        fewer = fewer or mark == "*"
+        line = f"{name:<20} {len(r['seeds']):>5} {r['heldout_loss']:>12.4f}{mark} {d_loss:>11}"
         if measured:
             d_mem = f"{100 * (r['peak_memory_bytes'] / std['peak_memory_bytes'] - 1):+.1f}%" if std else "-"
             line += f" {r['peak_memory_bytes'] / 2**20:>9.2f} {d_mem:>11} {r['peak_phase']:>14}"
@@ -124,8 +131,15 @@ def summary_table(report: dict) -> str:
             if t["samples"]
             else "not timed"
         )
-        line += f" {timing:>25} {100 * r['clip_fraction']:>6.0f}%"
+        clips = r.get("grad_norms") is None or any(g is not None for g in r["grad_norms"])
+        clipped = f"{100 * r['clip_fraction']:.0f}%" if clips else "-"  # all-in-backward clips nothing
+        line += f" {timing:>25} {clipped:>7}"
         lines.append(line)
+    if fewer:
+        lines.append(
+            "* fewer seeds than the other arms: its held-out loss is the mean over its own seeds, not "
+            'comparable to theirs; "vs standard" is paired, over the seeds both ran'
+        )
     if "speedup" in report:
         ratio = report["speedup"]
         lines.append(
@@ -254,24 +268,35 @@ def plot(report: dict, path: Path) -> list[str]:
         gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False,
     )  # fmt: skip
     axes = dict(zip(panels, axes[0], strict=True))
-    colors = {name: f"C{i}" for i, name in enumerate(names)}
+    palette = {"standard": "C0", "sonar": "C1", "standard-dense-clip": "C2", "all-in-backward": "C3"}
+    colors = {name: palette.get(name, f"C{4 + i}") for i, name in enumerate(names)}
     styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":", "all-in-backward": "-."}
     if "loss" in axes:
+        # Every arm's curve on the first seed (the paired comparison: the control lies on sonar's), and
+        # the range of an arm's curves over its seeds as a band.
         ax = axes["loss"]
+        first = min(s for r in arms.values() for s in r["seeds"])
+        banded = False
         for name, r in arms.items():
             runs = r["train_losses"]
             steps = range(1, len(runs[0]) + 1)
-            mean = [statistics.fmean(values) for values in zip(*runs, strict=True)]
-            ax.plot(steps, mean, styles.get(name, "-"), color=colors[name],
-                    label=f"{name} (mean of {len(runs)} seed{'s' if len(runs) > 1 else ''})")  # fmt: skip
+            if first in r["seeds"]:
+                ax.plot(
+                    steps,
+                    runs[r["seeds"].index(first)],
+                    styles.get(name, "-"),
+                    color=colors[name],
+                    label=name,
+                )
             if len(runs) > 1:
+                banded = True
                 low = [min(values) for values in zip(*runs, strict=True)]
                 high = [max(values) for values in zip(*runs, strict=True)]
                 ax.fill_between(steps, low, high, color=colors[name], alpha=0.12, linewidth=0)
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats per byte, incl. load balancing)")
-        ax.set_title("training loss (band: range over seeds)")
+        ax.set_title(f"training loss, seed {first}" + (" (band: range over seeds)" if banded else ""))
         ax.legend(fontsize=8)
     ax = axes["heldout"]
     positions = {name: i for i, name in enumerate(names)}
@@ -304,9 +329,10 @@ def plot(report: dict, path: Path) -> list[str]:
     if "memory" in axes:
         ax = axes["memory"]
         bottom = [0.0] * len(names)
+        largest = max(r["peak_memory_bytes"] for r in arms.values()) / 2**20
         for category in LABELS:
             values = [arms[n]["peak_memory"][category] / 2**20 for n in names]
-            if any(values):
+            if max(values) >= 0.002 * largest:  # a segment that shows (buffers of a few bytes do not)
                 ax.bar(names, values, bottom=bottom, label=category.replace("_", " "))
                 bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         for i, total in enumerate(bottom):
