@@ -62,6 +62,17 @@ def _tokens(seed=0):
     return torch.randint(3, VOCAB, (BATCH, SEQ), generator=generator)
 
 
+def _forward_backward(*models):
+    """Each model's output on the same tokens (labels = tokens), after its loss's backward."""
+    tokens = _tokens()
+    outputs = []
+    for model in models:
+        out = model(tokens, labels=tokens)
+        out.loss.backward()
+        outputs.append(out)
+    return outputs
+
+
 CASES = [
     ("olmoe", "silu"),
     ("granitemoe", "silu"),
@@ -78,13 +89,7 @@ def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activat
     sonar.set_experts_implementation("sonar")
     hf.set_backend(sonar, backend)
     assert sonar.config._experts_implementation == "sonar"
-    tokens = _tokens()
-    outputs = []
-    for model in (eager, sonar):
-        out = model(tokens, labels=tokens)
-        out.loss.backward()
-        outputs.append(out)
-    ref, got = outputs
+    ref, got = _forward_backward(eager, sonar)
     assert_close(got.logits, ref.logits, torch.float32, what="logits")
     assert_close(got.loss, ref.loss, torch.float32, what="loss")
     assert_close(got.aux_loss, ref.aux_loss, torch.float32, what="aux loss")
@@ -122,13 +127,8 @@ def test_gemma4_with_its_tanh_gelu_equals_eager(backend):
     hf.set_backend(sonar, backend)
     experts = [m for m in sonar.modules() if type(m).__name__ == "Gemma4TextExperts"]
     assert len(experts) == 2 and all(hf.check_experts_module(m) == "gelu_tanh" for m in experts)
-    tokens = _tokens()
-    outputs = []
-    for model in (eager, sonar):
-        out = model(tokens, labels=tokens)
-        out.loss.backward()
-        outputs.append(out)
-    assert_close(outputs[1].logits, outputs[0].logits, torch.float32, what="logits")
+    ref, got = _forward_backward(eager, sonar)
+    assert_close(got.logits, ref.logits, torch.float32, what="logits")
     for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
         if q.grad is not None:
             assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")

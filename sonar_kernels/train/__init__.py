@@ -21,7 +21,7 @@ initialization and batch order), ``standard-dense-clip`` on the first; the held-
 sonar - standard is judged over the seeds, paired (mean, standard error, a verdict in words:
 :func:`report.heldout_statistics`).
 
-Output, under ``runs/<name>/`` (``<name>-2``, ... when that holds a report already): ``report.json``
+Output, under ``runs/<name>/`` (``<name>-2``, ... when that exists; created when the run starts): ``report.json``
 (per arm and seed: ``heldout_losses``, ``train_losses``, step times; per arm: ``peak_memory_bytes``,
 ``peak_memory``, ``step_time``; top level: ``heldout``, ``sonar_equals_control_bitwise``, the counted
 expert updates), ``report.png`` (title with what ran and the verdicts; loss curves, the held-out loss

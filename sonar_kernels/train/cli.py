@@ -105,8 +105,8 @@ def parse_args(argv):
                         metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
                         "parallel on several processes)")  # fmt: skip
     parser.add_argument("--out", default="runs", metavar="DIR", help="output folder")
-    parser.add_argument("--name", metavar="NAME", help="run name: the run writes --out/NAME, or NAME-2, NAME-3, ... when that "
-                        "holds a report already (default: the preset)")  # fmt: skip
+    parser.add_argument("--name", metavar="NAME", help="run name: the run creates --out/NAME, or NAME-2, NAME-3, ... when that "
+                        "exists (default: the preset)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
