@@ -12,6 +12,12 @@ from sonar_kernels import train
 pytest.importorskip("transformers", minversion="5.13")
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp_path(tmp_path, monkeypatch):
+    """Each test runs in its own folder: a run without --out writes runs/ there, never in the checkout."""
+    monkeypatch.chdir(tmp_path)
+
+
 def _error(capsys, argv):
     code = train.main(argv)
     return code, capsys.readouterr().err
@@ -38,6 +44,8 @@ def test_missing_empty_and_non_utf8_data_are_refused_with_exit_code_2(tmp_path, 
     short.write_text("tiny")
     code, err = _error(capsys, ["--data", str(short)])
     assert code == 2 and "fewer than --seq-len" in err
+    # None of these reserved a run folder (it is created once the data and the model are good).
+    assert not (tmp_path / "runs").exists()
 
 
 def test_unknown_preset_and_bad_numbers_exit_2_from_the_command_line():

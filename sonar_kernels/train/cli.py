@@ -172,18 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    args.run_dir = None
     try:
         distributed.setup(args)  # under torchrun: one rank of a data-parallel run
-        # The run's folder, reserved before any work (rank 0 writes the report).
-        args.run_dir = None
-        if distributed.rank() == 0:
-            args.run_dir = reserve_run_directory(Path(args.out), args.name or args.preset)
         return _run(args)
     except UsageError as e:
         print(f"sonar-train: error: {e}", file=sys.stderr)
         return 2
     finally:
         distributed.teardown()
+        # A run that ended before writing its report gives its folder back (when nothing is in it).
+        if args.run_dir is not None and args.run_dir.is_dir() and not any(args.run_dir.iterdir()):
+            args.run_dir.rmdir()
 
 
 def _run(args) -> int:
@@ -223,6 +223,8 @@ def _run(args) -> int:
     hf.register()
     initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
     hf.set_backend(initial, args.backend)  # an attribute of each experts module, copied with it
+    if leader:  # the run's folder, reserved once the data and the model are known to be good
+        args.run_dir = reserve_run_directory(Path(args.out), args.name or args.preset)
     n_params = sum(p.numel() for p in initial.parameters())
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
     if not args.quiet:
