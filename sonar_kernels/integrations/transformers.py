@@ -204,8 +204,8 @@ def check_experts_module(module: nn.Module) -> str:
     apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
     if apply_gate is not _default_apply_gate:
         raise ValueError(
-            f"{name} defines its own _apply_gate, which the sonar experts implementation does not run "
-            "(it computes act(gate) * up)"
+            f"{name} defines its own _apply_gate ({getattr(apply_gate, '__qualname__', apply_gate)}), which the "
+            "sonar experts implementation does not run (it computes act(gate) * up with SiLU or a GELU)"
         )
     activation = _activation_of(module)
     for attr in ("gate_up_proj", "down_proj"):
