@@ -209,7 +209,7 @@ def summary_table(report: dict) -> str:
 
 
 def _seeds(report: dict) -> str:
-    """ "3 seeds x 200 steps"."""
+    """The run's size in words, e.g. "3 seeds x 200 steps"."""
     n, steps = report.get("seeds_run", 1), report["steps"]
     return f"{n} seed{'s' if n > 1 else ''} x {steps} step{'s' if steps > 1 else ''}"
 
