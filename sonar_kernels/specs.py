@@ -26,6 +26,12 @@ BACKENDS = ("auto", "triton", "torch")
 # of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh").
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The expert weights' layouts (docs/design.md, "Weight layouts"). "concatenated": transformers' default,
+# gate_up_proj [E, 2I, H] with the gate rows first, then the up rows, down_proj [E, H, I];
+# "interleaved": gate and up rows alternate (gate 0, up 0, gate 1, ...: torchtitan's fused w13, gpt-oss);
+# "_transposed": both weights stored transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]: transformers'
+# is_transposed, gpt-oss, Aria). Every layout is read and updated in place through its strides.
+LAYOUTS = ("concatenated", "interleaved", "concatenated_transposed", "interleaved_transposed")
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The routing metadata's expert axis is one register tile.
 MAX_EXPERTS = 1024
@@ -239,3 +245,41 @@ def expert_tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...] | Non
     if not all(isinstance(t, torch.nn.Parameter) for t in tensors):
         return None
     return tensors
+
+
+def layout_name(transposed: bool, interleaved: bool) -> str:
+    """The name in :data:`LAYOUTS` of the weights' layout."""
+    return ("interleaved" if interleaved else "concatenated") + ("_transposed" if transposed else "")
+
+
+def gate_up_view(gate_up_proj: torch.Tensor, layout: str) -> torch.Tensor:
+    """``gate_up_proj`` (or a tensor of its shape and strides: a moment, a gradient) of ``layout`` seen
+    as [E, 2, I, H]: [:, 0] the gate projection, [:, 1] the up projection, each [I, H]. A view, never a
+    copy (splitting a dimension and transposing are always views)."""
+    w = gate_up_proj.transpose(1, 2) if layout.endswith("_transposed") else gate_up_proj  # [E, 2I, H]
+    half = w.shape[1] // 2
+    if layout.startswith("interleaved"):
+        return w.unflatten(1, (half, 2)).transpose(1, 2)
+    return w.unflatten(1, (2, half))
+
+
+def gate_up_from_view(view: torch.Tensor, layout: str) -> torch.Tensor:
+    """The inverse of :func:`gate_up_view`: [E, 2, I, H] -> the shape of ``layout``; a view when the
+    strides allow it (a tensor allocated with the strides of a layout's view), else a copy."""
+    w = view.transpose(1, 2).flatten(1, 2) if layout.startswith("interleaved") else view.flatten(1, 2)
+    return w.transpose(1, 2) if layout.endswith("_transposed") else w
+
+
+def down_view(down_proj: torch.Tensor, layout: str) -> torch.Tensor:
+    """``down_proj`` of ``layout`` seen as [E, H, I] (a view); its own inverse."""
+    return down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj
+
+
+def gate_up_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
+    """The shape of gate_up_proj in ``layout``."""
+    return (E, H, 2 * I) if layout.endswith("_transposed") else (E, 2 * I, H)
+
+
+def down_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
+    """The shape of down_proj in ``layout``."""
+    return (E, I, H) if layout.endswith("_transposed") else (E, H, I)

@@ -33,7 +33,25 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
     x, index, weights, w1, w2 = _inputs(device=device)
-    args = (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend)
+    args = (
+        x,
+        index,
+        weights,
+        w1,
+        w2,
+        [],
+        [],
+        None,
+        None,
+        None,
+        None,
+        True,
+        None,
+        None,
+        "silu",
+        backend,
+        "concatenated",
+    )
     torch.library.opcheck(library.moe_mlp_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out = library.moe_mlp_fwd(*args)[0]
     expected = reference.moe_mlp(*to_double(x, index, weights, w1, w2))
@@ -45,13 +63,29 @@ def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
 def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, device):
     x, index, weights, w1, w2 = _inputs(device=device)
     out, hpre, *meta = library.moe_mlp_fwd(
-        x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend
+        x,
+        index,
+        weights,
+        w1,
+        w2,
+        [],
+        [],
+        None,
+        None,
+        None,
+        None,
+        True,
+        None,
+        None,
+        "silu",
+        backend,
+        "concatenated",
     )
     grad_out = torch.randn_like(out)
     args = (grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True])
     if op == "moe_mlp_bwd":
         args += ("grad", [], None, None, False, None, "grad", [], None, None, False, None, True, None, None)
-    args += ("silu", backend)
+    args += ("silu", backend, "concatenated")
     torch.library.opcheck(getattr(library, op), args, test_utils=("test_schema", "test_faketensor"))
     versions = (w1._version, w2._version)
     grads = getattr(library, op)(*args)
@@ -103,14 +137,30 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
     # tensor it writes, and the fake must return an empty weight gradient.
     x, index, weights, w1, w2 = _inputs(device=device)
     out, hpre, *meta = library.moe_mlp_fwd(
-        x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend
+        x,
+        index,
+        weights,
+        w1,
+        w2,
+        [],
+        [],
+        None,
+        None,
+        None,
+        None,
+        True,
+        None,
+        None,
+        "silu",
+        backend,
+        "concatenated",
     )
     state, hyper = _state(w2)
     buffer = torch.zeros_like(w2) if mode == "accumulate" else None
     args = (
         torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True],
         "grad", [], None, None, False, None, mode, state if mode == "update" else [], hyper, buffer, False,
-        torch.float32, True, False, False, "silu", backend,
+        torch.float32, True, False, False, "silu", backend, "concatenated",
     )  # fmt: skip
     torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
     if mode == "update":  # the update really ran: the weight moved, the step advanced, no gradient

@@ -157,6 +157,24 @@ def _forward_specs() -> list[Spec]:
                     config=blocks,
                 )
             )  # fmt: skip
+        if (act_dtype, w_dtype) == ("bf16", "bf16"):
+            # The transposed layouts: W1 [E, H, 2I], its unit stride along the rows of a half
+            # (concatenated) or between the halves (interleaved); specs.gate_up_view.
+            for layout, unit in (("transposed", "stride_wn"), ("interleaved transposed", "stride_wg")):
+                out.append(
+                    Spec(
+                        expert_mlp_fwd.expert_mlp_fwd_up_kernel,
+                        f"x={act_dtype} w={w_dtype} silu {layout}",
+                        {"x_ptr": act_dtype, "w1_ptr": w_dtype, "token_of_row_ptr": "i32",
+                         "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype,
+                         "a_ptr": act_dtype},
+                        common | {"ACTIVATION": "silu"},
+                        options,
+                        unit_strides=("stride_xh", unit, "stride_hn", "stride_an"),
+                        is_gemm=True,
+                        config=blocks,
+                    )
+                )  # fmt: skip
         pointers = {"a_ptr": act_dtype, "w2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
                     "y_ptr": act_dtype}  # fmt: skip
         # Forward: Y = A @ W2[e]^T, W2 [E, H, I] contiguous (unit stride along I, the reduction).
@@ -165,26 +183,31 @@ def _forward_specs() -> list[Spec]:
                 expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
                 f"x={act_dtype} w={w_dtype} fwd",
                 pointers,
-                common,
+                common | {"HALVES": 1},
                 options,
                 unit_strides=("stride_ai", "stride_wi", "stride_yh"),
                 is_gemm=True,
                 config=blocks,
             )
         )
-        # dX rows = dHpre @ W1[e], W1 [E, 2I, H] read as [E, H, 2I]: the unit stride is along H (N).
-        out.append(
-            Spec(
-                expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
-                f"x={act_dtype} w={w_dtype} dX",
-                pointers,
-                common,
-                options,
-                unit_strides=("stride_ai", "stride_wh", "stride_yh"),
-                is_gemm=True,
-                config=blocks,
+        # dX rows = dHpre @ W1[e] over W1's two halves, each [I, H] read as [H, I]: the unit stride is
+        # along H (N); transposed layouts: along I (K), or between the halves (interleaved).
+        dx_layouts = [("", "stride_wh")]
+        if (act_dtype, w_dtype) == ("bf16", "bf16"):
+            dx_layouts += [(" transposed", "stride_wi"), (" interleaved transposed", "stride_whalf")]
+        for layout, unit in dx_layouts:
+            out.append(
+                Spec(
+                    expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
+                    f"x={act_dtype} w={w_dtype} dX{layout}",
+                    pointers,
+                    common | {"HALVES": 2},
+                    options,
+                    unit_strides=("stride_ai", unit, "stride_yh"),
+                    is_gemm=True,
+                    config=blocks,
+                )
             )
-        )
     cc = expert_mlp_fwd.COMBINE_CONFIG
     combine = {"BLOCK_M": cc["BLOCK_M"], "BLOCK_N": cc["BLOCK_N"]}
     for act_dtype in TL_DTYPES:
@@ -234,6 +257,7 @@ def _backward_specs() -> list[Spec]:
                 ("silu", all_flags | {"COMPUTE_DW": False}, " no-dw"),
                 ("silu", all_flags | {"STORE_A": False}, " no-A"),
                 ("silu", all_flags | {"HAS_ABSMAX": False}, " no-update"),
+                ("silu", all_flags, " transposed"),  # W2 [E, I, H]: the unit stride along H
             ]
         for activation, flags, suffix in variants:
             out.append(
@@ -246,7 +270,10 @@ def _backward_specs() -> list[Spec]:
                      "dw_partial_ptr": "fp32", "absmax_ptr": "fp32"},
                     _precision(act_dtype) | blocks | flags | {"ACTIVATION": activation},
                     options,
-                    unit_strides=("stride_goh", "stride_wi", "stride_hn", "stride_wj", "stride_gn", "stride_an"),
+                    unit_strides=(
+                        "stride_goh", "stride_wh" if "transposed" in suffix else "stride_wi", "stride_hn",
+                        "stride_wj", "stride_gn", "stride_an",
+                    ),
                     is_gemm=True,
                     config=blocks,
                 )
@@ -301,6 +328,30 @@ def _backward_specs() -> list[Spec]:
                         config=blocks,
                     )
                 )  # fmt: skip
+    # The transposed layouts' fused update (bf16): the weight's unit stride along M (the rows of a half;
+    # dW2's H), or between W1's halves (interleaved).
+    layouts = [("dW2", "transposed", "stride_m"), ("dW1", "transposed", "stride_m"),
+               ("dW1", "interleaved transposed", "stride_half")]  # fmt: skip
+    for role, layout, unit in layouts:
+        p_from_tokens, q_from_tokens = roles[role]
+        out.append(
+            Spec(
+                expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
+                f"x=bf16 w=bf16 {role} adamw-fp64 {layout}",
+                {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
+                 "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "bf16",
+                 "exp_avg_ptr": "bf16", "exp_avg_sq_ptr": "bf16", "scalars_ptr": "fp32", "flag_ptr": "fp32",
+                 "partial_ptr": "fp32", "hyper_ptr": "fp64"},
+                _precision("bf16") | blocks
+                | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
+                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "GRAD_DTYPE": TL_DTYPES["bf16"],
+                   "DOT_DTYPE": TL_DTYPES["bf16"]},
+                options | {"enable_fp_fusion": False},
+                unit_strides=("stride_pm", "stride_qn", "stride_wj", unit),
+                is_gemm=True,
+                config=blocks,
+            )
+        )  # fmt: skip
 
     dc = expert_mlp_bwd.DWEIGHTS_CONFIG
     for g_dtype in TL_DTYPES:

@@ -21,7 +21,7 @@ import torch
 
 from sonar_kernels import specs
 from sonar_kernels.ops import library
-from sonar_kernels.ops.validation import check_moe_mlp_args
+from sonar_kernels.ops.validation import check_layout, check_moe_mlp_args
 from sonar_kernels.specs import SUPPORTED_DTYPES
 
 _WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
@@ -49,7 +49,7 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
 def _setup_context(ctx, inputs, output) -> None:
     (hidden_states, _, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
      gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-     torch_fused, activation, backend) = inputs  # fmt: skip
+     torch_fused, activation, backend, layout) = inputs  # fmt: skip
     _, hpre, *meta = output
     ctx.save_for_backward(
         hidden_states,
@@ -66,7 +66,7 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.state_sizes = (len(gate_up_proj_state), len(down_proj_state))
     ctx.grad_dtypes = (gate_up_proj_grad_dtype, down_proj_grad_dtype)
     ctx.options = (fused_epilogue, foreach, torch_fused)
-    ctx.activation, ctx.backend = activation, backend
+    ctx.activation, ctx.backend, ctx.layout = activation, backend, layout
     # The owners' bookkeeping, in eager mode (under torch.compile the inputs are functional tensors,
     # without attributes): read from the tensors passed in now (saved tensors may come back as other
     # objects, e.g. under activation checkpointing).
@@ -218,7 +218,7 @@ def _backward(ctx, grad_out, *unused):
         [needs[0], needs[2], needs[3], needs[4]],
         mode1, state1, hyper1, buffer1, add1, dtype1,
         mode2, state2, hyper2, buffer2, add2, dtype2,
-        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend,
+        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout,
     )  # fmt: skip
     if any(owner is not None for owner in ctx.owners):
         # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
@@ -237,7 +237,7 @@ def _backward(ctx, grad_out, *unused):
         # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
         grads = library.moe_mlp_bwd_grads(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-            [needs[0], needs[2], needs[3], needs[4]], ctx.activation, ctx.backend,
+            [needs[0], needs[2], needs[3], needs[4]], ctx.activation, ctx.backend, ctx.layout,
         )  # fmt: skip
     else:
         grads = library.moe_mlp_bwd(*args)
@@ -257,6 +257,7 @@ def _backward(ctx, grad_out, *unused):
         *weight_grads,
         [None] * n1,
         [None] * n2,
+        None,
         None,
         None,
         None,
@@ -332,11 +333,14 @@ def moe_mlp(
     *,
     activation: str = "silu",
     backend: str = "auto",
+    transposed: bool = False,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)).
 
-    e = top_k_index[t, j]. The weights use the Hugging Face transformers v5 layout, so the parameters of
-    a transformers experts module (``OlmoeExperts``, ``GraniteMoeExperts``) can be passed as they are.
+    e = top_k_index[t, j]. The weights use the Hugging Face transformers v5 layouts, so the parameters of
+    a transformers experts module (``OlmoeExperts``, ``GraniteMoeExperts``, Aria's transposed ones) can
+    be passed as they are; every layout is read and updated in place (no copy on the Triton backend).
     Rounding points as in docs/design.md: Hpre, the activation and each expert output are rounded to the
     dtype of ``hidden_states``; products accumulate in fp32; the combine over top_k sums in fp32.
 
@@ -345,14 +349,19 @@ def moe_mlp(
         top_k_index: [T, top_k] int32/int64 expert ids; ids outside [0, E) (expert-parallel sentinels
             such as -1 or E) are dropped: the slot contributes nothing and its weight is not read.
         top_k_weights: [T, top_k] routing weights, float32/bfloat16/float16.
-        gate_up_proj: [E, 2I, H]; rows [0, I) are the gate projection, rows [I, 2I) the up projection.
-            dtype of hidden_states, or float32 (master weights, rounded to the compute dtype in registers).
-        down_proj: [E, H, I], dtype as gate_up_proj.
+        gate_up_proj: [E, 2I, H]; rows [0, I) are the gate projection, rows [I, 2I) the up projection
+            (``interleaved``: rows 2i the gate, rows 2i + 1 the up projection). [E, H, 2I] when
+            ``transposed`` (the 2I axis last, split the same way). dtype of hidden_states, or float32
+            (master weights, rounded to the compute dtype in registers).
+        down_proj: [E, H, I] ([E, I, H] when ``transposed``), dtype as gate_up_proj.
         activation: "silu" (SwiGLU), "gelu" (GeGLU with the exact erf GELU) or "gelu_tanh" (GeGLU with
             the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
             math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
             CUDA, torch otherwise).
+        transposed: both weights stored transposed (transformers' ``is_transposed``: gpt-oss, Aria).
+        interleaved: gate and up rows alternate (transformers' ``is_concatenated=False``, torchtitan's
+            fused w13, gpt-oss).
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
     nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
@@ -384,15 +393,16 @@ def moe_mlp(
         with torch.autocast(device_type, enabled=False):
             return moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-                activation=activation, backend=backend,
+                activation=activation, backend=backend, transposed=transposed, interleaved=interleaved,
             )  # fmt: skip
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError(
             "moe_mlp does not support torch.func transforms (grad, vjp, jacrev, vmap, functional_call under "
             "them): its forward and backward are custom ops without functorch rules; use torch.autograd"
         )
+    layout = check_layout(transposed, interleaved)
     backend = check_moe_mlp_args(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
     )
     updates = (_update_for(gate_up_proj), _update_for(down_proj))
     given = [u for u in updates if u is not None]
@@ -405,7 +415,7 @@ def moe_mlp(
         all(u.fused for u in given),
         first.foreach if first is not None else None,
         first.torch_fused if first is not None else None,
-        activation, backend,
+        activation, backend, layout,
     )  # fmt: skip
     out = outputs[0]
     if (
@@ -429,6 +439,8 @@ def grouped_mlp(
     *,
     activation: str = "silu",
     backend: str = "auto",
+    transposed: bool = False,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """Gated expert MLP over tokens already grouped by expert (torchtitan's and Megatron-Core's experts
     interface): rows ``[c_0 + ... + c_{e-1}, c_0 + ... + c_e)`` of ``x_sorted`` go through expert ``e``,
@@ -442,7 +454,8 @@ def grouped_mlp(
         x_sorted: [N, H] float32, bfloat16 or float16, rows grouped by expert in expert order.
         num_tokens_per_expert: [E] integer counts (any integer dtype, on the device of x_sorted or the
             CPU), summing to at most N: rows from the sum on (padding) belong to no expert.
-        gate_up_proj, down_proj, activation, backend: as for :func:`moe_mlp` ([E, 2I, H] and [E, H, I]).
+        gate_up_proj, down_proj, activation, backend, transposed, interleaved: as for :func:`moe_mlp`
+            ([E, 2I, H] and [E, H, I] by default).
 
     Returns:
         [N, H], dtype of x_sorted: row r is expert e(r)'s output for row r of x_sorted; padding rows are
@@ -486,5 +499,6 @@ def grouped_mlp(
     expert_of_row = torch.searchsorted(ends, rows, right=True).view(N, 1)
     ones = torch.ones(N, 1, dtype=x_sorted.dtype, device=x_sorted.device)
     return moe_mlp(
-        x_sorted, expert_of_row, ones, gate_up_proj, down_proj, activation=activation, backend=backend
-    )
+        x_sorted, expert_of_row, ones, gate_up_proj, down_proj, activation=activation, backend=backend,
+        transposed=transposed, interleaved=interleaved,
+    )  # fmt: skip

@@ -47,6 +47,7 @@ def expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M: tl.cons
 
 @triton.jit
 def grouped_mm_acc(
+    acc,  # [BLOCK_M, BLOCK_N] fp32, added to
     a_ptr,
     a_rows,  # [BLOCK_M] int64 row indices into A (gathered rows allowed)
     mask_m,  # [BLOCK_M] bool
@@ -65,7 +66,7 @@ def grouped_mm_acc(
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """acc[m, n] = sum_k A[a_rows[m], k] * B[b_rows[n], k], fp32 accumulation; masked rows give 0.
+    """acc[m, n] + sum_k A[a_rows[m], k] * B[b_rows[n], k], fp32 accumulation; masked rows add 0.
 
     Operands are rounded to DOT_DTYPE in registers (fp32 master weights under bf16 compute are never
     copied to bf16 in memory). Returns [BLOCK_M, BLOCK_N] fp32.
@@ -73,7 +74,6 @@ def grouped_mm_acc(
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BLOCK_M, BLOCK_K]
     b_ptrs = b_ptr + b_rows[None, :] * stride_bn + offs_k[:, None] * stride_bk  # [BLOCK_K, BLOCK_N]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=mask_m[:, None] & mask_k[None, :], other=0.0)

@@ -143,7 +143,7 @@ def expert_mlp_bwd_dhpre_kernel(
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = cols < I
     grad_proj = grouped_mm_acc(
-        grad_out_ptr, tokens, mask_m, stride_got, stride_goh,
+        tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), grad_out_ptr, tokens, mask_m, stride_got, stride_goh,
         w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wi, stride_wh,
         H, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, BLOCK_N] G
@@ -196,6 +196,7 @@ def _split_columns(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 def _dw_epilogue_slice(
     acc,  # [BLOCK_M, SLICE_N] fp32 wgrad
     offs_m,  # [BLOCK_M] int64
+    m_offsets,  # [BLOCK_M] int64: the element offset of each row m
     col0,
     M,
     N,
@@ -204,7 +205,6 @@ def _dw_epilogue_slice(
     w_ptr,
     exp_avg_ptr,
     exp_avg_sq_ptr,
-    stride_m,
     stride_n,
     step_size,
     bc2_sqrt,
@@ -228,7 +228,7 @@ def _dw_epilogue_slice(
     """
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    offs = offs_m[:, None] * stride_m + offs_n[None, :] * stride_n
+    offs = m_offsets[:, None] + offs_n[None, :] * stride_n
     grad = round_to(acc, GRAD_DTYPE, INTERPRET)
     if HAS_GRAD_IN:
         previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -282,8 +282,10 @@ def expert_mlp_bwd_dw_kernel(
     stride_wt,
     stride_wj,
     stride_e,  # dW, W, exp_avg and exp_avg_sq share their strides
+    stride_half,  # W1 as [E, 2, I, H] (any layout): row m is (m // m_half, m % m_half); 0 for W2
     stride_m,
     stride_n,
+    m_half,  # I for W1, M for W2
     # the largest gradient magnitude an update takes ("check")
     grad_limit: tl.float32,
     # meta-parameters
@@ -306,6 +308,9 @@ def expert_mlp_bwd_dw_kernel(
 
     dW2: M -> H, N -> I, P[r] = w_r * dO[token_r] (rounded to DOT_DTYPE), Q[r] = A[r].
     dW1: M -> 2I, N -> H, P[r] = dHpre[r], Q[r] = X[token_r]. K -> the rows of expert e.
+    dW1's row m (gate rows m < I, then up rows) is stored at half m // I, row m % I of W1 seen as
+    [E, 2, I, H] through its strides, so every layout of :func:`sonar_kernels.specs.gate_up_view` is
+    updated in place (dW2: ``stride_half`` 0, ``m_half`` M).
     Each program owns one [BLOCK_M, BLOCK_N] tile of one expert and reduces over all of that expert's
     rows (no split-K, no atomics), so its epilogue holds the whole gradient of the tile: rounded to
     GRAD_DTYPE (plus the gradient of earlier micro-batches, HAS_GRAD_IN), it is, in EPILOGUE_SPLIT
@@ -382,11 +387,12 @@ def expert_mlp_bwd_dw_kernel(
     exp_avg_ptr += base
     exp_avg_sq_ptr += base
     col0 = pid_n * BLOCK_N
+    m_offsets = (offs_m // m_half) * stride_half + (offs_m % m_half) * stride_m
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
     # (or out-of-range counts) are added in a fixed order.
     if EPILOGUE_SPLIT == 1:
         total = _dw_epilogue_slice(
-            acc, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            acc, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit,
             BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
@@ -394,12 +400,12 @@ def expert_mlp_bwd_dw_kernel(
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         total = _dw_epilogue_slice(
-            left, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            left, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit,
             half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
-            right, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            right, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
@@ -410,24 +416,24 @@ def expert_mlp_bwd_dw_kernel(
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _split_columns(left, BLOCK_M, half)
         total = _dw_epilogue_slice(
-            q0, offs_m, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m, stride_n,
+            q0, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
-            q1, offs_m, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            q1, offs_m, m_offsets, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         total += _dw_epilogue_slice(
-            q2, offs_m, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_m,
+            q2, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
-            q3, offs_m, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-            stride_m, stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
+            q3, offs_m, m_offsets, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+            stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit,
             quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, INTERPRET,
         )  # fmt: skip
     if EPILOGUE == "check":

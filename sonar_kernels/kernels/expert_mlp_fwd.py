@@ -51,7 +51,7 @@ def gelu_tanh_inner(x):
 def expert_mlp_fwd_up_kernel(
     # pointers
     x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
-    w1_ptr,  # [E, 2I, H] activation dtype or fp32, read
+    w1_ptr,  # [E, 2, I, H] (gate, up halves; any layout's strides) activation dtype or fp32, read
     token_of_row_ptr,  # [S] int32, read
     expert_offsets_ptr,  # [E + 1] int32, read
     tile_offsets_ptr,  # [E + 1] int32, read
@@ -65,6 +65,7 @@ def expert_mlp_fwd_up_kernel(
     stride_xt,
     stride_xh,
     stride_we,
+    stride_wg,
     stride_wn,
     stride_wh,
     stride_hs,
@@ -81,6 +82,8 @@ def expert_mlp_fwd_up_kernel(
 ):
     """Hpre[r] = X[token(r)] @ W1[e(r)]^T; A[r] = act(Hpre[r, :I]) * Hpre[r, I:] from the rounded Hpre.
 
+    W1 is read as [E, 2, I, H] through its strides (half 0 the gate rows, half 1 the up rows), so every
+    layout of :func:`sonar_kernels.specs.gate_up_view` is read in place; Hpre is [gate | up] in all.
     Mapping: M -> rows r, N -> I (each program owns gate columns n and up columns I + n, one dot of
     width 2 * BLOCK_N), K -> H.
     Grid: (row tiles * cdiv(I, BLOCK_N),), row tile fastest-varying last (programs of one row tile are
@@ -99,14 +102,15 @@ def expert_mlp_fwd_up_kernel(
     offs_m = row_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < row_end
     tokens = tl.load(token_of_row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
-    # Columns j < BLOCK_N of the dot are gate rows n of W1, columns j >= BLOCK_N the up rows I + n.
+    # Columns j < BLOCK_N of the dot are the gate rows n of W1 (half 0), columns j >= BLOCK_N the up rows
+    # n (half 1); each row's element offset in W1 from the layout's strides (passed as rows of stride 1).
     offs_j = tl.arange(0, 2 * BLOCK_N)
     offs_n = pid_n * BLOCK_N + offs_j % BLOCK_N
     mask_n = offs_n < I
-    w_rows = (offs_n + (offs_j // BLOCK_N) * I).to(tl.int64)
+    w_rows = offs_n.to(tl.int64) * stride_wn + (offs_j // BLOCK_N).to(tl.int64) * stride_wg
     acc = grouped_mm_acc(
-        x_ptr, tokens, mask_m, stride_xt, stride_xh,
-        w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, stride_wn, stride_wh,
+        tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), x_ptr, tokens, mask_m, stride_xt, stride_xh,
+        w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, 1, stride_wh,
         H, BLOCK_M, 2 * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, 2 * BLOCK_N]
     gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
@@ -132,7 +136,7 @@ def expert_mlp_fwd_up_kernel(
 def expert_mlp_grouped_mm_kernel(
     # pointers
     a_ptr,  # [S, I] activation dtype, read
-    w2_ptr,  # [E, H, I] activation dtype or fp32, read
+    w2_ptr,  # [E, H, I] (or W1 [E, 2, I, H] with HALVES 2) activation dtype or fp32, read
     expert_offsets_ptr,  # [E + 1] int32, read
     tile_offsets_ptr,  # [E + 1] int32, read
     y_ptr,  # [S, H] activation dtype, written for rows < expert_offsets[E]
@@ -146,19 +150,23 @@ def expert_mlp_grouped_mm_kernel(
     stride_we,
     stride_wh,
     stride_wi,
+    stride_whalf,
     stride_ys,
     stride_yh,
     # meta-parameters
+    HALVES: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Y[r] = A[r] @ W2[e(r)]^T (forward), or dX rows dHpre[r] @ W1[e(r)] (backward: W1 as [E, H, 2I]
-    through its strides, I -> 2I).
+    """Y[r] = A[r] @ W2[e(r)]^T (forward, HALVES 1), or the dX rows dHpre[r] @ W1[e(r)] (backward,
+    HALVES 2): the sum over the gate half (dHpre columns [0, I), W1 half 0) and the up half (columns
+    [I, 2I), W1 half 1 at ``stride_whalf``) of A[r, half] @ W[e(r), half]^T, W1's half read as [H, I]
+    through its strides (any layout of :func:`sonar_kernels.specs.gate_up_view`).
 
-    Mapping: M -> rows r, N -> H, K -> I.
+    Mapping: M -> rows r, N -> H, K -> I (per half).
     Grid: (row tiles * cdiv(H, BLOCK_N),).
     Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
     """
@@ -175,11 +183,14 @@ def expert_mlp_grouped_mm_kernel(
     mask_m = rows < row_end
     cols = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_n = cols < H
-    acc = grouped_mm_acc(
-        a_ptr, rows, mask_m, stride_as, stride_ai,
-        w2_ptr + expert.to(tl.int64) * stride_we, cols, mask_n, stride_wh, stride_wi,
-        I, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
-    )  # fmt: skip  # [BLOCK_M, BLOCK_N]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w_ptr = w2_ptr + expert.to(tl.int64) * stride_we
+    for half in tl.static_range(HALVES):
+        acc = grouped_mm_acc(
+            acc, a_ptr + half * I * stride_ai, rows, mask_m, stride_as, stride_ai,
+            w_ptr + half * stride_whalf, cols, mask_n, stride_wh, stride_wi,
+            I, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
+        )  # fmt: skip  # [BLOCK_M, BLOCK_N]
     y_ptrs = y_ptr + rows[:, None] * stride_ys + cols[None, :] * stride_yh
     tl.store(y_ptrs, round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
 

@@ -6,6 +6,7 @@ specs it reads, is one sequence; split, the order would be spread over modules.)
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -39,7 +40,7 @@ from sonar_kernels.ops.common import (
     triton_interpreting,
 )
 from sonar_kernels.ops.validation import check_buffer, check_update
-from sonar_kernels.specs import RoutingMetadata
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_view
 
 
 class AdamWUpdate(NamedTuple):
@@ -119,6 +120,7 @@ def moe_mlp_bwd(
     down_proj_update: AdamWUpdate | None = None,
     gate_up_proj_accumulator: GradAccumulator | None = None,
     down_proj_accumulator: GradAccumulator | None = None,
+    layout: str = "concatenated",
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
@@ -130,7 +132,8 @@ def moe_mlp_bwd(
 
     Args:
         grad_out: [T, H] dtype of hidden_states; any strides, 0 included.
-        hidden_states, top_k_weights, gate_up_proj, down_proj: the forward's inputs.
+        hidden_states, top_k_weights, gate_up_proj, down_proj, layout: the forward's inputs (the weights,
+            their moments and gradients in ``layout``, :data:`sonar_kernels.specs.LAYOUTS`).
         hpre, meta: saved by :func:`moe_mlp_fwd`.
         needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
         gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
@@ -160,20 +163,25 @@ def moe_mlp_bwd(
         return _launch_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
             needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
-            down_proj_accumulator,
+            down_proj_accumulator, layout,
         )  # fmt: skip
 
 
 def _launch_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
     needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
-    down_proj_accumulator=None,
+    down_proj_accumulator=None, layout="concatenated",
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     T, H = hidden_states.shape
     top_k = top_k_weights.shape[1]
-    E, two_I, _ = gate_up_proj.shape
-    I = two_I // 2
+    # The kernels read the weights (and write the updated ones, their moments and gradients) through
+    # these views: W1 [E, 2, I, H], W2 [E, H, I], whatever the layout.
+    w1_view = functools.partial(gate_up_view, layout=layout)
+    w2_view = functools.partial(down_view, layout=layout)
+    w2 = w2_view(down_proj)
+    E, _, I, _ = w1_view(gate_up_proj).shape
+    two_I = 2 * I
     S = T * top_k
     dtype = hidden_states.dtype
     device = hidden_states.device
@@ -201,12 +209,12 @@ def _launch_bwd(
         a_arg = a if a is not None else any_buffer
         dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
         expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
-            grad_out, down_proj, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
+            grad_out, w2, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
             meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
             any_buffer if absmax is None else absmax,
             E, H, I, top_k,
             grad_out.stride(0), grad_out.stride(1),
-            down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
+            w2.stride(0), w2.stride(1), w2.stride(2),
             hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0),
@@ -235,7 +243,7 @@ def _launch_bwd(
         # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
         grad_w2 = _wgrad(
             grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
-            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator, name="down_proj",
+            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator, name="down_proj", view=w2_view,
         )  # fmt: skip
     del a
 
@@ -257,7 +265,7 @@ def _launch_bwd(
         if S == 0:
             grad_x.zero_()
         else:
-            grad_x = _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret)
+            grad_x = _dx(grad_hpre, w1_view(gate_up_proj), meta, grad_x, top_k, dtype, interpret)
 
     grad_w1 = None
     if need_w1:
@@ -265,28 +273,29 @@ def _launch_bwd(
         grad_w1 = _wgrad(
             grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
             two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
-            name="gate_up_proj",
+            name="gate_up_proj", view=w1_view,
         )  # fmt: skip
     return grad_x, grad_w, grad_w1, grad_w2
 
 
-def _dx(grad_hpre, gate_up_proj, meta, grad_x, top_k, dtype, interpret):
-    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM (W1 read as [E, H, 2I]), then
-    its combine without weights."""
+def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
+    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM over W1's two halves (``w1`` the
+    [E, 2, I, H] view of :func:`sonar_kernels.specs.gate_up_view`, each half read as [H, I]), then its
+    combine without weights."""
     T, H = grad_x.shape
     S = T * top_k
-    E, two_I, _ = gate_up_proj.shape
+    E, _, I, _ = w1.shape
     cfg = FWD_GEMM_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_row_tiles = max_row_tiles(S, E, block_m)
     dx_rows = common.empty((S, H), dtype, grad_x.device)
     expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        grad_hpre, gate_up_proj, meta.expert_offsets, meta.tile_offsets, dx_rows,
-        E, H, two_I,
+        grad_hpre, w1, meta.expert_offsets, meta.tile_offsets, dx_rows,
+        E, H, I,
         grad_hpre.stride(0), grad_hpre.stride(1),
-        gate_up_proj.stride(0), gate_up_proj.stride(2), gate_up_proj.stride(1),
+        w1.stride(0), w1.stride(3), w1.stride(2), w1.stride(1),
         dx_rows.stride(0), dx_rows.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        HALVES=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
@@ -323,9 +332,10 @@ def overflow_possible(
 
 def _wgrad(
     p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight, update, M, N, top_k, dtype, interpret,
-    bound=None, accumulator=None, name="weight",
+    bound=None, accumulator=None, name="weight", view=None,
 ):  # fmt: skip
-    """One launch for the wgrad of all experts of ``weight`` [E, M, N]; returns dW, or None when
+    """One launch for the wgrad of all experts of ``weight``; returns dW (the weight's shape and, when it
+    is dense, strides), or None when
     ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, when
     it was deferred (``update.defer``), or when the gradient was added to ``accumulator``.
 
@@ -335,6 +345,10 @@ def _wgrad(
     recomputes each tile's gradient and flags the tiles with an entry beyond :func:`grad_limit`), which
     returns at once unless ``bound`` (largest |P|, largest |Q|, most rows of an expert) says the
     gradient may exceed the limit. No host sync.
+
+    ``view`` maps a tensor of the weight's shape and strides (the weight, its moments, gradients and
+    buffers) to what the kernel indexes: [E, M, N], or W1's [E, 2, M / 2, N] halves
+    (:func:`sonar_kernels.specs.gate_up_view`). Everything else here holds the weight's own shape.
     """
     if update is not None and update.defer is not None:
         operands = (p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight)
@@ -343,23 +357,30 @@ def _wgrad(
             now = update._replace(grad_in=grad_in, defer=None)
             check_update(name, weight, now)
             with on_device(weight.device):
-                _wgrad(*operands, now, M, N, top_k, dtype, interpret, bound, name=name)
+                _wgrad(*operands, now, M, N, top_k, dtype, interpret, bound, name=name, view=view)
 
         update.defer(run)
         return None
     E = weight.shape[0]
     cfg = WGRAD_CONFIG
     grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
+    view = view or (lambda t: t)
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
                grad_dtype, arithmetic, has_norm, **options):  # fmt: skip
+        grad, target, exp_avg, exp_avg_sq = view(grad), view(target), view(exp_avg), view(exp_avg_sq)
+        grad_in = None if grad_in is None else view(grad_in)
+        if grad.dim() == 4:  # W1's halves: row m of the gradient is (half m // I, row m % I)
+            strides = (grad.stride(0), grad.stride(1), grad.stride(2), grad.stride(3), grad.shape[2])
+        else:
+            strides = (grad.stride(0), 0, grad.stride(1), grad.stride(2), M)
         expert_mlp_bwd_dw_kernel[grid](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
-            grad.stride(0), grad.stride(1), grad.stride(2),
+            *strides,
             limit,
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],

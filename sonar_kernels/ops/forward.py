@@ -20,7 +20,7 @@ from sonar_kernels.kernels.routing import (
 )
 from sonar_kernels.ops import common
 from sonar_kernels.ops.common import input_precision, max_row_tiles, on_device, triton_interpreting
-from sonar_kernels.specs import RoutingMetadata
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_view
 
 
 def routing_block_config(num_experts: int) -> dict:
@@ -86,8 +86,10 @@ def moe_mlp_fwd(
     gate_up_proj: torch.Tensor,
     down_proj: torch.Tensor,
     activation: str,
+    layout: str = "concatenated",
 ) -> tuple[torch.Tensor, torch.Tensor, RoutingMetadata]:
-    """Triton forward of the gated expert MLP; arguments as checked by :func:`check_moe_mlp_args`.
+    """Triton forward of the gated expert MLP; arguments as checked by :func:`check_moe_mlp_args`, the
+    weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`), read in place.
 
     Six launches: routing metadata (histogram, scan, scatter), up-projection + GLU, down-projection,
     combine. Any strides.
@@ -96,14 +98,18 @@ def moe_mlp_fwd(
         expert_offsets[E] unwritten), the routing metadata).
     """
     with on_device(hidden_states.device):
-        return _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+        return _launch_fwd(
+            hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout
+        )
 
 
-def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
+def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout):
     T, H = hidden_states.shape
     top_k = top_k_index.shape[1]
-    E, two_I, _ = gate_up_proj.shape
-    I = two_I // 2
+    w1 = gate_up_view(gate_up_proj, layout)  # [E, 2, I, H]
+    w2 = down_view(down_proj, layout)  # [E, H, I]
+    E, _, I, _ = w1.shape
+    two_I = 2 * I
     S = T * top_k
     dtype = hidden_states.dtype
     device = hidden_states.device
@@ -122,10 +128,10 @@ def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
     a = common.empty((S, I), dtype, device)
     expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
-        hidden_states, gate_up_proj, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
+        hidden_states, w1, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
         E, H, I,
         hidden_states.stride(0), hidden_states.stride(1),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), gate_up_proj.stride(2),
+        w1.stride(0), w1.stride(1), w1.stride(2), w1.stride(3),
         hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1),
         ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
@@ -133,12 +139,12 @@ def _launch_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
     y = common.empty((S, H), dtype, device)
     expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        a, down_proj, meta.expert_offsets, meta.tile_offsets, y,
+        a, w2, meta.expert_offsets, meta.tile_offsets, y,
         E, H, I,
         a.stride(0), a.stride(1),
-        down_proj.stride(0), down_proj.stride(1), down_proj.stride(2),
+        w2.stride(0), w2.stride(1), w2.stride(2), 0,
         y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        HALVES=1, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
     )  # fmt: skip
     del a

@@ -48,20 +48,33 @@ def moe_mlp_fwd(
     torch_fused: bool | None,
     activation: str,
     backend: str,
+    layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
     :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
     hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
-    fused flags) are inputs only so that the registered backward receives them."""
+    fused flags) are inputs only so that the registered backward receives them. ``layout``: the weights'
+    (:data:`sonar_kernels.specs.LAYOUTS`)."""
     return run_moe_mlp_fwd(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
     )
 
 
-def run_moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend):
+def run_moe_mlp_fwd(
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up_proj,
+    down_proj,
+    activation,
+    backend,
+    layout="concatenated",
+):
     """The body of :func:`moe_mlp_fwd`: the launchers of ``backend``."""
     fwd = triton_fwd.moe_mlp_fwd if backend == "triton" else torch_backend.moe_mlp_fwd
-    out, hpre, meta = fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation)
+    out, hpre, meta = fwd(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout
+    )
     return (out, hpre, *meta)
 
 
@@ -69,11 +82,12 @@ def run_moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, dow
 def _moe_mlp_fwd_fake(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-    torch_fused, activation, backend,
+    torch_fused, activation, backend, layout,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
-    E, two_I, _ = gate_up_proj.shape
+    E, _, I, _ = specs.gate_up_view(gate_up_proj, layout).shape
+    two_I = 2 * I
     index = {"dtype": torch.int32, "device": hidden_states.device}
     return (
         hidden_states.new_empty(T, H),
@@ -131,6 +145,7 @@ def moe_mlp_bwd(
     torch_fused: bool | None,
     activation: str,
     backend: str,
+    layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj), each
     an empty tensor where ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no or the
@@ -149,7 +164,7 @@ def moe_mlp_bwd(
         row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
         gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
         down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-        foreach, torch_fused, activation, backend,
+        foreach, torch_fused, activation, backend, layout,
     )  # fmt: skip
 
 
@@ -158,7 +173,7 @@ def run_moe_mlp_bwd(
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend,
+    foreach, torch_fused, activation, backend, layout="concatenated",
     on_done=(None, None), defer=(None, None),
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
@@ -187,7 +202,7 @@ def run_moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
             gate_up_proj_accumulator=accumulators.get("gate_up_proj"),
-            down_proj_accumulator=accumulators.get("down_proj"),
+            down_proj_accumulator=accumulators.get("down_proj"), layout=layout,
         )  # fmt: skip
     else:
         apply = [
@@ -204,7 +219,7 @@ def run_moe_mlp_bwd(
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-            gate_up_proj_update=apply[0], down_proj_update=apply[1],
+            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout,
         )  # fmt: skip
     # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
     return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
@@ -216,7 +231,7 @@ def _moe_mlp_bwd_fake(
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend,
+    foreach, torch_fused, activation, backend, layout,
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     need_w1 = need_w1 and gate_up_proj_mode == "grad"
@@ -246,6 +261,7 @@ def moe_mlp_bwd_grads(
     needs_input_grad: list[bool],
     activation: str,
     backend: str,
+    layout: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward with ordinary gradients only (no weight updated or accumulated): as
     :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
@@ -253,7 +269,7 @@ def moe_mlp_bwd_grads(
     after this backward."""
     return run_moe_mlp_bwd(*_with_plain_gradients(
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend,
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout,
     ))  # fmt: skip
 
 
@@ -265,9 +281,9 @@ def _moe_mlp_bwd_grads_fake(*args):
 def _with_plain_gradients(*args) -> tuple:
     """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: both weights in mode
     "grad" (no state, no buffer)."""
-    *tensors, activation, backend = args
+    *tensors, activation, backend, layout = args
     plain = ("grad", [], None, None, False, None)
-    return (*tensors, *plain, *plain, True, None, None, activation, backend)
+    return (*tensors, *plain, *plain, True, None, None, activation, backend, layout)
 
 
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
-from sonar_kernels.specs import RoutingMetadata
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_view
 
 
 def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
@@ -155,17 +155,26 @@ def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | 
     return torch.where(kept, gathered, 0.0).sum(dim=1)
 
 
-def moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation):
-    """Forward of the gated expert MLP; returns (out [T, H], Hpre [S, 2I], the routing metadata)."""
+def concatenated(gate_up_proj: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+    """W1 of ``layout`` as [E, 2I, H] (gate rows, then up rows) in ``dtype``: a view where the layout
+    allows it, else a temporary copy (the interleaved layouts; fp32 master weights under 16-bit compute)."""
+    w1 = gate_up_view(gate_up_proj, layout)
+    return w1.reshape(w1.shape[0], 2 * w1.shape[2], w1.shape[3]).to(dtype)
+
+
+def moe_mlp_fwd(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout="concatenated"
+):
+    """Forward of the gated expert MLP, the weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`);
+    returns (out [T, H], Hpre [S, 2I], the routing metadata)."""
     T = hidden_states.shape[0]
     top_k = top_k_index.shape[1]
-    E, two_I, _ = gate_up_proj.shape
-    I = two_I // 2
     dtype = hidden_states.dtype
+    w1 = concatenated(gate_up_proj, layout, dtype)
+    w2 = down_view(down_proj, layout).to(dtype)
+    E, two_I, _ = w1.shape
+    I = two_I // 2
     meta = routing_metadata(top_k_index, E)
-    # fp32 master weights under 16-bit compute: rounded to the compute dtype (a temporary copy here).
-    w1 = gate_up_proj.to(dtype)
-    w2 = down_proj.to(dtype)
     tokens = meta.token_of_row.long()
     hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
     a = glu(hpre[:, :I].float(), hpre[:, I:].float(), activation).to(dtype)
@@ -176,11 +185,11 @@ def moe_mlp_fwd(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_pr
 
 def moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
-    *, gate_up_proj_update=None, down_proj_update=None,
+    *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated",
 ):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj), None where
     ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no. Weight gradients in the weight's
-    dtype; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
+    dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
     ``down_proj_update`` / ``gate_up_proj_update``: a callable that updates the weight in place, given a
     function of no arguments that computes the weight's gradient; called where that gradient would be
@@ -190,7 +199,7 @@ def moe_mlp_bwd(
     need_x, need_w, need_w1, need_w2 = needs_input_grad
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
-    I = gate_up_proj.shape[1] // 2
+    I = gate_up_view(gate_up_proj, layout).shape[2]
     S = T * top_k
     dtype = hidden_states.dtype
     valid = _valid_rows(meta, S)
@@ -203,7 +212,9 @@ def moe_mlp_bwd(
     need_g = need_x or need_w or need_w1
     grad_hpre = None
     if need_g:
-        g = torch.where(valid, grouped_mm(grad_rows, down_proj.to(dtype), meta.expert_offsets).float(), 0.0)
+        w2 = down_view(down_proj, layout).to(dtype)
+        g = torch.where(valid, grouped_mm(grad_rows, w2, meta.expert_offsets).float(), 0.0)
+        del w2
         if need_w:
             per_row = (g * a.float()).sum(dim=1)
             kept = meta.row_of_slot >= 0
@@ -214,18 +225,18 @@ def moe_mlp_bwd(
             grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
             del d_gate, d_up
     if need_w2:
-        compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj.dtype)
+        compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj, layout)
         if down_proj_update is None:
             grad_w2 = compute()
         else:
             down_proj_update(compute)
         del compute
     if need_x:
-        rows = grouped_mm(grad_hpre, gate_up_proj.to(dtype), meta.expert_offsets)
+        rows = grouped_mm(grad_hpre, concatenated(gate_up_proj, layout, dtype), meta.expert_offsets)
         grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
         del rows
     if need_w1:
-        compute = functools.partial(_grad_w1, grad_hpre, hidden_states, tokens, meta, gate_up_proj.dtype)
+        compute = functools.partial(_grad_w1, grad_hpre, hidden_states, tokens, meta, gate_up_proj, layout)
         del grad_hpre, grad_rows, g, a
         if gate_up_proj_update is None:
             grad_w1 = compute()
@@ -234,12 +245,22 @@ def moe_mlp_bwd(
     return grad_x, grad_w, grad_w1, grad_w2
 
 
-def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight_dtype):
-    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype."""
+def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):
+    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype, shape and strides."""
     p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-    return grouped_wgrad(p, a, meta.expert_offsets).to(weight_dtype)
+    wgrad = grouped_wgrad(p, a, meta.expert_offsets)  # [E, H, I]
+    if not layout.endswith("_transposed"):
+        return wgrad.to(weight.dtype)
+    grad = torch.empty_like(weight)
+    down_view(grad, layout).copy_(wgrad)
+    return grad
 
 
-def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight_dtype):
-    """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype."""
-    return grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets).to(weight_dtype)
+def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight, layout):
+    """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype, shape and strides."""
+    wgrad = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets)  # [E, 2I, H]
+    if layout == "concatenated":
+        return wgrad.to(weight.dtype)
+    grad = torch.empty_like(weight)  # the layout's gradient: one more copy of it, briefly
+    gate_up_view(grad, layout).copy_(wgrad.unflatten(1, (2, wgrad.shape[1] // 2)))
+    return grad

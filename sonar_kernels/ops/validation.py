@@ -6,13 +6,35 @@ from __future__ import annotations
 import torch
 
 from sonar_kernels.ops.common import is_dense, laid_out_like, triton_interpreting
-from sonar_kernels.specs import ACTIVATIONS, BACKENDS, INDEX_DTYPES, MAX_EXPERTS, SUPPORTED_DTYPES
+from sonar_kernels.specs import (
+    ACTIVATIONS,
+    BACKENDS,
+    INDEX_DTYPES,
+    LAYOUTS,
+    MAX_EXPERTS,
+    SUPPORTED_DTYPES,
+    layout_name,
+)
+
+
+def check_layout(transposed, interleaved) -> str:
+    """The name in :data:`sonar_kernels.specs.LAYOUTS` of the flags ``transposed`` and ``interleaved``.
+
+    Raises:
+        TypeError: a flag that is not a bool.
+    """
+    for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
+    return layout_name(transposed, interleaved)
 
 
 def check_moe_mlp_args(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend
-) -> str:
-    """Validate the arguments of :func:`sonar_kernels.moe_mlp` and resolve ``backend``.
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend,
+    layout="concatenated",
+) -> str:  # fmt: skip
+    """Validate the arguments of :func:`sonar_kernels.moe_mlp` (the weights in ``layout``, one of
+    :data:`sonar_kernels.specs.LAYOUTS`) and resolve ``backend``.
 
     Returns:
         "triton" or "torch".
@@ -35,6 +57,8 @@ def check_moe_mlp_args(
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
     # dtypes
     if hidden_states.dtype not in SUPPORTED_DTYPES:
@@ -66,10 +90,17 @@ def check_moe_mlp_args(
             f"top_k_weights must have the shape of top_k_index {tuple(top_k_index.shape)}, "
             f"got {tuple(top_k_weights.shape)}"
         )
+    transposed = layout.endswith("_transposed")
+    w1_dims, w2_dims = ("[E, H, 2I]", "[E, I, H]") if transposed else ("[E, 2I, H]", "[E, H, I]")
     if gate_up_proj.dim() != 3:
-        raise ValueError(f"gate_up_proj must be [E, 2I, H], got shape {tuple(gate_up_proj.shape)}")
+        raise ValueError(f"gate_up_proj must be {w1_dims}, got shape {tuple(gate_up_proj.shape)}")
     if down_proj.dim() != 3:
-        raise ValueError(f"down_proj must be [E, H, I], got shape {tuple(down_proj.shape)}")
+        raise ValueError(f"down_proj must be {w2_dims}, got shape {tuple(down_proj.shape)}")
+    # The checks below read the weights as the concatenated layout's [E, 2I, H] and [E, H, I]; the
+    # messages name the dimensions of the layout given.
+    w1_axes, w2_axes = ((2, 1), (2, 1)) if transposed else ((1, 2), (1, 2))
+    if transposed:
+        gate_up_proj, down_proj = gate_up_proj.transpose(1, 2), down_proj.transpose(1, 2)
     if H < 1:
         raise ValueError(
             f"hidden_states must have a hidden size H >= 1, got shape {tuple(hidden_states.shape)}"
@@ -81,7 +112,7 @@ def check_moe_mlp_args(
         raise ValueError(f"at most {MAX_EXPERTS} experts are supported, gate_up_proj has {E}")
     if H1 != H:
         raise ValueError(
-            f"gate_up_proj.shape[2] must equal the hidden size H = {H} of hidden_states, got {H1}"
+            f"gate_up_proj.shape[{w1_axes[1]}] must equal the hidden size H = {H} of hidden_states, got {H1}"
         )
     if down_proj.shape[0] != E:
         raise ValueError(
@@ -89,11 +120,12 @@ def check_moe_mlp_args(
         )
     if down_proj.shape[1] != H:
         raise ValueError(
-            f"down_proj.shape[1] must equal the hidden size H = {H} of hidden_states, got {down_proj.shape[1]}"
+            f"down_proj.shape[{w2_axes[0]}] must equal the hidden size H = {H} of hidden_states, "
+            f"got {down_proj.shape[1]}"
         )
     if two_I != 2 * down_proj.shape[2] or two_I == 0:
         raise ValueError(
-            f"gate_up_proj.shape[1] must be 2 * down_proj.shape[2] = 2I (I >= 1), "
+            f"gate_up_proj.shape[{w1_axes[0]}] must be 2 * down_proj.shape[{w2_axes[1]}] = 2I (I >= 1), "
             f"got {two_I} and I = {down_proj.shape[2]}"
         )
 

@@ -1,0 +1,142 @@
+"""The expert weights' layouts (transposed, gate/up interleaved, both): forward, every gradient and the
+in-backward update of each layout against the float64 reference on the same weights rearranged, here, into
+the concatenated layout by plain indexing (an oracle independent of ``specs.gate_up_view``)."""
+
+import pytest
+import torch
+from numerics import assert_close
+
+import sonar_kernels
+from sonar_kernels import reference
+from sonar_kernels.specs import LAYOUTS, mark_expert_tensors
+
+E, H, I, T, TOP_K = 4, 24, 8, 12, 2
+
+
+def _flags(layout):
+    return {"transposed": layout.endswith("_transposed"), "interleaved": layout.startswith("interleaved")}
+
+
+def to_layout(w1, w2, layout):
+    """Concatenated [E, 2I, H], [E, H, I] -> ``layout``'s tensors (new memory)."""
+    if layout.startswith("interleaved"):
+        w1 = torch.stack((w1[:, :I], w1[:, I:]), dim=2).flatten(1, 2)  # gate 0, up 0, gate 1, ...
+    if layout.endswith("_transposed"):
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    return w1.contiguous(), w2.contiguous()
+
+
+def to_concatenated(w1, w2, layout):
+    """``layout``'s tensors -> concatenated [E, 2I, H], [E, H, I]; differentiable."""
+    if layout.endswith("_transposed"):
+        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+    if layout.startswith("interleaved"):
+        w1 = torch.cat((w1[:, 0::2], w1[:, 1::2]), dim=1)
+    return w1, w2
+
+
+def _inputs(dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=generator)
+    # Expert 1 gets no token: its rows of the gradient are 0, its update is weight decay alone.
+    index = torch.randint(0, E - 1, (T, TOP_K), generator=generator)
+    index[index == 1] = E - 1
+    weights = torch.rand(T, TOP_K, generator=generator)
+    w1 = torch.randn(E, 2 * I, H, generator=generator) * H**-0.5
+    w2 = torch.randn(E, H, I, generator=generator) * I**-0.5
+    return x.to(dtype), index, weights.to(dtype), w1.to(dtype), w2.to(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_every_layout_matches_the_float64_reference(backend, dtype, layout):
+    x, index, weights, w1, w2 = _inputs(dtype)
+    leaves = [t.clone().requires_grad_() for t in (x, weights, *to_layout(w1, w2, layout))]
+    out = sonar_kernels.moe_mlp(
+        leaves[0], index, leaves[1], leaves[2], leaves[3], backend=backend, **_flags(layout)
+    )
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = reference.moe_mlp(exact[0], index, exact[1], *to_concatenated(exact[2], exact[3], layout))
+    assert_close(out, expected, dtype)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    for name, leaf, ref in zip(
+        ("x", "top_k_weights", "gate_up_proj", "down_proj"), leaves, exact, strict=True
+    ):
+        assert leaf.grad.shape == leaf.shape and leaf.grad.stride() == leaf.stride(), name
+        assert_close(leaf.grad, ref.grad, dtype, what=name)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    "backend, fused_epilogue, accumulation_steps",
+    [("triton", True, 1), ("triton", False, 1), ("triton", True, 2), ("torch", True, 1), ("torch", True, 2)],
+)
+def test_every_layout_is_updated_in_place_like_torch_adamw(
+    backend, fused_epilogue, accumulation_steps, layout
+):
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    params = [torch.nn.Parameter(w) for w in to_layout(w1, w2, layout)]
+    addresses = [p.data_ptr() for p in params]
+    mark_expert_tensors(*params)
+    optimizer = sonar_kernels.ExpertAdamW(
+        params, **hyper, fused_epilogue=fused_epilogue, accumulation_steps=accumulation_steps
+    )
+    exact = [torch.nn.Parameter(p.detach().double()) for p in params]
+    torch_adamw = torch.optim.AdamW(exact, **hyper)
+    for step in range(2):
+        for micro in range(accumulation_steps):
+            grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + micro))
+            sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend, **_flags(layout)).backward(
+                grad_out
+            )
+            expected = reference.moe_mlp(
+                x.double(), index, weights.double(), *to_concatenated(*exact, layout)
+            )
+            expected.backward(grad_out.double())
+        assert all(p.grad is None for p in params)  # updated in the backward, no gradient kept
+        optimizer.step()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    for name, p, ref, address in zip(("gate_up_proj", "down_proj"), params, exact, addresses, strict=True):
+        assert p.data_ptr() == address  # in place
+        state = optimizer.state[p]
+        assert state["exp_avg"].stride() == p.stride() and float(state["step"]) == 2
+        assert_close(p, ref, torch.float32, what=name)
+        assert_close(
+            state["exp_avg"], torch_adamw.state[ref]["exp_avg"], torch.float32, what=f"{name} exp_avg"
+        )
+        assert_close(
+            state["exp_avg_sq"],
+            torch_adamw.state[ref]["exp_avg_sq"],
+            torch.float32,
+            what=f"{name} exp_avg_sq",
+        )
+
+
+def test_grouped_mlp_takes_the_layouts():
+    x, _, _, w1, w2 = _inputs(torch.float32)
+    counts = torch.tensor([5, 0, 4, 3])
+    expected = sonar_kernels.grouped_mlp(x, counts, w1, w2, backend="torch")
+    for layout in LAYOUTS:
+        out = sonar_kernels.grouped_mlp(
+            x, counts, *to_layout(w1, w2, layout), backend="torch", **_flags(layout)
+        )
+        # The same products; torch's GEMM may order the sums differently for other strides.
+        assert_close(out, expected, torch.float32, what=layout)
+
+
+def test_layout_shapes_and_flags_are_checked_before_any_kernel():
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    w1_t, w2_t = to_layout(w1, w2, "concatenated_transposed")
+    with pytest.raises(ValueError, match=r"gate_up_proj.shape\[1\] must equal the hidden size H = 24"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2_t, backend="torch", transposed=True)
+    with pytest.raises(ValueError, match=r"down_proj.shape\[2\] must equal the hidden size H = 24"):
+        sonar_kernels.moe_mlp(x, index, weights, w1_t, w2, backend="torch", transposed=True)
+    with pytest.raises(ValueError, match=r"gate_up_proj must be \[E, H, 2I\]"):
+        sonar_kernels.moe_mlp(x, index, weights, w1_t[0], w2_t, backend="torch", transposed=True)
+    with pytest.raises(TypeError, match="interleaved must be a bool"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="torch", interleaved="yes")
