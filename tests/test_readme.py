@@ -18,7 +18,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # The "Use" block, the transformers block, the data-parallel script of "Distributed training".
-EXPECTED_BLOCKS = 3
+EXPECTED_BLOCKS = 4
 # Each block takes a few seconds on a 2-core CPU (most of it importing torch and transformers).
 BLOCK_TIMEOUT = 90
 # torch 2.13's gloo can abort a rank at interpreter exit, after the script has run to its end: "terminate

@@ -171,6 +171,69 @@ def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
         assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
 
 
+def _aria(implementation, seed=0):
+    """A tiny random Aria text model (2 layers, hidden 64): its experts are stored transposed
+    (``is_transposed``: gate_up_proj [E, H, 2I], down_proj [E, I, H])."""
+    torch.manual_seed(seed)
+    config = transformers.AriaTextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, moe_num_experts=4, moe_topk=2, moe_num_shared_experts=1, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config._experts_implementation = implementation
+    model = transformers.AriaTextForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, p.shape[1] ** -0.5)
+    return model
+
+
+@pytest.mark.skipif(not hasattr(transformers, "AriaTextForCausalLM"), reason="transformers without Aria")
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_aria_with_its_transposed_experts_equals_eager(backend):
+    eager = _aria("eager")
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
+    experts = [m for m in sonar.modules() if type(m).__name__ == "AriaExperts"]
+    assert len(experts) == 2 and all(
+        hf.layout_of(m) == {"transposed": True, "interleaved": False} for m in experts
+    )
+    tokens = _tokens()
+    ref, got = (m(tokens, labels=tokens, output_router_logits=True) for m in (eager, sonar))
+    ref.loss.backward()
+    got.loss.backward()
+    assert_close(got.logits, ref.logits, torch.float32, what="logits")
+    for layer, (a, b) in enumerate(zip(got.router_logits, ref.router_logits, strict=True)):
+        assert_close(a, b, torch.float32, what=f"router logits of layer {layer}")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+
+
+@pytest.mark.skipif(not hasattr(transformers, "AriaTextForCausalLM"), reason="transformers without Aria")
+def test_aria_sonar_adamw_equals_dense_clip_training_bitwise_and_round_trips(tmp_path):
+    hf.register()
+    standard = _aria("sonar")
+    hf.set_backend(standard, "torch")
+    sonar = copy.deepcopy(standard)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    assert len(optimizer.expert_tensors) == 4
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, sonar=False)
+    _train(sonar, optimizer, 3, sonar=True)
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    # The transposed checkpoint keys and shapes are transformers' own: it loads under either implementation.
+    sonar.save_pretrained(tmp_path)
+    loaded = transformers.AriaTextForCausalLM.from_pretrained(tmp_path, experts_implementation="sonar")
+    for (name, p), (loaded_name, q) in zip(sonar.named_parameters(), loaded.named_parameters(), strict=True):
+        assert name == loaded_name and p.shape == q.shape and torch.equal(p, q), name
+    eager = transformers.AriaTextForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
+
+
 def test_unsupported_activation_and_layout_are_refused_by_name():
     hf.register()
     # Refused when chosen: at construction (the config selects "sonar") and at the switch, which leaves
@@ -186,8 +249,7 @@ def test_unsupported_activation_and_layout_are_refused_by_name():
     # A module changed after the switch is refused by name at the forward.
     model = _model("olmoe", implementation="sonar")
     experts = model.model.layers[0].mlp.experts
-    for flag, value in (("has_bias", True), ("is_transposed", True), ("is_concatenated", False),
-                        ("has_gate", False), ("has_post_expert_norm", True)):  # fmt: skip
+    for flag, value in (("has_bias", True), ("has_gate", False), ("has_post_expert_norm", True)):
         setattr(experts, flag, value)
         with pytest.raises(ValueError, match=f"{flag}={value}"):
             model(_tokens())
@@ -300,3 +362,62 @@ def test_transformers_gradient_checkpointing_updates_each_expert_tensor_once(use
             assert torch.equal(p, q), name
         else:  # the Triton update's arithmetic against torch's CPU AdamW: a few ulps
             assert rel_err(p, q) <= 1e-6, name
+
+
+class _Tokens(torch.utils.data.Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        tokens = _tokens(i)[0]
+        return {"input_ids": tokens, "labels": tokens}
+
+
+class _GradNorms(transformers.TrainerCallback):
+    """The grad_norm of every Trainer log."""
+
+    def __init__(self):
+        self.values = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "grad_norm" in logs:
+            self.values.append(logs["grad_norm"])
+
+
+def test_hf_trainer_with_sonar_adamw_equals_dense_clip_training_bitwise(tmp_path):
+    """README's Trainer recipe: SonarAdamW through ``optimizers=(optimizer, scheduler)``, Trainer's own
+    clipping (it sees the dense gradients only: the experts were updated in the backward) and its logged
+    grad_norm (the dense parameters' norm), against torch.optim.AdamW with dense-only clipping on the same
+    batches."""
+    hf.register()
+    model = _model("olmoe", implementation="sonar", backend="torch")
+    standard = copy.deepcopy(model)
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER)  # no max_grad_norm: Trainer clips
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    batches = []
+    model.register_forward_pre_hook(
+        lambda m, args, kwargs: batches.append(kwargs["input_ids"]), with_kwargs=True
+    )
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=2, max_grad_norm=0.5, logging_steps=1,
+        report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    norms = _GradNorms()
+    trainer = transformers.Trainer(
+        model=model, args=args, train_dataset=_Tokens(), optimizers=(optimizer, scheduler), callbacks=[norms]
+    )
+    trainer.train()
+    logs = norms.values
+    assert len(batches) == 2 and len(logs) == 2
+    reference = torch.optim.AdamW(standard.parameters(), **HYPER)
+    reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, lambda step: 1.0 / (1 + step))
+    dense = [p for name, p in standard.named_parameters() if not name.endswith(("gate_up_proj", "down_proj"))]
+    for tokens, logged in zip(batches, logs, strict=True):
+        standard(tokens, labels=tokens).loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(dense, 0.5)
+        assert logged == pytest.approx(float(norm), rel=1e-6)
+        reference.step()
+        reference_scheduler.step()
+        reference.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), name

@@ -26,6 +26,7 @@ from sonar_kernels.specs import (
     IMPLEMENTATION,
     expert_tensors_of,
     is_experts_module,
+    layout_name,
     mark_expert_parallel,
     mark_expert_tensors,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "check_sonar_modules",
     "expert_tensors",
     "is_experts_module",
+    "layout_of",
     "register",
     "set_backend",
     "shard_experts",
@@ -58,10 +60,9 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
 }
-# The layout flags of @use_experts_implementation and the value the kernels need.
+# The layout flags of @use_experts_implementation that the kernels need at one value. is_transposed and
+# is_concatenated may take either (moe_mlp's ``transposed`` and, negated, ``interleaved``).
 LAYOUT = {
-    "is_transposed": False,
-    "is_concatenated": True,
     "has_bias": False,
     "has_gate": True,
     "has_post_expert_norm": False,
@@ -186,9 +187,12 @@ def check_experts_module(module: nn.Module) -> str:
     """The activation of ``module`` ("silu", "gelu" or "gelu_tanh") when the sonar kernels can run it: read
     from its ``act_fn`` (what transformers' eager forward calls), else from ``config.hidden_act``.
 
+    The weights may be transposed (``is_transposed``) and their gate and up rows interleaved
+    (``is_concatenated=False``); see :func:`layout_of`.
+
     Raises:
-        ValueError: a layout flag the kernels do not implement (transposed, interleaved gate/up, bias, no
-            gate, post-expert norm), a custom ``_apply_gate``, or an activation other than SiLU, the
+        ValueError: a layout flag the kernels do not implement (bias, no gate, post-expert norm), a
+            custom ``_apply_gate``, or an activation other than SiLU, the
             exact erf GELU and its tanh approximation; each named in the message.
     """
     name = type(module).__name__
@@ -197,7 +201,8 @@ def check_experts_module(module: nn.Module) -> str:
         if bool(value) != needed:
             raise ValueError(
                 f"{name}: {flag}={value} is not supported by the sonar experts implementation (it needs "
-                f"{flag}={needed}: gate_up_proj [E, 2I, H] with the gate rows first, down_proj [E, H, I], no bias)"
+                f"{flag}={needed}: a gated MLP with gate_up_proj and down_proj, no bias, no norm after the "
+                "experts)"
             )
     from transformers.integrations.moe import _default_apply_gate
 
@@ -212,6 +217,16 @@ def check_experts_module(module: nn.Module) -> str:
         if not isinstance(getattr(module, attr, None), torch.Tensor):
             raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs both")
     return activation
+
+
+def layout_of(module: nn.Module) -> dict[str, bool]:
+    """The layout keywords of :func:`sonar_kernels.moe_mlp` for a transformers experts module, from its
+    ``@use_experts_implementation`` flags: ``transposed`` (``is_transposed``: gate_up_proj [E, H, 2I],
+    down_proj [E, I, H]) and ``interleaved`` (``is_concatenated=False``: gate and up rows alternate)."""
+    return {
+        "transposed": bool(getattr(module, "is_transposed", False)),
+        "interleaved": not bool(getattr(module, "is_concatenated", True)),
+    }
 
 
 def _activation_of(module: nn.Module) -> str:
@@ -267,11 +282,12 @@ def sonar_experts_forward(
     if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all
         backend = check_moe_mlp_args(
             hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation,
-            getattr(self, BACKEND_ATTRIBUTE, "auto"),
+            getattr(self, BACKEND_ATTRIBUTE, "auto"), layout_name(**layout_of(self)),
         )  # fmt: skip
         return expert_parallel_moe_mlp(
             hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, group=group,
             num_experts=getattr(self, EP_EXPERTS_ATTRIBUTE), activation=activation, backend=backend,
+            **layout_of(self),
         )  # fmt: skip
     return moe_mlp(
         hidden_states,
@@ -281,6 +297,7 @@ def sonar_experts_forward(
         self.down_proj,
         activation=activation,
         backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
+        **layout_of(self),
     )
 
 

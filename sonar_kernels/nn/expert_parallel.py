@@ -64,9 +64,12 @@ def expert_parallel_moe_mlp(
     num_experts: int,
     activation: str,
     backend: str,
+    transposed: bool = False,
+    interleaved: bool = False,
 ) -> torch.Tensor:
     """:func:`sonar_kernels.moe_mlp` over experts spread across ``group``: rank r holds experts
-    [r * E / P, (r + 1) * E / P) as ``gate_up_proj`` [E / P, 2I, H] and ``down_proj`` [E / P, H, I].
+    [r * E / P, (r + 1) * E / P) as ``gate_up_proj`` [E / P, 2I, H] and ``down_proj`` [E / P, H, I]
+    (or another layout of :func:`sonar_kernels.moe_mlp`: ``transposed``, ``interleaved``).
 
     Args:
         hidden_states: [T_r, H], this rank's tokens.
@@ -110,6 +113,8 @@ def expert_parallel_moe_mlp(
         down_proj,
         activation=activation,
         backend=backend,
+        transposed=transposed,
+        interleaved=interleaved,
     )
     y_recv = _ScaleGrad.apply(y_recv, 1.0 / size)
     y = _all_to_all(y_recv, send_splits, recv_splits, group)
