@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from sonar_kernels.specs import ACTIVATIONS, RoutingMetadata
+from sonar_kernels.specs import ACTIVATIONS, RoutingMetadata, parse_activation
 
 __all__ = ["ACTIVATIONS", "RoutingMetadata", "glu", "moe_mlp", "routing_metadata"]
 
@@ -58,7 +58,13 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """Gated linear unit: ``act(gate) * up``; SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and
-    "gelu_tanh" (the tanh approximation, torch's ``F.gelu(approximate="tanh")``)."""
+    "gelu_tanh" (the tanh approximation, torch's ``F.gelu(approximate="tanh")``); for a clamped SwiGLU
+    (:func:`sonar_kernels.specs.clamped_swiglu`) transformers' gpt-oss formula, written as it is there."""
+    if activation.startswith("clamped_swiglu"):
+        _, alpha, limit = parse_activation(activation)
+        gate = gate.clamp(min=None, max=limit)
+        up = up.clamp(min=-limit, max=limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
     if activation == "silu":
         return F.silu(gate) * up
     if activation == "gelu":
@@ -76,8 +82,12 @@ def moe_mlp(
     down_proj: torch.Tensor,
     *,
     activation: str = "silu",
+    gate_up_proj_bias: torch.Tensor | None = None,
+    down_proj_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x)) * up_e(x)).
+    With biases: gate_e(x), up_e(x) and down_e(a) add ``gate_up_proj_bias[e]`` ([E, 2I], gate first) and
+    ``down_proj_bias[e]`` ([E, H]) before their rounding.
 
     Args:
         hidden_states: [T, H] floating point (float64 gives a float64 evaluation of the same math).
@@ -85,7 +95,8 @@ def moe_mlp(
         top_k_weights: [T, top_k] routing weights, any floating dtype (used in fp32 or wider).
         gate_up_proj: [E, 2I, H], rows [0, I) gate, rows [I, 2I) up.
         down_proj: [E, H, I].
-        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU), "gelu_tanh" (GeGLU, tanh-approximated
+            GELU) or a clamped SwiGLU (:func:`sonar_kernels.specs.clamped_swiglu`).
     Returns:
         [T, H] in the dtype of ``hidden_states``. Differentiable in every floating input.
     """
@@ -110,9 +121,15 @@ def moe_mlp(
             continue
         w1 = w1s[e].to(dtype).to(acc_dtype)
         w2 = w2s[e].to(dtype).to(acc_dtype)
-        hpre = (x.to(acc_dtype) @ w1.T).to(dtype).to(acc_dtype)
+        hpre = x.to(acc_dtype) @ w1.T
+        if gate_up_proj_bias is not None:
+            hpre = hpre + gate_up_proj_bias[e].to(acc_dtype)
+        hpre = hpre.to(dtype).to(acc_dtype)
         a = glu(hpre[:, :I], hpre[:, I:], activation).to(dtype).to(acc_dtype)
-        pieces.append((a @ w2.T).to(dtype).to(acc_dtype))
+        y = a @ w2.T
+        if down_proj_bias is not None:
+            y = y + down_proj_bias[e].to(acc_dtype)
+        pieces.append(y.to(dtype).to(acc_dtype))
     # Back to slot order: the expert output of every slot, zero for dropped slots.
     y_slots = torch.cat(pieces)[torch.argsort(order)]
     # Dropped slots contribute nothing, even where their weight is NaN or Inf.

@@ -17,14 +17,19 @@ Ownership (who updates an expert tensor in the backward) is explicit state, neve
 
 from __future__ import annotations
 
+import math
+import re
 from typing import NamedTuple
 
 import torch
 
 BACKENDS = ("auto", "triton", "torch")
 # "silu": SwiGLU; "gelu": GeGLU with the exact erf GELU; "gelu_tanh": GeGLU with the tanh approximation
-# of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh").
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
+# of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh"); "clamped_swiglu":
+# gpt-oss's SwiGLU with a clamp and a sigmoid slope, parameters in the name (:func:`clamped_swiglu`).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+# gpt-oss's defaults (its config's swiglu_alpha, swiglu_limit).
+CLAMPED_SWIGLU_DEFAULTS = (1.702, 7.0)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The expert weights' layouts (docs/design.md, "Weight layouts"). "concatenated": transformers' default,
 # gate_up_proj [E, 2I, H] with the gate rows first, then the up rows, down_proj [E, H, I];
@@ -233,15 +238,19 @@ def is_experts_module(module: torch.nn.Module) -> bool:
 
 def expert_tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
     """The expert tensors a module holds: those its ``expert_tensors()`` method names
-    (:class:`sonar_kernels.SonarExperts`), or (gate_up_proj, down_proj) of a transformers experts module
-    whose config selects experts_implementation "sonar"; None otherwise. Imports no integration."""
+    (:class:`sonar_kernels.SonarExperts`), or (gate_up_proj, down_proj and, with has_bias,
+    gate_up_proj_bias, down_proj_bias) of a transformers experts module whose config selects
+    experts_implementation "sonar"; None otherwise. Imports no integration."""
     method = getattr(module, "expert_tensors", None)
     if callable(method):
         return tuple(method())
     config = getattr(module, "config", None)
     if getattr(config, "_experts_implementation", None) != IMPLEMENTATION or not is_experts_module(module):
         return None
-    tensors = tuple(getattr(module, name, None) for name in ("gate_up_proj", "down_proj"))
+    names = ("gate_up_proj", "down_proj")
+    if getattr(module, "has_bias", False):  # the biases are expert tensors too
+        names += ("gate_up_proj_bias", "down_proj_bias")
+    tensors = tuple(getattr(module, name, None) for name in names)
     if not all(isinstance(t, torch.nn.Parameter) for t in tensors):
         return None
     return tensors
@@ -270,6 +279,15 @@ def gate_up_from_view(view: torch.Tensor, layout: str) -> torch.Tensor:
     return w.transpose(1, 2) if layout.endswith("_transposed") else w
 
 
+def gate_up_bias_view(gate_up_proj_bias: torch.Tensor, layout: str) -> torch.Tensor:
+    """``gate_up_proj_bias`` [E, 2I] of ``layout`` seen as [E, 2, I] ([:, 0] the gate, [:, 1] the up
+    projection's bias; interleaved as the weight's rows are). A view."""
+    half = gate_up_proj_bias.shape[1] // 2
+    if layout.startswith("interleaved"):
+        return gate_up_proj_bias.unflatten(1, (half, 2)).transpose(1, 2)
+    return gate_up_proj_bias.unflatten(1, (2, half))
+
+
 def down_view(down_proj: torch.Tensor, layout: str) -> torch.Tensor:
     """``down_proj`` of ``layout`` seen as [E, H, I] (a view); its own inverse."""
     return down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj
@@ -283,3 +301,42 @@ def gate_up_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
 def down_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
     """The shape of down_proj in ``layout``."""
     return (E, I, H) if layout.endswith("_transposed") else (E, H, I)
+
+
+def clamped_swiglu(
+    alpha: float = CLAMPED_SWIGLU_DEFAULTS[0], limit: float = CLAMPED_SWIGLU_DEFAULTS[1]
+) -> str:
+    """The activation name of gpt-oss's clamped SwiGLU with slope ``alpha`` and clamp ``limit``:
+    ``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``, ``A = (u + 1) * g * sigmoid(alpha * g)``
+    (transformers' ``GptOssExperts._apply_gate``); the gradient through each clamp is torch's (it passes
+    where the input is within the bounds, bounds included). Pass it as ``activation=`` of
+    :func:`sonar_kernels.moe_mlp`; ``"clamped_swiglu"`` alone takes gpt-oss's alpha 1.702 and limit 7.0."""
+    return f"clamped_swiglu(alpha={float(alpha)!r}, limit={float(limit)!r})"
+
+
+_CLAMPED = re.compile(r"clamped_swiglu\(alpha=(?P<alpha>[^,]+), limit=(?P<limit>[^)]+)\)")
+
+
+def parse_activation(activation: str) -> tuple[str, float, float]:
+    """(kind in :data:`ACTIVATIONS`, alpha, limit) of an activation name; alpha and limit are
+    gpt-oss's defaults for every kind but a parametrized ``clamped_swiglu(...)``.
+
+    Raises:
+        ValueError: not an activation name, or a clamped SwiGLU with a non-finite alpha or a limit
+            that is not a finite number > 0.
+    """
+    if activation in ACTIVATIONS:
+        return (activation, *CLAMPED_SWIGLU_DEFAULTS)
+    match = _CLAMPED.fullmatch(activation) if isinstance(activation, str) else None
+    if match is None:
+        raise ValueError(
+            f"activation must be one of {ACTIVATIONS} or clamped_swiglu(alpha=..., limit=...) "
+            f"(sonar_kernels.clamped_swiglu), got {activation!r}"
+        )
+    try:
+        alpha, limit = float(match["alpha"]), float(match["limit"])
+    except ValueError:
+        raise ValueError(f"activation {activation!r}: alpha and limit must be numbers") from None
+    if not (math.isfinite(alpha) and math.isfinite(limit) and limit > 0):
+        raise ValueError(f"activation {activation!r}: alpha must be finite and limit a finite number > 0")
+    return "clamped_swiglu", alpha, limit

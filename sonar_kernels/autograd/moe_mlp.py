@@ -21,10 +21,12 @@ import torch
 
 from sonar_kernels import specs
 from sonar_kernels.ops import library
-from sonar_kernels.ops.validation import check_layout, check_moe_mlp_args
+from sonar_kernels.ops.validation import check_biases, check_layout, check_moe_mlp_args
 from sonar_kernels.specs import SUPPORTED_DTYPES
 
 _WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
+# The positions of the biases among the forward op's inputs.
+_BIASES = (17, 18)
 
 
 def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
@@ -49,7 +51,7 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
 def _setup_context(ctx, inputs, output) -> None:
     (hidden_states, _, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
      gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-     torch_fused, activation, backend, layout) = inputs  # fmt: skip
+     torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias) = inputs  # fmt: skip
     _, hpre, *meta = output
     ctx.save_for_backward(
         hidden_states,
@@ -60,6 +62,8 @@ def _setup_context(ctx, inputs, output) -> None:
         *meta,
         gate_up_proj_hyper,
         down_proj_hyper,
+        gate_up_proj_bias,
+        down_proj_bias,
         *gate_up_proj_state,
         *down_proj_state,
     )
@@ -169,7 +173,7 @@ def _backward(ctx, grad_out, *unused):
                 owner.untrack(ctx)
     hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
     weights = [gate_up_proj, down_proj]
-    meta, hypers, rest = rest[:5], rest[5:7], rest[7:]
+    meta, hypers, biases, rest = rest[:5], rest[5:7], rest[7:9], rest[9:]
     n1, n2 = ctx.state_sizes
     states = [rest[:n1], rest[n1 : n1 + n2]]
     # Eager mode with owners: the update writes the parameter and its owner's state, never what
@@ -213,12 +217,14 @@ def _backward(ctx, grad_out, *unused):
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
     (mode1, state1, hyper1, buffer1, add1, dtype1), (mode2, state2, hyper2, buffer2, add2, dtype2) = plans
+    # (x, routing weights, W1, W2, the biases: ordinary gradients, updated by their owner's hook).
+    grad_needs = [needs[0], needs[2], needs[3], needs[4], needs[_BIASES[0]], needs[_BIASES[1]]]
     args = (
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-        [needs[0], needs[2], needs[3], needs[4]],
+        grad_needs,
         mode1, state1, hyper1, buffer1, add1, dtype1,
         mode2, state2, hyper2, buffer2, add2, dtype2,
-        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout,
+        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout, *biases,
     )  # fmt: skip
     if any(owner is not None for owner in ctx.owners):
         # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
@@ -237,16 +243,14 @@ def _backward(ctx, grad_out, *unused):
         # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
         grads = library.moe_mlp_bwd_grads(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-            [needs[0], needs[2], needs[3], needs[4]], ctx.activation, ctx.backend, ctx.layout,
+            grad_needs, ctx.activation, ctx.backend, ctx.layout, *biases,
         )  # fmt: skip
     else:
         grads = library.moe_mlp_bwd(*args)
     # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
-    grad_x, grad_w, grad_w1, grad_w2 = (
+    grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2 = (
         g if need and mode in (None, "grad") else None
-        for g, need, mode in zip(
-            grads, (needs[0], needs[2], needs[3], needs[4]), (None, None, mode1, mode2), strict=True
-        )
+        for g, need, mode in zip(grads, grad_needs, (None, None, mode1, mode2, None, None), strict=True)
     )
     weight_grads = [grad_w1, grad_w2]
     # One entry per input of the forward op; a list input (an update's state) gets a list of Nones.
@@ -267,6 +271,8 @@ def _backward(ctx, grad_out, *unused):
         None,
         None,
         None,
+        grad_b1,
+        grad_b2,
     )
 
 
@@ -335,6 +341,8 @@ def moe_mlp(
     backend: str = "auto",
     transposed: bool = False,
     interleaved: bool = False,
+    gate_up_proj_bias: torch.Tensor | None = None,
+    down_proj_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)).
 
@@ -354,14 +362,23 @@ def moe_mlp(
             ``transposed`` (the 2I axis last, split the same way). dtype of hidden_states, or float32
             (master weights, rounded to the compute dtype in registers).
         down_proj: [E, H, I] ([E, I, H] when ``transposed``), dtype as gate_up_proj.
-        activation: "silu" (SwiGLU), "gelu" (GeGLU with the exact erf GELU) or "gelu_tanh" (GeGLU with
-            the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU with the exact erf GELU), "gelu_tanh" (GeGLU with
+            the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``) or gpt-oss's
+            clamped SwiGLU (``sonar_kernels.clamped_swiglu(alpha, limit)``, or "clamped_swiglu" for
+            alpha 1.702 and limit 7.0).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
             math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
             CUDA, torch otherwise).
         transposed: both weights stored transposed (transformers' ``is_transposed``: gpt-oss, Aria).
         interleaved: gate and up rows alternate (transformers' ``is_concatenated=False``, torchtitan's
             fused w13, gpt-oss).
+        gate_up_proj_bias: [E, 2I] or None, added to the gate and up projections (its gate and up
+            entries split as the weight's rows are: interleaved with ``interleaved``); dtype of
+            gate_up_proj. gpt-oss has one.
+        down_proj_bias: [E, H] or None, added to each expert's output before the routing weight
+            multiplies it (transformers' gpt-oss experts); dtype of down_proj. The biases get ordinary
+            gradients (small tensors, ``sonar_kernels/ops/bias.py``); an owning optimizer updates them in
+            the backward from there.
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
     nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
@@ -394,6 +411,7 @@ def moe_mlp(
             return moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=activation, backend=backend, transposed=transposed, interleaved=interleaved,
+                gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias,
             )  # fmt: skip
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError(
@@ -404,6 +422,7 @@ def moe_mlp(
     backend = check_moe_mlp_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
     )
+    check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout)
     updates = (_update_for(gate_up_proj), _update_for(down_proj))
     given = [u for u in updates if u is not None]
     first = given[0] if given else None
@@ -415,7 +434,7 @@ def moe_mlp(
         all(u.fused for u in given),
         first.foreach if first is not None else None,
         first.torch_fused if first is not None else None,
-        activation, backend, layout,
+        activation, backend, layout, gate_up_proj_bias, down_proj_bias,
     )  # fmt: skip
     out = outputs[0]
     if (

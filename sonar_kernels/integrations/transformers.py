@@ -20,10 +20,12 @@ from torch import nn
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
+from sonar_kernels.ops.torch_backend import glu
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.specs import (
     BACKENDS,
     IMPLEMENTATION,
+    clamped_swiglu,
     expert_tensors_of,
     is_experts_module,
     layout_name,
@@ -60,13 +62,22 @@ ACTIVATIONS = {
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
 }
-# The layout flags of @use_experts_implementation that the kernels need at one value. is_transposed and
-# is_concatenated may take either (moe_mlp's ``transposed`` and, negated, ``interleaved``).
+# The layout flags of @use_experts_implementation that the kernels need at one value. is_transposed,
+# is_concatenated and has_bias may take either (moe_mlp's ``transposed``, ``interleaved`` (negated) and
+# its biases).
 LAYOUT = {
-    "has_bias": False,
     "has_gate": True,
     "has_post_expert_norm": False,
 }
+# The bias parameters of an experts module with has_bias (transformers' names).
+BIAS_NAMES = ["gate_up_proj_bias", "down_proj_bias"]
+# The custom _apply_gate functions the kernels run: gpt-oss's clamped SwiGLU (its experts interleave gate
+# and up) and the same formula on concatenated halves (OpenAI's privacy filter), both reading the module's
+# ``alpha`` and ``limit``. Each is also checked against the kernels' formula on a probe when it is met.
+CLAMPED_SWIGLU_GATES = (
+    "transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts._apply_gate",
+    "transformers.models.openai_privacy_filter.modeling_openai_privacy_filter.OpenAIPrivacyFilterExperts._apply_gate",
+)
 # The attribute of an experts module that picks its moe_mlp backend (default "auto").
 BACKEND_ATTRIBUTE = "sonar_backend"
 # The attributes of an experts module sharded by shard_experts: its process group, its global expert count.
@@ -184,16 +195,20 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
 
 
 def check_experts_module(module: nn.Module) -> str:
-    """The activation of ``module`` ("silu", "gelu" or "gelu_tanh") when the sonar kernels can run it: read
-    from its ``act_fn`` (what transformers' eager forward calls), else from ``config.hidden_act``.
+    """The activation of ``module`` ("silu", "gelu", "gelu_tanh" or a clamped SwiGLU) when the sonar
+    kernels can run it: read from its ``act_fn`` (what transformers' eager forward calls), else from
+    ``config.hidden_act``; gpt-oss's ``_apply_gate`` (:data:`CLAMPED_SWIGLU_GATES`) is
+    :func:`sonar_kernels.clamped_swiglu` with the module's ``alpha`` and ``limit``.
 
-    The weights may be transposed (``is_transposed``) and their gate and up rows interleaved
-    (``is_concatenated=False``); see :func:`layout_of`.
+    The weights may be transposed (``is_transposed``), their gate and up rows interleaved
+    (``is_concatenated=False``) and both projections biased (``has_bias``: ``gate_up_proj_bias``,
+    ``down_proj_bias``); see :func:`layout_of`.
 
     Raises:
-        ValueError: a layout flag the kernels do not implement (bias, no gate, post-expert norm), a
-            custom ``_apply_gate``, or an activation other than SiLU, the
-            exact erf GELU and its tanh approximation; each named in the message.
+        ValueError: a layout flag the kernels do not implement (no gate, post-expert norm), a custom
+            ``_apply_gate`` other than gpt-oss's (or one of those that does not compute its formula), or
+            an activation other than SiLU, the exact erf GELU and its tanh approximation; each named in
+            the message.
     """
     name = type(module).__name__
     for flag, needed in LAYOUT.items():
@@ -207,16 +222,49 @@ def check_experts_module(module: nn.Module) -> str:
     from transformers.integrations.moe import _default_apply_gate
 
     apply_gate = getattr(type(module), "_apply_gate", _default_apply_gate)
-    if apply_gate is not _default_apply_gate:
-        raise ValueError(
-            f"{name} defines its own _apply_gate ({getattr(apply_gate, '__qualname__', apply_gate)}), which the "
-            "sonar experts implementation does not run (it computes act(gate) * up with SiLU or a GELU)"
-        )
-    activation = _activation_of(module)
-    for attr in ("gate_up_proj", "down_proj"):
+    if apply_gate is _default_apply_gate:
+        activation = _activation_of(module)
+    else:
+        activation = _clamped_swiglu_of(module, apply_gate)
+    names = ["gate_up_proj", "down_proj"]
+    if getattr(module, "has_bias", False):
+        names += BIAS_NAMES
+    for attr in names:
         if not isinstance(getattr(module, attr, None), torch.Tensor):
-            raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs both")
+            raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs it")
     return activation
+
+
+def _clamped_swiglu_of(module: nn.Module, apply_gate) -> str:
+    """The clamped SwiGLU activation of a module whose ``_apply_gate`` is one of
+    :data:`CLAMPED_SWIGLU_GATES`, checked on a probe (float64, values beyond the clamp included) against
+    the kernels' formula in the module's gate/up order. Raises ValueError otherwise."""
+    qualified = f"{getattr(apply_gate, '__module__', '')}.{getattr(apply_gate, '__qualname__', apply_gate)}"
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    refusal = (
+        f"{type(module).__name__} defines its own _apply_gate ({qualified}), which the sonar experts "
+        "implementation does not run (it computes act(gate) * up with SiLU or a GELU, and gpt-oss's clamped "
+        "SwiGLU)"
+    )
+    if qualified not in CLAMPED_SWIGLU_GATES or not all(isinstance(v, (int, float)) for v in (alpha, limit)):
+        raise ValueError(refusal)
+    activation = clamped_swiglu(alpha, limit)
+    if not _computes_clamped_swiglu(apply_gate, float(alpha), float(limit), layout_of(module)["interleaved"]):
+        raise ValueError(f"{refusal}: on a probe it does not compute {activation}")
+    return activation
+
+
+@functools.cache
+def _computes_clamped_swiglu(apply_gate, alpha: float, limit: float, interleaved: bool) -> bool:
+    """Whether ``apply_gate`` (reading ``self.alpha``, ``self.limit``) computes the kernels' clamped SwiGLU
+    (the torch backend's ``glu``) on a float64 probe whose gate and up values cross both clamps."""
+    probe = torch.linspace(-3 * limit, 3 * limit, 64, dtype=torch.float64).view(4, 16)
+    gate, up = (probe[:, 0::2], probe[:, 1::2]) if interleaved else (probe[:, :8], probe[:, 8:])
+    holder = type("Holder", (), {"alpha": alpha, "limit": limit})()
+    with torch.no_grad():
+        got = apply_gate(holder, probe.clone())
+        expected = glu(gate, up, clamped_swiglu(alpha, limit))
+    return got.shape == expected.shape and bool(torch.allclose(got, expected, rtol=1e-12, atol=1e-12))
 
 
 def layout_of(module: nn.Module) -> dict[str, bool]:
@@ -287,7 +335,7 @@ def sonar_experts_forward(
         return expert_parallel_moe_mlp(
             hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, group=group,
             num_experts=getattr(self, EP_EXPERTS_ATTRIBUTE), activation=activation, backend=backend,
-            **layout_of(self),
+            **layout_of(self), **_biases_of(self),
         )  # fmt: skip
     return moe_mlp(
         hidden_states,
@@ -298,7 +346,15 @@ def sonar_experts_forward(
         activation=activation,
         backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
         **layout_of(self),
+        **_biases_of(self),
     )
+
+
+def _biases_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The bias keywords of :func:`sonar_kernels.moe_mlp` for an experts module with ``has_bias``."""
+    if not getattr(module, "has_bias", False):
+        return {}
+    return {name: getattr(module, name) for name in BIAS_NAMES}
 
 
 def shard_experts(model: nn.Module, ep_group) -> nn.Module:
@@ -330,7 +386,11 @@ def shard_experts(model: nn.Module, ep_group) -> nn.Module:
     for module in modules:
         experts = module.gate_up_proj.shape[0]
         local = experts // size
-        for name in ("gate_up_proj", "down_proj"):
+        for name in (
+            "gate_up_proj",
+            "down_proj",
+            *(BIAS_NAMES if getattr(module, "has_bias", False) else ()),
+        ):
             full = getattr(module, name)
             part = nn.Parameter(
                 full.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad
@@ -343,9 +403,9 @@ def shard_experts(model: nn.Module, ep_group) -> nn.Module:
     return model
 
 
-def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(gate_up_proj, down_proj) of a transformers experts module that runs the sonar implementation,
-    else None. Does not import transformers."""
+def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """(gate_up_proj, down_proj, and with has_bias gate_up_proj_bias, down_proj_bias) of a transformers
+    experts module that runs the sonar implementation, else None. Does not import transformers."""
     if not is_experts_module(module):
         return None
     return expert_tensors_of(module)

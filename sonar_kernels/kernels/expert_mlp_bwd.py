@@ -19,7 +19,7 @@ import triton.language as tl
 
 from sonar_kernels.kernels.adamw import adamw_tile
 from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
-from sonar_kernels.kernels.expert_mlp_fwd import gelu_tanh_inner, glu_fwd
+from sonar_kernels.kernels.expert_mlp_fwd import clamp_gate_up, gelu_tanh_inner, glu_fwd
 
 # dHpre is a grouped GEMM over row tiles, like the forward: it uses the routing metadata's TILE_M rows.
 DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
@@ -40,9 +40,18 @@ DWEIGHTS_CONFIG = {"BLOCK": 256, "num_warps": 4}
 
 
 @triton.jit
-def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr):
+def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr, alpha, limit):
     """(d gate, d up) of A = act(gate) * up, fp32 in and out; silu (SwiGLU), exact erf gelu or its tanh
-    approximation (GeGLU)."""
+    approximation (GeGLU), or the clamped SwiGLU (glu_fwd), whose clamps pass the gradient where their
+    input is within the bounds, bounds included (torch's clamp backward; 0 for a NaN)."""
+    if ACTIVATION == "clamped_swiglu":
+        g, u = clamp_gate_up(gate, up, limit)
+        sig = 1.0 / (1.0 + tl.exp(-alpha * g))
+        glu = g * sig
+        # d/dg g sigmoid(alpha g) = sigmoid + alpha g sigmoid (1 - sigmoid).
+        grad_g = grad_a * (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig))
+        grad_u = grad_a * glu
+        return tl.where(gate <= limit, grad_g, 0.0), tl.where((up >= -limit) & (up <= limit), grad_u, 0.0)
     if ACTIVATION == "silu":
         sig = 1.0 / (1.0 + tl.exp(-gate))
         act = gate * sig
@@ -103,6 +112,9 @@ def expert_mlp_bwd_dhpre_kernel(
     stride_as,
     stride_an,
     stride_dwp,
+    # the clamped SwiGLU's slope and clamp (read only by ACTIVATION "clamped_swiglu")
+    alpha: tl.float32,
+    limit: tl.float32,
     # meta-parameters
     ACTIVATION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -152,7 +164,7 @@ def expert_mlp_bwd_dhpre_kernel(
     h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
     gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(h_ptrs + I * stride_hn, mask=mask, other=0.0).to(tl.float32)
-    a = round_to(glu_fwd(gate, up, ACTIVATION), dtype, INTERPRET)
+    a = round_to(glu_fwd(gate, up, ACTIVATION, alpha, limit), dtype, INTERPRET)
     if STORE_A:
         tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, a, mask=mask)
     if HAS_ABSMAX:
@@ -170,7 +182,7 @@ def expert_mlp_bwd_dhpre_kernel(
             other=0.0,
         ).to(tl.float32)
         grad_a = round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
-        grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION)
+        grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION, alpha, limit)
         grad_gate = round_to(grad_gate, dtype, INTERPRET)
         grad_up = round_to(grad_up, dtype, INTERPRET)
         g_ptrs = grad_hpre_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gn
@@ -446,6 +458,7 @@ def expert_mlp_bwd_dw_kernel(
 def expert_mlp_bwd_dweights_kernel(
     # pointers
     dw_partial_ptr,  # [num_partials, S] fp32, read at kept rows
+    extra_ptr,  # [S] fp32, read at kept slots when HAS_EXTRA (the down bias's term <dO[t], b2[e]>)
     row_of_slot_ptr,  # [S] int32, read
     grad_weights_ptr,  # [S] (contiguous [T, top_k]) routing-weight dtype, written
     # sizes
@@ -455,9 +468,11 @@ def expert_mlp_bwd_dweights_kernel(
     stride_dwp,
     # meta-parameters
     BLOCK: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """d w[s] = sum_p partial[p, row_of_slot(s)] in p order (deterministic); 0 for a dropped slot.
+    """d w[s] = sum_p partial[p, row_of_slot(s)] in p order (deterministic), plus extra[s] with
+    HAS_EXTRA; 0 for a dropped slot.
 
     Grid: (cdiv(S, BLOCK),).
     """
@@ -470,6 +485,8 @@ def expert_mlp_bwd_dweights_kernel(
     for _ in range(0, num_partials):
         acc += tl.load(partial_ptrs, mask=kept, other=0.0)
         partial_ptrs += stride_dwp
+    if HAS_EXTRA:
+        acc += tl.load(extra_ptr + offs_s, mask=kept, other=0.0)
     tl.store(
         grad_weights_ptr + offs_s, round_to(acc, grad_weights_ptr.dtype.element_ty, INTERPRET), mask=mask_s
     )

@@ -25,9 +25,13 @@ COMBINE_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
 
 
 @triton.jit
-def glu_fwd(gate, up, ACTIVATION: tl.constexpr):
+def glu_fwd(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
     """act(gate) * up in fp32: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the
-    tanh approximation)."""
+    tanh approximation); "clamped_swiglu": (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    g = min(gate, limit) (gpt-oss; a NaN stays NaN, as torch's clamp keeps it)."""
+    if ACTIVATION == "clamped_swiglu":
+        g, u = clamp_gate_up(gate, up, limit)
+        return g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
     if ACTIVATION == "silu":
         act = gate / (1.0 + tl.exp(-gate))
     elif ACTIVATION == "gelu_tanh":
@@ -35,6 +39,14 @@ def glu_fwd(gate, up, ACTIVATION: tl.constexpr):
     else:
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
     return act * up
+
+
+@triton.jit
+def clamp_gate_up(gate, up, limit):
+    """(min(gate, limit), clamp(up, -limit, limit)); a NaN passes through (comparisons with NaN are false)."""
+    g = tl.where(gate > limit, limit, gate)
+    u = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    return g, u
 
 
 @triton.jit
@@ -52,6 +64,7 @@ def expert_mlp_fwd_up_kernel(
     # pointers
     x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
     w1_ptr,  # [E, 2, I, H] (gate, up halves; any layout's strides) activation dtype or fp32, read
+    b1_ptr,  # [E, 2, I] (the halves of gate_up_proj_bias) dtype of w1, read when HAS_BIAS
     token_of_row_ptr,  # [S] int32, read
     expert_offsets_ptr,  # [E + 1] int32, read
     tile_offsets_ptr,  # [E + 1] int32, read
@@ -72,8 +85,15 @@ def expert_mlp_fwd_up_kernel(
     stride_hn,
     stride_as,
     stride_an,
+    stride_be,
+    stride_bg,
+    stride_bn,
+    # the clamped SwiGLU's slope and clamp (read only by ACTIVATION "clamped_swiglu")
+    alpha: tl.float32,
+    limit: tl.float32,
     # meta-parameters
     ACTIVATION: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -113,6 +133,10 @@ def expert_mlp_fwd_up_kernel(
         w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, 1, stride_wh,
         H, BLOCK_M, 2 * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, 2 * BLOCK_N]
+    if HAS_BIAS:  # added in fp32 before the one rounding of Hpre
+        b_offsets = offs_n.to(tl.int64) * stride_bn + (offs_j // BLOCK_N).to(tl.int64) * stride_bg
+        bias = tl.load(b1_ptr + expert.to(tl.int64) * stride_be + b_offsets, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
     gate = round_to(gate, dtype, INTERPRET)  # [BLOCK_M, BLOCK_N]
     up = round_to(up, dtype, INTERPRET)
@@ -124,7 +148,7 @@ def expert_mlp_fwd_up_kernel(
     tl.store(h_ptrs, gate, mask=mask)
     tl.store(h_ptrs + I * stride_hn, up, mask=mask)
     # The activation reads the rounded Hpre, exactly what the backward recomputes it from.
-    a = glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION)
+    a = glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION, alpha, limit)
     tl.store(
         a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an,
         round_to(a, dtype, INTERPRET),
@@ -137,6 +161,7 @@ def expert_mlp_grouped_mm_kernel(
     # pointers
     a_ptr,  # [S, I] activation dtype, read
     w2_ptr,  # [E, H, I] (or W1 [E, 2, I, H] with HALVES 2) activation dtype or fp32, read
+    b2_ptr,  # [E, H] dtype of w2, read when HAS_BIAS
     expert_offsets_ptr,  # [E + 1] int32, read
     tile_offsets_ptr,  # [E + 1] int32, read
     y_ptr,  # [S, H] activation dtype, written for rows < expert_offsets[E]
@@ -153,8 +178,11 @@ def expert_mlp_grouped_mm_kernel(
     stride_whalf,
     stride_ys,
     stride_yh,
+    stride_be,
+    stride_bh,
     # meta-parameters
     HALVES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -191,6 +219,9 @@ def expert_mlp_grouped_mm_kernel(
             w_ptr + half * stride_whalf, cols, mask_n, stride_wh, stride_wi,
             I, BLOCK_M, BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
         )  # fmt: skip  # [BLOCK_M, BLOCK_N]
+    if HAS_BIAS:  # Y = A W2^T + b2[e], added in fp32 before the one rounding
+        bias = tl.load(b2_ptr + expert.to(tl.int64) * stride_be + cols * stride_bh, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ys + cols[None, :] * stride_yh
     tl.store(y_ptrs, round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
 

@@ -66,10 +66,13 @@ def expert_parallel_moe_mlp(
     backend: str,
     transposed: bool = False,
     interleaved: bool = False,
+    gate_up_proj_bias: torch.Tensor | None = None,
+    down_proj_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`sonar_kernels.moe_mlp` over experts spread across ``group``: rank r holds experts
     [r * E / P, (r + 1) * E / P) as ``gate_up_proj`` [E / P, 2I, H] and ``down_proj`` [E / P, H, I]
-    (or another layout of :func:`sonar_kernels.moe_mlp`: ``transposed``, ``interleaved``).
+    (or another layout of :func:`sonar_kernels.moe_mlp`: ``transposed``, ``interleaved``), and their
+    biases' rows of those experts, if any.
 
     Args:
         hidden_states: [T_r, H], this rank's tokens.
@@ -115,6 +118,8 @@ def expert_parallel_moe_mlp(
         backend=backend,
         transposed=transposed,
         interleaved=interleaved,
+        gate_up_proj_bias=gate_up_proj_bias,
+        down_proj_bias=down_proj_bias,
     )
     y_recv = _ScaleGrad.apply(y_recv, 1.0 / size)
     y = _all_to_all(y_recv, send_splits, recv_splits, group)

@@ -11,12 +11,12 @@ from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.specs import (
-    ACTIVATIONS,
     BACKENDS,
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
     mark_expert_parallel,
     mark_expert_tensors,
+    parse_activation,
 )
 
 
@@ -33,7 +33,8 @@ class SonarExperts(nn.Module):
         num_experts: E >= 1.
         hidden_size: H >= 1.
         intermediate_size: I >= 1, per expert.
-        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU) or "gelu_tanh" (GeGLU, tanh-approximated GELU).
+        activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU), "gelu_tanh" (GeGLU, tanh-approximated
+            GELU) or a clamped SwiGLU (:func:`sonar_kernels.clamped_swiglu`).
         backend: "auto", "triton" or "torch" (see :func:`sonar_kernels.moe_mlp`).
         device, dtype: of the parameters (dtype float32, bfloat16 or float16).
         ep_group: expert parallelism over this torch.distributed ProcessGroup (or 1-D DeviceMesh) of P
@@ -74,8 +75,7 @@ class SonarExperts(nn.Module):
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        parse_activation(activation)  # ValueError naming what is expected
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if dtype is not None and dtype not in SUPPORTED_DTYPES:

@@ -30,6 +30,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
 )
 from sonar_kernels.ops import common
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
+from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term, ones_rows
 from sonar_kernels.ops.common import (
     TL_DTYPES,
     inf_norm,
@@ -40,7 +41,7 @@ from sonar_kernels.ops.common import (
     triton_interpreting,
 )
 from sonar_kernels.ops.validation import check_buffer, check_update
-from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_view
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, gate_up_view, parse_activation
 
 
 class AdamWUpdate(NamedTuple):
@@ -121,6 +122,9 @@ def moe_mlp_bwd(
     gate_up_proj_accumulator: GradAccumulator | None = None,
     down_proj_accumulator: GradAccumulator | None = None,
     layout: str = "concatenated",
+    gate_up_proj_bias: torch.Tensor | None = None,
+    down_proj_bias: torch.Tensor | None = None,
+    needs_bias_grad: tuple[bool, bool] = (False, False),
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
@@ -141,9 +145,12 @@ def moe_mlp_bwd(
             skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
         gate_up_proj_accumulator, down_proj_accumulator: add that weight's gradient to a buffer instead
             of returning it.
+        gate_up_proj_bias, down_proj_bias, needs_bias_grad: the forward's biases (or None) and whether
+            their gradients are needed (ordinary gradients, ``ops/bias.py``).
     Returns:
-        (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj); None where not
-        needed, where the weight was updated in place, or where its gradient went to an accumulator.
+        (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
+        gate_up_proj_bias, grad down_proj_bias); None where not needed, where the weight was updated in
+        place, or where its gradient went to an accumulator.
     Raises:
         TypeError, ValueError: see :func:`check_update`; an accumulator whose buffer does not have
             the weight's shape, strides and device or a supported dtype, or a weight with both an
@@ -163,16 +170,19 @@ def moe_mlp_bwd(
         return _launch_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
             needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
-            down_proj_accumulator, layout,
+            down_proj_accumulator, layout, gate_up_proj_bias, down_proj_bias, needs_bias_grad,
         )  # fmt: skip
 
 
 def _launch_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
     needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
-    down_proj_accumulator=None, layout="concatenated",
+    down_proj_accumulator=None, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
+    needs_bias_grad=(False, False),
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2 = needs_input_grad
+    need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
+    need_b2 = needs_bias_grad[1] and down_proj_bias is not None
     T, H = hidden_states.shape
     top_k = top_k_weights.shape[1]
     # The kernels read the weights (and write the updated ones, their moments and gradients) through
@@ -194,7 +204,7 @@ def _launch_bwd(
     cfg = DHPRE_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_pid_n = triton.cdiv(I, block_n)
-    need_grad_hpre = need_x or need_w1
+    need_grad_hpre = need_x or need_w1 or need_b1
     grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
     a = common.empty((num_rows, I), dtype, device) if need_w2 else None
     dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
@@ -208,6 +218,7 @@ def _launch_bwd(
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
         dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
+        kind, alpha, limit = parse_activation(activation)
         expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
             grad_out, w2, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
             meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
@@ -217,8 +228,8 @@ def _launch_bwd(
             w2.stride(0), w2.stride(1), w2.stride(2),
             hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
-            dw_partial_arg.stride(0),
-            ACTIVATION=activation, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            dw_partial_arg.stride(0), alpha, limit,
+            ACTIVATION=kind, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
             STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
             INPUT_PRECISION=precision, INTERPRET=interpret,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -252,10 +263,16 @@ def _launch_bwd(
         grad_w = common.empty((T, top_k), top_k_weights.dtype, device)
         if S > 0:
             dc = DWEIGHTS_CONFIG
+            # The down bias's part of each slot's gradient, <dO[t], b2[e]>, summed in the same fp32.
+            extra = (
+                None
+                if down_proj_bias is None
+                else down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
+            )
             expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
-                dw_partial, meta.row_of_slot, grad_w,
+                dw_partial, dw_partial if extra is None else extra, meta.row_of_slot, grad_w,
                 S, num_pid_n, dw_partial.stride(0),
-                BLOCK=dc["BLOCK"], INTERPRET=interpret, num_warps=dc["num_warps"],
+                BLOCK=dc["BLOCK"], HAS_EXTRA=extra is not None, INTERPRET=interpret, num_warps=dc["num_warps"],
             )  # fmt: skip
     del dw_partial
 
@@ -275,7 +292,22 @@ def _launch_bwd(
             two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
             name="gate_up_proj", view=w1_view,
         )  # fmt: skip
-    return grad_x, grad_w, grad_w1, grad_w2
+    # The biases' gradients: the wgrad kernel with a column of ones for X (db1) or A (db2).
+    ones = ones_rows(S, dtype, device) if need_b1 or need_b2 else None
+    grad_b1 = grad_b2 = None
+    if need_b1:
+        grad_b1 = _wgrad(
+            grad_hpre, False, ones, False, top_k_weights, meta,
+            gate_up_proj_bias.unsqueeze(-1).expand(E, two_I, ONES_COLUMNS), None, two_I, ONES_COLUMNS, top_k,
+            dtype, interpret, view=functools.partial(gate_up_bias_view, layout=layout),
+        )[..., 0].contiguous()  # fmt: skip
+    if need_b2:
+        grad_b2 = _wgrad(
+            grad_out, True, ones, False, top_k_weights, meta,
+            down_proj_bias.unsqueeze(-1).expand(E, H, ONES_COLUMNS), None, H, ONES_COLUMNS, top_k, dtype,
+            interpret,
+        )[..., 0].contiguous()  # fmt: skip
+    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2
 
 
 def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
@@ -290,12 +322,12 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
     num_row_tiles = max_row_tiles(S, E, block_m)
     dx_rows = common.empty((S, H), dtype, grad_x.device)
     expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        grad_hpre, w1, meta.expert_offsets, meta.tile_offsets, dx_rows,
+        grad_hpre, w1, w1, meta.expert_offsets, meta.tile_offsets, dx_rows,
         E, H, I,
         grad_hpre.stride(0), grad_hpre.stride(1),
         w1.stride(0), w1.stride(3), w1.stride(2), w1.stride(1),
-        dx_rows.stride(0), dx_rows.stride(1),
-        HALVES=2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        dx_rows.stride(0), dx_rows.stride(1), 0, 0,
+        HALVES=2, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

@@ -49,32 +49,30 @@ def moe_mlp_fwd(
     activation: str,
     backend: str,
     layout: str,
+    gate_up_proj_bias: Tensor | None,
+    down_proj_bias: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
     :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
     hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
     fused flags) are inputs only so that the registered backward receives them. ``layout``: the weights'
-    (:data:`sonar_kernels.specs.LAYOUTS`)."""
+    (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None."""
     return run_moe_mlp_fwd(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
-    )
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout,
+        gate_up_proj_bias, down_proj_bias,
+    )  # fmt: skip
 
 
 def run_moe_mlp_fwd(
-    hidden_states,
-    top_k_index,
-    top_k_weights,
-    gate_up_proj,
-    down_proj,
-    activation,
-    backend,
-    layout="concatenated",
-):
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout="concatenated",
+    gate_up_proj_bias=None, down_proj_bias=None,
+):  # fmt: skip
     """The body of :func:`moe_mlp_fwd`: the launchers of ``backend``."""
     fwd = triton_fwd.moe_mlp_fwd if backend == "triton" else torch_backend.moe_mlp_fwd
     out, hpre, meta = fwd(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout
-    )
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout, gate_up_proj_bias,
+        down_proj_bias,
+    )  # fmt: skip
     return (out, hpre, *meta)
 
 
@@ -82,7 +80,7 @@ def run_moe_mlp_fwd(
 def _moe_mlp_fwd_fake(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-    torch_fused, activation, backend, layout,
+    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
@@ -146,10 +144,13 @@ def moe_mlp_bwd(
     activation: str,
     backend: str,
     layout: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj), each
-    an empty tensor where ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no or the
-    weight's mode is not "grad".
+    gate_up_proj_bias: Tensor | None,
+    down_proj_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
+    gate_up_proj_bias, grad down_proj_bias), each an empty tensor where ``needs_input_grad`` (x, weights,
+    gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias) says no, the weight's mode is not "grad"
+    or there is no bias. The biases' gradients are ordinary ones (``ops/bias.py``).
 
     Per weight, ``mode`` "update": AdamW applied in place to the weight and its state, with ``buffer``
     (the gradient of earlier micro-batches, or None) added to this backward's gradient first: on the
@@ -164,7 +165,7 @@ def moe_mlp_bwd(
         row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
         gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
         down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-        foreach, torch_fused, activation, backend, layout,
+        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
     )  # fmt: skip
 
 
@@ -173,7 +174,7 @@ def run_moe_mlp_bwd(
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend, layout="concatenated",
+    foreach, torch_fused, activation, backend, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
     on_done=(None, None), defer=(None, None),
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
@@ -184,7 +185,11 @@ def run_moe_mlp_bwd(
     applies the update when it is called, later (see ``ops.AdamWUpdate.defer``). Mutated tensors'
     version counters are the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
-    needs = tuple(needs_input_grad)
+    needs = tuple(needs_input_grad[:4])
+    biases = {
+        "gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias,
+        "needs_bias_grad": (*needs_input_grad[4:6], False, False)[:2],
+    }  # fmt: skip
     if backend == "triton":
         updates, accumulators = {}, {}
         weights = (
@@ -202,7 +207,7 @@ def run_moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
             gate_up_proj_accumulator=accumulators.get("gate_up_proj"),
-            down_proj_accumulator=accumulators.get("down_proj"), layout=layout,
+            down_proj_accumulator=accumulators.get("down_proj"), layout=layout, **biases,
         )  # fmt: skip
     else:
         apply = [
@@ -219,7 +224,7 @@ def run_moe_mlp_bwd(
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout,
+            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, **biases,
         )  # fmt: skip
     # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
     return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
@@ -231,9 +236,9 @@ def _moe_mlp_bwd_fake(
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend, layout,
+    foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
 ):  # fmt: skip
-    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    need_x, need_w, need_w1, need_w2, need_b1, need_b2 = (*needs_input_grad, False, False)[:6]
     need_w1 = need_w1 and gate_up_proj_mode == "grad"
     need_w2 = need_w2 and down_proj_mode == "grad"
     empty = hidden_states.new_empty(0)
@@ -242,6 +247,8 @@ def _moe_mlp_bwd_fake(
         torch.empty_like(top_k_weights) if need_w else empty,
         torch.empty_like(gate_up_proj) if need_w1 else empty,
         torch.empty_like(down_proj) if need_w2 else empty,
+        torch.empty_like(gate_up_proj_bias) if need_b1 and gate_up_proj_bias is not None else empty,
+        torch.empty_like(down_proj_bias) if need_b2 and down_proj_bias is not None else empty,
     )
 
 
@@ -262,14 +269,17 @@ def moe_mlp_bwd_grads(
     activation: str,
     backend: str,
     layout: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    gate_up_proj_bias: Tensor | None,
+    down_proj_bias: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward with ordinary gradients only (no weight updated or accumulated): as
     :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
     stay as they are and another saved use of a weight (a penalty computed before the MLP) still runs
     after this backward."""
     return run_moe_mlp_bwd(*_with_plain_gradients(
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout,
+        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout, gate_up_proj_bias,
+        down_proj_bias,
     ))  # fmt: skip
 
 
@@ -281,9 +291,11 @@ def _moe_mlp_bwd_grads_fake(*args):
 def _with_plain_gradients(*args) -> tuple:
     """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: both weights in mode
     "grad" (no state, no buffer)."""
-    *tensors, activation, backend, layout = args
+    *tensors, activation, backend, layout, gate_up_proj_bias, down_proj_bias = args
     plain = ("grad", [], None, None, False, None)
-    return (*tensors, *plain, *plain, True, None, None, activation, backend, layout)
+    return (
+        *tensors, *plain, *plain, True, None, None, activation, backend, layout, gate_up_proj_bias, down_proj_bias
+    )  # fmt: skip
 
 
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))

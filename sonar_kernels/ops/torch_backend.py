@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
-from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_view
+from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, gate_up_view, parse_activation
 
 
 def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
@@ -109,7 +110,11 @@ def grouped_wgrad(p: torch.Tensor, q: torch.Tensor, expert_offsets: torch.Tensor
 
 def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
     """act(gate) * up: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the tanh
-    approximation)."""
+    approximation); the clamped SwiGLU of :func:`sonar_kernels.specs.clamped_swiglu`."""
+    kind, alpha, limit = parse_activation(activation)
+    if kind == "clamped_swiglu":
+        g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return g * torch.sigmoid(alpha * g) * (u + 1.0)
     if activation == "silu":
         return F.silu(gate) * up
     return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
@@ -117,6 +122,16 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
 
 def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activation: str):
     """(d gate, d up) of act(gate) * up, fp32 in and out (the Triton kernels' formulas)."""
+    kind, alpha, limit = parse_activation(activation)
+    if kind == "clamped_swiglu":
+        g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+        sig = torch.sigmoid(alpha * g)
+        grad_g = grad_a * (u + 1.0) * (sig + alpha * g * sig * (1.0 - sig))
+        # torch's clamp backward: the gradient passes where the input is within the bounds, bounds included.
+        return (
+            torch.where(gate <= limit, grad_g, 0.0),
+            torch.where((up >= -limit) & (up <= limit), grad_a * g * sig, 0.0),
+        )
     if activation == "silu":
         sig = torch.sigmoid(gate)
         act = gate * sig
@@ -163,9 +178,12 @@ def concatenated(gate_up_proj: torch.Tensor, layout: str, dtype: torch.dtype) ->
 
 
 def moe_mlp_fwd(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout="concatenated"
-):
-    """Forward of the gated expert MLP, the weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`);
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout="concatenated",
+    gate_up_proj_bias=None, down_proj_bias=None,
+):  # fmt: skip
+    """Forward of the gated expert MLP, the weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`),
+    with optional biases ([E, 2I] in the layout's gate/up order, [E, H]; each added to the rounded GEMM
+    output in fp32, then rounded again: one rounding more than the Triton kernels in 16-bit dtypes);
     returns (out [T, H], Hpre [S, 2I], the routing metadata)."""
     T = hidden_states.shape[0]
     top_k = top_k_index.shape[1]
@@ -177,18 +195,25 @@ def moe_mlp_fwd(
     meta = routing_metadata(top_k_index, E)
     tokens = meta.token_of_row.long()
     hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
+    if gate_up_proj_bias is not None:
+        bias = gate_up_bias_view(gate_up_proj_bias, layout).flatten(1, 2)  # [E, 2I], gate first
+        hpre = (hpre.float() + bias.float()[_expert_of_row(meta)]).to(dtype)
     a = glu(hpre[:, :I].float(), hpre[:, I:].float(), activation).to(dtype)
     y = grouped_mm(a, w2.transpose(1, 2), meta.expert_offsets)
+    if down_proj_bias is not None:
+        y = (y.float() + down_proj_bias.float()[_expert_of_row(meta)]).to(dtype)
     out = _combine(y, meta, top_k_weights, T, top_k).to(dtype)
     return out, hpre, meta
 
 
 def moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
-    *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated",
+    *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated", gate_up_proj_bias=None,
+    down_proj_bias=None, needs_bias_grad=(False, False),
 ):  # fmt: skip
-    """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj), None where
-    ``needs_input_grad`` (x, weights, gate_up_proj, down_proj) says no. Weight gradients in the weight's
+    """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj, d
+    gate_up_proj_bias, d down_proj_bias), None where ``needs_input_grad`` (x, weights, gate_up_proj,
+    down_proj) or ``needs_bias_grad`` says no (or there is no bias). Weight gradients in the weight's
     dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
     ``down_proj_update`` / ``gate_up_proj_update``: a callable that updates the weight in place, given a
@@ -197,6 +222,8 @@ def moe_mlp_bwd(
     later (a deferred update keeps the operands alive until then); None is returned for the weight, and
     each gradient is released after its update, so one expert gradient is alive at a time."""
     need_x, need_w, need_w1, need_w2 = needs_input_grad
+    need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
+    need_b2 = needs_bias_grad[1] and down_proj_bias is not None
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
     I = gate_up_view(gate_up_proj, layout).shape[2]
@@ -208,8 +235,8 @@ def moe_mlp_bwd(
     grad_rows = grad_out[tokens]  # [S, H]
     gate, up = hpre[:, :I].float(), hpre[:, I:].float()
     a = glu(gate, up, activation).to(dtype)
-    grad_x = grad_w = grad_w1 = grad_w2 = None
-    need_g = need_x or need_w or need_w1
+    grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = None
+    need_g = need_x or need_w or need_w1 or need_b1
     grad_hpre = None
     if need_g:
         w2 = down_view(down_proj, layout).to(dtype)
@@ -219,11 +246,24 @@ def moe_mlp_bwd(
             per_row = (g * a.float()).sum(dim=1)
             kept = meta.row_of_slot >= 0
             per_slot = torch.where(kept, per_row[meta.row_of_slot.clamp(min=0).long()], 0.0)
+            if down_proj_bias is not None:
+                per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
-        if need_x or need_w1:
+        if need_x or need_w1 or need_b1:
             d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
             grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
             del d_gate, d_up
+    ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
+    if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
+        p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
+        grad_b2 = grouped_wgrad(p, ones, meta.expert_offsets)[..., 0].to(down_proj_bias.dtype)
+        del p
+    if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
+        sums = grouped_wgrad(grad_hpre, ones, meta.expert_offsets)[..., 0]  # [E, 2I]
+        grad_b1 = torch.empty_like(gate_up_proj_bias)
+        gate_up_bias_view(grad_b1, layout).copy_(sums.unflatten(1, (2, I)))
+        del sums
+    del ones
     if need_w2:
         compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj, layout)
         if down_proj_update is None:
@@ -242,7 +282,14 @@ def moe_mlp_bwd(
             grad_w1 = compute()
         else:
             gate_up_proj_update(compute)
-    return grad_x, grad_w, grad_w1, grad_w2
+    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2
+
+
+def _expert_of_row(meta: RoutingMetadata) -> torch.Tensor:
+    """[S] int64: the expert of each row (rows past expert_offsets[E]: the last expert, to be masked)."""
+    E = meta.expert_offsets.shape[0] - 1
+    rows = torch.arange(meta.token_of_row.shape[0], device=meta.expert_offsets.device)
+    return torch.searchsorted(meta.expert_offsets[1:].long(), rows, right=True).clamp(max=E - 1)
 
 
 def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):

@@ -7,13 +7,13 @@ import torch
 
 from sonar_kernels.ops.common import is_dense, laid_out_like, triton_interpreting
 from sonar_kernels.specs import (
-    ACTIVATIONS,
     BACKENDS,
     INDEX_DTYPES,
     LAYOUTS,
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
     layout_name,
+    parse_activation,
 )
 
 
@@ -53,8 +53,7 @@ def check_moe_mlp_args(
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    parse_activation(activation)  # ValueError naming what is expected
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if layout not in LAYOUTS:
@@ -145,6 +144,36 @@ def check_moe_mlp_args(
             f"sonar_kernels is imported; got tensors on {device}. Use backend='torch' or 'auto'."
         )
     return backend
+
+
+def check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout="concatenated") -> None:
+    """Validate the optional biases of :func:`sonar_kernels.moe_mlp` against weights already checked by
+    :func:`check_moe_mlp_args` (in ``layout``).
+
+    Raises:
+        TypeError: a bias that is not a tensor or None, or not of its weight's dtype.
+        ValueError: a bias not of shape [E, 2I] (gate_up_proj_bias) or [E, H] (down_proj_bias), or on
+            another device.
+    """
+    E = gate_up_proj.shape[0]
+    w2 = down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj  # [E, H, I]
+    H, I = w2.shape[1], w2.shape[2]
+    for name, bias, weight, shape in (
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj, (E, 2 * I)),
+        ("down_proj_bias", down_proj_bias, down_proj, (E, H)),
+    ):
+        if bias is None:
+            continue
+        if not isinstance(bias, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor or None, got {type(bias).__name__}")
+        if tuple(bias.shape) != shape:
+            raise ValueError(
+                f"{name} must have shape {list(shape)} ([E, {'2I' if 'gate' in name else 'H'}]), got {tuple(bias.shape)}"
+            )
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{name} must have the dtype of its weight ({weight.dtype}), got {bias.dtype}")
+        if bias.device != weight.device:
+            raise ValueError(f"{name} is on {bias.device}, but its weight is on {weight.device}")
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
