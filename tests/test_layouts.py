@@ -8,7 +8,7 @@ from numerics import assert_close
 
 import sonar_kernels
 from sonar_kernels import reference
-from sonar_kernels.specs import LAYOUTS, mark_expert_tensors
+from sonar_kernels.specs import LAYOUTS, mark_expert_tensors, parse_activation
 
 E, H, I, T, TOP_K = 4, 24, 8, 12, 2
 
@@ -140,3 +140,139 @@ def test_layout_shapes_and_flags_are_checked_before_any_kernel():
         sonar_kernels.moe_mlp(x, index, weights, w1_t[0], w2_t, backend="torch", transposed=True)
     with pytest.raises(TypeError, match="interleaved must be a bool"):
         sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="torch", interleaved="yes")
+
+
+def bias_to_layout(b1, layout):
+    """gate_up_proj_bias [E, 2I] with the gate entries first -> the layout's order."""
+    if layout.startswith("interleaved"):
+        return torch.stack((b1[:, :I], b1[:, I:]), dim=2).flatten(1, 2).contiguous()
+    return b1.clone()
+
+
+def bias_to_concatenated(b1, layout):
+    return torch.cat((b1[:, 0::2], b1[:, 1::2]), dim=1) if layout.startswith("interleaved") else b1
+
+
+# gpt-oss's clamped SwiGLU, with a limit that the projections cross.
+CLAMPED = sonar_kernels.clamped_swiglu(alpha=1.702, limit=0.5)
+
+
+@pytest.mark.parametrize("layout", ["concatenated", "interleaved_transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_biases_and_the_clamped_swiglu_match_the_float64_reference(backend, dtype, layout):
+    x, index, weights, w1, w2 = _inputs(dtype)
+    generator = torch.Generator().manual_seed(2)
+    b1 = (torch.randn(E, 2 * I, generator=generator) * 0.3).to(dtype)
+    b2 = (torch.randn(E, H, generator=generator) * 0.3).to(dtype)
+    leaves = [
+        t.clone().requires_grad_()
+        for t in (x, weights, *to_layout(w1, w2, layout), bias_to_layout(b1, layout), b2)
+    ]
+    out = sonar_kernels.moe_mlp(
+        leaves[0], index, leaves[1], leaves[2], leaves[3], activation=CLAMPED, backend=backend,
+        gate_up_proj_bias=leaves[4], down_proj_bias=leaves[5], **_flags(layout),
+    )  # fmt: skip
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    expected = reference.moe_mlp(
+        exact[0], index, exact[1], *to_concatenated(exact[2], exact[3], layout), activation=CLAMPED,
+        gate_up_proj_bias=bias_to_concatenated(exact[4], layout), down_proj_bias=exact[5],
+    )  # fmt: skip
+    assert_close(out, expected, dtype)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    names = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+    for name, leaf, ref in zip(names, leaves, exact, strict=True):
+        assert leaf.grad.shape == leaf.shape, name
+        # bf16: the biases' gradients sum rounded dHpre rows (as autograd's bias gradient does in bf16).
+        assert_close(leaf.grad, ref.grad, dtype, what=name)
+    # Expert 1 has no token: its biases get zero gradients.
+    assert torch.equal(leaves[5].grad[1], torch.zeros(H, dtype=dtype))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_the_clamps_pass_the_gradient_at_their_bounds_as_torch_does(backend):
+    # One token, one expert: Hpre = W1[0] @ e_0 is exactly the first column of W1, so the gate and up
+    # values sit on the clamp's bounds (and beyond); torch's clamp passes the gradient at the bounds.
+    limit = 2.0
+    activation = sonar_kernels.clamped_swiglu(alpha=1.0, limit=limit)
+    x = torch.zeros(1, H)
+    x[0, 0] = 1.0
+    w1 = torch.zeros(E, 2 * I, H)
+    w1[0, :I, 0] = torch.tensor([limit, -limit, limit + 1, 0.5, limit, -3.0, 1.0, limit - 1e-3])  # gate
+    w1[0, I:, 0] = torch.tensor([limit, -limit, limit, -limit - 1, 3.0, -limit, limit + 1e-3, 0.0])  # up
+    w2 = torch.randn(E, H, I, generator=torch.Generator().manual_seed(0))
+    index, weights = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1)
+    leaves = [t.clone().requires_grad_() for t in (x, w1, w2)]
+    sonar_kernels.moe_mlp(
+        leaves[0], index, weights, leaves[1], leaves[2], activation=activation, backend=backend
+    ).sum().backward()
+    exact = [t.double().requires_grad_() for t in (x, w1, w2)]
+    reference.moe_mlp(
+        exact[0], index, weights.double(), exact[1], exact[2], activation=activation
+    ).sum().backward()
+    assert_close(leaves[1].grad, exact[1].grad, torch.float32, what="gate_up_proj")
+    # Where the reference's gradient is 0 (beyond a clamp), the kernels' is exactly 0 too.
+    beyond = exact[1].grad[0, :, 0] == 0
+    assert beyond.any() and torch.equal(leaves[1].grad[0, :, 0][beyond], torch.zeros(int(beyond.sum())))
+
+
+def test_clamped_swiglu_names_and_refusals():
+    assert sonar_kernels.clamped_swiglu(1.702, 7.0) == "clamped_swiglu(alpha=1.702, limit=7.0)"
+    assert parse_activation("clamped_swiglu") == ("clamped_swiglu", 1.702, 7.0)
+    assert parse_activation(sonar_kernels.clamped_swiglu(0.5, 3)) == ("clamped_swiglu", 0.5, 3.0)
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    for bad in ("clamped_swiglu(alpha=1.0, limit=0.0)", "clamped_swiglu(alpha=inf, limit=1.0)",
+                "clamped_swiglu(alpha=a, limit=1.0)", "swiglu"):  # fmt: skip
+        with pytest.raises(ValueError, match="activation"):
+            sonar_kernels.moe_mlp(x, index, weights, w1, w2, activation=bad, backend="torch")
+
+
+def test_bias_shapes_and_dtypes_are_checked_before_any_kernel():
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    for kwargs, error, words in (
+        (
+            {"gate_up_proj_bias": torch.zeros(E, I)},
+            ValueError,
+            r"gate_up_proj_bias must have shape \[4, 16\]",
+        ),
+        ({"down_proj_bias": torch.zeros(E, I)}, ValueError, r"down_proj_bias must have shape \[4, 24\]"),
+        ({"down_proj_bias": torch.zeros(E, H, dtype=torch.float64)}, TypeError, "dtype of its weight"),
+        ({"gate_up_proj_bias": [0.0]}, TypeError, "gate_up_proj_bias must be a torch.Tensor"),
+    ):
+        with pytest.raises(error, match=words):
+            sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="torch", **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_biases_are_updated_in_the_backward_like_torch_adamw(backend):
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    layout = "interleaved_transposed"
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    generator = torch.Generator().manual_seed(3)
+    b1, b2 = torch.randn(E, 2 * I, generator=generator) * 0.3, torch.randn(E, H, generator=generator) * 0.3
+    params = [torch.nn.Parameter(t) for t in (*to_layout(w1, w2, layout), bias_to_layout(b1, layout), b2)]
+    mark_expert_tensors(*params)
+    optimizer = sonar_kernels.ExpertAdamW(params, **hyper)
+    exact = [torch.nn.Parameter(p.detach().double()) for p in params]
+    torch_adamw = torch.optim.AdamW(exact, **hyper)
+    for step in range(2):
+        grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(step))
+        sonar_kernels.moe_mlp(
+            x, index, weights, params[0], params[1], activation=CLAMPED, backend=backend,
+            gate_up_proj_bias=params[2], down_proj_bias=params[3], **_flags(layout),
+        ).backward(grad_out)  # fmt: skip
+        assert all(p.grad is None for p in params)  # every expert tensor updated in the backward
+        assert all(float(optimizer.state[p]["step"]) == step + 1 for p in params)
+        reference.moe_mlp(
+            x.double(), index, weights.double(), *to_concatenated(exact[0], exact[1], layout), activation=CLAMPED,
+            gate_up_proj_bias=bias_to_concatenated(exact[2], layout), down_proj_bias=exact[3],
+        ).backward(grad_out.double())  # fmt: skip
+        optimizer.step()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    for name, p, ref in zip(
+        ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"), params, exact, strict=True
+    ):
+        assert_close(p, ref, torch.float32, what=name)

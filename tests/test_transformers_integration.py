@@ -234,6 +234,83 @@ def test_aria_sonar_adamw_equals_dense_clip_training_bitwise_and_round_trips(tmp
         assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
 
 
+def _gpt_oss(implementation, seed=0):
+    """A tiny random gpt-oss (2 layers, hidden 64): transposed experts with gate and up interleaved,
+    biases on both projections, the clamped SwiGLU of its _apply_gate."""
+    torch.manual_seed(seed)
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"], sliding_window=8, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2,
+    )  # fmt: skip
+    config._experts_implementation = implementation
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                p.normal_(0, p.shape[1] ** -0.5)
+            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
+                p.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_gpt_oss_equals_eager(backend):
+    eager = _gpt_oss("eager")
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
+    experts = [m for m in sonar.modules() if type(m).__name__ == "GptOssExperts"]
+    assert len(experts) == 2
+    for module in experts:
+        assert hf.check_experts_module(module) == sonar_kernels.clamped_swiglu(module.alpha, module.limit)
+        assert hf.layout_of(module) == {"transposed": True, "interleaved": True}
+    tokens = _tokens()
+    ref, got = (m(tokens, labels=tokens, output_router_logits=True) for m in (eager, sonar))
+    ref.loss.backward()
+    got.loss.backward()
+    assert_close(got.logits, ref.logits, torch.float32, what="logits")
+    for layer, (a, b) in enumerate(zip(got.router_logits, ref.router_logits, strict=True)):
+        assert_close(a, b, torch.float32, what=f"router logits of layer {layer}")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+
+
+@pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
+def test_gpt_oss_sonar_adamw_equals_dense_clip_training_bitwise_and_round_trips(tmp_path):
+    hf.register()
+    standard = _gpt_oss("sonar")
+    hf.set_backend(standard, "torch")
+    sonar = copy.deepcopy(standard)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    # The weights and the biases of both layers' experts: updated in the backward, never clipped.
+    assert len(optimizer.expert_tensors) == 8
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, sonar=False)
+    _train(sonar, optimizer, 3, sonar=True)
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sonar.save_pretrained(tmp_path)
+    loaded = transformers.GptOssForCausalLM.from_pretrained(tmp_path, experts_implementation="sonar")
+    for (name, p), (loaded_name, q) in zip(sonar.named_parameters(), loaded.named_parameters(), strict=True):
+        assert name == loaded_name and p.shape == q.shape and torch.equal(p, q), name
+    eager = transformers.GptOssForCausalLM.from_pretrained(tmp_path, experts_implementation="eager")
+    tokens = _tokens()
+    with torch.no_grad():
+        assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
+
+
+def test_a_gpt_oss_gate_that_computes_something_else_is_refused():
+    hf.register()
+    model = _gpt_oss("eager")
+    experts = model.model.layers[0].mlp.experts
+    experts.limit = "7"  # not a number: the gate cannot be the kernels' formula
+    with pytest.raises(ValueError, match=r"GptOssExperts\._apply_gate"):
+        model.set_experts_implementation("sonar")
+    assert model.config._experts_implementation == "eager"
+
+
 def test_unsupported_activation_and_layout_are_refused_by_name():
     hf.register()
     # Refused when chosen: at construction (the config selects "sonar") and at the switch, which leaves
@@ -249,11 +326,15 @@ def test_unsupported_activation_and_layout_are_refused_by_name():
     # A module changed after the switch is refused by name at the forward.
     model = _model("olmoe", implementation="sonar")
     experts = model.model.layers[0].mlp.experts
-    for flag, value in (("has_bias", True), ("has_gate", False), ("has_post_expert_norm", True)):
+    for flag, value in (("has_gate", False), ("has_post_expert_norm", True)):
         setattr(experts, flag, value)
         with pytest.raises(ValueError, match=f"{flag}={value}"):
             model(_tokens())
         setattr(experts, flag, not value)
+    experts.has_bias = True  # biases run, but this module has none
+    with pytest.raises(ValueError, match="OlmoeExperts has no gate_up_proj_bias tensor"):
+        model(_tokens())
+    experts.has_bias = False
 
     class CustomGate(type(experts)):
         def _apply_gate(self, gate_up_out):
@@ -313,8 +394,11 @@ def test_apply_functions_switch_a_model_or_the_default(monkeypatch):
     assert _model("olmoe", implementation=None).config._experts_implementation != "sonar"
 
 
+EXPERT_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+
+
 def _train(model, optimizer, steps, sonar):
-    dense = [p for name, p in model.named_parameters() if not name.endswith(("gate_up_proj", "down_proj"))]
+    dense = [p for name, p in model.named_parameters() if not name.endswith(EXPERT_NAMES)]
     for step in range(steps):
         tokens = _tokens(step)
         model(tokens, labels=tokens).loss.backward()

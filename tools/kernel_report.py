@@ -148,9 +148,9 @@ def _forward_specs() -> list[Spec]:
                 Spec(
                     expert_mlp_fwd.expert_mlp_fwd_up_kernel,
                     f"x={act_dtype} w={w_dtype} {activation}",
-                    {"x_ptr": act_dtype, "w1_ptr": w_dtype, "token_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
-                     "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
-                    common | {"ACTIVATION": activation},
+                    {"x_ptr": act_dtype, "w1_ptr": w_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32",
+                     "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
+                    common | {"ACTIVATION": activation, "HAS_BIAS": False},
                     options,
                     unit_strides=("stride_xh", "stride_wh", "stride_hn", "stride_an"),
                     is_gemm=True,
@@ -159,37 +159,42 @@ def _forward_specs() -> list[Spec]:
             )  # fmt: skip
         if (act_dtype, w_dtype) == ("bf16", "bf16"):
             # The transposed layouts: W1 [E, H, 2I], its unit stride along the rows of a half
-            # (concatenated) or between the halves (interleaved); specs.gate_up_view.
-            for layout, unit in (("transposed", "stride_wn"), ("interleaved transposed", "stride_wg")):
+            # (concatenated: Aria) or between the halves (interleaved, with the biases and the clamped
+            # SwiGLU: gpt-oss); specs.gate_up_view.
+            for layout, unit, activation, bias in (
+                ("transposed", "stride_wn", "silu", False),
+                ("interleaved transposed bias", "stride_wg", "clamped_swiglu", True),
+            ):
                 out.append(
                     Spec(
                         expert_mlp_fwd.expert_mlp_fwd_up_kernel,
-                        f"x={act_dtype} w={w_dtype} silu {layout}",
-                        {"x_ptr": act_dtype, "w1_ptr": w_dtype, "token_of_row_ptr": "i32",
+                        f"x={act_dtype} w={w_dtype} {activation} {layout}",
+                        {"x_ptr": act_dtype, "w1_ptr": w_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype,
                          "a_ptr": act_dtype},
-                        common | {"ACTIVATION": "silu"},
+                        common | {"ACTIVATION": activation, "HAS_BIAS": bias},
                         options,
-                        unit_strides=("stride_xh", unit, "stride_hn", "stride_an"),
+                        unit_strides=("stride_xh", unit, "stride_hn", "stride_an", *(("stride_bg",) if bias else ())),
                         is_gemm=True,
                         config=blocks,
                     )
                 )  # fmt: skip
-        pointers = {"a_ptr": act_dtype, "w2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
-                    "y_ptr": act_dtype}  # fmt: skip
-        # Forward: Y = A @ W2[e]^T, W2 [E, H, I] contiguous (unit stride along I, the reduction).
-        out.append(
-            Spec(
-                expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
-                f"x={act_dtype} w={w_dtype} fwd",
-                pointers,
-                common | {"HALVES": 1},
-                options,
-                unit_strides=("stride_ai", "stride_wi", "stride_yh"),
-                is_gemm=True,
-                config=blocks,
+        pointers = {"a_ptr": act_dtype, "w2_ptr": w_dtype, "b2_ptr": w_dtype, "expert_offsets_ptr": "i32",
+                    "tile_offsets_ptr": "i32", "y_ptr": act_dtype}  # fmt: skip
+        # Forward: Y = A @ W2[e]^T (+ b2[e]), W2 [E, H, I] contiguous (unit stride along I, the reduction).
+        for bias in (False, True) if (act_dtype, w_dtype) == ("bf16", "bf16") else (False,):
+            out.append(
+                Spec(
+                    expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
+                    f"x={act_dtype} w={w_dtype} fwd" + (" bias" if bias else ""),
+                    pointers,
+                    common | {"HALVES": 1, "HAS_BIAS": bias},
+                    options,
+                    unit_strides=("stride_ai", "stride_wi", "stride_yh", "stride_bh"),
+                    is_gemm=True,
+                    config=blocks,
+                )
             )
-        )
         # dX rows = dHpre @ W1[e] over W1's two halves, each [I, H] read as [H, I]: the unit stride is
         # along H (N); transposed layouts: along I (K), or between the halves (interleaved).
         dx_layouts = [("", "stride_wh")]
@@ -201,7 +206,7 @@ def _forward_specs() -> list[Spec]:
                     expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
                     f"x={act_dtype} w={w_dtype} dX{layout}",
                     pointers,
-                    common | {"HALVES": 2},
+                    common | {"HALVES": 2, "HAS_BIAS": False},
                     options,
                     unit_strides=("stride_ai", unit, "stride_yh"),
                     is_gemm=True,
@@ -258,6 +263,7 @@ def _backward_specs() -> list[Spec]:
                 ("silu", all_flags | {"STORE_A": False}, " no-A"),
                 ("silu", all_flags | {"HAS_ABSMAX": False}, " no-update"),
                 ("silu", all_flags, " transposed"),  # W2 [E, I, H]: the unit stride along H
+                ("clamped_swiglu", all_flags, ""),
             ]
         for activation, flags, suffix in variants:
             out.append(
@@ -354,13 +360,19 @@ def _backward_specs() -> list[Spec]:
         )  # fmt: skip
 
     dc = expert_mlp_bwd.DWEIGHTS_CONFIG
-    for g_dtype in TL_DTYPES:
+    # HAS_EXTRA: the down bias's term of the routing-weight gradient (ops/bias.py).
+    for g_dtype, extra in [(g, False) for g in TL_DTYPES] + [("bf16", True)]:
         out.append(
             Spec(
                 expert_mlp_bwd.expert_mlp_bwd_dweights_kernel,
-                f"grad_w={g_dtype}",
-                {"dw_partial_ptr": "fp32", "row_of_slot_ptr": "i32", "grad_weights_ptr": g_dtype},
-                {"BLOCK": dc["BLOCK"], "INTERPRET": False},
+                f"grad_w={g_dtype}" + (" bias" if extra else ""),
+                {
+                    "dw_partial_ptr": "fp32",
+                    "extra_ptr": "fp32",
+                    "row_of_slot_ptr": "i32",
+                    "grad_weights_ptr": g_dtype,
+                },
+                {"BLOCK": dc["BLOCK"], "HAS_EXTRA": extra, "INTERPRET": False},
                 {"num_warps": dc["num_warps"]},
                 config={"BLOCK": dc["BLOCK"]},
             )
