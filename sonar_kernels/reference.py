@@ -56,10 +56,13 @@ def routing_metadata(top_k_index: torch.Tensor, num_experts: int, block_m: int) 
     )
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def glu(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
     """Gated linear unit: ``act(gate) * up``; SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and
-    "gelu_tanh" (the tanh approximation, torch's ``F.gelu(approximate="tanh")``); for a clamped SwiGLU
-    (:func:`sonar_kernels.specs.clamped_swiglu`) transformers' gpt-oss formula, written as it is there."""
+    "gelu_tanh" (the tanh approximation, torch's ``F.gelu(approximate="tanh")``), "relu2" the squared
+    ReLU; for a clamped SwiGLU (:func:`sonar_kernels.specs.clamped_swiglu`) transformers' gpt-oss formula,
+    written as it is there. ``up`` None (an MLP without a gate): act(gate)."""
+    if up is None:
+        return glu(gate, torch.ones_like(gate), activation)
     if activation.startswith("clamped_swiglu"):
         _, alpha, limit = parse_activation(activation)
         gate = gate.clamp(min=None, max=limit)
@@ -71,6 +74,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
         return F.gelu(gate) * up
     if activation == "gelu_tanh":
         return F.gelu(gate, approximate="tanh") * up
+    if activation == "relu2":
+        return torch.square(F.relu(gate)) * up
     raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
@@ -84,6 +89,7 @@ def moe_mlp(
     activation: str = "silu",
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
+    gated: bool = True,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x)) * up_e(x)).
     With biases: gate_e(x), up_e(x) and down_e(a) add ``gate_up_proj_bias[e]`` ([E, 2I], gate first) and
@@ -93,7 +99,8 @@ def moe_mlp(
         hidden_states: [T, H] floating point (float64 gives a float64 evaluation of the same math).
         top_k_index: [T, top_k] int32/int64 expert ids; ids outside [0, E) are dropped.
         top_k_weights: [T, top_k] routing weights, any floating dtype (used in fp32 or wider).
-        gate_up_proj: [E, 2I, H], rows [0, I) gate, rows [I, 2I) up.
+        gate_up_proj: [E, 2I, H], rows [0, I) gate, rows [I, 2I) up; ``gated=False``: [E, I, H], the
+            up projection alone (A = act(x W1^T)).
         down_proj: [E, H, I].
         activation: "silu" (SwiGLU), "gelu" (GeGLU, exact erf GELU), "gelu_tanh" (GeGLU, tanh-approximated
             GELU) or a clamped SwiGLU (:func:`sonar_kernels.specs.clamped_swiglu`).
@@ -104,8 +111,8 @@ def moe_mlp(
     acc_dtype = torch.promote_types(dtype, torch.float32)
     T, H = hidden_states.shape
     top_k = top_k_index.shape[1]
-    E, two_I, _ = gate_up_proj.shape
-    I = two_I // 2
+    E = gate_up_proj.shape[0]
+    I = down_proj.shape[2]
     # Slots grouped by expert (a stable sort, as routing_metadata does); dropped slots last.
     flat_index = top_k_index.reshape(-1).long()
     kept = (flat_index >= 0) & (flat_index < E)
@@ -125,7 +132,7 @@ def moe_mlp(
         if gate_up_proj_bias is not None:
             hpre = hpre + gate_up_proj_bias[e].to(acc_dtype)
         hpre = hpre.to(dtype).to(acc_dtype)
-        a = glu(hpre[:, :I], hpre[:, I:], activation).to(dtype).to(acc_dtype)
+        a = glu(hpre[:, :I], hpre[:, I:] if gated else None, activation).to(dtype).to(acc_dtype)
         y = a @ w2.T
         if down_proj_bias is not None:
             y = y + down_proj_bias[e].to(acc_dtype)

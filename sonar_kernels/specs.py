@@ -27,16 +27,25 @@ BACKENDS = ("auto", "triton", "torch")
 # "silu": SwiGLU; "gelu": GeGLU with the exact erf GELU; "gelu_tanh": GeGLU with the tanh approximation
 # of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh"); "clamped_swiglu":
 # gpt-oss's SwiGLU with a clamp and a sigmoid slope, parameters in the name (:func:`clamped_swiglu`).
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "clamped_swiglu")
+# "relu2": squared ReLU (transformers' "relu2", Nemotron-H's experts, which have no gate).
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu2", "clamped_swiglu")
 # gpt-oss's defaults (its config's swiglu_alpha, swiglu_limit).
 CLAMPED_SWIGLU_DEFAULTS = (1.702, 7.0)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The expert weights' layouts (docs/design.md, "Weight layouts"). "concatenated": transformers' default,
 # gate_up_proj [E, 2I, H] with the gate rows first, then the up rows, down_proj [E, H, I];
 # "interleaved": gate and up rows alternate (gate 0, up 0, gate 1, ...: torchtitan's fused w13, gpt-oss);
-# "_transposed": both weights stored transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]: transformers'
-# is_transposed, gpt-oss, Aria). Every layout is read and updated in place through its strides.
-LAYOUTS = ("concatenated", "interleaved", "concatenated_transposed", "interleaved_transposed")
+# "ungated": no gate, gate_up_proj is the up projection alone [E, I, H] (transformers' has_gate=False:
+# Nemotron-H); "_transposed": both weights stored transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]:
+# transformers' is_transposed, gpt-oss, Aria). Every layout is read and updated in place through its strides.
+LAYOUTS = (
+    "concatenated",
+    "interleaved",
+    "ungated",
+    "concatenated_transposed",
+    "interleaved_transposed",
+    "ungated_transposed",
+)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The routing metadata's expert axis is one register tile.
 MAX_EXPERTS = 1024
@@ -229,43 +238,59 @@ def attach_update(t: torch.Tensor, update: ExpertUpdate | None) -> None:
         setattr(t, UPDATE_ATTRIBUTE, update)
 
 
+def expert_weight_names(module: torch.nn.Module) -> tuple[str, ...]:
+    """The names of a transformers experts module's expert tensors: ``gate_up_proj`` (``up_proj`` when
+    ``has_gate`` is False), ``down_proj`` and, with ``has_bias``, their biases (``<name>_bias``)."""
+    first = "gate_up_proj" if getattr(module, "has_gate", True) else "up_proj"
+    names = (first, "down_proj")
+    if getattr(module, "has_bias", False):
+        names += (f"{first}_bias", "down_proj_bias")
+    return names
+
+
 def is_experts_module(module: torch.nn.Module) -> bool:
     """Whether ``module`` looks like a transformers experts module (any experts implementation)."""
     return hasattr(module, "has_gate") and isinstance(
-        getattr(module, "gate_up_proj", None), torch.nn.Parameter
+        getattr(module, expert_weight_names(module)[0], None), torch.nn.Parameter
     )
 
 
 def expert_tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...] | None:
     """The expert tensors a module holds: those its ``expert_tensors()`` method names
-    (:class:`sonar_kernels.SonarExperts`), or (gate_up_proj, down_proj and, with has_bias,
-    gate_up_proj_bias, down_proj_bias) of a transformers experts module whose config selects
-    experts_implementation "sonar"; None otherwise. Imports no integration."""
+    (:class:`sonar_kernels.SonarExperts`), or those of a transformers experts module whose config selects
+    experts_implementation "sonar" (:func:`expert_weight_names`: the weights, and the biases with
+    has_bias); None otherwise. Imports no integration."""
     method = getattr(module, "expert_tensors", None)
     if callable(method):
         return tuple(method())
     config = getattr(module, "config", None)
     if getattr(config, "_experts_implementation", None) != IMPLEMENTATION or not is_experts_module(module):
         return None
-    names = ("gate_up_proj", "down_proj")
-    if getattr(module, "has_bias", False):  # the biases are expert tensors too
-        names += ("gate_up_proj_bias", "down_proj_bias")
-    tensors = tuple(getattr(module, name, None) for name in names)
+    tensors = tuple(getattr(module, name, None) for name in expert_weight_names(module))
     if not all(isinstance(t, torch.nn.Parameter) for t in tensors):
         return None
     return tensors
 
 
-def layout_name(transposed: bool, interleaved: bool) -> str:
-    """The name in :data:`LAYOUTS` of the weights' layout."""
-    return ("interleaved" if interleaved else "concatenated") + ("_transposed" if transposed else "")
+def layout_name(transposed: bool, interleaved: bool, gated: bool = True) -> str:
+    """The name in :data:`LAYOUTS` of the weights' layout (``interleaved`` is ignored without a gate)."""
+    kind = "ungated" if not gated else "interleaved" if interleaved else "concatenated"
+    return kind + ("_transposed" if transposed else "")
+
+
+def is_gated(layout: str) -> bool:
+    """Whether ``layout``'s gate_up_proj holds a gate and an up projection (else the up projection alone)."""
+    return not layout.startswith("ungated")
 
 
 def gate_up_view(gate_up_proj: torch.Tensor, layout: str) -> torch.Tensor:
     """``gate_up_proj`` (or a tensor of its shape and strides: a moment, a gradient) of ``layout`` seen
-    as [E, 2, I, H]: [:, 0] the gate projection, [:, 1] the up projection, each [I, H]. A view, never a
-    copy (splitting a dimension and transposing are always views)."""
+    as [E, 2, I, H]: [:, 0] the gate projection, [:, 1] the up projection, each [I, H]; an ungated
+    layout as [E, 1, I, H]. A view, never a copy (splitting a dimension and transposing are always
+    views)."""
     w = gate_up_proj.transpose(1, 2) if layout.endswith("_transposed") else gate_up_proj  # [E, 2I, H]
+    if not is_gated(layout):
+        return w.unsqueeze(1)
     half = w.shape[1] // 2
     if layout.startswith("interleaved"):
         return w.unflatten(1, (half, 2)).transpose(1, 2)
@@ -276,12 +301,15 @@ def gate_up_from_view(view: torch.Tensor, layout: str) -> torch.Tensor:
     """The inverse of :func:`gate_up_view`: [E, 2, I, H] -> the shape of ``layout``; a view when the
     strides allow it (a tensor allocated with the strides of a layout's view), else a copy."""
     w = view.transpose(1, 2).flatten(1, 2) if layout.startswith("interleaved") else view.flatten(1, 2)
+    # (ungated: [E, 1, I, H] -> [E, I, H])
     return w.transpose(1, 2) if layout.endswith("_transposed") else w
 
 
 def gate_up_bias_view(gate_up_proj_bias: torch.Tensor, layout: str) -> torch.Tensor:
     """``gate_up_proj_bias`` [E, 2I] of ``layout`` seen as [E, 2, I] ([:, 0] the gate, [:, 1] the up
-    projection's bias; interleaved as the weight's rows are). A view."""
+    projection's bias; interleaved as the weight's rows are; [E, 1, I] ungated). A view."""
+    if not is_gated(layout):
+        return gate_up_proj_bias.unsqueeze(1)
     half = gate_up_proj_bias.shape[1] // 2
     if layout.startswith("interleaved"):
         return gate_up_proj_bias.unflatten(1, (half, 2)).transpose(1, 2)
@@ -291,16 +319,6 @@ def gate_up_bias_view(gate_up_proj_bias: torch.Tensor, layout: str) -> torch.Ten
 def down_view(down_proj: torch.Tensor, layout: str) -> torch.Tensor:
     """``down_proj`` of ``layout`` seen as [E, H, I] (a view); its own inverse."""
     return down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj
-
-
-def gate_up_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
-    """The shape of gate_up_proj in ``layout``."""
-    return (E, H, 2 * I) if layout.endswith("_transposed") else (E, 2 * I, H)
-
-
-def down_shape(E: int, I: int, H: int, layout: str) -> tuple[int, int, int]:
-    """The shape of down_proj in ``layout``."""
-    return (E, I, H) if layout.endswith("_transposed") else (E, H, I)
 
 
 def clamped_swiglu(

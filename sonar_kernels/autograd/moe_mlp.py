@@ -343,6 +343,7 @@ def moe_mlp(
     interleaved: bool = False,
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
+    gated: bool = True,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)).
 
@@ -363,15 +364,20 @@ def moe_mlp(
             (master weights, rounded to the compute dtype in registers).
         down_proj: [E, H, I] ([E, I, H] when ``transposed``), dtype as gate_up_proj.
         activation: "silu" (SwiGLU), "gelu" (GeGLU with the exact erf GELU), "gelu_tanh" (GeGLU with
-            the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``) or gpt-oss's
-            clamped SwiGLU (``sonar_kernels.clamped_swiglu(alpha, limit)``, or "clamped_swiglu" for
-            alpha 1.702 and limit 7.0).
+            the tanh approximation of the GELU, torch's ``F.gelu(approximate="tanh")``), "relu2" (the
+            squared ReLU, relu(gate)^2 * up; without a gate relu(x W1^T)^2) or gpt-oss's clamped SwiGLU
+            (``sonar_kernels.clamped_swiglu(alpha, limit)``, or "clamped_swiglu" for alpha 1.702 and
+            limit 7.0).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
             math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
             CUDA, torch otherwise).
         transposed: both weights stored transposed (transformers' ``is_transposed``: gpt-oss, Aria).
         interleaved: gate and up rows alternate (transformers' ``is_concatenated=False``, torchtitan's
             fused w13, gpt-oss).
+        gated: False for an MLP without a gate (transformers' ``has_gate=False``: Nemotron-H):
+            ``gate_up_proj`` is the up projection alone, [E, I, H] ([E, H, I] transposed), and
+            A = act(x W1^T) (e.g. "relu2", the squared ReLU); not with ``interleaved`` or the clamped
+            SwiGLU.
         gate_up_proj_bias: [E, 2I] or None, added to the gate and up projections (its gate and up
             entries split as the weight's rows are: interleaved with ``interleaved``); dtype of
             gate_up_proj. gpt-oss has one.
@@ -411,14 +417,14 @@ def moe_mlp(
             return moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=activation, backend=backend, transposed=transposed, interleaved=interleaved,
-                gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias,
+                gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias, gated=gated,
             )  # fmt: skip
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError(
             "moe_mlp does not support torch.func transforms (grad, vjp, jacrev, vmap, functional_call under "
             "them): its forward and backward are custom ops without functorch rules; use torch.autograd"
         )
-    layout = check_layout(transposed, interleaved)
+    layout = check_layout(transposed, interleaved, gated)
     backend = check_moe_mlp_args(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
     )

@@ -27,6 +27,7 @@ from sonar_kernels.specs import (
     IMPLEMENTATION,
     clamped_swiglu,
     expert_tensors_of,
+    expert_weight_names,
     is_experts_module,
     layout_name,
     mark_expert_parallel,
@@ -61,16 +62,14 @@ ACTIVATIONS = {
     "gelu_python_tanh": "gelu_tanh",
     "gelu_new": "gelu_tanh",
     "gelu_fast": "gelu_tanh",
+    "relu2": "relu2",
 }
 # The layout flags of @use_experts_implementation that the kernels need at one value. is_transposed,
-# is_concatenated and has_bias may take either (moe_mlp's ``transposed``, ``interleaved`` (negated) and
-# its biases).
+# is_concatenated, has_gate and has_bias may take either (moe_mlp's ``transposed``, ``interleaved``
+# (negated), ``gated`` and its biases).
 LAYOUT = {
-    "has_gate": True,
     "has_post_expert_norm": False,
 }
-# The bias parameters of an experts module with has_bias (transformers' names).
-BIAS_NAMES = ["gate_up_proj_bias", "down_proj_bias"]
 # The custom _apply_gate functions the kernels run: gpt-oss's clamped SwiGLU (its experts interleave gate
 # and up) and the same formula on concatenated halves (OpenAI's privacy filter), both reading the module's
 # ``alpha`` and ``limit``. Each is also checked against the kernels' formula on a probe when it is met.
@@ -201,11 +200,12 @@ def check_experts_module(module: nn.Module) -> str:
     :func:`sonar_kernels.clamped_swiglu` with the module's ``alpha`` and ``limit``.
 
     The weights may be transposed (``is_transposed``), their gate and up rows interleaved
-    (``is_concatenated=False``) and both projections biased (``has_bias``: ``gate_up_proj_bias``,
-    ``down_proj_bias``); see :func:`layout_of`.
+    (``is_concatenated=False``), the gate absent (``has_gate=False``: ``up_proj`` [E, I, H] instead of
+    ``gate_up_proj``, e.g. Nemotron-H with the squared ReLU) and both projections biased (``has_bias``:
+    ``gate_up_proj_bias``, ``down_proj_bias``); see :func:`layout_of`.
 
     Raises:
-        ValueError: a layout flag the kernels do not implement (no gate, post-expert norm), a custom
+        ValueError: a layout flag the kernels do not implement (a post-expert norm), a custom
             ``_apply_gate`` other than gpt-oss's (or one of those that does not compute its formula), or
             an activation other than SiLU, the exact erf GELU and its tanh approximation; each named in
             the message.
@@ -216,8 +216,7 @@ def check_experts_module(module: nn.Module) -> str:
         if bool(value) != needed:
             raise ValueError(
                 f"{name}: {flag}={value} is not supported by the sonar experts implementation (it needs "
-                f"{flag}={needed}: a gated MLP with gate_up_proj and down_proj, no bias, no norm after the "
-                "experts)"
+                f"{flag}={needed}: no norm after the experts)"
             )
     from transformers.integrations.moe import _default_apply_gate
 
@@ -226,10 +225,7 @@ def check_experts_module(module: nn.Module) -> str:
         activation = _activation_of(module)
     else:
         activation = _clamped_swiglu_of(module, apply_gate)
-    names = ["gate_up_proj", "down_proj"]
-    if getattr(module, "has_bias", False):
-        names += BIAS_NAMES
-    for attr in names:
+    for attr in expert_weight_names(module):
         if not isinstance(getattr(module, attr, None), torch.Tensor):
             raise ValueError(f"{name} has no {attr} tensor; the sonar experts implementation needs it")
     return activation
@@ -270,10 +266,13 @@ def _computes_clamped_swiglu(apply_gate, alpha: float, limit: float, interleaved
 def layout_of(module: nn.Module) -> dict[str, bool]:
     """The layout keywords of :func:`sonar_kernels.moe_mlp` for a transformers experts module, from its
     ``@use_experts_implementation`` flags: ``transposed`` (``is_transposed``: gate_up_proj [E, H, 2I],
-    down_proj [E, I, H]) and ``interleaved`` (``is_concatenated=False``: gate and up rows alternate)."""
+    down_proj [E, I, H]), ``interleaved`` (``is_concatenated=False``: gate and up rows alternate) and
+    ``gated`` (``has_gate``)."""
+    gated = bool(getattr(module, "has_gate", True))
     return {
         "transposed": bool(getattr(module, "is_transposed", False)),
-        "interleaved": not bool(getattr(module, "is_concatenated", True)),
+        "interleaved": gated and not bool(getattr(module, "is_concatenated", True)),
+        "gated": gated,
     }
 
 
@@ -292,7 +291,7 @@ def _activation_of(module: nn.Module) -> str:
             )
         return ACTIVATIONS[act]
     from transformers import activations
-    from transformers.activations import GELUActivation, SiLUActivation
+    from transformers.activations import GELUActivation, ReLUSquaredActivation, SiLUActivation
 
     # The tanh GELU's classes (GELUTanh was PytorchGELUTanh in older transformers).
     tanh_gelus = tuple(
@@ -303,6 +302,8 @@ def _activation_of(module: nn.Module) -> str:
 
     if act_fn is torch.nn.functional.silu or isinstance(act_fn, (SiLUActivation, nn.SiLU)):
         return "silu"
+    if isinstance(act_fn, ReLUSquaredActivation):
+        return "relu2"
     if act_fn is torch.nn.functional.gelu or (
         isinstance(act_fn, GELUActivation) and getattr(act_fn, "act", None) is torch.nn.functional.gelu
     ):
@@ -314,7 +315,7 @@ def _activation_of(module: nn.Module) -> str:
     act = getattr(getattr(module, "config", None), "hidden_act", None)
     raise ValueError(
         f"{name}: act_fn={type(act_fn).__name__} (hidden_act={act!r}) is not supported by the sonar experts "
-        "implementation (supported: SiLU, the exact erf GELU and its tanh approximation)"
+        "implementation (supported: SiLU, the exact erf GELU and its tanh approximation, the squared ReLU)"
     )
 
 
@@ -326,14 +327,15 @@ def sonar_experts_forward(
     expert-parallel sentinels, are dropped), [T, top_k] routing weights -> [T, H] in the dtype of
     ``hidden_states``."""
     activation = check_experts_module(self)
+    w1 = getattr(self, expert_weight_names(self)[0])  # gate_up_proj, or up_proj without a gate
     group = getattr(self, EP_GROUP_ATTRIBUTE, None)
     if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all
         backend = check_moe_mlp_args(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, activation,
+            hidden_states, top_k_index, top_k_weights, w1, self.down_proj, activation,
             getattr(self, BACKEND_ATTRIBUTE, "auto"), layout_name(**layout_of(self)),
         )  # fmt: skip
         return expert_parallel_moe_mlp(
-            hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, group=group,
+            hidden_states, top_k_index, top_k_weights, w1, self.down_proj, group=group,
             num_experts=getattr(self, EP_EXPERTS_ATTRIBUTE), activation=activation, backend=backend,
             **layout_of(self), **_biases_of(self),
         )  # fmt: skip
@@ -341,7 +343,7 @@ def sonar_experts_forward(
         hidden_states,
         top_k_index,
         top_k_weights,
-        self.gate_up_proj,
+        w1,
         self.down_proj,
         activation=activation,
         backend=getattr(self, BACKEND_ATTRIBUTE, "auto"),
@@ -352,9 +354,10 @@ def sonar_experts_forward(
 
 def _biases_of(module: nn.Module) -> dict[str, torch.Tensor]:
     """The bias keywords of :func:`sonar_kernels.moe_mlp` for an experts module with ``has_bias``."""
-    if not getattr(module, "has_bias", False):
+    names = expert_weight_names(module)
+    if len(names) == 2:
         return {}
-    return {name: getattr(module, name) for name in BIAS_NAMES}
+    return {"gate_up_proj_bias": getattr(module, names[2]), "down_proj_bias": getattr(module, names[3])}
 
 
 def shard_experts(model: nn.Module, ep_group) -> nn.Module:
@@ -380,17 +383,13 @@ def shard_experts(model: nn.Module, ep_group) -> nn.Module:
             'shard_experts: the model has no experts module running experts_implementation "sonar"'
         )
     for module in modules:
-        experts = module.gate_up_proj.shape[0]
+        experts = module.down_proj.shape[0]
         if experts % size:
             raise ValueError(f"shard_experts: {experts} experts cannot be split evenly over {size} ranks")
     for module in modules:
-        experts = module.gate_up_proj.shape[0]
+        experts = module.down_proj.shape[0]
         local = experts // size
-        for name in (
-            "gate_up_proj",
-            "down_proj",
-            *(BIAS_NAMES if getattr(module, "has_bias", False) else ()),
-        ):
+        for name in expert_weight_names(module):
             full = getattr(module, name)
             part = nn.Parameter(
                 full.detach()[rank * local : (rank + 1) * local].clone(), requires_grad=full.requires_grad
@@ -404,8 +403,9 @@ def shard_experts(model: nn.Module, ep_group) -> nn.Module:
 
 
 def expert_tensors(module: nn.Module) -> tuple[torch.Tensor, ...] | None:
-    """(gate_up_proj, down_proj, and with has_bias gate_up_proj_bias, down_proj_bias) of a transformers
-    experts module that runs the sonar implementation, else None. Does not import transformers."""
+    """The expert tensors (:func:`sonar_kernels.specs.expert_weight_names`: gate_up_proj or up_proj,
+    down_proj, and with has_bias their biases) of a transformers experts module that runs the sonar
+    implementation, else None. Does not import transformers."""
     if not is_experts_module(module):
         return None
     return expert_tensors_of(module)

@@ -40,10 +40,11 @@ DWEIGHTS_CONFIG = {"BLOCK": 256, "num_warps": 4}
 
 
 @triton.jit
-def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr, alpha, limit):
+def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr, alpha, limit, GATED: tl.constexpr = True):
     """(d gate, d up) of A = act(gate) * up, fp32 in and out; silu (SwiGLU), exact erf gelu or its tanh
     approximation (GeGLU), or the clamped SwiGLU (glu_fwd), whose clamps pass the gradient where their
-    input is within the bounds, bounds included (torch's clamp backward; 0 for a NaN)."""
+    input is within the bounds, bounds included (torch's clamp backward; 0 for a NaN). Without GATED
+    (act(gate) alone): (grad_a * act'(gate), unspecified)."""
     if ACTIVATION == "clamped_swiglu":
         g, u = clamp_gate_up(gate, up, limit)
         sig = 1.0 / (1.0 + tl.exp(-alpha * g))
@@ -56,6 +57,10 @@ def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr, alpha, limit):
         sig = 1.0 / (1.0 + tl.exp(-gate))
         act = gate * sig
         act_grad = sig * (1.0 + gate * (1.0 - sig))
+    elif ACTIVATION == "relu2":
+        r = tl.where(gate < 0.0, 0.0, gate)
+        act = r * r
+        act_grad = 2.0 * r
     elif ACTIVATION == "gelu_tanh":
         # d/dx 0.5 x (1 + tanh(u)) = 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) du/dx, as torch's GeluBackward.
         tanh = gelu_tanh_inner(gate)
@@ -68,7 +73,9 @@ def _glu_bwd(gate, up, grad_a, ACTIVATION: tl.constexpr, alpha, limit):
         act = gate * cdf
         # d/dx x * Phi(x) = Phi(x) + x * phi(x), phi the standard normal density.
         act_grad = cdf + gate * tl.exp(-0.5 * gate * gate) * 0.3989422804014327
-    return grad_a * up * act_grad, grad_a * act
+    if GATED:
+        return grad_a * up * act_grad, grad_a * act
+    return grad_a * act_grad, grad_a
 
 
 @triton.jit
@@ -117,6 +124,7 @@ def expert_mlp_bwd_dhpre_kernel(
     limit: tl.float32,
     # meta-parameters
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -162,9 +170,9 @@ def expert_mlp_bwd_dhpre_kernel(
 
     mask = mask_m[:, None] & mask_n[None, :]
     h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
-    gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(h_ptrs + I * stride_hn, mask=mask, other=0.0).to(tl.float32)
-    a = round_to(glu_fwd(gate, up, ACTIVATION, alpha, limit), dtype, INTERPRET)
+    gate = tl.load(h_ptrs, mask=mask, other=0.0).to(tl.float32)  # without GATED: the one projection
+    up = tl.load(h_ptrs + I * stride_hn, mask=mask, other=0.0).to(tl.float32) if GATED else gate
+    a = round_to(glu_fwd(gate, up, ACTIVATION, alpha, limit, GATED), dtype, INTERPRET)
     if STORE_A:
         tl.store(a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an, a, mask=mask)
     if HAS_ABSMAX:
@@ -182,16 +190,16 @@ def expert_mlp_bwd_dhpre_kernel(
             other=0.0,
         ).to(tl.float32)
         grad_a = round_to(w[:, None] * grad_proj, dtype, INTERPRET).to(tl.float32)
-        grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION, alpha, limit)
+        grad_gate, grad_up = _glu_bwd(gate, up, grad_a, ACTIVATION, alpha, limit, GATED)
         grad_gate = round_to(grad_gate, dtype, INTERPRET)
-        grad_up = round_to(grad_up, dtype, INTERPRET)
         g_ptrs = grad_hpre_ptr + rows[:, None] * stride_gs + cols[None, :] * stride_gn
         tl.store(g_ptrs, grad_gate, mask=mask)
-        tl.store(g_ptrs + I * stride_gn, grad_up, mask=mask)
+        largest = _absmax(grad_gate.to(tl.float32), mask)
+        if GATED:
+            grad_up = round_to(grad_up, dtype, INTERPRET)
+            tl.store(g_ptrs + I * stride_gn, grad_up, mask=mask)
+            largest = tl.maximum(largest, _absmax(grad_up.to(tl.float32), mask))
         if HAS_ABSMAX:
-            largest = tl.maximum(
-                _absmax(grad_gate.to(tl.float32), mask), _absmax(grad_up.to(tl.float32), mask)
-            )
             tl.store(absmax_ptr + 2 * pid + 1, largest)
     elif HAS_ABSMAX:
         tl.store(absmax_ptr + 2 * pid + 1, 0.0)

@@ -25,10 +25,11 @@ COMBINE_CONFIG = {"BLOCK_M": 16, "BLOCK_N": 128, "num_warps": 4}
 
 
 @triton.jit
-def glu_fwd(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+def glu_fwd(gate, up, ACTIVATION: tl.constexpr, alpha, limit, GATED: tl.constexpr = True):
     """act(gate) * up in fp32: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the
-    tanh approximation); "clamped_swiglu": (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
-    g = min(gate, limit) (gpt-oss; a NaN stays NaN, as torch's clamp keeps it)."""
+    tanh approximation), relu(gate)^2 * up for "relu2"; "clamped_swiglu": (clamp(up, -limit, limit) + 1)
+    * g * sigmoid(alpha * g) with g = min(gate, limit) (gpt-oss; a NaN stays NaN, as torch's clamp keeps
+    it). Without GATED (an MLP with no gate: Nemotron-H) act(gate) alone, ``up`` unread."""
     if ACTIVATION == "clamped_swiglu":
         g, u = clamp_gate_up(gate, up, limit)
         return g / (1.0 + tl.exp(-alpha * g)) * (u + 1.0)
@@ -36,9 +37,14 @@ def glu_fwd(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         act = gate / (1.0 + tl.exp(-gate))
     elif ACTIVATION == "gelu_tanh":
         act = 0.5 * gate * (1.0 + gelu_tanh_inner(gate))
+    elif ACTIVATION == "relu2":
+        r = tl.where(gate < 0.0, 0.0, gate)  # a NaN stays NaN, as in torch's relu
+        act = r * r
     else:
         act = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476))
-    return act * up
+    if GATED:
+        return act * up
+    return act
 
 
 @triton.jit
@@ -93,6 +99,7 @@ def expert_mlp_fwd_up_kernel(
     limit: tl.float32,
     # meta-parameters
     ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -124,20 +131,25 @@ def expert_mlp_fwd_up_kernel(
     tokens = tl.load(token_of_row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     # Columns j < BLOCK_N of the dot are the gate rows n of W1 (half 0), columns j >= BLOCK_N the up rows
     # n (half 1); each row's element offset in W1 from the layout's strides (passed as rows of stride 1).
-    offs_j = tl.arange(0, 2 * BLOCK_N)
+    # Without GATED, W1 has one half (the up projection: [E, 1, I, H]) and the dot is BLOCK_N wide.
+    HALVES: tl.constexpr = 2 if GATED else 1
+    offs_j = tl.arange(0, HALVES * BLOCK_N)
     offs_n = pid_n * BLOCK_N + offs_j % BLOCK_N
     mask_n = offs_n < I
     w_rows = offs_n.to(tl.int64) * stride_wn + (offs_j // BLOCK_N).to(tl.int64) * stride_wg
     acc = grouped_mm_acc(
-        tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32), x_ptr, tokens, mask_m, stride_xt, stride_xh,
+        tl.zeros((BLOCK_M, HALVES * BLOCK_N), dtype=tl.float32), x_ptr, tokens, mask_m, stride_xt, stride_xh,
         w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, 1, stride_wh,
-        H, BLOCK_M, 2 * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
-    )  # fmt: skip  # [BLOCK_M, 2 * BLOCK_N]
+        H, BLOCK_M, HALVES * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
+    )  # fmt: skip  # [BLOCK_M, HALVES * BLOCK_N]
     if HAS_BIAS:  # added in fp32 before the one rounding of Hpre
         b_offsets = offs_n.to(tl.int64) * stride_bn + (offs_j // BLOCK_N).to(tl.int64) * stride_bg
         bias = tl.load(b1_ptr + expert.to(tl.int64) * stride_be + b_offsets, mask=mask_n, other=0.0)
         acc += bias.to(tl.float32)[None, :]
-    gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    if GATED:
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+    else:
+        gate, up = acc, acc  # the one projection, in the gate's place; up unused
     gate = round_to(gate, dtype, INTERPRET)  # [BLOCK_M, BLOCK_N]
     up = round_to(up, dtype, INTERPRET)
 
@@ -146,9 +158,10 @@ def expert_mlp_fwd_up_kernel(
     mask = mask_m[:, None] & (cols < I)[None, :]
     h_ptrs = hpre_ptr + rows[:, None] * stride_hs + cols[None, :] * stride_hn
     tl.store(h_ptrs, gate, mask=mask)
-    tl.store(h_ptrs + I * stride_hn, up, mask=mask)
+    if GATED:
+        tl.store(h_ptrs + I * stride_hn, up, mask=mask)
     # The activation reads the rounded Hpre, exactly what the backward recomputes it from.
-    a = glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION, alpha, limit)
+    a = glu_fwd(gate.to(tl.float32), up.to(tl.float32), ACTIVATION, alpha, limit, GATED)
     tl.store(
         a_ptr + rows[:, None] * stride_as + cols[None, :] * stride_an,
         round_to(a, dtype, INTERPRET),

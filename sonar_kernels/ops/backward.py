@@ -190,8 +190,8 @@ def _launch_bwd(
     w1_view = functools.partial(gate_up_view, layout=layout)
     w2_view = functools.partial(down_view, layout=layout)
     w2 = w2_view(down_proj)
-    E, _, I, _ = w1_view(gate_up_proj).shape
-    two_I = 2 * I
+    E, halves, I, _ = w1_view(gate_up_proj).shape
+    two_I = halves * I  # Hpre's width (I without a gate)
     S = T * top_k
     dtype = hidden_states.dtype
     device = hidden_states.device
@@ -229,7 +229,7 @@ def _launch_bwd(
             hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0), alpha, limit,
-            ACTIVATION=kind, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            ACTIVATION=kind, GATED=halves == 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
             STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
             INPUT_PRECISION=precision, INTERPRET=interpret,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -316,7 +316,7 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
     combine without weights."""
     T, H = grad_x.shape
     S = T * top_k
-    E, _, I, _ = w1.shape
+    E, halves, I, _ = w1.shape
     cfg = FWD_GEMM_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_row_tiles = max_row_tiles(S, E, block_m)
@@ -327,7 +327,7 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
         grad_hpre.stride(0), grad_hpre.stride(1),
         w1.stride(0), w1.stride(3), w1.stride(2), w1.stride(1),
         dx_rows.stride(0), dx_rows.stride(1), 0, 0,
-        HALVES=2, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+        HALVES=halves, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip

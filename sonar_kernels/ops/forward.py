@@ -113,10 +113,10 @@ def _launch_fwd(
 ):  # fmt: skip
     T, H = hidden_states.shape
     top_k = top_k_index.shape[1]
-    w1 = gate_up_view(gate_up_proj, layout)  # [E, 2, I, H]
+    w1 = gate_up_view(gate_up_proj, layout)  # [E, 2, I, H] ([E, 1, I, H] ungated)
     w2 = down_view(down_proj, layout)  # [E, H, I]
-    E, _, I, _ = w1.shape
-    two_I = 2 * I
+    E, halves, I, _ = w1.shape
+    two_I = halves * I  # Hpre's width
     S = T * top_k
     dtype = hidden_states.dtype
     device = hidden_states.device
@@ -145,7 +145,7 @@ def _launch_fwd(
         w1.stride(0), w1.stride(1), w1.stride(2), w1.stride(3),
         hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
         alpha, limit,
-        ACTIVATION=kind, HAS_BIAS=gate_up_proj_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
         INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
     )  # fmt: skip
 

@@ -84,8 +84,8 @@ def _moe_mlp_fwd_fake(
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
-    E, _, I, _ = specs.gate_up_view(gate_up_proj, layout).shape
-    two_I = 2 * I
+    E, halves, I, _ = specs.gate_up_view(gate_up_proj, layout).shape
+    two_I = halves * I  # Hpre's width
     index = {"dtype": torch.int32, "device": hidden_states.device}
     return (
         hidden_states.new_empty(T, H),

@@ -108,20 +108,26 @@ def grouped_wgrad(p: torch.Tensor, q: torch.Tensor, expert_offsets: torch.Tensor
     return out
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, activation: str) -> torch.Tensor:
+def glu(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
     """act(gate) * up: SwiGLU for "silu", GeGLU for "gelu" (exact erf GELU) and "gelu_tanh" (the tanh
-    approximation); the clamped SwiGLU of :func:`sonar_kernels.specs.clamped_swiglu`."""
+    approximation), relu(gate)^2 * up for "relu2"; the clamped SwiGLU of
+    :func:`sonar_kernels.specs.clamped_swiglu`. ``up`` None (no gate): act(gate) alone."""
     kind, alpha, limit = parse_activation(activation)
     if kind == "clamped_swiglu":
         g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
         return g * torch.sigmoid(alpha * g) * (u + 1.0)
     if activation == "silu":
-        return F.silu(gate) * up
-    return F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none") * up
+        act = F.silu(gate)
+    elif activation == "relu2":
+        act = torch.square(F.relu(gate))
+    else:
+        act = F.gelu(gate, approximate="tanh" if activation == "gelu_tanh" else "none")
+    return act if up is None else act * up
 
 
-def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activation: str):
-    """(d gate, d up) of act(gate) * up, fp32 in and out (the Triton kernels' formulas)."""
+def glu_bwd(gate: torch.Tensor, up: torch.Tensor | None, grad_a: torch.Tensor, activation: str):
+    """(d gate, d up) of act(gate) * up, fp32 in and out (the Triton kernels' formulas); ``up`` None (no
+    gate): (d gate, None) of act(gate)."""
     kind, alpha, limit = parse_activation(activation)
     if kind == "clamped_swiglu":
         g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
@@ -136,6 +142,9 @@ def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activati
         sig = torch.sigmoid(gate)
         act = gate * sig
         act_grad = sig * (1.0 + gate * (1.0 - sig))
+    elif activation == "relu2":
+        r = F.relu(gate)
+        act, act_grad = r * r, 2.0 * r
     elif activation == "gelu_tanh":
         # act = 0.5 x (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3); the derivative as torch's
         # GeluBackward computes it: 0.5 (1 + tanh(u)) + 0.5 x (1 - tanh(u)^2) du/dx.
@@ -148,6 +157,8 @@ def glu_bwd(gate: torch.Tensor, up: torch.Tensor, grad_a: torch.Tensor, activati
         cdf = 0.5 * (1.0 + torch.erf(gate * 0.7071067811865476))
         act = gate * cdf
         act_grad = cdf + gate * torch.exp(-0.5 * gate * gate) * 0.3989422804014327
+    if up is None:
+        return grad_a * act_grad, None
     return grad_a * up * act_grad, grad_a * act
 
 
@@ -174,7 +185,7 @@ def concatenated(gate_up_proj: torch.Tensor, layout: str, dtype: torch.dtype) ->
     """W1 of ``layout`` as [E, 2I, H] (gate rows, then up rows) in ``dtype``: a view where the layout
     allows it, else a temporary copy (the interleaved layouts; fp32 master weights under 16-bit compute)."""
     w1 = gate_up_view(gate_up_proj, layout)
-    return w1.reshape(w1.shape[0], 2 * w1.shape[2], w1.shape[3]).to(dtype)
+    return w1.reshape(w1.shape[0], w1.shape[1] * w1.shape[2], w1.shape[3]).to(dtype)
 
 
 def moe_mlp_fwd(
@@ -190,15 +201,15 @@ def moe_mlp_fwd(
     dtype = hidden_states.dtype
     w1 = concatenated(gate_up_proj, layout, dtype)
     w2 = down_view(down_proj, layout).to(dtype)
-    E, two_I, _ = w1.shape
-    I = two_I // 2
+    E, I = w1.shape[0], w2.shape[2]
     meta = routing_metadata(top_k_index, E)
     tokens = meta.token_of_row.long()
     hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
     if gate_up_proj_bias is not None:
         bias = gate_up_bias_view(gate_up_proj_bias, layout).flatten(1, 2)  # [E, 2I], gate first
         hpre = (hpre.float() + bias.float()[_expert_of_row(meta)]).to(dtype)
-    a = glu(hpre[:, :I].float(), hpre[:, I:].float(), activation).to(dtype)
+    up = hpre[:, I:].float() if hpre.shape[1] == 2 * I else None  # None: no gate
+    a = glu(hpre[:, :I].float(), up, activation).to(dtype)
     y = grouped_mm(a, w2.transpose(1, 2), meta.expert_offsets)
     if down_proj_bias is not None:
         y = (y.float() + down_proj_bias.float()[_expert_of_row(meta)]).to(dtype)
@@ -226,14 +237,14 @@ def moe_mlp_bwd(
     need_b2 = needs_bias_grad[1] and down_proj_bias is not None
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
-    I = gate_up_view(gate_up_proj, layout).shape[2]
+    halves, I = gate_up_view(gate_up_proj, layout).shape[1:3]
     S = T * top_k
     dtype = hidden_states.dtype
     valid = _valid_rows(meta, S)
     tokens = meta.token_of_row.long()
     w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
     grad_rows = grad_out[tokens]  # [S, H]
-    gate, up = hpre[:, :I].float(), hpre[:, I:].float()
+    gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
     a = glu(gate, up, activation).to(dtype)
     grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = None
     need_g = need_x or need_w or need_w1 or need_b1
@@ -251,7 +262,9 @@ def moe_mlp_bwd(
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
         if need_x or need_w1 or need_b1:
             d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
-            grad_hpre = torch.where(valid, torch.cat((d_gate, d_up), dim=1), 0.0).to(dtype)
+            d_hpre = d_gate if d_up is None else torch.cat((d_gate, d_up), dim=1)
+            grad_hpre = torch.where(valid, d_hpre, 0.0).to(dtype)
+            del d_hpre
             del d_gate, d_up
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
@@ -261,7 +274,7 @@ def moe_mlp_bwd(
     if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
         sums = grouped_wgrad(grad_hpre, ones, meta.expert_offsets)[..., 0]  # [E, 2I]
         grad_b1 = torch.empty_like(gate_up_proj_bias)
-        gate_up_bias_view(grad_b1, layout).copy_(sums.unflatten(1, (2, I)))
+        gate_up_bias_view(grad_b1, layout).copy_(sums.unflatten(1, (halves, I)))
         del sums
     del ones
     if need_w2:
@@ -306,8 +319,9 @@ def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):
 def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight, layout):
     """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype, shape and strides."""
     wgrad = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets)  # [E, 2I, H]
-    if layout == "concatenated":
+    if layout in ("concatenated", "ungated"):
         return wgrad.to(weight.dtype)
     grad = torch.empty_like(weight)  # the layout's gradient: one more copy of it, briefly
-    gate_up_view(grad, layout).copy_(wgrad.unflatten(1, (2, wgrad.shape[1] // 2)))
+    view = gate_up_view(grad, layout)
+    view.copy_(wgrad.unflatten(1, view.shape[1:3]))
     return grad

@@ -12,21 +12,28 @@ from sonar_kernels.specs import (
     LAYOUTS,
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
+    is_gated,
     layout_name,
     parse_activation,
 )
 
 
-def check_layout(transposed, interleaved) -> str:
-    """The name in :data:`sonar_kernels.specs.LAYOUTS` of the flags ``transposed`` and ``interleaved``.
+def check_layout(transposed, interleaved, gated=True) -> str:
+    """The name in :data:`sonar_kernels.specs.LAYOUTS` of the flags ``transposed``, ``interleaved`` and
+    ``gated``.
 
     Raises:
         TypeError: a flag that is not a bool.
+        ValueError: ``interleaved`` without a gate (there is nothing to interleave).
     """
-    for name, flag in (("transposed", transposed), ("interleaved", interleaved)):
+    for name, flag in (("transposed", transposed), ("interleaved", interleaved), ("gated", gated)):
         if not isinstance(flag, bool):
             raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    return layout_name(transposed, interleaved)
+    if interleaved and not gated:
+        raise ValueError(
+            "interleaved=True needs gated=True: without a gate there are no gate rows to interleave"
+        )
+    return layout_name(transposed, interleaved, gated)
 
 
 def check_moe_mlp_args(
@@ -91,6 +98,8 @@ def check_moe_mlp_args(
         )
     transposed = layout.endswith("_transposed")
     w1_dims, w2_dims = ("[E, H, 2I]", "[E, I, H]") if transposed else ("[E, 2I, H]", "[E, H, I]")
+    if not is_gated(layout):
+        w1_dims = w1_dims.replace("2I", "I")
     if gate_up_proj.dim() != 3:
         raise ValueError(f"gate_up_proj must be {w1_dims}, got shape {tuple(gate_up_proj.shape)}")
     if down_proj.dim() != 3:
@@ -122,10 +131,16 @@ def check_moe_mlp_args(
             f"down_proj.shape[{w2_axes[0]}] must equal the hidden size H = {H} of hidden_states, "
             f"got {down_proj.shape[1]}"
         )
-    if two_I != 2 * down_proj.shape[2] or two_I == 0:
+    halves = 2 if is_gated(layout) else 1
+    if two_I != halves * down_proj.shape[2] or two_I == 0:
+        what = "2 * " if halves == 2 else ""
         raise ValueError(
-            f"gate_up_proj.shape[{w1_axes[0]}] must be 2 * down_proj.shape[{w2_axes[1]}] = 2I (I >= 1), "
+            f"gate_up_proj.shape[{w1_axes[0]}] must be {what}down_proj.shape[{w2_axes[1]}] = {what}I (I >= 1), "
             f"got {two_I} and I = {down_proj.shape[2]}"
+        )
+    if not is_gated(layout) and parse_activation(activation)[0] == "clamped_swiglu":
+        raise ValueError(
+            "activation clamped_swiglu needs a gate (gated=True): it clamps a gate and an up projection"
         )
 
     # devices
@@ -158,8 +173,9 @@ def check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, lay
     E = gate_up_proj.shape[0]
     w2 = down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj  # [E, H, I]
     H, I = w2.shape[1], w2.shape[2]
+    width = 2 * I if is_gated(layout) else I
     for name, bias, weight, shape in (
-        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj, (E, 2 * I)),
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj, (E, width)),
         ("down_proj_bias", down_proj_bias, down_proj, (E, H)),
     ):
         if bias is None:
@@ -167,9 +183,7 @@ def check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, lay
         if not isinstance(bias, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor or None, got {type(bias).__name__}")
         if tuple(bias.shape) != shape:
-            raise ValueError(
-                f"{name} must have shape {list(shape)} ([E, {'2I' if 'gate' in name else 'H'}]), got {tuple(bias.shape)}"
-            )
+            raise ValueError(f"{name} must have shape {list(shape)}, got {tuple(bias.shape)}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"{name} must have the dtype of its weight ({weight.dtype}), got {bias.dtype}")
         if bias.device != weight.device:
