@@ -276,3 +276,72 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend):
         ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"), params, exact, strict=True
     ):
         assert_close(p, ref, torch.float32, what=name)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_experts_without_a_gate_match_the_float64_reference(backend, dtype, transposed):
+    # Nemotron-H's experts: the up projection alone [E, I, H], the squared ReLU, here with biases.
+    x, index, weights, _, w2 = _inputs(dtype)
+    generator = torch.Generator().manual_seed(4)
+    w1 = (torch.randn(E, I, H, generator=generator) * H**-0.5).to(dtype)
+    b1 = (torch.randn(E, I, generator=generator) * 0.3).to(dtype)
+    b2 = (torch.randn(E, H, generator=generator) * 0.3).to(dtype)
+    stored = [w1.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()] if transposed else [w1, w2]
+    leaves = [t.clone().requires_grad_() for t in (x, weights, *stored, b1, b2)]
+    out = sonar_kernels.moe_mlp(
+        leaves[0], index, leaves[1], leaves[2], leaves[3], activation="relu2", backend=backend, gated=False,
+        transposed=transposed, gate_up_proj_bias=leaves[4], down_proj_bias=leaves[5],
+    )  # fmt: skip
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    w1_exact, w2_exact = (exact[2].transpose(1, 2), exact[3].transpose(1, 2)) if transposed else exact[2:4]
+    expected = reference.moe_mlp(
+        exact[0], index, exact[1], w1_exact, w2_exact, activation="relu2", gated=False,
+        gate_up_proj_bias=exact[4], down_proj_bias=exact[5],
+    )  # fmt: skip
+    assert_close(out, expected, dtype)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    names = ("x", "top_k_weights", "up_proj", "down_proj", "up_proj_bias", "down_proj_bias")
+    for name, leaf, ref in zip(names, leaves, exact, strict=True):
+        assert leaf.grad.shape == leaf.shape, name
+        assert_close(leaf.grad, ref.grad, dtype, what=name)
+
+
+@pytest.mark.parametrize("backend, fused_epilogue", [("triton", True), ("triton", False), ("torch", True)])
+def test_experts_without_a_gate_are_updated_in_place_like_torch_adamw(backend, fused_epilogue):
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    x, index, weights, _, w2 = _inputs(torch.float32)
+    w1 = torch.randn(E, I, H, generator=torch.Generator().manual_seed(4)) * H**-0.5
+    params = [torch.nn.Parameter(w) for w in (w1, w2.clone())]
+    mark_expert_tensors(*params)
+    optimizer = sonar_kernels.ExpertAdamW(params, **hyper, fused_epilogue=fused_epilogue)
+    exact = [torch.nn.Parameter(p.detach().double()) for p in params]
+    torch_adamw = torch.optim.AdamW(exact, **hyper)
+    for step in range(2):
+        grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(step))
+        sonar_kernels.moe_mlp(
+            x, index, weights, *params, activation="relu2", backend=backend, gated=False
+        ).backward(grad_out)
+        assert all(p.grad is None for p in params)
+        reference.moe_mlp(
+            x.double(), index, weights.double(), *exact, activation="relu2", gated=False
+        ).backward(grad_out.double())
+        optimizer.step()
+        torch_adamw.step()
+        torch_adamw.zero_grad()
+    for name, p, ref in zip(("up_proj", "down_proj"), params, exact, strict=True):
+        assert_close(p, ref, torch.float32, what=name)
+
+
+def test_an_ungated_layout_refuses_what_needs_a_gate():
+    x, index, weights, _, w2 = _inputs(torch.float32)
+    w1 = torch.randn(E, I, H)
+    with pytest.raises(ValueError, match="interleaved=True needs gated=True"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="torch", gated=False, interleaved=True)
+    with pytest.raises(ValueError, match="clamped_swiglu needs a gate"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, activation=CLAMPED, backend="torch", gated=False)
+    with pytest.raises(ValueError, match=r"gate_up_proj.shape\[1\] must be down_proj.shape\[2\] = I"):
+        sonar_kernels.moe_mlp(x, index, weights, torch.randn(E, 2 * I, H), w2, backend="torch", gated=False)

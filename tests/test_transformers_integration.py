@@ -301,6 +301,64 @@ def test_gpt_oss_sonar_adamw_equals_dense_clip_training_bitwise_and_round_trips(
         assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
 
 
+def _nemotron_h(implementation, seed=0):
+    """A tiny random Nemotron-H (an MoE layer and an attention layer, hidden 64): experts without a gate,
+    ``up_proj`` [E, I, H] and the squared ReLU."""
+    torch.manual_seed(seed)
+    config = transformers.NemotronHConfig(
+        vocab_size=VOCAB, hidden_size=64, layers_block_type=["moe", "full_attention"], num_attention_heads=2,
+        num_key_value_heads=2, head_dim=32, intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, n_shared_experts=1,
+        use_mamba_kernels=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    config._experts_implementation = implementation
+    model = transformers.NemotronHForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("experts.up_proj", "experts.down_proj")):
+                p.normal_(0, p.shape[-1] ** -0.5)
+    return model
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "NemotronHForCausalLM"), reason="transformers without Nemotron-H"
+)
+@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
+def test_nemotron_h_experts_without_a_gate_equal_eager(backend):
+    eager = _nemotron_h("eager")
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
+    experts = [m for m in sonar.modules() if type(m).__name__ == "NemotronHExperts"]
+    assert len(experts) == 1 and hf.check_experts_module(experts[0]) == "relu2"
+    assert hf.layout_of(experts[0]) == {"transposed": False, "interleaved": False, "gated": False}
+    ref, got = _forward_backward(eager, sonar)
+    assert_close(got.logits, ref.logits, torch.float32, what="logits")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+
+
+@pytest.mark.skipif(
+    not hasattr(transformers, "NemotronHForCausalLM"), reason="transformers without Nemotron-H"
+)
+def test_nemotron_h_sonar_adamw_equals_dense_clip_training_bitwise_and_round_trips(tmp_path):
+    hf.register()
+    standard = _nemotron_h("sonar")
+    hf.set_backend(standard, "torch")
+    sonar = copy.deepcopy(standard)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    assert len(optimizer.expert_tensors) == 2  # up_proj and down_proj of the MoE layer
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, sonar=False)
+    _train(sonar, optimizer, 3, sonar=True)
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    sonar.save_pretrained(tmp_path)
+    loaded = transformers.NemotronHForCausalLM.from_pretrained(tmp_path, experts_implementation="sonar")
+    for (name, p), (loaded_name, q) in zip(sonar.named_parameters(), loaded.named_parameters(), strict=True):
+        assert name == loaded_name and p.shape == q.shape and torch.equal(p, q), name
+
+
 def test_a_gpt_oss_gate_that_computes_something_else_is_refused():
     hf.register()
     model = _gpt_oss("eager")
@@ -394,7 +452,7 @@ def test_apply_functions_switch_a_model_or_the_default(monkeypatch):
     assert _model("olmoe", implementation=None).config._experts_implementation != "sonar"
 
 
-EXPERT_NAMES = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
+EXPERT_NAMES = ("gate_up_proj", "up_proj", "down_proj", "gate_up_proj_bias", "up_proj_bias", "down_proj_bias")
 
 
 def _train(model, optimizer, steps, sonar):

@@ -150,7 +150,7 @@ def _forward_specs() -> list[Spec]:
                     f"x={act_dtype} w={w_dtype} {activation}",
                     {"x_ptr": act_dtype, "w1_ptr": w_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32",
                      "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
-                    common | {"ACTIVATION": activation, "HAS_BIAS": False},
+                    common | {"ACTIVATION": activation, "GATED": True, "HAS_BIAS": False},
                     options,
                     unit_strides=("stride_xh", "stride_wh", "stride_hn", "stride_an"),
                     is_gemm=True,
@@ -161,9 +161,11 @@ def _forward_specs() -> list[Spec]:
             # The transposed layouts: W1 [E, H, 2I], its unit stride along the rows of a half
             # (concatenated: Aria) or between the halves (interleaved, with the biases and the clamped
             # SwiGLU: gpt-oss); specs.gate_up_view.
-            for layout, unit, activation, bias in (
-                ("transposed", "stride_wn", "silu", False),
-                ("interleaved transposed bias", "stride_wg", "clamped_swiglu", True),
+            # And the ungated one (Nemotron-H: the up projection alone, the squared ReLU, one half).
+            for layout, unit, activation, bias, gated in (
+                ("transposed", "stride_wn", "silu", False, True),
+                ("interleaved transposed bias", "stride_wg", "clamped_swiglu", True, True),
+                ("ungated", "stride_wh", "relu2", False, False),
             ):
                 out.append(
                     Spec(
@@ -172,7 +174,7 @@ def _forward_specs() -> list[Spec]:
                         {"x_ptr": act_dtype, "w1_ptr": w_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype,
                          "a_ptr": act_dtype},
-                        common | {"ACTIVATION": activation, "HAS_BIAS": bias},
+                        common | {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias},
                         options,
                         unit_strides=("stride_xh", unit, "stride_hn", "stride_an", *(("stride_bg",) if bias else ())),
                         is_gemm=True,
@@ -199,14 +201,18 @@ def _forward_specs() -> list[Spec]:
         # along H (N); transposed layouts: along I (K), or between the halves (interleaved).
         dx_layouts = [("", "stride_wh")]
         if (act_dtype, w_dtype) == ("bf16", "bf16"):
-            dx_layouts += [(" transposed", "stride_wi"), (" interleaved transposed", "stride_whalf")]
+            dx_layouts += [
+                (" transposed", "stride_wi"),
+                (" interleaved transposed", "stride_whalf"),
+                (" ungated", "stride_wh"),
+            ]
         for layout, unit in dx_layouts:
             out.append(
                 Spec(
                     expert_mlp_fwd.expert_mlp_grouped_mm_kernel,
                     f"x={act_dtype} w={w_dtype} dX{layout}",
                     pointers,
-                    common | {"HALVES": 2, "HAS_BIAS": False},
+                    common | {"HALVES": 1 if "ungated" in layout else 2, "HAS_BIAS": False},
                     options,
                     unit_strides=("stride_ai", unit, "stride_yh"),
                     is_gemm=True,
@@ -264,6 +270,7 @@ def _backward_specs() -> list[Spec]:
                 ("silu", all_flags | {"HAS_ABSMAX": False}, " no-update"),
                 ("silu", all_flags, " transposed"),  # W2 [E, I, H]: the unit stride along H
                 ("clamped_swiglu", all_flags, ""),
+                ("relu2", all_flags, " ungated"),
             ]
         for activation, flags, suffix in variants:
             out.append(
@@ -274,7 +281,7 @@ def _backward_specs() -> list[Spec]:
                      "token_of_row_ptr": "i32", "slot_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
                      "tile_offsets_ptr": "i32", "grad_hpre_ptr": act_dtype, "a_ptr": act_dtype,
                      "dw_partial_ptr": "fp32", "absmax_ptr": "fp32"},
-                    _precision(act_dtype) | blocks | flags | {"ACTIVATION": activation},
+                    _precision(act_dtype) | blocks | flags | {"ACTIVATION": activation, "GATED": "ungated" not in suffix},
                     options,
                     unit_strides=(
                         "stride_goh", "stride_wh" if "transposed" in suffix else "stride_wi", "stride_hn",
