@@ -4,6 +4,7 @@ against a per-expert float64 loop written here, and its in-backward update again
 import pytest
 import torch
 import torch.nn.functional as F
+from cases import CASES
 from numerics import assert_close
 
 import sonar_kernels
@@ -17,6 +18,7 @@ N = sum(COUNTS) + 3
 def _per_expert(x, w1, w2, counts, activation="silu"):
     """Expert e's MLP on its block of rows, one block at a time; padding rows 0."""
     act = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
+    I = w2.shape[2]
     out = torch.zeros_like(x)
     start = 0
     for e, count in enumerate(counts):
@@ -54,6 +56,33 @@ def test_grouped_mlp_matches_a_per_expert_loop_in_float64(backend, dtype, activa
     for name, leaf, ref in zip(("x_sorted", "gate_up_proj", "down_proj"), leaves, exact, strict=True):
         assert_close(leaf.grad, ref.grad, dtype, what=name)
     assert torch.equal(leaves[0].grad[-3:], torch.zeros(3, H, dtype=dtype))
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_grouped_mlp_over_the_shape_table_of_moe_mlp(backend, case):
+    # The rows of each case's routed slots, grouped by expert: the same sizes and empty experts as the
+    # moe_mlp tests; dropped slots (sentinels) become padding rows.
+    torch.manual_seed(0)
+    x, index, _, w1, w2 = case.make(torch.float32)
+    flat = index.reshape(-1)
+    kept = (flat >= 0) & (flat < case.E)
+    counts = torch.bincount(flat[kept], minlength=case.E)
+    rows = x[torch.arange(case.T).repeat_interleave(case.top_k)]  # one row per slot
+    order = torch.sort(torch.where(kept, flat, case.E), stable=True).indices
+    x_sorted = rows[order].clone().requires_grad_()
+    leaves = [w.clone().requires_grad_() for w in (w1, w2)]
+    out = sonar_kernels.grouped_mlp(x_sorted, counts, *leaves, backend=backend)
+    exact = [t.detach().double().requires_grad_() for t in (x_sorted, w1, w2)]
+    expected = _per_expert(*exact, counts.tolist())
+    assert_close(out, expected, torch.float32)
+    grad_out = torch.randn(out.shape)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    for name, leaf, ref in zip(
+        ("x_sorted", "gate_up_proj", "down_proj"), (x_sorted, *leaves), exact, strict=True
+    ):
+        assert_close(leaf.grad, ref.grad, torch.float32, what=name)
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

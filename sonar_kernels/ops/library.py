@@ -241,15 +241,16 @@ def _moe_mlp_bwd_fake(
     need_x, need_w, need_w1, need_w2, need_b1, need_b2 = (*needs_input_grad, False, False)[:6]
     need_w1 = need_w1 and gate_up_proj_mode == "grad"
     need_w2 = need_w2 and down_proj_mode == "grad"
-    empty = hidden_states.new_empty(0)
-    return (
-        torch.empty_like(hidden_states) if need_x else empty,
-        torch.empty_like(top_k_weights) if need_w else empty,
-        torch.empty_like(gate_up_proj) if need_w1 else empty,
-        torch.empty_like(down_proj) if need_w2 else empty,
-        torch.empty_like(gate_up_proj_bias) if need_b1 and gate_up_proj_bias is not None else empty,
-        torch.empty_like(down_proj_bias) if need_b2 and down_proj_bias is not None else empty,
-    )
+    need_b1 = need_b1 and gate_up_proj_bias is not None
+    need_b2 = need_b2 and down_proj_bias is not None
+    # A distinct empty tensor per missing gradient, as the real op returns (outputs may not alias).
+    return tuple(
+        torch.empty_like(t) if need else hidden_states.new_empty(0)
+        for t, need in (
+            (hidden_states, need_x), (top_k_weights, need_w), (gate_up_proj, need_w1), (down_proj, need_w2),
+            (gate_up_proj_bias, need_b1), (down_proj_bias, need_b2),
+        )
+    )  # fmt: skip
 
 
 @torch.library.custom_op("sonar_kernels::moe_mlp_bwd_grads", mutates_args=())
