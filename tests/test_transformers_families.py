@@ -15,6 +15,7 @@ import pytest
 import torch
 from numerics import assert_close
 
+import sonar_kernels
 from sonar_kernels.integrations import transformers as hf
 
 transformers = pytest.importorskip("transformers", minversion="5.13")
@@ -224,3 +225,62 @@ def test_every_discovered_family_is_matched_refused_or_not_buildable():
         assert not lists[a] & lists[b], f"in both {a} and {b}: {sorted(lists[a] & lists[b])}"
     unclassified = families - set().union(*lists.values())
     assert not unclassified, f"families not in MATCH, REFUSED or NOT_BUILDABLE: {sorted(unclassified)}"
+
+
+# The families the kernels refused before their layouts and activations were added: transposed experts
+# (aria), gate and up interleaved with biases and a clamped SwiGLU (gpt_oss; openai_privacy_filter on
+# concatenated halves), the tanh GELU (gemma4, diffusion_gemma), no gate (nemotron_h). Each also runs on the
+# Triton backend, trains like torch.optim.AdamW with dense-only clipping and survives a checkpoint.
+ADDED = ["aria", "diffusion_gemma", "gemma4", "gpt_oss", "nemotron_h", "openai_privacy_filter"]
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+
+
+@pytest.mark.parametrize("family", _present(ADDED))
+def test_added_family_on_the_triton_backend_equals_eager(family):
+    hf.register()
+    eager = _build(family)
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, "triton")
+    ref, got = _forward_backward(eager), _forward_backward(sonar)
+    assert_close(got, ref, torch.float32, what=f"{family} output")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+
+
+def _train(model, optimizer, steps, clip_dense):
+    """``steps`` steps on fixed token batches; ``clip_dense``: clip_grad_norm_(0.5) over the parameters
+    that are not expert tensors (what SonarAdamW does with max_grad_norm=0.5)."""
+    experts = {id(t) for m in model.modules() if _dispatches(type(m)) for t in hf.expert_tensors(m) or ()}
+    dense = [p for p in model.parameters() if id(p) not in experts]
+    for step in range(steps):
+        tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+        torch.manual_seed(step)
+        if type(model).__name__.endswith("ForCausalLM"):
+            model(tokens, labels=tokens).loss.backward()
+        else:
+            model(tokens).last_hidden_state.square().mean().backward()
+        if clip_dense:
+            torch.nn.utils.clip_grad_norm_(dense, 0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+@pytest.mark.parametrize("family", _present(ADDED))
+def test_added_family_trains_like_dense_clip_adamw_bitwise_and_round_trips(family, tmp_path):
+    hf.register()
+    standard = _build(family)
+    standard.set_experts_implementation("sonar")
+    hf.set_backend(standard, "torch")
+    sonar = copy.deepcopy(standard)
+    optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
+    assert optimizer.expert_tensors
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, clip_dense=True)
+    _train(sonar, optimizer, 3, clip_dense=False)
+    for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
+        assert torch.equal(p, q), f"{family}: {name}"
+    sonar.save_pretrained(tmp_path)
+    loaded = type(sonar).from_pretrained(tmp_path, experts_implementation="sonar")
+    for (name, p), (loaded_name, q) in zip(sonar.named_parameters(), loaded.named_parameters(), strict=True):
+        assert name == loaded_name and torch.equal(p, q), f"{family}: {name}"

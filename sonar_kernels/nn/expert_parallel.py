@@ -66,12 +66,13 @@ def expert_parallel_moe_mlp(
     backend: str,
     transposed: bool = False,
     interleaved: bool = False,
+    gated: bool = True,
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`sonar_kernels.moe_mlp` over experts spread across ``group``: rank r holds experts
     [r * E / P, (r + 1) * E / P) as ``gate_up_proj`` [E / P, 2I, H] and ``down_proj`` [E / P, H, I]
-    (or another layout of :func:`sonar_kernels.moe_mlp`: ``transposed``, ``interleaved``), and their
+    (or another layout of :func:`sonar_kernels.moe_mlp`: ``transposed``, ``interleaved``, ``gated``), and their
     biases' rows of those experts, if any.
 
     Args:
@@ -118,6 +119,7 @@ def expert_parallel_moe_mlp(
         backend=backend,
         transposed=transposed,
         interleaved=interleaved,
+        gated=gated,
         gate_up_proj_bias=gate_up_proj_bias,
         down_proj_bias=down_proj_bias,
     )
