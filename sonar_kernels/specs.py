@@ -289,31 +289,24 @@ def gate_up_view(gate_up_proj: torch.Tensor, layout: str) -> torch.Tensor:
     layout as [E, 1, I, H]. A view, never a copy (splitting a dimension and transposing are always
     views)."""
     w = gate_up_proj.transpose(1, 2) if layout.endswith("_transposed") else gate_up_proj  # [E, 2I, H]
+    return _halves(w, layout)
+
+
+def _halves(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """Dimension 1 of ``t`` (W1's 2I rows, or its bias's 2I entries) split into [2, I] (gate, up) as
+    ``layout`` orders them ([1, I] without a gate). A view."""
     if not is_gated(layout):
-        return w.unsqueeze(1)
-    half = w.shape[1] // 2
+        return t.unsqueeze(1)
+    half = t.shape[1] // 2
     if layout.startswith("interleaved"):
-        return w.unflatten(1, (half, 2)).transpose(1, 2)
-    return w.unflatten(1, (2, half))
-
-
-def gate_up_from_view(view: torch.Tensor, layout: str) -> torch.Tensor:
-    """The inverse of :func:`gate_up_view`: [E, 2, I, H] -> the shape of ``layout``; a view when the
-    strides allow it (a tensor allocated with the strides of a layout's view), else a copy."""
-    w = view.transpose(1, 2).flatten(1, 2) if layout.startswith("interleaved") else view.flatten(1, 2)
-    # (ungated: [E, 1, I, H] -> [E, I, H])
-    return w.transpose(1, 2) if layout.endswith("_transposed") else w
+        return t.unflatten(1, (half, 2)).transpose(1, 2)
+    return t.unflatten(1, (2, half))
 
 
 def gate_up_bias_view(gate_up_proj_bias: torch.Tensor, layout: str) -> torch.Tensor:
     """``gate_up_proj_bias`` [E, 2I] of ``layout`` seen as [E, 2, I] ([:, 0] the gate, [:, 1] the up
     projection's bias; interleaved as the weight's rows are; [E, 1, I] ungated). A view."""
-    if not is_gated(layout):
-        return gate_up_proj_bias.unsqueeze(1)
-    half = gate_up_proj_bias.shape[1] // 2
-    if layout.startswith("interleaved"):
-        return gate_up_proj_bias.unflatten(1, (half, 2)).transpose(1, 2)
-    return gate_up_proj_bias.unflatten(1, (2, half))
+    return _halves(gate_up_proj_bias, layout)
 
 
 def down_view(down_proj: torch.Tensor, layout: str) -> torch.Tensor:

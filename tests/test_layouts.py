@@ -161,6 +161,18 @@ def bias_to_concatenated(b1, layout):
     return torch.cat((b1[:, 0::2], b1[:, 1::2]), dim=1) if layout.startswith("interleaved") else b1
 
 
+def _check_against(out, expected, leaves, exact, names, dtype):
+    """``out`` and, after one backward of the same gradient, every leaf's gradient (its shape, and its
+    values at the dtype's tolerance) against the float64 ``expected`` and its leaves ``exact``."""
+    assert_close(out, expected, dtype)
+    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out.backward(grad_out)
+    expected.backward(grad_out.double())
+    for name, leaf, ref in zip(names, leaves, exact, strict=True):
+        assert leaf.grad.shape == leaf.shape, name
+        assert_close(leaf.grad, ref.grad, dtype, what=name)
+
+
 # gpt-oss's clamped SwiGLU, with a limit that the projections cross.
 CLAMPED = sonar_kernels.clamped_swiglu(alpha=1.702, limit=0.5)
 
@@ -186,15 +198,9 @@ def test_biases_and_the_clamped_swiglu_match_the_float64_reference(backend, dtyp
         exact[0], index, exact[1], *to_concatenated(exact[2], exact[3], layout), activation=CLAMPED,
         gate_up_proj_bias=bias_to_concatenated(exact[4], layout), down_proj_bias=exact[5],
     )  # fmt: skip
-    assert_close(out, expected, dtype)
-    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out.backward(grad_out)
-    expected.backward(grad_out.double())
+    # bf16: the biases' gradients sum rounded dHpre rows (as autograd's bias gradient does in bf16).
     names = ("x", "top_k_weights", "gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
-    for name, leaf, ref in zip(names, leaves, exact, strict=True):
-        assert leaf.grad.shape == leaf.shape, name
-        # bf16: the biases' gradients sum rounded dHpre rows (as autograd's bias gradient does in bf16).
-        assert_close(leaf.grad, ref.grad, dtype, what=name)
+    _check_against(out, expected, leaves, exact, names, dtype)
     # Expert 1 has no token: its biases get zero gradients.
     assert torch.equal(leaves[5].grad[1], torch.zeros(H, dtype=dtype))
 
@@ -308,14 +314,8 @@ def test_experts_without_a_gate_match_the_float64_reference(backend, dtype, tran
         exact[0], index, exact[1], w1_exact, w2_exact, activation="relu2", gated=False,
         gate_up_proj_bias=exact[4], down_proj_bias=exact[5],
     )  # fmt: skip
-    assert_close(out, expected, dtype)
-    grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out.backward(grad_out)
-    expected.backward(grad_out.double())
     names = ("x", "top_k_weights", "up_proj", "down_proj", "up_proj_bias", "down_proj_bias")
-    for name, leaf, ref in zip(names, leaves, exact, strict=True):
-        assert leaf.grad.shape == leaf.shape, name
-        assert_close(leaf.grad, ref.grad, dtype, what=name)
+    _check_against(out, expected, leaves, exact, names, dtype)
 
 
 @pytest.mark.parametrize("backend, fused_epilogue", [("triton", True), ("triton", False), ("torch", True)])

@@ -30,30 +30,17 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
     return state, torch.tensor([lr, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=w.device)
 
 
+def _forward_args(x, index, weights, w1, w2, backend):
+    """The forward op's arguments without updates: no states, hyperparameters or gradient dtypes; the
+    fused epilogue, torch AdamW's flags unset, SwiGLU, the concatenated layout, no biases."""
+    return (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend,
+            "concatenated", None, None)  # fmt: skip
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
     x, index, weights, w1, w2 = _inputs(device=device)
-    args = (
-        x,
-        index,
-        weights,
-        w1,
-        w2,
-        [],
-        [],
-        None,
-        None,
-        None,
-        None,
-        True,
-        None,
-        None,
-        "silu",
-        backend,
-        "concatenated",
-        None,
-        None,
-    )
+    args = _forward_args(x, index, weights, w1, w2, backend)
     torch.library.opcheck(library.moe_mlp_fwd, args, test_utils=("test_schema", "test_faketensor"))
     out = library.moe_mlp_fwd(*args)[0]
     expected = reference.moe_mlp(*to_double(x, index, weights, w1, w2))
@@ -64,27 +51,7 @@ def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
 @pytest.mark.parametrize("op", ["moe_mlp_bwd", "moe_mlp_bwd_grads"])
 def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, device):
     x, index, weights, w1, w2 = _inputs(device=device)
-    out, hpre, *meta = library.moe_mlp_fwd(
-        x,
-        index,
-        weights,
-        w1,
-        w2,
-        [],
-        [],
-        None,
-        None,
-        None,
-        None,
-        True,
-        None,
-        None,
-        "silu",
-        backend,
-        "concatenated",
-        None,
-        None,
-    )
+    out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
     grad_out = torch.randn_like(out)
     args = (grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True])
     if op == "moe_mlp_bwd":
@@ -141,27 +108,7 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
     # The update (or the addition to a buffer) happens inside the op: the schema must declare every
     # tensor it writes, and the fake must return an empty weight gradient.
     x, index, weights, w1, w2 = _inputs(device=device)
-    out, hpre, *meta = library.moe_mlp_fwd(
-        x,
-        index,
-        weights,
-        w1,
-        w2,
-        [],
-        [],
-        None,
-        None,
-        None,
-        None,
-        True,
-        None,
-        None,
-        "silu",
-        backend,
-        "concatenated",
-        None,
-        None,
-    )
+    out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
     state, hyper = _state(w2)
     buffer = torch.zeros_like(w2) if mode == "accumulate" else None
     args = (

@@ -181,6 +181,22 @@ def _present(families):
     return [pytest.param(f, marks=() if f in discover() else missing) for f in families]
 
 
+def _sonar_equals_eager(family, backend):
+    """The family's tiny model switched to "sonar" on ``backend``, after checking its output and every
+    parameter's gradient against the same model's "eager" experts."""
+    eager = _build(family)
+    sonar = copy.deepcopy(eager)
+    sonar.set_experts_implementation("sonar")
+    hf.set_backend(sonar, backend)
+    ref, got = _forward_backward(eager), _forward_backward(sonar)
+    assert_close(got, ref, torch.float32, what=f"{family} output")
+    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
+        assert (p.grad is None) == (q.grad is None), f"{family}: grad of {name}"
+        if q.grad is not None:
+            assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+    return sonar
+
+
 @pytest.mark.parametrize("family", _present(MATCH))
 def test_family_with_sonar_equals_eager(family, monkeypatch):
     hf.register()
@@ -191,16 +207,7 @@ def test_family_with_sonar_equals_eager(family, monkeypatch):
         return moe_mlp(hidden_states, top_k_index, top_k_weights, gate_up_proj, *args, **kwargs)
 
     monkeypatch.setattr(hf, "moe_mlp", recording_moe_mlp)
-    eager = _build(family)
-    sonar = copy.deepcopy(eager)
-    sonar.set_experts_implementation("sonar")
-    hf.set_backend(sonar, "torch")
-    ref, got = _forward_backward(eager), _forward_backward(sonar)
-    assert_close(got, ref, torch.float32, what=f"{family} output")
-    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
-        assert (p.grad is None) == (q.grad is None), f"{family}: grad of {name}"
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+    sonar = _sonar_equals_eager(family, "torch")
     # Every experts module that took part ran sonar, and the experts change the output.
     used = [m for m in sonar.modules() if _dispatches(type(m)) and _up(m).grad is not None]
     assert used and {id(_up(m)) for m in used} <= ran, f"{family}: experts not run by sonar"
@@ -238,15 +245,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 @pytest.mark.parametrize("family", _present(ADDED))
 def test_added_family_on_the_triton_backend_equals_eager(family):
     hf.register()
-    eager = _build(family)
-    sonar = copy.deepcopy(eager)
-    sonar.set_experts_implementation("sonar")
-    hf.set_backend(sonar, "triton")
-    ref, got = _forward_backward(eager), _forward_backward(sonar)
-    assert_close(got, ref, torch.float32, what=f"{family} output")
-    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+    _sonar_equals_eager(family, "triton")
 
 
 def _train(model, optimizer, steps, clip_dense):
