@@ -194,7 +194,7 @@ def set_backend(model: nn.Module, backend: str) -> nn.Module:
 
 
 def check_experts_module(module: nn.Module) -> str:
-    """The activation of ``module`` ("silu", "gelu", "gelu_tanh" or a clamped SwiGLU) when the sonar
+    """The activation of ``module`` ("silu", "gelu", "gelu_tanh", "relu2" or a clamped SwiGLU) when the sonar
     kernels can run it: read from its ``act_fn`` (what transformers' eager forward calls), else from
     ``config.hidden_act``; gpt-oss's ``_apply_gate`` (:data:`CLAMPED_SWIGLU_GATES`) is
     :func:`sonar_kernels.clamped_swiglu` with the module's ``alpha`` and ``limit``.
