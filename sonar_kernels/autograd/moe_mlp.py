@@ -398,10 +398,12 @@ def moe_mlp(
         graph over the weights when it runs). One ``sonar_kernels::moe_mlp_fwd`` op: torch.compile
         traces it without a graph break, ``fullgraph=True`` included.
     Raises:
-        TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index).
-        ValueError: shapes that disagree (H, I, E, T, top_k), T * top_k >= 2**31, tensors on
-            different devices, an unknown activation or backend, or backend "triton" on CPU tensors
-            without the interpreter.
+        TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index), a
+            layout flag that is not a bool, a bias not of its weight's dtype.
+        ValueError: shapes that disagree (H, I, E, T, top_k, in the layout given; a bias's shape),
+            T * top_k >= 2**31, tensors on different devices, an unknown activation or backend, a
+            clamped SwiGLU without a gate or interleaved rows without one, or backend "triton" on CPU
+            tensors without the interpreter.
     """
     if (
         isinstance(hidden_states, torch.Tensor)
@@ -466,6 +468,7 @@ def grouped_mlp(
     backend: str = "auto",
     transposed: bool = False,
     interleaved: bool = False,
+    gated: bool = True,
 ) -> torch.Tensor:
     """Gated expert MLP over tokens already grouped by expert (torchtitan's and Megatron-Core's experts
     interface): rows ``[c_0 + ... + c_{e-1}, c_0 + ... + c_e)`` of ``x_sorted`` go through expert ``e``,
@@ -479,8 +482,8 @@ def grouped_mlp(
         x_sorted: [N, H] float32, bfloat16 or float16, rows grouped by expert in expert order.
         num_tokens_per_expert: [E] integer counts (any integer dtype, on the device of x_sorted or the
             CPU), summing to at most N: rows from the sum on (padding) belong to no expert.
-        gate_up_proj, down_proj, activation, backend, transposed, interleaved: as for :func:`moe_mlp`
-            ([E, 2I, H] and [E, H, I] by default).
+        gate_up_proj, down_proj, activation, backend, transposed, interleaved, gated: as for
+            :func:`moe_mlp` ([E, 2I, H] and [E, H, I] by default).
 
     Returns:
         [N, H], dtype of x_sorted: row r is expert e(r)'s output for row r of x_sorted; padding rows are
@@ -525,5 +528,5 @@ def grouped_mlp(
     ones = torch.ones(N, 1, dtype=x_sorted.dtype, device=x_sorted.device)
     return moe_mlp(
         x_sorted, expert_of_row, ones, gate_up_proj, down_proj, activation=activation, backend=backend,
-        transposed=transposed, interleaved=interleaved,
+        transposed=transposed, interleaved=interleaved, gated=gated,
     )  # fmt: skip
