@@ -194,7 +194,26 @@ def _sonar_equals_eager(family, backend):
         assert (p.grad is None) == (q.grad is None), f"{family}: grad of {name}"
         if q.grad is not None:
             assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+    # The router logits of every layer (after the first, they see the experts' output), where the family
+    # returns them.
+    ref, got = _router_logits(eager), _router_logits(sonar)
+    assert (ref is None) == (got is None), family
+    for layer, (a, b) in enumerate(zip(got or (), ref or (), strict=True)):
+        assert_close(a, b, torch.float32, what=f"{family}: router logits of layer {layer}")
     return sonar
+
+
+def _router_logits(model):
+    """The router logits of every MoE layer on the fixed tokens, or None where the family has none to
+    return (no ``output_router_logits`` in its config, or none in its output)."""
+    if not hasattr(model.config, "output_router_logits"):
+        return None
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model(tokens, output_router_logits=True)
+    logits = getattr(out, "router_logits", None)
+    return None if not logits else tuple(logits)
 
 
 @pytest.mark.parametrize("family", _present(MATCH))
