@@ -137,8 +137,9 @@ def _model_class(module):
     return classes[0]
 
 
-def _build(family, seed=0):
-    """A tiny random eager model of ``family``; its expert weights normal(0, fan_in**-0.5)."""
+def build(family, seed=0):
+    """A tiny random eager model of ``family``; its expert weights normal(0, fan_in**-0.5) (also used by
+    tests/test_transformers_integration.py)."""
     cls = _model_class(discover()[family])
     defaults = cls.config_class()
     kwargs = {key: value for key, value in TINY.items() if key in defaults.to_dict()}
@@ -184,7 +185,7 @@ def _present(families):
 def _sonar_equals_eager(family, backend):
     """The family's tiny model switched to "sonar" on ``backend``, after checking its output and every
     parameter's gradient against the same model's "eager" experts."""
-    eager = _build(family)
+    eager = build(family)
     sonar = copy.deepcopy(eager)
     sonar.set_experts_implementation("sonar")
     hf.set_backend(sonar, backend)
@@ -236,7 +237,7 @@ def test_family_with_sonar_equals_eager(family, monkeypatch):
 @pytest.mark.parametrize("family", _present(sorted(REFUSED)))
 def test_family_refused_at_the_switch(family):
     hf.register()
-    model = _build(family)
+    model = build(family)
     with pytest.raises(ValueError, match=REFUSED[family]):
         model.set_experts_implementation("sonar")
     assert model.config._experts_implementation == "eager"
@@ -288,7 +289,7 @@ def _train(model, optimizer, steps, clip_dense):
 @pytest.mark.parametrize("family", _present(ADDED))
 def test_added_family_trains_like_dense_clip_adamw_bitwise_and_round_trips(family, tmp_path):
     hf.register()
-    standard = _build(family)
+    standard = build(family)
     standard.set_experts_implementation("sonar")
     hf.set_backend(standard, "torch")
     sonar = copy.deepcopy(standard)

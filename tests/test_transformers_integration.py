@@ -3,6 +3,7 @@
 import copy
 
 import pytest
+import test_transformers_families as families
 import torch
 from numerics import assert_close, rel_err
 
@@ -99,29 +100,11 @@ def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activat
         assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
 
 
-def _gemma4(implementation):
-    torch.manual_seed(0)
-    config = transformers.Gemma4TextConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, layer_types=["sliding_attention", "full_attention"],
-        sliding_window=8, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8,
-        enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, per_layer_config={},
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    config._experts_implementation = implementation
-    model = transformers.Gemma4ForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.normal_(0, p.shape[-1] ** -0.5)
-    return model
-
-
 @pytest.mark.skipif(not hasattr(transformers, "Gemma4ForCausalLM"), reason="transformers without Gemma 4")
 @pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
 def test_gemma4_with_its_tanh_gelu_equals_eager(backend):
     # Gemma 4's MoE experts use hidden_activation "gelu_pytorch_tanh": the kernels' "gelu_tanh".
-    eager = _gemma4("eager")
+    eager = families.build("gemma4")
     sonar = copy.deepcopy(eager)
     sonar.set_experts_implementation("sonar")
     hf.set_backend(sonar, backend)
@@ -171,31 +154,10 @@ def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
         assert_close(loaded(tokens).logits, eager(tokens).logits, torch.float32)
 
 
-def _gpt_oss(implementation, seed=0):
-    """A tiny random gpt-oss (2 layers, hidden 64): transposed experts with gate and up interleaved,
-    biases on both projections, the clamped SwiGLU of its _apply_gate."""
-    torch.manual_seed(seed)
-    config = transformers.GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, num_local_experts=4, num_experts_per_tok=2,
-        layer_types=["sliding_attention", "full_attention"], sliding_window=8, pad_token_id=0, bos_token_id=1,
-        eos_token_id=2,
-    )  # fmt: skip
-    config._experts_implementation = implementation
-    model = transformers.GptOssForCausalLM(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-                p.normal_(0, p.shape[1] ** -0.5)
-            elif name.endswith(("experts.gate_up_proj_bias", "experts.down_proj_bias")):
-                p.normal_(0, 0.5)
-    return model
-
-
 @pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
 @pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
 def test_gpt_oss_equals_eager(backend):
-    eager = _gpt_oss("eager")
+    eager = families.build("gpt_oss")
     sonar = copy.deepcopy(eager)
     sonar.set_experts_implementation("sonar")
     hf.set_backend(sonar, backend)
@@ -217,7 +179,7 @@ def test_gpt_oss_equals_eager(backend):
 
 def test_a_gpt_oss_gate_that_computes_something_else_is_refused():
     hf.register()
-    model = _gpt_oss("eager")
+    model = families.build("gpt_oss")
     experts = model.model.layers[0].mlp.experts
     experts.limit = "7"  # not a number: the gate cannot be the kernels' formula
     with pytest.raises(ValueError, match=r"GptOssExperts\._apply_gate"):

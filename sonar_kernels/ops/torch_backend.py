@@ -205,14 +205,15 @@ def moe_mlp_fwd(
     meta = routing_metadata(top_k_index, E)
     tokens = meta.token_of_row.long()
     hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
+    experts = None if gate_up_proj_bias is None and down_proj_bias is None else _expert_of_row(meta)
     if gate_up_proj_bias is not None:
         bias = gate_up_bias_view(gate_up_proj_bias, layout).flatten(1, 2)  # [E, 2I], gate first
-        hpre = (hpre.float() + bias.float()[_expert_of_row(meta)]).to(dtype)
+        hpre = (hpre.float() + bias.float()[experts]).to(dtype)
     up = hpre[:, I:].float() if hpre.shape[1] == 2 * I else None  # None: no gate
     a = glu(hpre[:, :I].float(), up, activation).to(dtype)
     y = grouped_mm(a, w2.transpose(1, 2), meta.expert_offsets)
     if down_proj_bias is not None:
-        y = (y.float() + down_proj_bias.float()[_expert_of_row(meta)]).to(dtype)
+        y = (y.float() + down_proj_bias.float()[experts]).to(dtype)
     out = _combine(y, meta, top_k_weights, T, top_k).to(dtype)
     return out, hpre, meta
 
