@@ -182,7 +182,7 @@ def _present(families):
     return [pytest.param(f, marks=() if f in discover() else missing) for f in families]
 
 
-def _sonar_equals_eager(family, backend):
+def sonar_equals_eager(family, backend):
     """The family's tiny model switched to "sonar" on ``backend``, after checking its output and every
     parameter's gradient against the same model's "eager" experts."""
     eager = build(family)
@@ -218,7 +218,7 @@ def _router_logits(model):
 
 
 @pytest.mark.parametrize("family", _present(MATCH))
-def test_family_with_sonar_equals_eager(family, monkeypatch):
+def test_family_withsonar_equals_eager(family, monkeypatch):
     hf.register()
     ran, moe_mlp = set(), hf.moe_mlp
 
@@ -227,7 +227,7 @@ def test_family_with_sonar_equals_eager(family, monkeypatch):
         return moe_mlp(hidden_states, top_k_index, top_k_weights, gate_up_proj, *args, **kwargs)
 
     monkeypatch.setattr(hf, "moe_mlp", recording_moe_mlp)
-    sonar = _sonar_equals_eager(family, "torch")
+    sonar = sonar_equals_eager(family, "torch")
     # Every experts module that took part ran sonar, and the experts change the output.
     used = [m for m in sonar.modules() if _dispatches(type(m)) and _up(m).grad is not None]
     assert used and {id(_up(m)) for m in used} <= ran, f"{family}: experts not run by sonar"
@@ -265,7 +265,7 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 @pytest.mark.parametrize("family", _present(ADDED))
 def test_added_family_on_the_triton_backend_equals_eager(family):
     hf.register()
-    _sonar_equals_eager(family, "triton")
+    sonar_equals_eager(family, "triton")
 
 
 def _train(model, optimizer, steps, clip_dense):

@@ -101,20 +101,14 @@ def test_sonar_equals_eager_logits_loss_router_and_dense_gradients(kind, activat
 
 
 @pytest.mark.skipif(not hasattr(transformers, "Gemma4ForCausalLM"), reason="transformers without Gemma 4")
-@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
-def test_gemma4_with_its_tanh_gelu_equals_eager(backend):
-    # Gemma 4's MoE experts use hidden_activation "gelu_pytorch_tanh": the kernels' "gelu_tanh".
-    eager = families.build("gemma4")
-    sonar = copy.deepcopy(eager)
-    sonar.set_experts_implementation("sonar")
-    hf.set_backend(sonar, backend)
-    experts = [m for m in sonar.modules() if type(m).__name__ == "Gemma4TextExperts"]
+def test_gemma4_experts_run_the_tanh_gelu():
+    # Gemma 4's MoE experts use hidden_activation "gelu_pytorch_tanh": the kernels' "gelu_tanh" (its match
+    # with eager on both backends: tests/test_transformers_families.py).
+    hf.register()
+    model = families.build("gemma4")
+    model.set_experts_implementation("sonar")
+    experts = [m for m in model.modules() if type(m).__name__ == "Gemma4TextExperts"]
     assert len(experts) == 2 and all(hf.check_experts_module(m) == "gelu_tanh" for m in experts)
-    ref, got = _forward_backward(eager, sonar)
-    assert_close(got.logits, ref.logits, torch.float32, what="logits")
-    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
 
 
 def test_every_tanh_gelu_of_transformers_maps_to_gelu_tanh():
@@ -155,26 +149,21 @@ def test_save_pretrained_from_pretrained_round_trip_is_bitwise(tmp_path):
 
 
 @pytest.mark.skipif(not hasattr(transformers, "GptOssForCausalLM"), reason="transformers without gpt-oss")
-@pytest.mark.parametrize("backend", ["triton", "torch"], indirect=True)
-def test_gpt_oss_equals_eager(backend):
-    eager = families.build("gpt_oss")
-    sonar = copy.deepcopy(eager)
-    sonar.set_experts_implementation("sonar")
-    hf.set_backend(sonar, backend)
-    experts = [m for m in sonar.modules() if type(m).__name__ == "GptOssExperts"]
+def test_gpt_oss_experts_run_in_their_own_layout_and_activation():
+    # Transposed experts, gate and up interleaved, biases, the clamped SwiGLU of its _apply_gate, read from
+    # the module (its match with eager on both backends: tests/test_transformers_families.py).
+    hf.register()
+    model = families.build("gpt_oss")
+    model.set_experts_implementation("sonar")
+    experts = [m for m in model.modules() if type(m).__name__ == "GptOssExperts"]
     assert len(experts) == 2
     for module in experts:
         assert hf.check_experts_module(module) == sonar_kernels.clamped_swiglu(module.alpha, module.limit)
         assert hf.layout_of(module) == {"transposed": True, "interleaved": True, "gated": True}
-    tokens = _tokens()
-    ref, got = (m(tokens, labels=tokens, output_router_logits=True) for m in (eager, sonar))
-    ref.loss.backward()
-    got.loss.backward()
-    assert_close(got.logits, ref.logits, torch.float32, what="logits")
-    for layer, (a, b) in enumerate(zip(got.router_logits, ref.router_logits, strict=True)):
-        assert_close(a, b, torch.float32, what=f"router logits of layer {layer}")
-    for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
-        assert_close(p.grad, q.grad, torch.float32, what=f"grad of {name}")
+        assert [t.shape for t in hf.expert_tensors(module)] == [
+            module.gate_up_proj.shape, module.down_proj.shape, module.gate_up_proj_bias.shape,
+            module.down_proj_bias.shape,
+        ]  # fmt: skip
 
 
 def test_a_gpt_oss_gate_that_computes_something_else_is_refused():
