@@ -37,14 +37,18 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # "interleaved": gate and up rows alternate (gate 0, up 0, gate 1, ...: torchtitan's fused w13, gpt-oss);
 # "ungated": no gate, gate_up_proj is the up projection alone [E, I, H] (transformers' has_gate=False:
 # Nemotron-H); "_transposed": both weights stored transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]:
-# transformers' is_transposed, gpt-oss, Aria). Every layout is read and updated in place through its strides.
+# transformers' is_transposed, gpt-oss, Aria); "separate": the gate and the up projection are two tensors
+# (gate_up_proj the gate [E, I, H], up_proj the up projection [E, I, H] with the same strides: torchtitan's
+# w1 and w3, Megatron-Core's). Every layout is read and updated in place through its strides.
 LAYOUTS = (
     "concatenated",
     "interleaved",
     "ungated",
+    "separate",
     "concatenated_transposed",
     "interleaved_transposed",
     "ungated_transposed",
+    "separate_transposed",
 )
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The routing metadata's expert axis is one register tile.
@@ -272,10 +276,19 @@ def expert_tensors_of(module: torch.nn.Module) -> tuple[torch.Tensor, ...] | Non
     return tensors
 
 
-def layout_name(transposed: bool, interleaved: bool, gated: bool = True) -> str:
-    """The name in :data:`LAYOUTS` of the weights' layout (``interleaved`` is ignored without a gate)."""
-    kind = "ungated" if not gated else "interleaved" if interleaved else "concatenated"
+def layout_name(transposed: bool, interleaved: bool, gated: bool = True, separate: bool = False) -> str:
+    """The name in :data:`LAYOUTS` of the weights' layout (``interleaved`` is ignored without a gate;
+    ``separate``: the up projection is a tensor of its own)."""
+    if separate:
+        kind = "separate"
+    else:
+        kind = "ungated" if not gated else "interleaved" if interleaved else "concatenated"
     return kind + ("_transposed" if transposed else "")
+
+
+def is_separate(layout: str) -> bool:
+    """Whether ``layout`` holds the gate and the up projection in two tensors (gate_up_proj the gate)."""
+    return layout.startswith("separate")
 
 
 def is_gated(layout: str) -> bool:
@@ -286,8 +299,8 @@ def is_gated(layout: str) -> bool:
 def gate_up_view(gate_up_proj: torch.Tensor, layout: str) -> torch.Tensor:
     """``gate_up_proj`` (or a tensor of its shape and strides: a moment, a gradient) of ``layout`` seen
     as [E, 2, I, H]: [:, 0] the gate projection, [:, 1] the up projection, each [I, H]; an ungated
-    layout as [E, 1, I, H]. A view, never a copy (splitting a dimension and transposing are always
-    views)."""
+    layout as [E, 1, I, H], and so a separate layout's gate (or up) tensor alone. A view, never a copy
+    (splitting a dimension and transposing are always views)."""
     w = gate_up_proj.transpose(1, 2) if layout.endswith("_transposed") else gate_up_proj  # [E, 2I, H]
     return _halves(w, layout)
 
@@ -295,7 +308,7 @@ def gate_up_view(gate_up_proj: torch.Tensor, layout: str) -> torch.Tensor:
 def _halves(t: torch.Tensor, layout: str) -> torch.Tensor:
     """Dimension 1 of ``t`` (W1's 2I rows, or its bias's 2I entries) split into [2, I] (gate, up) as
     ``layout`` orders them ([1, I] without a gate). A view."""
-    if not is_gated(layout):
+    if not is_gated(layout) or is_separate(layout):
         return t.unsqueeze(1)
     half = t.shape[1] // 2
     if layout.startswith("interleaved"):

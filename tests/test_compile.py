@@ -156,3 +156,40 @@ def test_a_compiled_olmoe_trains_like_eager(compile_backend):
             assert torch.equal(p, q), name
         else:
             assert rel_err(p, q) <= 1e-5, name
+
+
+class TinySeparate(torch.nn.Module):
+    """Tiny with the gate and the up projection as separate expert tensors (torchtitan's w1, w3)."""
+
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.router = torch.nn.Linear(16, 4)
+        self.gate = torch.nn.Parameter(torch.randn(4, 8, 16) * 0.25)
+        self.up = torch.nn.Parameter(torch.randn(4, 8, 16) * 0.25)
+        self.down = torch.nn.Parameter(torch.randn(4, 16, 8) * 0.35)
+        sonar_kernels.specs.mark_expert_tensors(self.gate, self.up, self.down)
+        self.head = torch.nn.Linear(16, 16)
+
+    def expert_tensors(self):
+        return (self.gate, self.down, self.up)
+
+    def forward(self, x):
+        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        out = sonar_kernels.moe_mlp(x, index, weights, self.gate, self.down, up_proj=self.up, backend="torch")
+        return self.head(out)
+
+
+@pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
+def test_separate_gate_and_up_tensors_are_updated_inside_the_compiled_backward(compile_backend):
+    eager, compiled = TinySeparate(), TinySeparate()
+    _run(eager, sonar_kernels.SonarAdamW(eager, **HYPER), 3)
+    optimizer = sonar_kernels.SonarAdamW(compiled, **HYPER)
+    _run(compiled, optimizer, 3, compile_backend)
+    for p in compiled.expert_tensors():
+        assert float(optimizer.state[p]["step"]) == 3.0 and p.grad is None
+    for p, q in zip(compiled.parameters(), eager.parameters(), strict=True):
+        if compile_backend == "aot_eager":
+            assert torch.equal(p, q)
+        else:
+            assert rel_err(p, q) <= 1e-5

@@ -1,4 +1,4 @@
-"""The expert weights' layouts (transposed, gate/up interleaved, both): forward, every gradient and the
+"""The expert weights' layouts (transposed, gate/up interleaved, gate and up separate tensors, both): forward, every gradient and the
 in-backward update of each layout against the float64 reference on the same weights rearranged, here, into
 the concatenated layout by plain indexing (an oracle independent of ``specs.gate_up_view``)."""
 
@@ -19,22 +19,38 @@ def _flags(layout):
     return {"transposed": layout.endswith("_transposed"), "interleaved": layout.startswith("interleaved")}
 
 
+# The names of the expert weights in the order to_layout returns them (up_proj: separate layouts only).
+WEIGHT_NAMES = ("gate_up_proj", "down_proj", "up_proj")
+
+
 def to_layout(w1, w2, layout):
-    """Concatenated [E, 2I, H], [E, H, I] -> ``layout``'s tensors (new memory)."""
+    """Concatenated [E, 2I, H], [E, H, I] -> ``layout``'s tensors (new memory): (gate_up_proj, down_proj),
+    or (gate, down_proj, up) for a separate layout."""
+    tensors = [w1, w2]
     if layout.startswith("interleaved"):
-        w1 = torch.stack((w1[:, :I], w1[:, I:]), dim=2).flatten(1, 2)  # gate 0, up 0, gate 1, ...
+        tensors[0] = torch.stack((w1[:, :I], w1[:, I:]), dim=2).flatten(1, 2)  # gate 0, up 0, gate 1, ...
+    if layout.startswith("separate"):
+        tensors = [w1[:, :I], w2, w1[:, I:]]
     if layout.endswith("_transposed"):
-        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
-    return w1.contiguous(), w2.contiguous()
+        tensors = [t.transpose(1, 2) for t in tensors]
+    return tuple(t.contiguous() for t in tensors)
 
 
-def to_concatenated(w1, w2, layout):
+def to_concatenated(tensors, layout):
     """``layout``'s tensors -> concatenated [E, 2I, H], [E, H, I]; differentiable."""
     if layout.endswith("_transposed"):
-        w1, w2 = w1.transpose(1, 2), w2.transpose(1, 2)
+        tensors = [t.transpose(1, 2) for t in tensors]
+    w1, w2 = tensors[:2]
     if layout.startswith("interleaved"):
         w1 = torch.cat((w1[:, 0::2], w1[:, 1::2]), dim=1)
+    if layout.startswith("separate"):
+        w1 = torch.cat((w1, tensors[2]), dim=1)
     return w1, w2
+
+
+def weights_of(tensors):
+    """The weights as moe_mlp's keywords."""
+    return dict(zip(WEIGHT_NAMES, tensors, strict=False))
 
 
 def _inputs(dtype, seed=0):
@@ -56,17 +72,15 @@ def test_every_layout_matches_the_float64_reference(backend, dtype, layout):
     x, index, weights, w1, w2 = _inputs(dtype)
     leaves = [t.clone().requires_grad_() for t in (x, weights, *to_layout(w1, w2, layout))]
     out = sonar_kernels.moe_mlp(
-        leaves[0], index, leaves[1], leaves[2], leaves[3], backend=backend, **_flags(layout)
+        leaves[0], index, leaves[1], **weights_of(leaves[2:]), backend=backend, **_flags(layout)
     )
     exact = [t.detach().double().requires_grad_() for t in leaves]
-    expected = reference.moe_mlp(exact[0], index, exact[1], *to_concatenated(exact[2], exact[3], layout))
+    expected = reference.moe_mlp(exact[0], index, exact[1], *to_concatenated(exact[2:], layout))
     assert_close(out, expected, dtype)
     grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(1)).to(dtype)
     out.backward(grad_out)
     expected.backward(grad_out.double())
-    for name, leaf, ref in zip(
-        ("x", "top_k_weights", "gate_up_proj", "down_proj"), leaves, exact, strict=True
-    ):
+    for name, leaf, ref in zip(("x", "top_k_weights", *WEIGHT_NAMES), leaves, exact, strict=False):
         assert leaf.grad.shape == leaf.shape and leaf.grad.stride() == leaf.stride(), name
         assert_close(leaf.grad, ref.grad, dtype, what=name)
 
@@ -78,6 +92,8 @@ UPDATE_CASES = [
     ("triton", False, 1, "interleaved_transposed"),
     ("triton", True, 2, "interleaved_transposed"),
     ("torch", True, 2, "interleaved_transposed"),
+    ("triton", False, 1, "separate_transposed"),
+    ("triton", True, 2, "separate"),
 ]
 
 
@@ -98,18 +114,16 @@ def test_every_layout_is_updated_in_place_like_torch_adamw(
     for step in range(2):
         for micro in range(accumulation_steps):
             grad_out = torch.randn(T, H, generator=torch.Generator().manual_seed(10 * step + micro))
-            sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend, **_flags(layout)).backward(
-                grad_out
-            )
-            expected = reference.moe_mlp(
-                x.double(), index, weights.double(), *to_concatenated(*exact, layout)
-            )
+            sonar_kernels.moe_mlp(
+                x, index, weights, **weights_of(params), backend=backend, **_flags(layout)
+            ).backward(grad_out)
+            expected = reference.moe_mlp(x.double(), index, weights.double(), *to_concatenated(exact, layout))
             expected.backward(grad_out.double())
         assert all(p.grad is None for p in params)  # updated in the backward, no gradient kept
         optimizer.step()
         torch_adamw.step()
         torch_adamw.zero_grad()
-    for name, p, ref, address in zip(("gate_up_proj", "down_proj"), params, exact, addresses, strict=True):
+    for name, p, ref, address in zip(WEIGHT_NAMES, params, exact, addresses, strict=False):
         assert p.data_ptr() == address  # in place
         state = optimizer.state[p]
         assert state["exp_avg"].stride() == p.stride() and float(state["step"]) == 2
@@ -131,7 +145,7 @@ def test_grouped_mlp_takes_the_layouts():
     expected = sonar_kernels.grouped_mlp(x, counts, w1, w2, backend="torch")
     for layout in GATED_LAYOUTS:
         out = sonar_kernels.grouped_mlp(
-            x, counts, *to_layout(w1, w2, layout), backend="torch", **_flags(layout)
+            x, counts, **weights_of(to_layout(w1, w2, layout)), backend="torch", **_flags(layout)
         )
         # The same products; torch's GEMM may order the sums differently for other strides.
         assert_close(out, expected, torch.float32, what=layout)
@@ -195,7 +209,7 @@ def test_biases_and_the_clamped_swiglu_match_the_float64_reference(backend, dtyp
     )  # fmt: skip
     exact = [t.detach().double().requires_grad_() for t in leaves]
     expected = reference.moe_mlp(
-        exact[0], index, exact[1], *to_concatenated(exact[2], exact[3], layout), activation=CLAMPED,
+        exact[0], index, exact[1], *to_concatenated(exact[2:4], layout), activation=CLAMPED,
         gate_up_proj_bias=bias_to_concatenated(exact[4], layout), down_proj_bias=exact[5],
     )  # fmt: skip
     # bf16: the biases' gradients sum rounded dHpre rows (as autograd's bias gradient does in bf16).
@@ -280,7 +294,7 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend):
         assert all(p.grad is None for p in params)  # every expert tensor updated in the backward
         assert all(float(optimizer.state[p]["step"]) == step + 1 for p in params)
         reference.moe_mlp(
-            x.double(), index, weights.double(), *to_concatenated(exact[0], exact[1], layout), activation=CLAMPED,
+            x.double(), index, weights.double(), *to_concatenated(exact[0:2], layout), activation=CLAMPED,
             gate_up_proj_bias=bias_to_concatenated(exact[2], layout), down_proj_bias=exact[3],
         ).backward(grad_out.double())  # fmt: skip
         optimizer.step()
@@ -353,3 +367,39 @@ def test_an_ungated_layout_refuses_what_needs_a_gate():
         sonar_kernels.moe_mlp(x, index, weights, w1, w2, activation=CLAMPED, backend="torch", gated=False)
     with pytest.raises(ValueError, match=r"gate_up_proj.shape\[1\] must be down_proj.shape\[2\] = I"):
         sonar_kernels.moe_mlp(x, index, weights, torch.randn(E, 2 * I, H), w2, backend="torch", gated=False)
+
+
+def test_a_separate_up_tensor_is_checked_before_any_kernel():
+    x, index, weights, w1, w2 = _inputs(torch.float32)
+    gate, _, up = to_layout(w1, w2, "separate")
+    with pytest.raises(ValueError, match=r"up_proj must have the strides of gate_up_proj"):
+        sonar_kernels.moe_mlp(
+            x, index, weights, gate, w2, up_proj=up.transpose(1, 2).contiguous().transpose(1, 2)
+        )
+    with pytest.raises(ValueError, match=r"up_proj must have the shape of gate_up_proj"):
+        sonar_kernels.moe_mlp(x, index, weights, gate, w2, up_proj=up[:, :-1])
+    with pytest.raises(TypeError, match=r"up_proj must have the dtype of gate_up_proj"):
+        sonar_kernels.moe_mlp(x, index, weights, gate, w2, up_proj=up.double())
+    with pytest.raises(TypeError, match=r"up_proj must be a torch.Tensor"):
+        sonar_kernels.moe_mlp(x, index, weights, gate, w2, up_proj=up.tolist())
+    with pytest.raises(ValueError, match=r"up_proj .* cannot be combined with interleaved=True"):
+        sonar_kernels.moe_mlp(x, index, weights, gate, w2, up_proj=up, interleaved=True)
+    with pytest.raises(ValueError, match=r"up_proj .* cannot be combined with gated=False"):
+        sonar_kernels.moe_mlp(x, index, weights, gate, w2, up_proj=up, gated=False)
+    with pytest.raises(ValueError, match=r"gate_up_proj_bias with a separate up_proj is not supported"):
+        sonar_kernels.moe_mlp(
+            x, index, weights, gate, w2, up_proj=up, gate_up_proj_bias=torch.zeros(E, 2 * I)
+        )
+    # gate_up_proj is the gate alone with up_proj: [E, I, H], not [E, 2I, H].
+    with pytest.raises(ValueError, match=r"gate_up_proj.shape\[1\] must be down_proj.shape\[2\] = I"):
+        sonar_kernels.moe_mlp(x, index, weights, w1, w2, up_proj=torch.zeros_like(w1))
+    # A gate and an up view of one tensor (the kernels address both from one pointer).
+    out = sonar_kernels.moe_mlp(x, index, weights, w1[:, :I], w2, up_proj=w1[:, I:], backend="triton")
+    assert_close(
+        out, reference.moe_mlp(x.double(), index, weights.double(), w1.double(), w2.double()), torch.float32
+    )
+    # The up tensor before the gate in memory: a negative half stride.
+    swapped = torch.cat((w1[:, I:], w1[:, :I]), dim=1)
+    out = sonar_kernels.moe_mlp(x, index, weights, w1[:, I:], w2, up_proj=w1[:, :I], backend="triton")
+    expected = reference.moe_mlp(x.double(), index, weights.double(), swapped.double(), w2.double())
+    assert_close(out, expected, torch.float32)

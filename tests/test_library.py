@@ -32,9 +32,15 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
 
 def _forward_args(x, index, weights, w1, w2, backend):
     """The forward op's arguments without updates: no states, hyperparameters or gradient dtypes; the
-    fused epilogue, torch AdamW's flags unset, SwiGLU, the concatenated layout, no biases."""
+    fused epilogue, torch AdamW's flags unset, SwiGLU, the concatenated layout, no biases, no separate up
+    tensor."""
     return (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend,
-            "concatenated", None, None)  # fmt: skip
+            "concatenated", None, None, None, [], None, None)  # fmt: skip
+
+
+# A weight's arguments of the backward op in mode "grad": mode, state, hyperparameters, buffer, buffer_add,
+# gradient dtype.
+PLAIN = ("grad", [], None, None, False, None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -55,8 +61,10 @@ def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, devic
     grad_out = torch.randn_like(out)
     args = (grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True])
     if op == "moe_mlp_bwd":
-        args += ("grad", [], None, None, False, None, "grad", [], None, None, False, None, True, None, None)
-    args += ("silu", backend, "concatenated", None, None)
+        args += (*PLAIN, *PLAIN, True, None, None)
+    args += ("silu", backend, "concatenated", None, None, None)
+    if op == "moe_mlp_bwd":
+        args += PLAIN
     torch.library.opcheck(getattr(library, op), args, test_utils=("test_schema", "test_faketensor"))
     versions = (w1._version, w2._version)
     grads = getattr(library, op)(*args)
@@ -66,7 +74,7 @@ def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, devic
     reference.moe_mlp(leaves[0], index, *leaves[1:]).backward(*to_double(grad_out))
     for got, leaf in zip(grads[:4], leaves, strict=True):
         assert rel_err(got, leaf.grad) <= 1e-5
-    assert grads[4].numel() == grads[5].numel() == 0  # no biases
+    assert grads[4].numel() == grads[5].numel() == grads[6].numel() == 0  # no biases, no up tensor
 
 
 def test_update_op_passes_opcheck_and_equals_torch_adamw():
@@ -114,13 +122,37 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
     args = (
         torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True],
         "grad", [], None, None, False, None, mode, state if mode == "update" else [], hyper, buffer, False,
-        torch.float32, True, False, False, "silu", backend, "concatenated", None, None,
+        torch.float32, True, False, False, "silu", backend, "concatenated", None, None, None, *PLAIN,
     )  # fmt: skip
     torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
     if mode == "update":  # the update really ran: the weight moved, the step advanced, no gradient
         before = w2.clone()
         grads = library.moe_mlp_bwd(*args)
         assert grads[3].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(w2, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ops_with_a_separate_up_tensor_pass_opcheck_and_update_it(backend, device):
+    # torchtitan's w1, w2, w3: the up tensor is an input of its own, declared mutated with its state.
+    x, index, weights, w1, w2 = _inputs(device=device)
+    I = w2.shape[2]
+    gate, up = w1[:, :I].clone(), w1[:, I:].clone()
+    args = list(_forward_args(x, index, weights, gate, w2, backend))
+    args[16], args[19] = "separate", up
+    torch.library.opcheck(library.moe_mlp_fwd, tuple(args), test_utils=("test_schema", "test_faketensor"))
+    out, hpre, *meta = library.moe_mlp_fwd(*args)
+    assert rel_err(out, reference.moe_mlp(*to_double(x, index, weights, w1, w2))) <= 1e-5
+    state, hyper = _state(up)
+    bwd = (
+        torch.randn_like(out), x, weights, gate, w2, hpre, *meta, [True, True, True, True, False, False, True],
+        *PLAIN, *PLAIN, True, False, False, "silu", backend, "separate", None, None,
+        up, "update", state, hyper, None, False, torch.float32,
+    )  # fmt: skip
+    torch.library.opcheck(library.moe_mlp_bwd, bwd, test_utils=("test_schema", "test_faketensor"))
+    before = up.clone()
+    grads = library.moe_mlp_bwd(*bwd)
+    assert grads[6].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(up, before)
+    assert grads[2].shape == gate.shape  # the gate's ordinary gradient
 
 
 def test_check_op_passes_opcheck_and_raises_unless_the_backward_accumulates_the_weights_gradient():

@@ -24,7 +24,8 @@ from sonar_kernels.ops import library
 from sonar_kernels.ops.validation import check_biases, check_layout, check_moe_mlp_args
 from sonar_kernels.specs import SUPPORTED_DTYPES
 
-_WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"))
+# The positions of the expert weights among the forward op's inputs (up_proj: a separate layout's up tensor).
+_WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"), (19, "up_proj"))
 # The positions of the biases among the forward op's inputs.
 _BIASES = (17, 18)
 
@@ -51,42 +52,53 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
 def _setup_context(ctx, inputs, output) -> None:
     (hidden_states, _, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
      gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-     torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias) = inputs  # fmt: skip
+     torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_state, up_proj_hyper,
+     up_proj_grad_dtype) = inputs  # fmt: skip
     _, hpre, *meta = output
     ctx.save_for_backward(
         hidden_states,
         top_k_weights,
         gate_up_proj,
         down_proj,
+        up_proj,
         hpre,
         *meta,
         gate_up_proj_hyper,
         down_proj_hyper,
+        up_proj_hyper,
         gate_up_proj_bias,
         down_proj_bias,
         *gate_up_proj_state,
         *down_proj_state,
+        *up_proj_state,
     )
-    ctx.state_sizes = (len(gate_up_proj_state), len(down_proj_state))
-    ctx.grad_dtypes = (gate_up_proj_grad_dtype, down_proj_grad_dtype)
+    ctx.state_sizes = (len(gate_up_proj_state), len(down_proj_state), len(up_proj_state))
+    ctx.grad_dtypes = (gate_up_proj_grad_dtype, down_proj_grad_dtype, up_proj_grad_dtype)
     ctx.options = (fused_epilogue, foreach, torch_fused)
     ctx.activation, ctx.backend, ctx.layout = activation, backend, layout
     # The owners' bookkeeping, in eager mode (under torch.compile the inputs are functional tensors,
     # without attributes): read from the tensors passed in now (saved tensors may come back as other
     # objects, e.g. under activation checkpointing).
-    ctx.owners = (None, None)
-    ctx.watched = (None, None)
+    ctx.owners = (None, None, None)
+    ctx.watched = (None, None, None)
     if not torch.compiler.is_compiling():
         ctx.owners = tuple(
             specs.update_of(w) if state else None
-            for w, state in ((gate_up_proj, gate_up_proj_state), (down_proj, down_proj_state))
+            for w, state in (
+                (gate_up_proj, gate_up_proj_state),
+                (down_proj, down_proj_state),
+                (up_proj, up_proj_state),
+            )
         )
         # Per owned weight: its gradient edge (whether a backward asks for its gradient) and the versions
         # of the weight and the hyperparameters this forward saw (whether they changed before the backward).
         ctx.watched = tuple(
             None if owner is None else _Watched(w, hyper)
             for owner, w, hyper in zip(
-                ctx.owners, (gate_up_proj, down_proj), (gate_up_proj_hyper, down_proj_hyper), strict=True
+                ctx.owners,
+                (gate_up_proj, down_proj, up_proj),
+                (gate_up_proj_hyper, down_proj_hyper, up_proj_hyper),
+                strict=True,
             )
         )
         for owner in ctx.owners:
@@ -160,8 +172,8 @@ def _backward(ctx, grad_out, *unused):
     # given a gradient.
     # torch.autograd.grad that returns a weight's gradient to the caller: the gradient, no update
     # (autograd.grad accumulates nothing, and an optimizer does not see it).
-    captured = [False, False]
-    accumulators, outer_tasks = [None, None], [None, None]
+    captured = [False] * len(_WEIGHTS)
+    accumulators, outer_tasks = [None] * len(_WEIGHTS), [None] * len(_WEIGHTS)
     for i, ((index, _), watched, owner) in enumerate(zip(_WEIGHTS, ctx.watched, ctx.owners, strict=True)):
         if watched is not None and needs[index]:
             watched.check_unchanged()
@@ -171,17 +183,17 @@ def _backward(ctx, grad_out, *unused):
             captured[i] = request == "capture"
             if request != "accumulate":
                 owner.untrack(ctx)
-    hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *rest = ctx.saved_tensors
-    weights = [gate_up_proj, down_proj]
-    meta, hypers, biases, rest = rest[:5], rest[5:7], rest[7:9], rest[9:]
-    n1, n2 = ctx.state_sizes
-    states = [rest[:n1], rest[n1 : n1 + n2]]
+    hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, hpre, *rest = ctx.saved_tensors
+    weights = [gate_up_proj, down_proj, up_proj]
+    meta, hypers, biases, rest = rest[:5], rest[5:8], rest[8:10], rest[10:]
+    n1, n2, n3 = ctx.state_sizes
+    states = [rest[:n1], rest[n1 : n1 + n2], rest[n1 + n2 : n1 + n2 + n3]]
     # Eager mode with owners: the update writes the parameter and its owner's state, never what
     # saved-tensor hooks gave back (torch.autograd.graph.save_on_cpu returns copies on CUDA).
     for i, (watched, owner) in enumerate(zip(ctx.watched, ctx.owners, strict=True)):
         if owner is not None and watched.weight() is not None:
             weights[i], states[i] = watched.weight(), owner.state()
-    gate_up_proj, down_proj = weights
+    gate_up_proj, down_proj, up_proj = weights
     fused_epilogue, foreach, torch_fused = ctx.options
     triton = ctx.backend == "triton"
     # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
@@ -190,7 +202,7 @@ def _backward(ctx, grad_out, *unused):
     # gradient (a penalty on the weights, another use of the tensor) has delivered its part, with those
     # parts added to the update's grad_in; nothing reaches .grad. A gradient added to a buffer (mode
     # "accumulate") gets those parts added to the buffer in the same pre-hook.
-    plans, defer = [], [None, None]
+    plans, defer = [], [None] * len(_WEIGHTS)
     for i, ((index, _), state, hyper, owner, grad_dtype) in enumerate(
         zip(_WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True)
     ):
@@ -216,15 +228,24 @@ def _backward(ctx, grad_out, *unused):
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
-    (mode1, state1, hyper1, buffer1, add1, dtype1), (mode2, state2, hyper2, buffer2, add2, dtype2) = plans
-    # (x, routing weights, W1, W2, the biases: ordinary gradients, updated by their owner's hook).
-    grad_needs = [needs[0], needs[2], needs[3], needs[4], needs[_BIASES[0]], needs[_BIASES[1]]]
+    (mode1, *plan1), (mode2, *plan2), (mode3, *plan3) = plans
+    # (x, routing weights, W1, W2, the biases: ordinary gradients, updated by their owner's hook; up_proj).
+    grad_needs = [
+        needs[0],
+        needs[2],
+        needs[3],
+        needs[4],
+        needs[_BIASES[0]],
+        needs[_BIASES[1]],
+        needs[_WEIGHTS[2][0]],
+    ]
     args = (
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
         grad_needs,
-        mode1, state1, hyper1, buffer1, add1, dtype1,
-        mode2, state2, hyper2, buffer2, add2, dtype2,
+        mode1, *plan1,
+        mode2, *plan2,
         fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout, *biases,
+        up_proj, mode3, *plan3,
     )  # fmt: skip
     if any(owner is not None for owner in ctx.owners):
         # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
@@ -239,18 +260,20 @@ def _backward(ctx, grad_out, *unused):
         ):
             if mode == "accumulate" and accumulator is not None:
                 _on_accumulator(accumulator, owner.add_to_buffer, outer)
-    elif mode1 == mode2 == "grad":
+    elif mode1 == mode2 == mode3 == "grad":
         # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
         grads = library.moe_mlp_bwd_grads(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-            grad_needs, ctx.activation, ctx.backend, ctx.layout, *biases,
+            grad_needs, ctx.activation, ctx.backend, ctx.layout, *biases, up_proj,
         )  # fmt: skip
     else:
         grads = library.moe_mlp_bwd(*args)
     # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
-    grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2 = (
+    grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3 = (
         g if need and mode in (None, "grad") else None
-        for g, need, mode in zip(grads, grad_needs, (None, None, mode1, mode2, None, None), strict=True)
+        for g, need, mode in zip(
+            grads, grad_needs, (None, None, mode1, mode2, None, None, mode3), strict=True
+        )
     )
     weight_grads = [grad_w1, grad_w2]
     # One entry per input of the forward op; a list input (an update's state) gets a list of Nones.
@@ -273,6 +296,10 @@ def _backward(ctx, grad_out, *unused):
         None,
         grad_b1,
         grad_b2,
+        grad_w3,
+        [None] * n3,
+        None,
+        None,
     )
 
 
@@ -344,6 +371,7 @@ def moe_mlp(
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
     gated: bool = True,
+    up_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated expert MLP over routed tokens: out[t] = sum_j w[t, j] * down_e(act(gate_e(x_t)) * up_e(x_t)).
 
@@ -378,6 +406,11 @@ def moe_mlp(
             ``gate_up_proj`` is the up projection alone, [E, I, H] ([E, H, I] transposed), and
             A = act(x W1^T) (e.g. "relu2", the squared ReLU); not with ``interleaved`` or the clamped
             SwiGLU.
+        up_proj: None, or the up projection as a tensor of its own (torchtitan's ``w3``,
+            Megatron-Core's separate gate and up weights): ``gate_up_proj`` is then the gate projection
+            alone, [E, I, H] ([E, H, I] when ``transposed``), and ``up_proj`` has its dtype, shape,
+            strides and device. Both are read and updated in place, each with its own in-backward
+            update. Not with ``interleaved``, ``gated=False`` or ``gate_up_proj_bias``.
         gate_up_proj_bias: [E, 2I] or None, added to the gate and up projections (its gate and up
             entries split as the weight's rows are: interleaved with ``interleaved``); dtype of
             gate_up_proj. gpt-oss has one.
@@ -399,11 +432,12 @@ def moe_mlp(
         traces it without a graph break, ``fullgraph=True`` included.
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index), a
-            layout flag that is not a bool, a bias not of its weight's dtype.
+            layout flag that is not a bool, a bias or up_proj not of its weight's dtype.
         ValueError: shapes that disagree (H, I, E, T, top_k, in the layout given; a bias's shape),
             T * top_k >= 2**31, tensors on different devices, an unknown activation or backend, a
-            clamped SwiGLU without a gate or interleaved rows without one, or backend "triton" on CPU
-            tensors without the interpreter.
+            clamped SwiGLU without a gate or interleaved rows without one, an up_proj whose shape or
+            strides are not gate_up_proj's or that comes with interleaved, gated=False or
+            gate_up_proj_bias, or backend "triton" on CPU tensors without the interpreter.
     """
     if (
         isinstance(hidden_states, torch.Tensor)
@@ -419,30 +453,44 @@ def moe_mlp(
             return moe_mlp(
                 hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
                 activation=activation, backend=backend, transposed=transposed, interleaved=interleaved,
-                gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias, gated=gated,
+                gate_up_proj_bias=gate_up_proj_bias, down_proj_bias=down_proj_bias, gated=gated, up_proj=up_proj,
             )  # fmt: skip
     if not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None:
         raise RuntimeError(
             "moe_mlp does not support torch.func transforms (grad, vjp, jacrev, vmap, functional_call under "
             "them): its forward and backward are custom ops without functorch rules; use torch.autograd"
         )
-    layout = check_layout(transposed, interleaved, gated)
+    layout = check_layout(transposed, interleaved, gated, separate=up_proj is not None)
     backend = check_moe_mlp_args(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj,
+        down_proj,
+        activation,
+        backend,
+        layout,
+        up_proj,
     )
     check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout)
-    updates = (_update_for(gate_up_proj), _update_for(down_proj))
+    updates = (
+        _update_for(gate_up_proj),
+        _update_for(down_proj),
+        None if up_proj is None else _update_for(up_proj),
+    )
     given = [u for u in updates if u is not None]
     first = given[0] if given else None
+    states = [u.state() if u is not None else [] for u in updates]
+    hypers = [u.hyper if u is not None else None for u in updates]
+    grad_dtypes = [u.grad_dtype if u is not None else None for u in updates]
     outputs = library.moe_mlp_fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        *(u.state() if u is not None else [] for u in updates),
-        *(u.hyper if u is not None else None for u in updates),
-        *(u.grad_dtype if u is not None else None for u in updates),
+        *states[:2], *hypers[:2], *grad_dtypes[:2],
         all(u.fused for u in given),
         first.foreach if first is not None else None,
         first.torch_fused if first is not None else None,
         activation, backend, layout, gate_up_proj_bias, down_proj_bias,
+        up_proj, states[2], hypers[2], grad_dtypes[2],
     )  # fmt: skip
     out = outputs[0]
     if (
@@ -452,7 +500,9 @@ def moe_mlp(
     ):
         # This forward runs inside a backward (reentrant activation checkpointing recomputes it there).
         node = out.grad_fn
-        for watched, owner, weight in zip(node.watched, node.owners, (gate_up_proj, down_proj), strict=True):
+        for watched, owner, weight in zip(
+            node.watched, node.owners, (gate_up_proj, down_proj, up_proj), strict=True
+        ):
             if watched is not None:
                 watched.outer_task = _outer_task_accumulating(weight, owner)
     return out
@@ -469,6 +519,7 @@ def grouped_mlp(
     transposed: bool = False,
     interleaved: bool = False,
     gated: bool = True,
+    up_proj: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Gated expert MLP over tokens already grouped by expert (torchtitan's and Megatron-Core's experts
     interface): rows ``[c_0 + ... + c_{e-1}, c_0 + ... + c_e)`` of ``x_sorted`` go through expert ``e``,
@@ -482,12 +533,13 @@ def grouped_mlp(
         x_sorted: [N, H] float32, bfloat16 or float16, rows grouped by expert in expert order.
         num_tokens_per_expert: [E] integer counts (any integer dtype, on the device of x_sorted or the
             CPU), summing to at most N: rows from the sum on (padding) belong to no expert.
-        gate_up_proj, down_proj, activation, backend, transposed, interleaved, gated: as for
-            :func:`moe_mlp` ([E, 2I, H] and [E, H, I] by default).
+        gate_up_proj, down_proj, activation, backend, transposed, interleaved, gated, up_proj: as for
+            :func:`moe_mlp` ([E, 2I, H] and [E, H, I] by default; torchtitan's ``w1``, ``w2``, ``w3`` as
+            ``gate_up_proj=w1, down_proj=w2, up_proj=w3``).
 
     Returns:
         [N, H], dtype of x_sorted: row r is expert e(r)'s output for row r of x_sorted; padding rows are
-        0 (and their gradient in x_sorted is 0). Differentiable (once) in x_sorted and both weights; an expert weight with an
+        0 (and their gradient in x_sorted is 0). Differentiable (once) in x_sorted and the weights; an expert weight with an
         in-backward update is updated in the backward, as in :func:`moe_mlp`.
     Raises:
         TypeError: a non-tensor argument, or num_tokens_per_expert not of an integer dtype.
@@ -528,5 +580,5 @@ def grouped_mlp(
     ones = torch.ones(N, 1, dtype=x_sorted.dtype, device=x_sorted.device)
     return moe_mlp(
         x_sorted, expert_of_row, ones, gate_up_proj, down_proj, activation=activation, backend=backend,
-        transposed=transposed, interleaved=interleaved, gated=gated,
+        transposed=transposed, interleaved=interleaved, gated=gated, up_proj=up_proj,
     )  # fmt: skip

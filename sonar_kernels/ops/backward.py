@@ -33,6 +33,7 @@ from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
 from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term, ones_rows
 from sonar_kernels.ops.common import (
     TL_DTYPES,
+    gate_up_operand,
     inf_norm,
     input_precision,
     like,
@@ -116,7 +117,7 @@ def moe_mlp_bwd(
     hpre: torch.Tensor,
     meta: RoutingMetadata,
     activation: str,
-    needs_input_grad: tuple[bool, bool, bool, bool],
+    needs_input_grad: tuple[bool, ...],
     gate_up_proj_update: AdamWUpdate | None = None,
     down_proj_update: AdamWUpdate | None = None,
     gate_up_proj_accumulator: GradAccumulator | None = None,
@@ -125,32 +126,37 @@ def moe_mlp_bwd(
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
     needs_bias_grad: tuple[bool, bool] = (False, False),
+    up_proj: torch.Tensor | None = None,
+    up_proj_update: AdamWUpdate | None = None,
+    up_proj_accumulator: GradAccumulator | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
     Launch order (docs/design.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
     when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
-    (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given). Each wgrad launch covers every
+    (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given; in a separate layout the gate
+    tensor's and the up tensor's wgrad, each with its own update). Each wgrad launch covers every
     expert. An update with ``defer`` set is launched later by its caller (after dX). No host sync; no
     atomics.
 
     Args:
         grad_out: [T, H] dtype of hidden_states; any strides, 0 included.
-        hidden_states, top_k_weights, gate_up_proj, down_proj, layout: the forward's inputs (the weights,
-            their moments and gradients in ``layout``, :data:`sonar_kernels.specs.LAYOUTS`).
+        hidden_states, top_k_weights, gate_up_proj, down_proj, layout, up_proj: the forward's inputs
+            (the weights, their moments and gradients in ``layout``, :data:`sonar_kernels.specs.LAYOUTS`;
+            ``up_proj`` the up tensor of a separate layout, else None).
         hpre, meta: saved by :func:`moe_mlp_fwd`.
-        needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj).
-        gate_up_proj_update, down_proj_update: apply AdamW to that weight in place instead of
-            returning its gradient (validated before any launch; ``step`` advances unless the update is
-            skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
-        gate_up_proj_accumulator, down_proj_accumulator: add that weight's gradient to a buffer instead
-            of returning it.
+        needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj[, up_proj]).
+        gate_up_proj_update, down_proj_update, up_proj_update: apply AdamW to that weight in place
+            instead of returning its gradient (validated before any launch; ``step`` advances unless the
+            update is skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
+        gate_up_proj_accumulator, down_proj_accumulator, up_proj_accumulator: add that weight's
+            gradient to a buffer instead of returning it.
         gate_up_proj_bias, down_proj_bias, needs_bias_grad: the forward's biases (or None) and whether
             their gradients are needed (ordinary gradients, ``ops/bias.py``).
     Returns:
         (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
-        gate_up_proj_bias, grad down_proj_bias); None where not needed, where the weight was updated in
-        place, or where its gradient went to an accumulator.
+        gate_up_proj_bias, grad down_proj_bias, grad up_proj); None where not needed, where the weight
+        was updated in place, or where its gradient went to an accumulator.
     Raises:
         TypeError, ValueError: see :func:`check_update`; an accumulator whose buffer does not have
             the weight's shape, strides and device or a supported dtype, or a weight with both an
@@ -159,7 +165,12 @@ def moe_mlp_bwd(
     for name, weight, update, accumulator in (
         ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
         ("down_proj", down_proj, down_proj_update, down_proj_accumulator),
+        ("up_proj", up_proj, up_proj_update, up_proj_accumulator),
     ):
+        if weight is None:
+            if update is not None or accumulator is not None:
+                raise ValueError(f"{name}: an update or an accumulator without the tensor")
+            continue
         if update is not None:
             check_update(name, weight, update)
         if accumulator is not None:
@@ -170,7 +181,8 @@ def moe_mlp_bwd(
         return _launch_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
             needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
-            down_proj_accumulator, layout, gate_up_proj_bias, down_proj_bias, needs_bias_grad,
+            down_proj_accumulator, layout, gate_up_proj_bias, down_proj_bias, needs_bias_grad, up_proj,
+            up_proj_update, up_proj_accumulator,
         )  # fmt: skip
 
 
@@ -178,19 +190,22 @@ def _launch_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
     needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
     down_proj_accumulator=None, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
-    needs_bias_grad=(False, False),
+    needs_bias_grad=(False, False), up_proj=None, up_proj_update=None, up_proj_accumulator=None,
 ):  # fmt: skip
-    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
+    need_w3 = need_w3 and up_proj is not None
     need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
     need_b2 = needs_bias_grad[1] and down_proj_bias is not None
     T, H = hidden_states.shape
     top_k = top_k_weights.shape[1]
     # The kernels read the weights (and write the updated ones, their moments and gradients) through
-    # these views: W1 [E, 2, I, H], W2 [E, H, I], whatever the layout.
+    # these views: W1 [E, 2, I, H] (a separate layout's gate or up tensor: [E, 1, I, H]), W2 [E, H, I],
+    # whatever the layout.
     w1_view = functools.partial(gate_up_view, layout=layout)
     w2_view = functools.partial(down_view, layout=layout)
     w2 = w2_view(down_proj)
-    E, halves, I, _ = w1_view(gate_up_proj).shape
+    w1 = gate_up_operand(gate_up_proj, layout, up_proj)
+    E, halves, I = w1.base.shape[0], w1.halves, w1.I
     two_I = halves * I  # Hpre's width (I without a gate)
     S = T * top_k
     dtype = hidden_states.dtype
@@ -204,12 +219,12 @@ def _launch_bwd(
     cfg = DHPRE_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_pid_n = triton.cdiv(I, block_n)
-    need_grad_hpre = need_x or need_w1 or need_b1
+    need_grad_hpre = need_x or need_w1 or need_w3 or need_b1
     grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
     a = common.empty((num_rows, I), dtype, device) if need_w2 else None
     dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
     # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
-    has_update = gate_up_proj_update is not None or down_proj_update is not None
+    has_update = any(u is not None for u in (gate_up_proj_update, down_proj_update, up_proj_update))
     absmax = None
     if S > 0 and (need_grad_hpre or need_w or need_w2):
         num_row_tiles = max_row_tiles(S, E, block_m)
@@ -244,7 +259,7 @@ def _launch_bwd(
             # P = w * dO[token] (rounded), Q = A.
             p_max = inf_norm(top_k_weights) * inf_norm(grad_out)
             bounds["down_proj"] = (p_max, largest[0], most_rows)
-        if gate_up_proj_update is not None:
+        if gate_up_proj_update is not None or up_proj_update is not None:
             # P = dHpre, Q = X[token].
             bounds["gate_up_proj"] = (largest[1], inf_norm(hidden_states), most_rows)
     del absmax
@@ -282,16 +297,30 @@ def _launch_bwd(
         if S == 0:
             grad_x.zero_()
         else:
-            grad_x = _dx(grad_hpre, w1_view(gate_up_proj), meta, grad_x, top_k, dtype, interpret)
+            grad_x = _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret)
 
-    grad_w1 = None
-    if need_w1:
+    grad_w1 = grad_w3 = None
+    if up_proj is None and need_w1:
         # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
         grad_w1 = _wgrad(
             grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
             two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
             name="gate_up_proj", view=w1_view,
         )  # fmt: skip
+    elif up_proj is not None:
+        # A separate layout: the gate's and the up projection's wgrad, M -> I each, from dHpre's halves.
+        if need_w1:
+            grad_w1 = _wgrad(
+                grad_hpre[:, :I], False, hidden_states, True, top_k_weights, meta, gate_up_proj,
+                gate_up_proj_update, I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"),
+                gate_up_proj_accumulator, name="gate_up_proj", view=w1_view,
+            )  # fmt: skip
+        if need_w3:
+            grad_w3 = _wgrad(
+                grad_hpre[:, I:], False, hidden_states, True, top_k_weights, meta, up_proj, up_proj_update,
+                I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), up_proj_accumulator, name="up_proj",
+                view=w1_view,
+            )  # fmt: skip
     # The biases' gradients: the wgrad kernel with a column of ones for X (db1) or A (db2).
     ones = ones_rows(S, dtype, device) if need_b1 or need_b2 else None
     grad_b1 = grad_b2 = None
@@ -307,25 +336,26 @@ def _launch_bwd(
             down_proj_bias.unsqueeze(-1).expand(E, H, ONES_COLUMNS), None, H, ONES_COLUMNS, top_k, dtype,
             interpret,
         )[..., 0].contiguous()  # fmt: skip
-    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2
+    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
 
 
 def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
-    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM over W1's two halves (``w1`` the
-    [E, 2, I, H] view of :func:`sonar_kernels.specs.gate_up_view`, each half read as [H, I]), then its
+    """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM over W1's two halves (``w1`` as
+    :func:`sonar_kernels.ops.common.gate_up_operand` gives it, each half read as [H, I]), then its
     combine without weights."""
     T, H = grad_x.shape
     S = T * top_k
-    E, halves, I, _ = w1.shape
+    E, halves, I = w1.base.shape[0], w1.halves, w1.I
+    stride_e, stride_half, stride_i, stride_h = w1.strides
     cfg = FWD_GEMM_CONFIG
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     num_row_tiles = max_row_tiles(S, E, block_m)
     dx_rows = common.empty((S, H), dtype, grad_x.device)
     expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        grad_hpre, w1, w1, meta.expert_offsets, meta.tile_offsets, dx_rows,
+        grad_hpre, w1.base, w1.base, meta.expert_offsets, meta.tile_offsets, dx_rows,
         E, H, I,
         grad_hpre.stride(0), grad_hpre.stride(1),
-        w1.stride(0), w1.stride(3), w1.stride(2), w1.stride(1),
+        stride_e, stride_h, stride_i, stride_half,
         dx_rows.stride(0), dx_rows.stride(1), 0, 0,
         HALVES=halves, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
         INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,

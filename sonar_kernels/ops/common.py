@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from sonar_kernels.specs import gate_up_view, is_separate
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -83,3 +86,42 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     whole over its mesh (the collective its placement needs); any other tensor is returned as it is."""
     full_tensor = getattr(t, "full_tensor", None)
     return full_tensor() if callable(full_tensor) else t
+
+
+class GateUpOperand(NamedTuple):
+    """W1 as the Triton kernels read it: [E, 2, I, H] (half 0 the gate, half 1 the up projection; one
+    half without a gate) through four element strides, from the element at ``base``'s pointer.
+
+    Attributes:
+        base: a view of W1 whose first element is that of expert 0, half 0 (the gate tensor itself in a
+            separate layout), [E, halves of this tensor, I, H].
+        strides: (expert, half, row of a half, column), in elements. A separate layout's half stride is
+            the distance from the gate tensor to the up tensor in elements (the two tensors share their
+            strides), so one pointer and four strides address both, as they do one tensor's halves.
+        halves: 2, or 1 without a gate.
+        I: the rows of one half.
+    """
+
+    base: torch.Tensor
+    strides: tuple[int, int, int, int]
+    halves: int
+    I: int
+
+
+def gate_up_operand(
+    gate_up_proj: torch.Tensor, layout: str, up_proj: torch.Tensor | None = None
+) -> GateUpOperand:
+    """W1 of ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`; ``up_proj`` the up tensor of a separate
+    layout, which ``check_moe_mlp_args`` checked to share gate_up_proj's dtype, shape and strides) as the
+    kernels read it. A view, never a copy.
+
+    Raises:
+        ValueError: the two tensors of a separate layout start a fractional number of elements apart."""
+    w1 = gate_up_view(gate_up_proj, layout)
+    if not is_separate(layout):
+        return GateUpOperand(w1, tuple(w1.stride()), w1.shape[1], w1.shape[2])
+    distance = up_proj.data_ptr() - w1.data_ptr()
+    if distance % w1.element_size():
+        raise ValueError("up_proj and gate_up_proj must start a whole number of elements apart in memory")
+    half_stride = distance // w1.element_size()
+    return GateUpOperand(w1, (w1.stride(0), half_stride, w1.stride(2), w1.stride(3)), 2, w1.shape[2])

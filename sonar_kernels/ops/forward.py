@@ -19,8 +19,14 @@ from sonar_kernels.kernels.routing import (
     routing_scatter_kernel,
 )
 from sonar_kernels.ops import common
-from sonar_kernels.ops.common import input_precision, max_row_tiles, on_device, triton_interpreting
-from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, gate_up_view, parse_activation
+from sonar_kernels.ops.common import (
+    gate_up_operand,
+    input_precision,
+    max_row_tiles,
+    on_device,
+    triton_interpreting,
+)
+from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, parse_activation
 
 
 def routing_block_config(num_experts: int) -> dict:
@@ -89,10 +95,12 @@ def moe_mlp_fwd(
     layout: str = "concatenated",
     gate_up_proj_bias: torch.Tensor | None = None,
     down_proj_bias: torch.Tensor | None = None,
+    up_proj: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, RoutingMetadata]:
     """Triton forward of the gated expert MLP; arguments as checked by :func:`check_moe_mlp_args`, the
-    weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`), read in place; the optional biases
-    ([E, 2I] in the layout's gate/up order, [E, H]) are added in fp32 before Hpre's and Y's rounding.
+    weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`; ``up_proj`` the up tensor of a separate
+    layout), read in place; the optional biases ([E, 2I] in the layout's gate/up order, [E, H]) are added
+    in fp32 before Hpre's and Y's rounding.
 
     Six launches: routing metadata (histogram, scan, scatter), up-projection + GLU, down-projection,
     combine. Any strides.
@@ -103,19 +111,19 @@ def moe_mlp_fwd(
     with on_device(hidden_states.device):
         return _launch_fwd(
             hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout,
-            gate_up_proj_bias, down_proj_bias,
+            gate_up_proj_bias, down_proj_bias, up_proj,
         )  # fmt: skip
 
 
 def _launch_fwd(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout, gate_up_proj_bias,
-    down_proj_bias,
+    down_proj_bias, up_proj,
 ):  # fmt: skip
     T, H = hidden_states.shape
     top_k = top_k_index.shape[1]
-    w1 = gate_up_view(gate_up_proj, layout)  # [E, 2, I, H] ([E, 1, I, H] ungated)
+    w1 = gate_up_operand(gate_up_proj, layout, up_proj)  # [E, 2, I, H] ([E, 1, I, H] ungated)
     w2 = down_view(down_proj, layout)  # [E, H, I]
-    E, halves, I, _ = w1.shape
+    E, halves, I = w1.base.shape[0], w1.halves, w1.I
     two_I = halves * I  # Hpre's width
     S = T * top_k
     dtype = hidden_states.dtype
@@ -136,13 +144,13 @@ def _launch_fwd(
     a = common.empty((S, I), dtype, device)
     kind, alpha, limit = parse_activation(activation)
     # Without a bias the kernels get the weight's pointer and strides, never read.
-    b1 = w1[:, :, :, 0] if gate_up_proj_bias is None else gate_up_bias_view(gate_up_proj_bias, layout)
+    b1 = w1.base[:, :, :, 0] if gate_up_proj_bias is None else gate_up_bias_view(gate_up_proj_bias, layout)
     b2 = w2[:, :, 0] if down_proj_bias is None else down_proj_bias
     expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
-        hidden_states, w1, b1, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
+        hidden_states, w1.base, b1, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
         E, H, I,
         hidden_states.stride(0), hidden_states.stride(1),
-        w1.stride(0), w1.stride(1), w1.stride(2), w1.stride(3),
+        *w1.strides,
         hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
         alpha, limit,
         ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,

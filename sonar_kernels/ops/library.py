@@ -51,27 +51,32 @@ def moe_mlp_fwd(
     layout: str,
     gate_up_proj_bias: Tensor | None,
     down_proj_bias: Tensor | None,
+    up_proj: Tensor | None,
+    up_proj_state: list[Tensor],
+    up_proj_hyper: Tensor | None,
+    up_proj_grad_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
     :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
     hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
     fused flags) are inputs only so that the registered backward receives them. ``layout``: the weights'
-    (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None."""
+    (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None; ``up_proj`` (with its
+    update's state, hyperparameters and gradient dtype): the up tensor of a separate layout, or None."""
     return run_moe_mlp_fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout,
-        gate_up_proj_bias, down_proj_bias,
+        gate_up_proj_bias, down_proj_bias, up_proj,
     )  # fmt: skip
 
 
 def run_moe_mlp_fwd(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout="concatenated",
-    gate_up_proj_bias=None, down_proj_bias=None,
+    gate_up_proj_bias=None, down_proj_bias=None, up_proj=None,
 ):  # fmt: skip
     """The body of :func:`moe_mlp_fwd`: the launchers of ``backend``."""
     fwd = triton_fwd.moe_mlp_fwd if backend == "triton" else torch_backend.moe_mlp_fwd
     out, hpre, meta = fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout, gate_up_proj_bias,
-        down_proj_bias,
+        down_proj_bias, up_proj,
     )  # fmt: skip
     return (out, hpre, *meta)
 
@@ -80,12 +85,13 @@ def run_moe_mlp_fwd(
 def _moe_mlp_fwd_fake(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
+    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_state,
+    up_proj_hyper, up_proj_grad_dtype,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
-    E, halves, I, _ = specs.gate_up_view(gate_up_proj, layout).shape
-    two_I = halves * I  # Hpre's width
+    E, I = gate_up_proj.shape[0], specs.down_view(down_proj, layout).shape[2]
+    two_I = (2 if specs.is_gated(layout) else 1) * I  # Hpre's width
     index = {"dtype": torch.int32, "device": hidden_states.device}
     return (
         hidden_states.new_empty(T, H),
@@ -111,7 +117,7 @@ def _update(
 @torch.library.custom_op(
     "sonar_kernels::moe_mlp_bwd",
     mutates_args=("gate_up_proj", "down_proj", "gate_up_proj_state", "down_proj_state", "gate_up_proj_buffer",
-                  "down_proj_buffer"),
+                  "down_proj_buffer", "up_proj", "up_proj_state", "up_proj_buffer"),
 )  # fmt: skip
 def moe_mlp_bwd(
     grad_out: Tensor,
@@ -146,11 +152,19 @@ def moe_mlp_bwd(
     layout: str,
     gate_up_proj_bias: Tensor | None,
     down_proj_bias: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    up_proj: Tensor | None,
+    up_proj_mode: str,
+    up_proj_state: list[Tensor],
+    up_proj_hyper: Tensor | None,
+    up_proj_buffer: Tensor | None,
+    up_proj_buffer_add: bool,
+    up_proj_grad_dtype: torch.dtype | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
-    gate_up_proj_bias, grad down_proj_bias), each an empty tensor where ``needs_input_grad`` (x, weights,
-    gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias) says no, the weight's mode is not "grad"
-    or there is no bias. The biases' gradients are ordinary ones (``ops/bias.py``).
+    gate_up_proj_bias, grad down_proj_bias, grad up_proj), each an empty tensor where
+    ``needs_input_grad`` (x, weights, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias,
+    up_proj) says no, the weight's mode is not "grad", or there is no bias or up_proj (the up tensor of a
+    separate layout). The biases' gradients are ordinary ones (``ops/bias.py``).
 
     Per weight, ``mode`` "update": AdamW applied in place to the weight and its state, with ``buffer``
     (the gradient of earlier micro-batches, or None) added to this backward's gradient first: on the
@@ -165,7 +179,8 @@ def moe_mlp_bwd(
         row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
         gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
         down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
+        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
+        up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype,
     )  # fmt: skip
 
 
@@ -175,7 +190,8 @@ def run_moe_mlp_bwd(
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
     foreach, torch_fused, activation, backend, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
-    on_done=(None, None), defer=(None, None),
+    up_proj=None, up_proj_mode="grad", up_proj_state=(), up_proj_hyper=None, up_proj_buffer=None,
+    up_proj_buffer_add=False, up_proj_grad_dtype=None, on_done=(None, None, None), defer=(None, None, None),
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
     run right after the launch that updated it or added to its buffer (before any later launch, so that a
@@ -185,20 +201,24 @@ def run_moe_mlp_bwd(
     applies the update when it is called, later (see ``ops.AdamWUpdate.defer``). Mutated tensors'
     version counters are the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
-    needs = tuple(needs_input_grad[:4])
+    # needs_input_grad: x, routing weights, gate_up_proj, down_proj, the two biases, up_proj.
+    flags = (*needs_input_grad, False, False, False)[:7]
+    needs = (*flags[:4], flags[6])
     biases = {
-        "gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias,
-        "needs_bias_grad": (*needs_input_grad[4:6], False, False)[:2],
+        "gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias, "needs_bias_grad": flags[4:6],
     }  # fmt: skip
+    # Per weight: (name, tensor, mode, state, hyperparameters, buffer, buffer_add, grad dtype, on_done, defer).
+    weights = (
+        ("gate_up_proj", gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
+         gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0], defer[0]),
+        ("down_proj", down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer,
+         down_proj_buffer_add, down_proj_grad_dtype, on_done[1], defer[1]),
+        ("up_proj", up_proj, up_proj_mode, up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add,
+         up_proj_grad_dtype, on_done[2], defer[2]),
+    )  # fmt: skip
     if backend == "triton":
         updates, accumulators = {}, {}
-        weights = (
-            ("gate_up_proj", gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-             gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0], defer[0]),
-            ("down_proj", down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add,
-             down_proj_grad_dtype, on_done[1], defer[1]),
-        )  # fmt: skip
-        for name, mode, state, hyper, buffer, add, grad_dtype, done, later in weights:
+        for name, _, mode, state, hyper, buffer, add, grad_dtype, done, later in weights:
             if mode == "update":
                 updates[name] = _update(state, hyper, grad_dtype, fused_epilogue, buffer, done, later)
             elif mode == "accumulate":
@@ -207,7 +227,8 @@ def run_moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
             gate_up_proj_accumulator=accumulators.get("gate_up_proj"),
-            down_proj_accumulator=accumulators.get("down_proj"), layout=layout, **biases,
+            down_proj_accumulator=accumulators.get("down_proj"), layout=layout, up_proj=up_proj,
+            up_proj_update=updates.get("up_proj"), up_proj_accumulator=accumulators.get("up_proj"), **biases,
         )  # fmt: skip
     else:
         apply = [
@@ -215,16 +236,12 @@ def run_moe_mlp_bwd(
                 _torch_update_of, weight, state, hyper, buffer, foreach, torch_fused, done, grad_dtype, later
             )
             if mode == "update" else None
-            for weight, mode, state, hyper, buffer, grad_dtype, done, later in (
-                (gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-                 gate_up_proj_grad_dtype, on_done[0], defer[0]),
-                (down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer,
-                 down_proj_grad_dtype, on_done[1], defer[1]),
-            )
+            for _, weight, mode, state, hyper, buffer, _, grad_dtype, done, later in weights
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, **biases,
+            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, up_proj=up_proj,
+            up_proj_update=apply[2], **biases,
         )  # fmt: skip
     # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
     return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
@@ -236,19 +253,21 @@ def _moe_mlp_bwd_fake(
     row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
+    foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
+    up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype,
 ):  # fmt: skip
-    need_x, need_w, need_w1, need_w2, need_b1, need_b2 = (*needs_input_grad, False, False)[:6]
+    need_x, need_w, need_w1, need_w2, need_b1, need_b2, need_w3 = (*needs_input_grad, False, False, False)[:7]
     need_w1 = need_w1 and gate_up_proj_mode == "grad"
     need_w2 = need_w2 and down_proj_mode == "grad"
     need_b1 = need_b1 and gate_up_proj_bias is not None
     need_b2 = need_b2 and down_proj_bias is not None
+    need_w3 = need_w3 and up_proj is not None and up_proj_mode == "grad"
     # A distinct empty tensor per missing gradient, as the real op returns (outputs may not alias).
     return tuple(
         torch.empty_like(t) if need else hidden_states.new_empty(0)
         for t, need in (
             (hidden_states, need_x), (top_k_weights, need_w), (gate_up_proj, need_w1), (down_proj, need_w2),
-            (gate_up_proj_bias, need_b1), (down_proj_bias, need_b2),
+            (gate_up_proj_bias, need_b1), (down_proj_bias, need_b2), (up_proj, need_w3),
         )
     )  # fmt: skip
 
@@ -272,7 +291,8 @@ def moe_mlp_bwd_grads(
     layout: str,
     gate_up_proj_bias: Tensor | None,
     down_proj_bias: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    up_proj: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward with ordinary gradients only (no weight updated or accumulated): as
     :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
     stay as they are and another saved use of a weight (a penalty computed before the MLP) still runs
@@ -280,7 +300,7 @@ def moe_mlp_bwd_grads(
     return run_moe_mlp_bwd(*_with_plain_gradients(
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
         row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout, gate_up_proj_bias,
-        down_proj_bias,
+        down_proj_bias, up_proj,
     ))  # fmt: skip
 
 
@@ -290,12 +310,13 @@ def _moe_mlp_bwd_grads_fake(*args):
 
 
 def _with_plain_gradients(*args) -> tuple:
-    """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: both weights in mode
+    """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: every weight in mode
     "grad" (no state, no buffer)."""
-    *tensors, activation, backend, layout, gate_up_proj_bias, down_proj_bias = args
+    *tensors, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj = args
     plain = ("grad", [], None, None, False, None)
     return (
-        *tensors, *plain, *plain, True, None, None, activation, backend, layout, gate_up_proj_bias, down_proj_bias
+        *tensors, *plain, *plain, True, None, None, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
+        up_proj, *plain,
     )  # fmt: skip
 
 

@@ -20,7 +20,14 @@ import torch.nn.functional as F
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
 from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term
-from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, gate_up_view, parse_activation
+from sonar_kernels.specs import (
+    RoutingMetadata,
+    down_view,
+    gate_up_bias_view,
+    gate_up_view,
+    is_gated,
+    parse_activation,
+)
 
 
 def routing_metadata(top_k_index: torch.Tensor, num_experts: int) -> RoutingMetadata:
@@ -181,25 +188,30 @@ def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | 
     return torch.where(kept, gathered, 0.0).sum(dim=1)
 
 
-def concatenated(gate_up_proj: torch.Tensor, layout: str, dtype: torch.dtype) -> torch.Tensor:
+def concatenated(
+    gate_up_proj: torch.Tensor, layout: str, dtype: torch.dtype, up_proj: torch.Tensor | None = None
+) -> torch.Tensor:
     """W1 of ``layout`` as [E, 2I, H] (gate rows, then up rows) in ``dtype``: a view where the layout
-    allows it, else a temporary copy (the interleaved layouts; fp32 master weights under 16-bit compute)."""
+    allows it, else a temporary copy (the interleaved and separate layouts, ``up_proj`` the latter's up
+    tensor; fp32 master weights under 16-bit compute)."""
     w1 = gate_up_view(gate_up_proj, layout)
+    if up_proj is not None:
+        w1 = torch.cat((w1, gate_up_view(up_proj, layout)), dim=1)
     return w1.reshape(w1.shape[0], w1.shape[1] * w1.shape[2], w1.shape[3]).to(dtype)
 
 
 def moe_mlp_fwd(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout="concatenated",
-    gate_up_proj_bias=None, down_proj_bias=None,
+    gate_up_proj_bias=None, down_proj_bias=None, up_proj=None,
 ):  # fmt: skip
-    """Forward of the gated expert MLP, the weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`),
-    with optional biases ([E, 2I] in the layout's gate/up order, [E, H]; each added to the rounded GEMM
+    """Forward of the gated expert MLP, the weights in ``layout`` (:data:`sonar_kernels.specs.LAYOUTS`;
+    ``up_proj`` the up tensor of a separate layout), with optional biases ([E, 2I] in the layout's gate/up order, [E, H]; each added to the rounded GEMM
     output in fp32, then rounded again: one rounding more than the Triton kernels in 16-bit dtypes);
     returns (out [T, H], Hpre [S, 2I], the routing metadata)."""
     T = hidden_states.shape[0]
     top_k = top_k_index.shape[1]
     dtype = hidden_states.dtype
-    w1 = concatenated(gate_up_proj, layout, dtype)
+    w1 = concatenated(gate_up_proj, layout, dtype, up_proj)
     w2 = down_view(down_proj, layout).to(dtype)
     E, I = w1.shape[0], w2.shape[2]
     meta = routing_metadata(top_k_index, E)
@@ -221,24 +233,25 @@ def moe_mlp_fwd(
 def moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
     *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated", gate_up_proj_bias=None,
-    down_proj_bias=None, needs_bias_grad=(False, False),
+    down_proj_bias=None, needs_bias_grad=(False, False), up_proj=None, up_proj_update=None,
 ):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj, d
-    gate_up_proj_bias, d down_proj_bias), None where ``needs_input_grad`` (x, weights, gate_up_proj,
-    down_proj) or ``needs_bias_grad`` says no (or there is no bias). Weight gradients in the weight's
+    gate_up_proj_bias, d down_proj_bias, d up_proj), None where ``needs_input_grad`` (x, weights,
+    gate_up_proj, down_proj[, up_proj]) or ``needs_bias_grad`` says no (or there is no bias or up_proj). Weight gradients in the weight's
     dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
-    ``down_proj_update`` / ``gate_up_proj_update``: a callable that updates the weight in place, given a
+    ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update``: a callable that updates the weight in place, given a
     function of no arguments that computes the weight's gradient; called where that gradient would be
     computed (W2's after G, which reads W2, and before dX; W1's last). It computes the gradient then, or
     later (a deferred update keeps the operands alive until then); None is returned for the weight, and
     each gradient is released after its update, so one expert gradient is alive at a time."""
-    need_x, need_w, need_w1, need_w2 = needs_input_grad
+    need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
+    need_w3 = need_w3 and up_proj is not None
     need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
     need_b2 = needs_bias_grad[1] and down_proj_bias is not None
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
-    halves, I = gate_up_view(gate_up_proj, layout).shape[1:3]
+    halves, I = (2 if is_gated(layout) else 1), down_view(down_proj, layout).shape[2]
     S = T * top_k
     dtype = hidden_states.dtype
     valid = _valid_rows(meta, S)
@@ -247,8 +260,8 @@ def moe_mlp_bwd(
     grad_rows = grad_out[tokens]  # [S, H]
     gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
     a = glu(gate, up, activation).to(dtype)
-    grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = None
-    need_g = need_x or need_w or need_w1 or need_b1
+    grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
+    need_g = need_x or need_w or need_w1 or need_w3 or need_b1
     grad_hpre = None
     if need_g:
         w2 = down_view(down_proj, layout).to(dtype)
@@ -261,12 +274,13 @@ def moe_mlp_bwd(
             if down_proj_bias is not None:
                 per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
-        if need_x or need_w1 or need_b1:
+        if need_x or need_w1 or need_w3 or need_b1:
             d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
             d_hpre = d_gate if d_up is None else torch.cat((d_gate, d_up), dim=1)
             grad_hpre = torch.where(valid, d_hpre, 0.0).to(dtype)
             del d_hpre
             del d_gate, d_up
+        del g
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
@@ -286,17 +300,28 @@ def moe_mlp_bwd(
             down_proj_update(compute)
         del compute
     if need_x:
-        rows = grouped_mm(grad_hpre, concatenated(gate_up_proj, layout, dtype), meta.expert_offsets)
+        rows = grouped_mm(grad_hpre, concatenated(gate_up_proj, layout, dtype, up_proj), meta.expert_offsets)
         grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
         del rows
-    if need_w1:
-        compute = functools.partial(_grad_w1, grad_hpre, hidden_states, tokens, meta, gate_up_proj, layout)
-        del grad_hpre, grad_rows, g, a
-        if gate_up_proj_update is None:
-            grad_w1 = compute()
-        else:
-            gate_up_proj_update(compute)
-    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2
+    # W1's wgrad; in a separate layout the gate tensor's from dHpre's gate half, then the up tensor's.
+    parts = [(need_w1, gate_up_proj, gate_up_proj_update, grad_hpre if up_proj is None else grad_hpre[:, :I])]
+    if up_proj is not None:
+        parts.append((need_w3, up_proj, up_proj_update, grad_hpre[:, I:]))
+    del grad_hpre, grad_rows, a
+    grads_w1 = []
+    for need, weight, update, p in parts:
+        grad = None
+        if need:
+            compute = functools.partial(_grad_w1, p, hidden_states, tokens, meta, weight, layout)
+            if update is None:
+                grad = compute()
+            else:
+                update(compute)
+            del compute
+        grads_w1.append(grad)
+        del p
+    grad_w1, grad_w3 = (*grads_w1, None)[:2]
+    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
 
 
 def _expert_of_row(meta: RoutingMetadata) -> torch.Tensor:
@@ -319,8 +344,8 @@ def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):
 
 def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight, layout):
     """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype, shape and strides."""
-    wgrad = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets)  # [E, 2I, H]
-    if layout in ("concatenated", "ungated"):
+    wgrad = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets)  # [E, 2I, H] ([E, I, H])
+    if layout in ("concatenated", "ungated", "separate"):
         return wgrad.to(weight.dtype)
     grad = torch.empty_like(weight)  # the layout's gradient: one more copy of it, briefly
     view = gate_up_view(grad, layout)

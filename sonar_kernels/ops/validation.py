@@ -13,18 +13,20 @@ from sonar_kernels.specs import (
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
     is_gated,
+    is_separate,
     layout_name,
     parse_activation,
 )
 
 
-def check_layout(transposed, interleaved, gated=True) -> str:
+def check_layout(transposed, interleaved, gated=True, separate=False) -> str:
     """The name in :data:`sonar_kernels.specs.LAYOUTS` of the flags ``transposed``, ``interleaved`` and
-    ``gated``.
+    ``gated``, and ``separate`` (an ``up_proj`` tensor was given).
 
     Raises:
         TypeError: a flag that is not a bool.
-        ValueError: ``interleaved`` without a gate (there is nothing to interleave).
+        ValueError: ``interleaved`` without a gate (there is nothing to interleave); an ``up_proj`` with
+            ``interleaved`` or without a gate.
     """
     for name, flag in (("transposed", transposed), ("interleaved", interleaved), ("gated", gated)):
         if not isinstance(flag, bool):
@@ -33,22 +35,30 @@ def check_layout(transposed, interleaved, gated=True) -> str:
         raise ValueError(
             "interleaved=True needs gated=True: without a gate there are no gate rows to interleave"
         )
-    return layout_name(transposed, interleaved, gated)
+    if separate and (interleaved or not gated):
+        flag = "interleaved=True" if interleaved else "gated=False"
+        raise ValueError(
+            f"up_proj (a separate up projection) cannot be combined with {flag}: with up_proj, gate_up_proj is "
+            "the gate projection alone"
+        )
+    return layout_name(transposed, interleaved, gated, separate)
 
 
 def check_moe_mlp_args(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend,
-    layout="concatenated",
+    layout="concatenated", up_proj=None,
 ) -> str:  # fmt: skip
     """Validate the arguments of :func:`sonar_kernels.moe_mlp` (the weights in ``layout``, one of
-    :data:`sonar_kernels.specs.LAYOUTS`) and resolve ``backend``.
+    :data:`sonar_kernels.specs.LAYOUTS`; ``up_proj`` the up tensor of a separate layout) and resolve
+    ``backend``.
 
     Returns:
         "triton" or "torch".
     Raises:
         TypeError: an argument is not a tensor, or has a dtype outside what is supported.
         ValueError: shapes disagree, tensors are on different devices, unknown activation or backend,
-            or backend "triton" for CPU tensors without the Triton interpreter.
+            an up_proj whose dtype, shape or strides are not gate_up_proj's, or backend "triton" for
+            CPU tensors without the Triton interpreter.
     """
     tensors = {
         "hidden_states": hidden_states,
@@ -98,7 +108,7 @@ def check_moe_mlp_args(
         )
     transposed = layout.endswith("_transposed")
     w1_dims, w2_dims = ("[E, H, 2I]", "[E, I, H]") if transposed else ("[E, 2I, H]", "[E, H, I]")
-    if not is_gated(layout):
+    if not is_gated(layout) or is_separate(layout):
         w1_dims = w1_dims.replace("2I", "I")
     if gate_up_proj.dim() != 3:
         raise ValueError(f"gate_up_proj must be {w1_dims}, got shape {tuple(gate_up_proj.shape)}")
@@ -131,7 +141,7 @@ def check_moe_mlp_args(
             f"down_proj.shape[{w2_axes[0]}] must equal the hidden size H = {H} of hidden_states, "
             f"got {down_proj.shape[1]}"
         )
-    halves = 2 if is_gated(layout) else 1
+    halves = 2 if is_gated(layout) and not is_separate(layout) else 1
     if two_I != halves * down_proj.shape[2] or two_I == 0:
         what = "2 * " if halves == 2 else ""
         raise ValueError(
@@ -141,6 +151,14 @@ def check_moe_mlp_args(
     if not is_gated(layout) and parse_activation(activation)[0] == "clamped_swiglu":
         raise ValueError(
             "activation clamped_swiglu needs a gate (gated=True): it clamps a gate and an up projection"
+        )
+
+    if is_separate(layout):
+        _check_up_proj(up_proj, tensors["gate_up_proj"])
+        tensors["up_proj"] = up_proj
+    elif up_proj is not None:
+        raise ValueError(
+            f"up_proj is given, but the layout {layout!r} holds the up projection in gate_up_proj"
         )
 
     # devices
@@ -161,6 +179,34 @@ def check_moe_mlp_args(
     return backend
 
 
+def _check_up_proj(up_proj, gate_proj) -> None:
+    """The up tensor of a separate layout: the gate tensor's dtype, shape, strides and device, so that the
+    kernels address both from one pointer (``ops.common.gate_up_operand``)."""
+    if not isinstance(up_proj, torch.Tensor):
+        raise TypeError(f"up_proj must be a torch.Tensor or None, got {type(up_proj).__name__}")
+    if up_proj.dtype != gate_proj.dtype:
+        raise TypeError(
+            f"up_proj must have the dtype of gate_up_proj ({gate_proj.dtype}), got {up_proj.dtype}"
+        )
+    if up_proj.shape != gate_proj.shape:
+        raise ValueError(
+            f"up_proj must have the shape of gate_up_proj (the gate projection) {tuple(gate_proj.shape)}, got "
+            f"{tuple(up_proj.shape)}"
+        )
+    if up_proj.stride() != gate_proj.stride():
+        raise ValueError(
+            f"up_proj must have the strides of gate_up_proj {gate_proj.stride()}, got {up_proj.stride()}: the "
+            "kernels read both with one set of strides"
+        )
+    # Checked again where the kernels take the distance (ops.common.gate_up_operand): tracing has no pointers.
+    if (
+        not torch.compiler.is_compiling()
+        and up_proj.device == gate_proj.device
+        and (up_proj.data_ptr() - gate_proj.data_ptr()) % up_proj.element_size()
+    ):
+        raise ValueError("up_proj and gate_up_proj must start a whole number of elements apart in memory")
+
+
 def check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout="concatenated") -> None:
     """Validate the optional biases of :func:`sonar_kernels.moe_mlp` against weights already checked by
     :func:`check_moe_mlp_args` (in ``layout``).
@@ -168,8 +214,13 @@ def check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, lay
     Raises:
         TypeError: a bias that is not a tensor or None, or not of its weight's dtype.
         ValueError: a bias not of shape [E, 2I] (gate_up_proj_bias) or [E, H] (down_proj_bias), or on
-            another device.
+            another device; gate_up_proj_bias with a separate up projection (not implemented).
     """
+    if is_separate(layout) and gate_up_proj_bias is not None:
+        raise ValueError(
+            "gate_up_proj_bias with a separate up_proj is not supported: pass the gate and up weights as one "
+            "gate_up_proj tensor to use a bias on them"
+        )
     E = gate_up_proj.shape[0]
     w2 = down_proj.transpose(1, 2) if layout.endswith("_transposed") else down_proj  # [E, H, I]
     H, I = w2.shape[1], w2.shape[2]
