@@ -8,6 +8,11 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
+# torchtitan, for tests/test_torchtitan.py and the README's torchtitan block: the release
+# sonar_kernels.integrations.torchtitan is tested with, installed --no-deps with what its modules import
+# (spmd_types, tyro and tyro's docstring_parser and typeguard), without its trainer's dependencies
+# (datasets, tensorboard, wandb, ...) and never another torch.
+TORCHTITAN_VERSION ?= 0.3.0
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu clean
@@ -16,6 +21,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
 	$(BIN)/python -m pip install -e ".[test,train]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
+	$(BIN)/python -m pip install --no-deps "torchtitan==$(TORCHTITAN_VERSION)" "spmd_types==0.2.3" "tyro==1.0.17" \
+		"docstring_parser==0.18.0" "typeguard==4.6.1"
 	touch $(STAMP)
 
 install: $(STAMP)

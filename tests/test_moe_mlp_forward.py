@@ -143,8 +143,9 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-# The forward op's body: (hidden_states, index, weights, W1, W2, ..., activation, backend, layout, biases).
-BODIES = {"moe_mlp_fwd": lambda *a: library.run_moe_mlp_fwd(*a[:5], *a[-5:])}
+# The forward op's body: (hidden_states, index, weights, W1, W2, ..., activation, backend, layout, biases,
+# up_proj).
+BODIES = {"moe_mlp_fwd": lambda *a: library.run_moe_mlp_fwd(*a[:5], *a[14:20])}
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm"}
 HOST_SYNCS = {"_local_scalar_dense", "nonzero", "item", "cross_device_copy"}
 

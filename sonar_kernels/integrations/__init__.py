@@ -1,1 +1,1 @@
-"""Integrations with other libraries (transformers)."""
+"""Integrations with other libraries (transformers, torchtitan); each module imports its library."""
