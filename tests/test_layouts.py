@@ -8,6 +8,7 @@ from numerics import assert_close
 
 import sonar_kernels
 from sonar_kernels import reference
+from sonar_kernels.ops import library
 from sonar_kernels.specs import LAYOUTS, is_gated, mark_expert_tensors, parse_activation
 
 E, H, I, T, TOP_K = 4, 24, 8, 12, 2
@@ -274,7 +275,18 @@ def test_bias_shapes_and_dtypes_are_checked_before_any_kernel():
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])
-def test_biases_are_updated_in_the_backward_like_torch_adamw(backend):
+def test_biases_are_updated_in_the_backward_like_torch_adamw(backend, monkeypatch):
+    # A bias is an expert tensor too: updated inside the backward op (the Triton wgrad's epilogue), never
+    # given a gradient that an optimizer hook would apply afterwards.
+    returned = []
+    run_moe_mlp_bwd = library.run_moe_mlp_bwd
+
+    def recording(*args, **kwargs):
+        grads = run_moe_mlp_bwd(*args, **kwargs)
+        returned.append([g.numel() for g in grads[4:6]])
+        return grads
+
+    monkeypatch.setattr(library, "run_moe_mlp_bwd", recording)
     hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     layout = "interleaved_transposed"
     x, index, weights, w1, w2 = _inputs(torch.float32)
@@ -304,6 +316,7 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend):
         ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"), params, exact, strict=True
     ):
         assert_close(p, ref, torch.float32, what=name)
+    assert returned == [[0, 0], [0, 0]]  # the backward op returned no bias gradient
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -33,9 +33,9 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
 def _forward_args(x, index, weights, w1, w2, backend):
     """The forward op's arguments without updates: no states, hyperparameters or gradient dtypes; the
     fused epilogue, torch AdamW's flags unset, SwiGLU, the concatenated layout, no biases, no separate up
-    tensor."""
+    tensor, no bias updates."""
     return (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend,
-            "concatenated", None, None, None, [], None, None)  # fmt: skip
+            "concatenated", None, None, None, [], None, None, [], [], None, None, None, None)  # fmt: skip
 
 
 # A weight's arguments of the backward op in mode "grad": mode, state, hyperparameters, buffer, buffer_add,
@@ -64,7 +64,7 @@ def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, devic
         args += (*PLAIN, *PLAIN, True, None, None)
     args += ("silu", backend, "concatenated", None, None, None)
     if op == "moe_mlp_bwd":
-        args += PLAIN
+        args += PLAIN * 3  # the up tensor, the biases
     torch.library.opcheck(getattr(library, op), args, test_utils=("test_schema", "test_faketensor"))
     versions = (w1._version, w2._version)
     grads = getattr(library, op)(*args)
@@ -122,7 +122,7 @@ def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, de
     args = (
         torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True],
         "grad", [], None, None, False, None, mode, state if mode == "update" else [], hyper, buffer, False,
-        torch.float32, True, False, False, "silu", backend, "concatenated", None, None, None, *PLAIN,
+        torch.float32, True, False, False, "silu", backend, "concatenated", None, None, None, *PLAIN * 3,
     )  # fmt: skip
     torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
     if mode == "update":  # the update really ran: the weight moved, the step advanced, no gradient
@@ -146,13 +146,35 @@ def test_ops_with_a_separate_up_tensor_pass_opcheck_and_update_it(backend, devic
     bwd = (
         torch.randn_like(out), x, weights, gate, w2, hpre, *meta, [True, True, True, True, False, False, True],
         *PLAIN, *PLAIN, True, False, False, "silu", backend, "separate", None, None,
-        up, "update", state, hyper, None, False, torch.float32,
+        up, "update", state, hyper, None, False, torch.float32, *PLAIN * 2,
     )  # fmt: skip
     torch.library.opcheck(library.moe_mlp_bwd, bwd, test_utils=("test_schema", "test_faketensor"))
     before = up.clone()
     grads = library.moe_mlp_bwd(*bwd)
     assert grads[6].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(up, before)
     assert grads[2].shape == gate.shape  # the gate's ordinary gradient
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_op_updates_a_bias_in_place(backend, device):
+    # The biases are expert tensors with updates of their own: declared mutated with their state.
+    x, index, weights, w1, w2 = _inputs(device=device)
+    b1 = torch.randn(w1.shape[0], w1.shape[1], device=device) * 0.1
+    b2 = torch.randn(w2.shape[0], w2.shape[1], device=device) * 0.1
+    args = list(_forward_args(x, index, weights, w1, w2, backend))
+    args[17], args[18] = b1, b2
+    out, hpre, *meta = library.moe_mlp_fwd(*args)
+    state, hyper = _state(b2)
+    bwd = (
+        torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True, True, True, False],
+        *PLAIN, *PLAIN, True, False, False, "silu", backend, "concatenated", b1, b2, None, *PLAIN,
+        *PLAIN, "update", state, hyper, None, False, torch.float32,
+    )  # fmt: skip
+    torch.library.opcheck(library.moe_mlp_bwd, bwd, test_utils=("test_schema", "test_faketensor"))
+    before = b2.clone()
+    grads = library.moe_mlp_bwd(*bwd)
+    assert grads[5].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(b2, before)
+    assert grads[4].shape == b1.shape  # the other bias's ordinary gradient
 
 
 def test_check_op_passes_opcheck_and_raises_unless_the_backward_accumulates_the_weights_gradient():

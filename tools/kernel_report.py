@@ -11,7 +11,8 @@ Each kernel is compiled in two specialisations, as Triton's JIT would compile it
 - ``unaligned``: no divisibility known (H or I not a multiple of 16): correct but slow code whose spills
   are reported, not gated.
 
-Scalar arguments are i32, or the type their annotation gives (``lr: tl.float64`` -> fp64).
+Scalar arguments are i32, or the type their annotation gives (``lr: tl.float64`` -> fp64), or i64 where a
+spec says so (a separate layout's half stride: the distance between two allocations).
 
 Usage: ``python tools/kernel_report.py`` prints a table; ``--json PATH`` also writes the rows; ``--jobs N``
 compiles in N processes (default: one per CPU).
@@ -63,6 +64,7 @@ class Spec:
     constexprs: dict[str, object]
     options: dict[str, int]
     unit_strides: tuple[str, ...] = ()  # innermost strides; the JIT turns a stride of 1 into a constexpr
+    wide_ints: tuple[str, ...] = ()  # integers the JIT types i64 (values of 2**31 or more)
     is_gemm: bool = False
     config: dict = field(default_factory=dict)
 
@@ -84,8 +86,8 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
         if name in spec.pointers:
             signature[name] = f"*{spec.pointers[name]}"
         else:
-            signature[name] = param.annotation or "i32"
-        if name in spec.pointers or (aligned and signature[name] == "i32"):
+            signature[name] = "i64" if name in spec.wide_ints else param.annotation or "i32"
+        if name in spec.pointers or (aligned and signature[name] in ("i32", "i64")):
             attrs[(param.num,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, signature, constexprs, attrs)
 
@@ -161,11 +163,13 @@ def _forward_specs() -> list[Spec]:
             # The transposed layouts: W1 [E, H, 2I], its unit stride along the rows of a half
             # (concatenated: Aria) or between the halves (interleaved, with the biases and the clamped
             # SwiGLU: gpt-oss); specs.gate_up_view.
-            # And the ungated one (Nemotron-H: the up projection alone, the squared ReLU, one half).
+            # And the ungated one (Nemotron-H: the up projection alone, the squared ReLU, one half), and
+            # separate gate and up tensors (torchtitan), their distance an i64 half stride.
             for layout, unit, activation, bias, gated in (
                 ("transposed", "stride_wn", "silu", False, True),
                 ("interleaved transposed bias", "stride_wg", "clamped_swiglu", True, True),
                 ("ungated", "stride_wh", "relu2", False, False),
+                ("separate", "stride_wh", "silu", False, True),
             ):
                 out.append(
                     Spec(
@@ -177,6 +181,7 @@ def _forward_specs() -> list[Spec]:
                         common | {"ACTIVATION": activation, "GATED": gated, "HAS_BIAS": bias},
                         options,
                         unit_strides=("stride_xh", unit, "stride_hn", "stride_an", *(("stride_bg",) if bias else ())),
+                        wide_ints=("stride_wg",) if layout == "separate" else (),
                         is_gemm=True,
                         config=blocks,
                     )
@@ -205,6 +210,7 @@ def _forward_specs() -> list[Spec]:
                 (" transposed", "stride_wi"),
                 (" interleaved transposed", "stride_whalf"),
                 (" ungated", "stride_wh"),
+                (" separate", "stride_wh"),
             ]
         for layout, unit in dx_layouts:
             out.append(
@@ -215,6 +221,7 @@ def _forward_specs() -> list[Spec]:
                     common | {"HALVES": 1 if "ungated" in layout else 2, "HAS_BIAS": False},
                     options,
                     unit_strides=("stride_ai", unit, "stride_yh"),
+                    wide_ints=("stride_whalf",) if "separate" in layout else (),
                     is_gemm=True,
                     config=blocks,
                 )
@@ -345,8 +352,13 @@ def _backward_specs() -> list[Spec]:
     # dW2's H), or between W1's halves (interleaved).
     layouts = [("dW2", "transposed", "stride_m"), ("dW1", "transposed", "stride_m"),
                ("dW1", "interleaved transposed", "stride_half")]  # fmt: skip
+    # The biases' fused update (ops.backward): the wgrad with a stride-0 column of ones for Q (N = 1, a
+    # constexpr as the JIT specialises it; db2: P gathered by token, db1: dHpre), the bias seen as [E, M, 1].
+    layouts += [("db2", "bias", "stride_m"), ("db1", "bias", "stride_m")]
     for role, layout, unit in layouts:
-        p_from_tokens, q_from_tokens = roles[role]
+        bias = layout == "bias"
+        p_from_tokens, q_from_tokens = roles["dW2" if role == "db2" else "dW1" if bias else role]
+        q_from_tokens = q_from_tokens and not bias
         out.append(
             Spec(
                 expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
@@ -358,9 +370,10 @@ def _backward_specs() -> list[Spec]:
                 _precision("bf16") | blocks
                 | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
                    "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "GRAD_DTYPE": TL_DTYPES["bf16"],
-                   "DOT_DTYPE": TL_DTYPES["bf16"]},
+                   "DOT_DTYPE": TL_DTYPES["bf16"]} | ({"N": 1} if bias else {}),
                 options | {"enable_fp_fusion": False},
-                unit_strides=("stride_pm", "stride_qn", "stride_wj", unit),
+                # The bias's [E, M, 1] view has unit strides along M and N.
+                unit_strides=("stride_pm", "stride_qn", "stride_wj", unit, *(("stride_n",) if bias else ())),
                 is_gemm=True,
                 config=blocks,
             )

@@ -24,10 +24,18 @@ from sonar_kernels.ops import library
 from sonar_kernels.ops.validation import check_biases, check_layout, check_moe_mlp_args
 from sonar_kernels.specs import SUPPORTED_DTYPES
 
-# The positions of the expert weights among the forward op's inputs (up_proj: a separate layout's up tensor).
-_WEIGHTS = ((3, "gate_up_proj"), (4, "down_proj"), (19, "up_proj"))
-# The positions of the biases among the forward op's inputs.
-_BIASES = (17, 18)
+# The forward op's inputs per expert tensor (the weights, a separate layout's up tensor, the biases), in the
+# order the backward op returns their gradients in: (name, the tensor's position, its update's state,
+# hyperparameters and gradient dtype).
+_EXPERT_INPUTS = (
+    ("gate_up_proj", 3, 5, 7, 9),
+    ("down_proj", 4, 6, 8, 10),
+    ("up_proj", 19, 20, 21, 22),
+    ("gate_up_proj_bias", 17, 23, 25, 27),
+    ("down_proj_bias", 18, 24, 26, 28),
+)
+_WEIGHTS = tuple((index, name) for name, index, *_ in _EXPERT_INPUTS)
+_NUM_INPUTS = 29
 
 
 def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
@@ -50,56 +58,32 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    (hidden_states, _, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
-     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-     torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_state, up_proj_hyper,
-     up_proj_grad_dtype) = inputs  # fmt: skip
+    hidden_states, top_k_weights = inputs[0], inputs[2]
+    tensors = [inputs[index] for _, index, *_ in _EXPERT_INPUTS]
+    states = [inputs[state] for _, _, state, _, _ in _EXPERT_INPUTS]
+    hypers = [inputs[hyper] for *_, hyper, _ in _EXPERT_INPUTS]
+    fused_epilogue, foreach, torch_fused, activation, backend, layout = inputs[11:17]
     _, hpre, *meta = output
     ctx.save_for_backward(
-        hidden_states,
-        top_k_weights,
-        gate_up_proj,
-        down_proj,
-        up_proj,
-        hpre,
-        *meta,
-        gate_up_proj_hyper,
-        down_proj_hyper,
-        up_proj_hyper,
-        gate_up_proj_bias,
-        down_proj_bias,
-        *gate_up_proj_state,
-        *down_proj_state,
-        *up_proj_state,
+        hidden_states, top_k_weights, *tensors, hpre, *meta, *hypers, *(t for state in states for t in state)
     )
-    ctx.state_sizes = (len(gate_up_proj_state), len(down_proj_state), len(up_proj_state))
-    ctx.grad_dtypes = (gate_up_proj_grad_dtype, down_proj_grad_dtype, up_proj_grad_dtype)
+    ctx.state_sizes = tuple(len(state) for state in states)
+    ctx.grad_dtypes = tuple(inputs[grad_dtype] for *_, grad_dtype in _EXPERT_INPUTS)
     ctx.options = (fused_epilogue, foreach, torch_fused)
     ctx.activation, ctx.backend, ctx.layout = activation, backend, layout
     # The owners' bookkeeping, in eager mode (under torch.compile the inputs are functional tensors,
     # without attributes): read from the tensors passed in now (saved tensors may come back as other
     # objects, e.g. under activation checkpointing).
-    ctx.owners = (None, None, None)
-    ctx.watched = (None, None, None)
+    ctx.owners = ctx.watched = (None,) * len(_EXPERT_INPUTS)
     if not torch.compiler.is_compiling():
         ctx.owners = tuple(
-            specs.update_of(w) if state else None
-            for w, state in (
-                (gate_up_proj, gate_up_proj_state),
-                (down_proj, down_proj_state),
-                (up_proj, up_proj_state),
-            )
+            specs.update_of(t) if state else None for t, state in zip(tensors, states, strict=True)
         )
-        # Per owned weight: its gradient edge (whether a backward asks for its gradient) and the versions
-        # of the weight and the hyperparameters this forward saw (whether they changed before the backward).
+        # Per owned tensor: its gradient edge (whether a backward asks for its gradient) and the versions
+        # of the tensor and the hyperparameters this forward saw (whether they changed before the backward).
         ctx.watched = tuple(
-            None if owner is None else _Watched(w, hyper)
-            for owner, w, hyper in zip(
-                ctx.owners,
-                (gate_up_proj, down_proj, up_proj),
-                (gate_up_proj_hyper, down_proj_hyper, up_proj_hyper),
-                strict=True,
-            )
+            None if owner is None else _Watched(t, hyper)
+            for owner, t, hyper in zip(ctx.owners, tensors, hypers, strict=True)
         )
         for owner in ctx.owners:
             if owner is not None:
@@ -183,17 +167,20 @@ def _backward(ctx, grad_out, *unused):
             captured[i] = request == "capture"
             if request != "accumulate":
                 owner.untrack(ctx)
-    hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, hpre, *rest = ctx.saved_tensors
-    weights = [gate_up_proj, down_proj, up_proj]
-    meta, hypers, biases, rest = rest[:5], rest[5:8], rest[8:10], rest[10:]
-    n1, n2, n3 = ctx.state_sizes
-    states = [rest[:n1], rest[n1 : n1 + n2], rest[n1 + n2 : n1 + n2 + n3]]
+    count = len(_EXPERT_INPUTS)
+    hidden_states, top_k_weights, *rest = ctx.saved_tensors
+    weights, (hpre, *meta) = list(rest[:count]), rest[count : count + 6]
+    hypers, rest = rest[count + 6 : 2 * count + 6], rest[2 * count + 6 :]
+    states, start = [], 0
+    for size in ctx.state_sizes:
+        states.append(rest[start : start + size])
+        start += size
     # Eager mode with owners: the update writes the parameter and its owner's state, never what
     # saved-tensor hooks gave back (torch.autograd.graph.save_on_cpu returns copies on CUDA).
     for i, (watched, owner) in enumerate(zip(ctx.watched, ctx.owners, strict=True)):
         if owner is not None and watched.weight() is not None:
             weights[i], states[i] = watched.weight(), owner.state()
-    gate_up_proj, down_proj, up_proj = weights
+    gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias = weights
     fused_epilogue, foreach, torch_fused = ctx.options
     triton = ctx.backend == "triton"
     # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
@@ -228,24 +215,16 @@ def _backward(ctx, grad_out, *unused):
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
-    (mode1, *plan1), (mode2, *plan2), (mode3, *plan3) = plans
-    # (x, routing weights, W1, W2, the biases: ordinary gradients, updated by their owner's hook; up_proj).
-    grad_needs = [
-        needs[0],
-        needs[2],
-        needs[3],
-        needs[4],
-        needs[_BIASES[0]],
-        needs[_BIASES[1]],
-        needs[_WEIGHTS[2][0]],
-    ]
+    (mode1, *plan1), (mode2, *plan2), (mode3, *plan3), (mode4, *plan4), (mode5, *plan5) = plans
+    # The backward op's gradients: x, routing weights, W1, W2, the biases, the up tensor.
+    grad_needs = [needs[0], needs[2], *(needs[_WEIGHTS[i][0]] for i in (0, 1, 3, 4, 2))]
     args = (
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
         grad_needs,
         mode1, *plan1,
         mode2, *plan2,
-        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout, *biases,
-        up_proj, mode3, *plan3,
+        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout, gate_up_proj_bias,
+        down_proj_bias, up_proj, mode3, *plan3, mode4, *plan4, mode5, *plan5,
     )  # fmt: skip
     if any(owner is not None for owner in ctx.owners):
         # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
@@ -260,47 +239,29 @@ def _backward(ctx, grad_out, *unused):
         ):
             if mode == "accumulate" and accumulator is not None:
                 _on_accumulator(accumulator, owner.add_to_buffer, outer)
-    elif mode1 == mode2 == mode3 == "grad":
+    elif all(mode == "grad" for mode, *_ in plans):
         # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
         grads = library.moe_mlp_bwd_grads(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-            grad_needs, ctx.activation, ctx.backend, ctx.layout, *biases, up_proj,
+            grad_needs, ctx.activation, ctx.backend, ctx.layout, gate_up_proj_bias, down_proj_bias, up_proj,
         )  # fmt: skip
     else:
         grads = library.moe_mlp_bwd(*args)
-    # A weight updated in this backward (or whose gradient went to a buffer) gets no gradient.
+    # An expert tensor updated in this backward (or whose gradient went to a buffer) gets no gradient.
     grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3 = (
         g if need and mode in (None, "grad") else None
         for g, need, mode in zip(
-            grads, grad_needs, (None, None, mode1, mode2, None, None, mode3), strict=True
+            grads, grad_needs, (None, None, mode1, mode2, mode4, mode5, mode3), strict=True
         )
     )
-    weight_grads = [grad_w1, grad_w2]
     # One entry per input of the forward op; a list input (an update's state) gets a list of Nones.
-    return (
-        grad_x,
-        None,
-        grad_w,
-        *weight_grads,
-        [None] * n1,
-        [None] * n2,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        None,
-        grad_b1,
-        grad_b2,
-        grad_w3,
-        [None] * n3,
-        None,
-        None,
-    )
+    result = [None] * _NUM_INPUTS
+    result[0], result[2] = grad_x, grad_w
+    for (_, index, state, *_), grad, size in zip(
+        _EXPERT_INPUTS, (grad_w1, grad_w2, grad_w3, grad_b1, grad_b2), ctx.state_sizes, strict=True
+    ):
+        result[index], result[state] = grad, [None] * size
+    return tuple(result)
 
 
 def _refuse_other_producers(name: str, grad) -> None:
@@ -415,9 +376,9 @@ def moe_mlp(
             entries split as the weight's rows are: interleaved with ``interleaved``); dtype of
             gate_up_proj. gpt-oss has one.
         down_proj_bias: [E, H] or None, added to each expert's output before the routing weight
-            multiplies it (transformers' gpt-oss experts); dtype of down_proj. The biases get ordinary
-            gradients (small tensors, ``sonar_kernels/ops/bias.py``); an owning optimizer updates them in
-            the backward from there.
+            multiplies it (transformers' gpt-oss experts); dtype of down_proj. The biases are expert
+            tensors as the weights are: with an owning optimizer they are updated inside the backward
+            (``sonar_kernels/ops/bias.py``), else they get their gradients.
 
     Under ``torch.autocast`` the GEMMs run in the autocast dtype: hidden_states is cast to it (as for
     nn.Linear); fp32 weights stay fp32 in memory and are rounded in registers.
@@ -473,11 +434,9 @@ def moe_mlp(
         up_proj,
     )
     check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout)
-    updates = (
-        _update_for(gate_up_proj),
-        _update_for(down_proj),
-        None if up_proj is None else _update_for(up_proj),
-    )
+    # The update of each expert tensor (the weights, a separate up tensor, the biases), in _EXPERT_INPUTS order.
+    tensors = (gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias)
+    updates = tuple(None if t is None else _update_for(t) for t in tensors)
     given = [u for u in updates if u is not None]
     first = given[0] if given else None
     states = [u.state() if u is not None else [] for u in updates]
@@ -491,6 +450,7 @@ def moe_mlp(
         first.torch_fused if first is not None else None,
         activation, backend, layout, gate_up_proj_bias, down_proj_bias,
         up_proj, states[2], hypers[2], grad_dtypes[2],
+        *states[3:], *hypers[3:], *grad_dtypes[3:],
     )  # fmt: skip
     out = outputs[0]
     if (
@@ -500,9 +460,7 @@ def moe_mlp(
     ):
         # This forward runs inside a backward (reentrant activation checkpointing recomputes it there).
         node = out.grad_fn
-        for watched, owner, weight in zip(
-            node.watched, node.owners, (gate_up_proj, down_proj, up_proj), strict=True
-        ):
+        for watched, owner, weight in zip(node.watched, node.owners, tensors, strict=True):
             if watched is not None:
                 watched.outer_task = _outer_task_accumulating(weight, owner)
     return out

@@ -30,7 +30,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
 )
 from sonar_kernels.ops import common
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
-from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term, ones_rows
+from sonar_kernels.ops.bias import down_bias_weight_term, ones_rows
 from sonar_kernels.ops.common import (
     TL_DTYPES,
     gate_up_operand,
@@ -129,14 +129,18 @@ def moe_mlp_bwd(
     up_proj: torch.Tensor | None = None,
     up_proj_update: AdamWUpdate | None = None,
     up_proj_accumulator: GradAccumulator | None = None,
+    gate_up_proj_bias_update: AdamWUpdate | None = None,
+    down_proj_bias_update: AdamWUpdate | None = None,
+    gate_up_proj_bias_accumulator: GradAccumulator | None = None,
+    down_proj_bias_accumulator: GradAccumulator | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
     Launch order (docs/design.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
     when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
     (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given; in a separate layout the gate
-    tensor's and the up tensor's wgrad, each with its own update). Each wgrad launch covers every
-    expert. An update with ``defer`` set is launched later by its caller (after dX). No host sync; no
+    tensor's and the up tensor's wgrad, each with its own update), then the biases' (db1, db2, each
+    with its update when given). Each wgrad launch covers every expert. An update with ``defer`` set is launched later by its caller (after dX). No host sync; no
     atomics.
 
     Args:
@@ -146,13 +150,15 @@ def moe_mlp_bwd(
             ``up_proj`` the up tensor of a separate layout, else None).
         hpre, meta: saved by :func:`moe_mlp_fwd`.
         needs_input_grad: (hidden_states, top_k_weights, gate_up_proj, down_proj[, up_proj]).
-        gate_up_proj_update, down_proj_update, up_proj_update: apply AdamW to that weight in place
-            instead of returning its gradient (validated before any launch; ``step`` advances unless the
-            update is skipped for a non-finite or too large gradient, see :class:`AdamWUpdate`).
-        gate_up_proj_accumulator, down_proj_accumulator, up_proj_accumulator: add that weight's
-            gradient to a buffer instead of returning it.
+        gate_up_proj_update, down_proj_update, up_proj_update, gate_up_proj_bias_update,
+            down_proj_bias_update: apply AdamW to that expert tensor in place instead of returning its
+            gradient (validated before any launch; ``step`` advances unless the update is skipped for a
+            non-finite or too large gradient, see :class:`AdamWUpdate`).
+        gate_up_proj_accumulator, down_proj_accumulator, up_proj_accumulator,
+            gate_up_proj_bias_accumulator, down_proj_bias_accumulator: add that tensor's gradient to a
+            buffer instead of returning it.
         gate_up_proj_bias, down_proj_bias, needs_bias_grad: the forward's biases (or None) and whether
-            their gradients are needed (ordinary gradients, ``ops/bias.py``).
+            their gradients are needed (``ops/bias.py``).
     Returns:
         (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
         gate_up_proj_bias, grad down_proj_bias, grad up_proj); None where not needed, where the weight
@@ -166,6 +172,8 @@ def moe_mlp_bwd(
         ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
         ("down_proj", down_proj, down_proj_update, down_proj_accumulator),
         ("up_proj", up_proj, up_proj_update, up_proj_accumulator),
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj_bias_update, gate_up_proj_bias_accumulator),
+        ("down_proj_bias", down_proj_bias, down_proj_bias_update, down_proj_bias_accumulator),
     ):
         if weight is None:
             if update is not None or accumulator is not None:
@@ -182,7 +190,8 @@ def moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
             needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
             down_proj_accumulator, layout, gate_up_proj_bias, down_proj_bias, needs_bias_grad, up_proj,
-            up_proj_update, up_proj_accumulator,
+            up_proj_update, up_proj_accumulator, gate_up_proj_bias_update, down_proj_bias_update,
+            gate_up_proj_bias_accumulator, down_proj_bias_accumulator,
         )  # fmt: skip
 
 
@@ -191,6 +200,8 @@ def _launch_bwd(
     needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
     down_proj_accumulator=None, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
     needs_bias_grad=(False, False), up_proj=None, up_proj_update=None, up_proj_accumulator=None,
+    gate_up_proj_bias_update=None, down_proj_bias_update=None, gate_up_proj_bias_accumulator=None,
+    down_proj_bias_accumulator=None,
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
     need_w3 = need_w3 and up_proj is not None
@@ -224,7 +235,16 @@ def _launch_bwd(
     a = common.empty((num_rows, I), dtype, device) if need_w2 else None
     dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
     # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
-    has_update = any(u is not None for u in (gate_up_proj_update, down_proj_update, up_proj_update))
+    has_update = any(
+        u is not None
+        for u in (
+            gate_up_proj_update,
+            down_proj_update,
+            up_proj_update,
+            gate_up_proj_bias_update,
+            down_proj_bias_update,
+        )
+    )
     absmax = None
     if S > 0 and (need_grad_hpre or need_w or need_w2):
         num_row_tiles = max_row_tiles(S, E, block_m)
@@ -255,13 +275,20 @@ def _launch_bwd(
     if has_update:
         largest = absmax.amax(0) if absmax is not None else torch.zeros(2, dtype=torch.float32, device=device)
         most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
-        if down_proj_update is not None:
-            # P = w * dO[token] (rounded), Q = A.
+        one = torch.ones((), dtype=torch.float32, device=device)
+        if down_proj_update is not None or down_proj_bias_update is not None:
+            # P = w * dO[token] (rounded), Q = A (a column of ones for the bias).
             p_max = inf_norm(top_k_weights) * inf_norm(grad_out)
             bounds["down_proj"] = (p_max, largest[0], most_rows)
-        if gate_up_proj_update is not None or up_proj_update is not None:
-            # P = dHpre, Q = X[token].
+            bounds["down_proj_bias"] = (p_max, one, most_rows)
+        if (
+            gate_up_proj_update is not None
+            or up_proj_update is not None
+            or gate_up_proj_bias_update is not None
+        ):
+            # P = dHpre, Q = X[token] (a column of ones for the bias).
             bounds["gate_up_proj"] = (largest[1], inf_norm(hidden_states), most_rows)
+            bounds["gate_up_proj_bias"] = (largest[1], one, most_rows)
     del absmax
 
     grad_w2 = None
@@ -321,21 +348,22 @@ def _launch_bwd(
                 I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), up_proj_accumulator, name="up_proj",
                 view=w1_view,
             )  # fmt: skip
-    # The biases' gradients: the wgrad kernel with a column of ones for X (db1) or A (db2).
+    # The biases' gradients (and updates): the wgrad kernel with a column of ones for X (db1) or A (db2),
+    # N = 1 (the bias seen as [E, M, 1]; the ones' other columns are masked off).
     ones = ones_rows(S, dtype, device) if need_b1 or need_b2 else None
     grad_b1 = grad_b2 = None
     if need_b1:
         grad_b1 = _wgrad(
-            grad_hpre, False, ones, False, top_k_weights, meta,
-            gate_up_proj_bias.unsqueeze(-1).expand(E, two_I, ONES_COLUMNS), None, two_I, ONES_COLUMNS, top_k,
-            dtype, interpret, view=functools.partial(gate_up_bias_view, layout=layout),
-        )[..., 0].contiguous()  # fmt: skip
+            grad_hpre, False, ones, False, top_k_weights, meta, gate_up_proj_bias, gate_up_proj_bias_update,
+            two_I, 1, top_k, dtype, interpret, bounds.get("gate_up_proj_bias"), gate_up_proj_bias_accumulator,
+            name="gate_up_proj_bias", view=lambda t: gate_up_bias_view(t, layout).unsqueeze(-1),
+        )  # fmt: skip
     if need_b2:
         grad_b2 = _wgrad(
-            grad_out, True, ones, False, top_k_weights, meta,
-            down_proj_bias.unsqueeze(-1).expand(E, H, ONES_COLUMNS), None, H, ONES_COLUMNS, top_k, dtype,
-            interpret,
-        )[..., 0].contiguous()  # fmt: skip
+            grad_out, True, ones, False, top_k_weights, meta, down_proj_bias, down_proj_bias_update, H, 1, top_k,
+            dtype, interpret, bounds.get("down_proj_bias"), down_proj_bias_accumulator, name="down_proj_bias",
+            view=lambda t: t.unsqueeze(-1),
+        )  # fmt: skip
     return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
 
 

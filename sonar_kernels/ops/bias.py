@@ -6,8 +6,8 @@
   db2[e] = sum over the rows of e of w_r dO[t_r] (the wgrad of W2 with ones for A), and the routing-weight
   gradient of each slot gains <dO[t], b2[e]> (:func:`down_bias_weight_term`).
 
-The biases are small ([E, 2I] and [E, H]: 1/H and 1/I of their weights), so their gradients are ordinary
-tensors, which an owner updates in the backward (docs/design.md, "Biases").
+A bias is an expert tensor like the weights: with an owner, its AdamW update runs in that wgrad launch's
+epilogue (docs/design.md, "Biases and the clamped SwiGLU").
 """
 
 from __future__ import annotations

@@ -55,13 +55,20 @@ def moe_mlp_fwd(
     up_proj_state: list[Tensor],
     up_proj_hyper: Tensor | None,
     up_proj_grad_dtype: torch.dtype | None,
+    gate_up_proj_bias_state: list[Tensor],
+    down_proj_bias_state: list[Tensor],
+    gate_up_proj_bias_hyper: Tensor | None,
+    down_proj_bias_hyper: Tensor | None,
+    gate_up_proj_bias_grad_dtype: torch.dtype | None,
+    down_proj_bias_grad_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
     :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
     hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
     fused flags) are inputs only so that the registered backward receives them. ``layout``: the weights'
     (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None; ``up_proj`` (with its
-    update's state, hyperparameters and gradient dtype): the up tensor of a separate layout, or None."""
+    update's state, hyperparameters and gradient dtype): the up tensor of a separate layout, or None; then
+    the biases' updates (state, hyperparameters, gradient dtype; empty or None without one)."""
     return run_moe_mlp_fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout,
         gate_up_proj_bias, down_proj_bias, up_proj,
@@ -86,7 +93,7 @@ def _moe_mlp_fwd_fake(
     hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
     gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
     torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_state,
-    up_proj_hyper, up_proj_grad_dtype,
+    up_proj_hyper, up_proj_grad_dtype, *bias_updates,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
@@ -117,7 +124,9 @@ def _update(
 @torch.library.custom_op(
     "sonar_kernels::moe_mlp_bwd",
     mutates_args=("gate_up_proj", "down_proj", "gate_up_proj_state", "down_proj_state", "gate_up_proj_buffer",
-                  "down_proj_buffer", "up_proj", "up_proj_state", "up_proj_buffer"),
+                  "down_proj_buffer", "up_proj", "up_proj_state", "up_proj_buffer", "gate_up_proj_bias",
+                  "gate_up_proj_bias_state", "gate_up_proj_bias_buffer", "down_proj_bias", "down_proj_bias_state",
+                  "down_proj_bias_buffer"),
 )  # fmt: skip
 def moe_mlp_bwd(
     grad_out: Tensor,
@@ -159,12 +168,25 @@ def moe_mlp_bwd(
     up_proj_buffer: Tensor | None,
     up_proj_buffer_add: bool,
     up_proj_grad_dtype: torch.dtype | None,
+    gate_up_proj_bias_mode: str,
+    gate_up_proj_bias_state: list[Tensor],
+    gate_up_proj_bias_hyper: Tensor | None,
+    gate_up_proj_bias_buffer: Tensor | None,
+    gate_up_proj_bias_buffer_add: bool,
+    gate_up_proj_bias_grad_dtype: torch.dtype | None,
+    down_proj_bias_mode: str,
+    down_proj_bias_state: list[Tensor],
+    down_proj_bias_hyper: Tensor | None,
+    down_proj_bias_buffer: Tensor | None,
+    down_proj_bias_buffer_add: bool,
+    down_proj_bias_grad_dtype: torch.dtype | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
     gate_up_proj_bias, grad down_proj_bias, grad up_proj), each an empty tensor where
     ``needs_input_grad`` (x, weights, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias,
     up_proj) says no, the weight's mode is not "grad", or there is no bias or up_proj (the up tensor of a
-    separate layout). The biases' gradients are ordinary ones (``ops/bias.py``).
+    separate layout). The biases (``ops/bias.py``) are expert tensors as the weights are, with a mode of
+    their own.
 
     Per weight, ``mode`` "update": AdamW applied in place to the weight and its state, with ``buffer``
     (the gradient of earlier micro-batches, or None) added to this backward's gradient first: on the
@@ -180,7 +202,10 @@ def moe_mlp_bwd(
         gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
         down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
         foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
-        up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype,
+        up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype, gate_up_proj_bias_mode,
+        gate_up_proj_bias_state, gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add,
+        gate_up_proj_bias_grad_dtype, down_proj_bias_mode, down_proj_bias_state, down_proj_bias_hyper,
+        down_proj_bias_buffer, down_proj_bias_buffer_add, down_proj_bias_grad_dtype,
     )  # fmt: skip
 
 
@@ -191,7 +216,11 @@ def run_moe_mlp_bwd(
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
     foreach, torch_fused, activation, backend, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
     up_proj=None, up_proj_mode="grad", up_proj_state=(), up_proj_hyper=None, up_proj_buffer=None,
-    up_proj_buffer_add=False, up_proj_grad_dtype=None, on_done=(None, None, None), defer=(None, None, None),
+    up_proj_buffer_add=False, up_proj_grad_dtype=None, gate_up_proj_bias_mode="grad", gate_up_proj_bias_state=(),
+    gate_up_proj_bias_hyper=None, gate_up_proj_bias_buffer=None, gate_up_proj_bias_buffer_add=False,
+    gate_up_proj_bias_grad_dtype=None, down_proj_bias_mode="grad", down_proj_bias_state=(),
+    down_proj_bias_hyper=None, down_proj_bias_buffer=None, down_proj_bias_buffer_add=False,
+    down_proj_bias_grad_dtype=None, on_done=(None,) * 5, defer=(None,) * 5,
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
     run right after the launch that updated it or added to its buffer (before any later launch, so that a
@@ -215,6 +244,11 @@ def run_moe_mlp_bwd(
          down_proj_buffer_add, down_proj_grad_dtype, on_done[1], defer[1]),
         ("up_proj", up_proj, up_proj_mode, up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add,
          up_proj_grad_dtype, on_done[2], defer[2]),
+        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj_bias_mode, gate_up_proj_bias_state,
+         gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add, gate_up_proj_bias_grad_dtype,
+         on_done[3], defer[3]),
+        ("down_proj_bias", down_proj_bias, down_proj_bias_mode, down_proj_bias_state, down_proj_bias_hyper,
+         down_proj_bias_buffer, down_proj_bias_buffer_add, down_proj_bias_grad_dtype, on_done[4], defer[4]),
     )  # fmt: skip
     if backend == "triton":
         updates, accumulators = {}, {}
@@ -228,7 +262,11 @@ def run_moe_mlp_bwd(
             gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
             gate_up_proj_accumulator=accumulators.get("gate_up_proj"),
             down_proj_accumulator=accumulators.get("down_proj"), layout=layout, up_proj=up_proj,
-            up_proj_update=updates.get("up_proj"), up_proj_accumulator=accumulators.get("up_proj"), **biases,
+            up_proj_update=updates.get("up_proj"), up_proj_accumulator=accumulators.get("up_proj"),
+            gate_up_proj_bias_update=updates.get("gate_up_proj_bias"),
+            down_proj_bias_update=updates.get("down_proj_bias"),
+            gate_up_proj_bias_accumulator=accumulators.get("gate_up_proj_bias"),
+            down_proj_bias_accumulator=accumulators.get("down_proj_bias"), **biases,
         )  # fmt: skip
     else:
         apply = [
@@ -241,7 +279,7 @@ def run_moe_mlp_bwd(
         grads = torch_backend.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, up_proj=up_proj,
-            up_proj_update=apply[2], **biases,
+            up_proj_update=apply[2], gate_up_proj_bias_update=apply[3], down_proj_bias_update=apply[4], **biases,
         )  # fmt: skip
     # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
     return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
@@ -254,13 +292,15 @@ def _moe_mlp_bwd_fake(
     gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
     down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
     foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
-    up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype,
+    up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype, gate_up_proj_bias_mode,
+    gate_up_proj_bias_state, gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add,
+    gate_up_proj_bias_grad_dtype, down_proj_bias_mode, *down_proj_bias_update,
 ):  # fmt: skip
     need_x, need_w, need_w1, need_w2, need_b1, need_b2, need_w3 = (*needs_input_grad, False, False, False)[:7]
     need_w1 = need_w1 and gate_up_proj_mode == "grad"
     need_w2 = need_w2 and down_proj_mode == "grad"
-    need_b1 = need_b1 and gate_up_proj_bias is not None
-    need_b2 = need_b2 and down_proj_bias is not None
+    need_b1 = need_b1 and gate_up_proj_bias is not None and gate_up_proj_bias_mode == "grad"
+    need_b2 = need_b2 and down_proj_bias is not None and down_proj_bias_mode == "grad"
     need_w3 = need_w3 and up_proj is not None and up_proj_mode == "grad"
     # A distinct empty tensor per missing gradient, as the real op returns (outputs may not alias).
     return tuple(
@@ -316,7 +356,7 @@ def _with_plain_gradients(*args) -> tuple:
     plain = ("grad", [], None, None, False, None)
     return (
         *tensors, *plain, *plain, True, None, None, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
-        up_proj, *plain,
+        up_proj, *plain, *plain, *plain,
     )  # fmt: skip
 
 

@@ -234,13 +234,14 @@ def moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
     *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated", gate_up_proj_bias=None,
     down_proj_bias=None, needs_bias_grad=(False, False), up_proj=None, up_proj_update=None,
+    gate_up_proj_bias_update=None, down_proj_bias_update=None,
 ):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj, d
     gate_up_proj_bias, d down_proj_bias, d up_proj), None where ``needs_input_grad`` (x, weights,
     gate_up_proj, down_proj[, up_proj]) or ``needs_bias_grad`` says no (or there is no bias or up_proj). Weight gradients in the weight's
     dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
-    ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update``: a callable that updates the weight in place, given a
+    ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update`` / the biases' updates: a callable that updates the weight in place, given a
     function of no arguments that computes the weight's gradient; called where that gradient would be
     computed (W2's after G, which reads W2, and before dX; W1's last). It computes the gradient then, or
     later (a deferred update keeps the operands alive until then); None is returned for the weight, and
@@ -284,13 +285,13 @@ def moe_mlp_bwd(
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-        grad_b2 = grouped_wgrad(p, ones, meta.expert_offsets)[..., 0].to(down_proj_bias.dtype)
-        del p
+        compute = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
+        grad_b2 = compute() if down_proj_bias_update is None else down_proj_bias_update(compute)
+        del p, compute
     if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
-        sums = grouped_wgrad(grad_hpre, ones, meta.expert_offsets)[..., 0]  # [E, 2I]
-        grad_b1 = torch.empty_like(gate_up_proj_bias)
-        gate_up_bias_view(grad_b1, layout).copy_(sums.unflatten(1, (halves, I)))
-        del sums
+        compute = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
+        grad_b1 = compute() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(compute)
+        del compute
     del ones
     if need_w2:
         compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj, layout)
@@ -329,6 +330,19 @@ def _expert_of_row(meta: RoutingMetadata) -> torch.Tensor:
     E = meta.expert_offsets.shape[0] - 1
     rows = torch.arange(meta.token_of_row.shape[0], device=meta.expert_offsets.device)
     return torch.searchsorted(meta.expert_offsets[1:].long(), rows, right=True).clamp(max=E - 1)
+
+
+def _grad_b2(p, ones, meta, bias):
+    """db2[e] = sum_r w_r dO[token_r] (``p``) in the bias's dtype."""
+    return grouped_wgrad(p, ones, meta.expert_offsets)[..., 0].to(bias.dtype)
+
+
+def _grad_b1(grad_hpre, ones, meta, bias, layout, halves, I):
+    """db1[e] = sum_r dHpre[r] in the bias's dtype and layout (gate/up order)."""
+    sums = grouped_wgrad(grad_hpre, ones, meta.expert_offsets)[..., 0]  # [E, 2I]
+    grad = torch.empty_like(bias)
+    gate_up_bias_view(grad, layout).copy_(sums.unflatten(1, (halves, I)))
+    return grad
 
 
 def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):
