@@ -158,31 +158,46 @@ def test_a_compiled_olmoe_trains_like_eager(compile_backend):
             assert rel_err(p, q) <= 1e-5, name
 
 
-class TinySeparate(torch.nn.Module):
-    """Tiny with the gate and the up projection as separate expert tensors (torchtitan's w1, w3)."""
+class TinyExperts(torch.nn.Module):
+    """Tiny with expert tensors beyond SonarExperts': the gate and the up projection as separate tensors
+    (torchtitan's w1, w3), or one gate_up_proj with biases on both projections (gpt-oss)."""
 
-    def __init__(self, seed=0):
+    def __init__(self, kind, seed=0):
         super().__init__()
         torch.manual_seed(seed)
+        self.kind = kind
         self.router = torch.nn.Linear(16, 4)
-        self.gate = torch.nn.Parameter(torch.randn(4, 8, 16) * 0.25)
-        self.up = torch.nn.Parameter(torch.randn(4, 8, 16) * 0.25)
+        rows = 8 if kind == "separate" else 16
+        self.gate = torch.nn.Parameter(torch.randn(4, rows, 16) * 0.25)
         self.down = torch.nn.Parameter(torch.randn(4, 16, 8) * 0.35)
-        sonar_kernels.specs.mark_expert_tensors(self.gate, self.up, self.down)
+        if kind == "separate":
+            self.up = torch.nn.Parameter(torch.randn(4, 8, 16) * 0.25)
+            extra = (self.up,)
+        else:
+            self.b1 = torch.nn.Parameter(torch.randn(4, 16) * 0.1)
+            self.b2 = torch.nn.Parameter(torch.randn(4, 16) * 0.1)
+            extra = (self.b1, self.b2)
+        self.extra = extra
+        sonar_kernels.specs.mark_expert_tensors(self.gate, self.down, *extra)
         self.head = torch.nn.Linear(16, 16)
 
     def expert_tensors(self):
-        return (self.gate, self.down, self.up)
+        return (self.gate, self.down, *self.extra)
 
     def forward(self, x):
         weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
-        out = sonar_kernels.moe_mlp(x, index, weights, self.gate, self.down, up_proj=self.up, backend="torch")
+        if self.kind == "separate":
+            options = {"up_proj": self.up}
+        else:
+            options = {"gate_up_proj_bias": self.b1, "down_proj_bias": self.b2}
+        out = sonar_kernels.moe_mlp(x, index, weights, self.gate, self.down, backend="torch", **options)
         return self.head(out)
 
 
+@pytest.mark.parametrize("kind", ["separate", "biases"])
 @pytest.mark.parametrize("compile_backend", ["aot_eager", "inductor"])
-def test_separate_gate_and_up_tensors_are_updated_inside_the_compiled_backward(compile_backend):
-    eager, compiled = TinySeparate(), TinySeparate()
+def test_separate_up_tensors_and_biases_are_updated_inside_the_compiled_backward(compile_backend, kind):
+    eager, compiled = TinyExperts(kind), TinyExperts(kind)
     _run(eager, sonar_kernels.SonarAdamW(eager, **HYPER), 3)
     optimizer = sonar_kernels.SonarAdamW(compiled, **HYPER)
     _run(compiled, optimizer, 3, compile_backend)
