@@ -11,8 +11,10 @@ Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
     python bench/gpu_bench.py --small    # tiny shapes; on CPU the Triton interpreter (the tests run it)
 
 Writes ``bench/results/<date>-<gpu>.json`` and a markdown table next to it (on a CPU,
-``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). Fixed kernel configurations, no
-autotuning. Exit code 1 when a correctness check fails. The full training steps need transformers
+``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). On CUDA the kernels' tile
+configurations are tuned at the first launch of each layer shape (sonar_kernels/ops/configs.py; the
+correctness checks at the real shapes run first, so the timed runs use the tuned choices), and the results
+file records every choice ("configs"); ``SONAR_KERNELS_TUNING=0`` pins the defaults. Exit code 1 when a correctness check fails. The full training steps need transformers
 (>= 5.13); where it is missing they are skipped and the results say so (bench/README.md: bringing it to
 a machine without network as wheels).
 """
@@ -39,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_backward
 import kernel_times
 import providers
+
+from sonar_kernels.ops import configs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -316,6 +320,9 @@ def main(argv=None) -> int:
         "bandwidth_gbs": bandwidth(device, 2**20 if small else 2**30, rounds),
         "layers": layers,
         "full_steps": full,
+        # The tile configuration tuned for each kernel family and layer shape (empty when nothing was tuned).
+        "tuning": configs.tuning_enabled(torch.device(device)),
+        "configs": {key: config._asdict() for key, config in configs.chosen().items()},
     }
     result["seconds"] = time.perf_counter() - started
     # GPU results go to bench/results/ (to be committed; README's table is built from them); a CPU run is

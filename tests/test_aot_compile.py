@@ -15,6 +15,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # The report compiles every kernel at about 210 configurations: minutes on 2 cores with a cold Triton
 # cache, more than the suite's per-test limit.
 pytestmark = pytest.mark.timeout(2400)
+# The tuning candidates (ops/configs.py) are built for these dtype pairs here; make kernel-report builds every
+# 16-bit pair.
+CANDIDATE_DTYPES = ("bf16/bf16", "bf16/fp32")
+# Shared memory per block the architectures allow (bytes): sm_90 227 KB, sm_80 163 KB.
+SHARED_LIMITS = {"sm_90a": 227 * 1024, "sm_80": 163 * 1024}
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +34,8 @@ def report(tmp_path_factory):
             str(out),
             "--unaligned-targets",
             "sm_90a",
+            "--candidate-dtypes",
+            *CANDIDATE_DTYPES,
         ],
         env=env,
         cwd=ROOT,
@@ -59,14 +66,42 @@ def test_every_kernel_and_configuration_builds_for_both_targets(report):
         "adamw_kernel",
         "adamw_scalars_kernel",
     }
-    # x {aligned on sm_90a, aligned on sm_80, unaligned on sm_90a}
-    assert len(report) == 3 * len(kernel_report.specs())
+    import os
+
+    os.environ[kernel_report.CANDIDATE_DTYPES_ENV] = ",".join(CANDIDATE_DTYPES)
+    try:
+        every = kernel_report.specs()
+    finally:
+        del os.environ[kernel_report.CANDIDATE_DTYPES_ENV]
+    shipped = [s for s in every if not s.aligned_only]
+    candidates = [s for s in every if s.aligned_only]
+    # x {aligned on sm_90a, aligned on sm_80, unaligned on sm_90a}; each tuning candidate aligned, on its target.
+    assert len(report) == 3 * len(shipped) + len(candidates)
     assert [(r["specialisation"], r["target"]) for r in report[:3]] == [
         ("aligned", "sm_90a"), ("aligned", "sm_80"), ("unaligned", "sm_90a")
     ]  # fmt: skip
-    assert [(r["kernel"], r["variant"]) for r in report[::3]] == [
-        (s.kernel.fn.__name__, s.variant) for s in kernel_report.specs()
+    assert [(r["kernel"], r["variant"]) for r in report[: 3 * len(shipped) : 3]] == [
+        (s.kernel.fn.__name__, s.variant) for s in shipped
     ]
+    # Every candidate configuration of every family was built, on its architecture.
+    from sonar_kernels.ops import configs
+
+    built = {(r["kernel"], r["target"], tuple(sorted(r["config"].items()))) for r in report}
+    kernels = {"up": "expert_mlp_fwd_up_kernel", "grouped_mm": "expert_mlp_grouped_mm_kernel",
+               "dhpre": "expert_mlp_bwd_dhpre_kernel", "wgrad": "expert_mlp_bwd_dw_kernel"}  # fmt: skip
+    for family, lists in configs.CANDIDATES.items():
+        for (_, major), options in lists.items():
+            for config in options:
+                blocks = config.blocks() | config.launch()
+                if family == "wgrad":
+                    blocks["EPILOGUE_SPLIT"] = config.EPILOGUE_SPLIT
+                for target in (
+                    ("sm_90a",) if major == 9 else ("sm_80",) if major == 8 else ("sm_90a", "sm_80")
+                ):
+                    assert any(
+                        kernel == kernels[family] and arch == target and blocks.items() <= dict(items).items()
+                        for kernel, arch, items in built
+                    ), (family, target, config)
     assert all(row["cubin_bytes"] > 0 for row in report)
     # The AdamW hyperparameters (lr, beta1, beta2, eps, weight_decay) are read from a float64 tensor on
     # the device (so a new lr reaches a captured step), never passed as kernel scalars.
@@ -83,6 +118,11 @@ def test_no_register_spills_at_real_model_shapes(report):
         r for r in report if r["specialisation"] == "aligned" and (r["spill_stores"] or r["spill_loads"])
     ]
     assert not spills, spills
+
+
+def test_shared_memory_within_each_architectures_limit(report):
+    over = [r for r in report if r["shared_bytes"] > SHARED_LIMITS[r["target"]]]
+    assert not over, over
 
 
 def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):

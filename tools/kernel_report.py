@@ -33,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import triton
@@ -67,6 +67,8 @@ class Spec:
     wide_ints: tuple[str, ...] = ()  # integers the JIT types i64 (values of 2**31 or more)
     is_gemm: bool = False
     config: dict = field(default_factory=dict)
+    targets: tuple[str, ...] = tuple(TARGETS)  # a tuning candidate: its architecture's target only
+    aligned_only: bool = False  # a tuning candidate: the tuner times it at the layer's real shapes
 
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
@@ -125,7 +127,58 @@ def specs() -> list[Spec]:
                  {"TILE_M": expert_mlp_fwd.TILE_M, "BLOCK_B": cfg["BLOCK_B"], "BLOCK_E": cfg["BLOCK_E"]}, launch,
                  config=config)
         )  # fmt: skip
-    return out + _forward_specs() + _backward_specs() + _adamw_specs()
+    return out + _forward_specs() + _backward_specs() + _adamw_specs() + _candidate_specs()
+
+
+# The 16-bit (activation, weight) dtype pairs the tuning candidates are built for; ``--candidate-dtypes``
+# (passed to the compiler processes through this environment variable) chooses fewer.
+CANDIDATE_DTYPES = [f"{a}/{w}" for a, w in DTYPE_PAIRS if a != "fp32"]
+CANDIDATE_DTYPES_ENV = "SONAR_KERNEL_REPORT_CANDIDATE_DTYPES"
+
+
+def _candidate_specs() -> list[Spec]:
+    """Every tuning candidate of ops/configs.py beyond the default (which the specs above build), at its
+    architecture, aligned, for the kernels' main variants and each 16-bit dtype pair."""
+    from sonar_kernels.ops import configs
+
+    variants = {
+        "up": (expert_mlp_fwd.expert_mlp_fwd_up_kernel, ["silu"]),
+        "grouped_mm": (expert_mlp_fwd.expert_mlp_grouped_mm_kernel, ["fwd", "dX"]),
+        "dhpre": (expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel, ["silu"]),
+        "wgrad": (
+            expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
+            [f"{role} {kind}" for role in ("dW1", "dW2") for kind in ("adamw-fp64", "check", "grad")],
+        ),
+    }
+    base = {(s.kernel.fn.__name__, s.variant): s for s in _forward_specs() + _backward_specs()}
+    arches = {"sm_90a": 9, "sm_80": 8}
+    out = []
+    for family, (kernel, names) in variants.items():
+        default = configs.CANDIDATES[family][("fp32", None)][0]
+        for arch, major in arches.items():
+            for config in configs.CANDIDATES[family][("16bit", major)]:
+                if config == default:
+                    continue
+                for pair in os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES)).split(","):
+                    act_dtype, w_dtype = pair.split("/")
+                    for name in names:
+                        spec = base[(kernel.fn.__name__, f"x={act_dtype} w={w_dtype} {name}")]
+                        blocks = config.blocks() | (
+                            {"EPILOGUE_SPLIT": config.EPILOGUE_SPLIT} if family == "wgrad" else {}
+                        )
+                        options = spec.options | config.launch()
+                        out.append(
+                            replace(
+                                spec,
+                                variant=f"{spec.variant} candidate",
+                                constexprs=spec.constexprs | blocks,
+                                options=options,
+                                config=blocks,
+                                targets=(arch,),
+                                aligned_only=True,
+                            )
+                        )
+    return out
 
 
 def _gemm_launch(cfg: dict) -> tuple[dict, dict]:
@@ -493,17 +546,16 @@ def compile_all(
     """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
     ``kernels``: only the kernels whose name contains one of these strings (all when empty);
     ``unaligned_targets``: the targets the unaligned specialisation is built for (aligned: all)."""
+    every = specs()
     chosen = [
-        i
-        for i, spec in enumerate(specs())
-        if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
+        i for i, spec in enumerate(every) if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
     ]
     tasks = [
         (i, aligned, arch)
         for i in chosen
         for aligned in (True, False)
-        for arch in TARGETS
-        if aligned or arch in unaligned_targets
+        for arch in every[i].targets
+        if (aligned or arch in unaligned_targets) and not (every[i].aligned_only and not aligned)
     ]
     if jobs <= 1:
         return [_build(task) for task in tasks]
@@ -530,7 +582,16 @@ def main(argv=None) -> int:
         help="targets to build the unaligned specialisation for (default: all; the test suite builds "
         "sm_90a only, to save time)",
     )
+    parser.add_argument(
+        "--candidate-dtypes",
+        nargs="*",
+        choices=CANDIDATE_DTYPES,
+        default=CANDIDATE_DTYPES,
+        help="the (activation/weight) dtype pairs the tuning candidates are built for (default: every 16-bit "
+        "pair; the test suite builds bf16/bf16 and bf16/fp32 only, to save time)",
+    )
     args = parser.parse_args(argv)
+    os.environ[CANDIDATE_DTYPES_ENV] = ",".join(args.candidate_dtypes)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2

@@ -1,1 +1,2 @@
-"""@triton.jit kernels and their fixed configurations; launchers live in ``sonar_kernels.ops``."""
+"""@triton.jit kernels and their default configurations; launchers (and the tuning candidates,
+``ops/configs.py``) live in ``sonar_kernels.ops``."""

@@ -21,7 +21,8 @@ from sonar_kernels.kernels.adamw import adamw_tile
 from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
 from sonar_kernels.kernels.expert_mlp_fwd import clamp_gate_up, gelu_tanh_inner, glu_fwd
 
-# dHpre is a grouped GEMM over row tiles, like the forward: it uses the routing metadata's TILE_M rows.
+# dHpre is a grouped GEMM over row tiles, like the forward. These are the default configurations (the only
+# ones for fp32); the 16-bit tuning candidates are in sonar_kernels/ops/configs.py.
 DHPRE_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
 # The wgrad kernels have their own tiles (M and N are weight dimensions, K runs over an expert's rows).
 # The AdamW epilogue updates the accumulator EPILOGUE_SPLIT column slices at a time, so W, exp_avg and
@@ -144,7 +145,7 @@ def expert_mlp_bwd_dhpre_kernel(
     (rounded; a NaN counts as inf; 0 where it has none): the wgrad launches bound their gradients
     with them (``ops.overflow_possible``).
     Grid: (row tiles * cdiv(I, BLOCK_N),).
-    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
+    Preconditions: tile_offsets for row tiles of BLOCK_M rows (ops.common.tile_offsets_for).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)

@@ -15,8 +15,9 @@ import triton.language as tl
 
 from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
 
-# Fixed configuration (no autotuning: see docs/design.md on autotuning kernels that write in place). Both
-# grouped GEMMs use the row tile of the routing metadata, TILE_M = BLOCK_M; the up-projection's dot is
+# The default configuration of both grouped GEMMs (the only one for fp32; the 16-bit tuning candidates
+# are in sonar_kernels/ops/configs.py); the routing metadata's row tile TILE_M is its BLOCK_M (a launch with
+# another BLOCK_M computes its own tile offsets, ops.common.tile_offsets_for). The up-projection's dot is
 # 2 * BLOCK_N wide (gate and up columns together). Chosen by `make kernel-report`: no register spills on
 # sm_90a or sm_80 for fp32 (FMA, no tf32), bf16 and fp16, at aligned and unaligned shapes.
 FWD_GEMM_CONFIG = {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32, "num_warps": 8, "num_stages": 3}
@@ -115,7 +116,7 @@ def expert_mlp_fwd_up_kernel(
     width 2 * BLOCK_N), K -> H.
     Grid: (row tiles * cdiv(I, BLOCK_N),), row tile fastest-varying last (programs of one row tile are
     adjacent and share the gathered X rows).
-    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
+    Preconditions: tile_offsets for row tiles of BLOCK_M rows (ops.common.tile_offsets_for).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(I, BLOCK_N)
@@ -209,7 +210,7 @@ def expert_mlp_grouped_mm_kernel(
 
     Mapping: M -> rows r, N -> H, K -> I (per half).
     Grid: (row tiles * cdiv(H, BLOCK_N),).
-    Preconditions: metadata from ops.forward.routing_metadata with TILE_M == BLOCK_M.
+    Preconditions: tile_offsets for row tiles of BLOCK_M rows (ops.common.tile_offsets_for).
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)

@@ -15,20 +15,17 @@ import triton
 
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.kernels.expert_mlp_bwd import (
-    DHPRE_CONFIG,
     DWEIGHTS_CONFIG,
-    WGRAD_CONFIG,
     expert_mlp_bwd_dhpre_kernel,
     expert_mlp_bwd_dw_kernel,
     expert_mlp_bwd_dweights_kernel,
 )
 from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
-    FWD_GEMM_CONFIG,
     expert_mlp_combine_kernel,
     expert_mlp_grouped_mm_kernel,
 )
-from sonar_kernels.ops import common
+from sonar_kernels.ops import common, configs
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
 from sonar_kernels.ops.bias import down_bias_weight_term, ones_rows
 from sonar_kernels.ops.common import (
@@ -39,6 +36,7 @@ from sonar_kernels.ops.common import (
     like,
     max_row_tiles,
     on_device,
+    tile_offsets_for,
     triton_interpreting,
 )
 from sonar_kernels.ops.validation import check_buffer, check_update
@@ -227,13 +225,9 @@ def _launch_bwd(
     # row so that no kernel gets a null pointer.
     num_rows = max(S, 1)
 
-    cfg = DHPRE_CONFIG
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    num_pid_n = triton.cdiv(I, block_n)
     need_grad_hpre = need_x or need_w1 or need_w3 or need_b1
     grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
     a = common.empty((num_rows, I), dtype, device) if need_w2 else None
-    dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
     # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
     has_update = any(
         u is not None
@@ -245,18 +239,25 @@ def _launch_bwd(
             down_proj_bias_update,
         )
     )
-    absmax = None
-    if S > 0 and (need_grad_hpre or need_w or need_w2):
-        num_row_tiles = max_row_tiles(S, E, block_m)
+    kind, alpha, limit = parse_activation(activation)
+    run_dhpre = S > 0 and (need_grad_hpre or need_w or need_w2)
+
+    def dhpre(cfg):
+        """dHpre (and A, the routing-weight partial sums, the magnitudes) with tile configuration ``cfg``;
+        returns (the partial sums [cdiv(I, BLOCK_N), rows] or None, the magnitudes or None)."""
+        num_pid_n = triton.cdiv(I, cfg.BLOCK_N)
+        dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
+        if not run_dhpre:
+            return dw_partial, None
+        num_row_tiles = max_row_tiles(S, E, cfg.BLOCK_M)
         absmax = common.empty((num_row_tiles * num_pid_n, 2), torch.float32, device) if has_update else None
         any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
         dw_partial_arg = dw_partial if dw_partial is not None else any_buffer
-        kind, alpha, limit = parse_activation(activation)
         expert_mlp_bwd_dhpre_kernel[(num_row_tiles * num_pid_n,)](
             grad_out, w2, hpre, top_k_weights, meta.token_of_row, meta.slot_of_row,
-            meta.expert_offsets, meta.tile_offsets, grad_hpre_arg, a_arg, dw_partial_arg,
+            meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), grad_hpre_arg, a_arg, dw_partial_arg,
             any_buffer if absmax is None else absmax,
             E, H, I, top_k,
             grad_out.stride(0), grad_out.stride(1),
@@ -264,11 +265,15 @@ def _launch_bwd(
             hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0), alpha, limit,
-            ACTIVATION=kind, GATED=halves == 2, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
+            ACTIVATION=kind, GATED=halves == 2, **cfg.blocks(),
             STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
-            INPUT_PRECISION=precision, INTERPRET=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+            INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
+        return dw_partial, absmax
+
+    # The tile configuration: tuned per layer shape on a GPU (ops/configs.py), never per token count.
+    key = (E, H, I, layout, str(w2.dtype), kind, need_w, need_w2, need_grad_hpre)
+    dw_partial, absmax = dhpre(configs.choose("dhpre", key, dtype, device, dhpre if run_dhpre else None))
 
     # The magnitudes that bound each updated weight's gradient: (largest |P|, largest |Q|, most rows).
     bounds = {}
@@ -298,7 +303,7 @@ def _launch_bwd(
             grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
             dtype, interpret, bounds.get("down_proj"), down_proj_accumulator, name="down_proj", view=w2_view,
         )  # fmt: skip
-    del a
+    a = None  # freed before dX (the dHpre closure holds its cell, not the tensor)
 
     grad_w = None
     if need_w:
@@ -313,7 +318,7 @@ def _launch_bwd(
             )
             expert_mlp_bwd_dweights_kernel[(triton.cdiv(S, dc["BLOCK"]),)](
                 dw_partial, dw_partial if extra is None else extra, meta.row_of_slot, grad_w,
-                S, num_pid_n, dw_partial.stride(0),
+                S, dw_partial.shape[0], dw_partial.stride(0),
                 BLOCK=dc["BLOCK"], HAS_EXTRA=extra is not None, INTERPRET=interpret, num_warps=dc["num_warps"],
             )  # fmt: skip
     del dw_partial
@@ -324,7 +329,7 @@ def _launch_bwd(
         if S == 0:
             grad_x.zero_()
         else:
-            grad_x = _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret)
+            grad_x = _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key[:5])
 
     grad_w1 = grad_w3 = None
     if up_proj is None and need_w1:
@@ -367,28 +372,28 @@ def _launch_bwd(
     return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
 
 
-def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret):
+def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
     """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM over W1's two halves (``w1`` as
     :func:`sonar_kernels.ops.common.gate_up_operand` gives it, each half read as [H, I]), then its
-    combine without weights."""
+    combine without weights. ``key``: the layer's tuning key (ops/configs.py)."""
     T, H = grad_x.shape
     S = T * top_k
     E, halves, I = w1.base.shape[0], w1.halves, w1.I
     stride_e, stride_half, stride_i, stride_h = w1.strides
-    cfg = FWD_GEMM_CONFIG
-    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
-    num_row_tiles = max_row_tiles(S, E, block_m)
     dx_rows = common.empty((S, H), dtype, grad_x.device)
-    expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        grad_hpre, w1.base, w1.base, meta.expert_offsets, meta.tile_offsets, dx_rows,
-        E, H, I,
-        grad_hpre.stride(0), grad_hpre.stride(1),
-        stride_e, stride_h, stride_i, stride_half,
-        dx_rows.stride(0), dx_rows.stride(1), 0, 0,
-        HALVES=halves, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=cfg["BLOCK_K"],
-        INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )  # fmt: skip
+
+    def rows(cfg):
+        expert_mlp_grouped_mm_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(H, cfg.BLOCK_N),)](
+            grad_hpre, w1.base, w1.base, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), dx_rows,
+            E, H, I,
+            grad_hpre.stride(0), grad_hpre.stride(1),
+            stride_e, stride_h, stride_i, stride_half,
+            dx_rows.stride(0), dx_rows.stride(1), 0, 0,
+            HALVES=halves, HAS_BIAS=False, **cfg.blocks(),
+            INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret, **cfg.launch(),
+        )  # fmt: skip
+
+    rows(configs.choose("grouped_mm", (*key, "dX"), dtype, grad_x.device, rows))
     cc = COMBINE_CONFIG
     expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
         dx_rows, meta.row_of_slot, dx_rows, grad_x,
@@ -452,19 +457,21 @@ def _wgrad(
         update.defer(run)
         return None
     E = weight.shape[0]
-    cfg = WGRAD_CONFIG
-    grid = (E * triton.cdiv(M, cfg["BLOCK_M"]) * triton.cdiv(N, cfg["BLOCK_N"]),)
     view = view or (lambda t: t)
 
+    def grid_of(cfg):
+        return (E * triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
+
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
-               grad_dtype, arithmetic, has_norm, **options):  # fmt: skip
+               grad_dtype, arithmetic, has_norm, cfg=None, **options):  # fmt: skip
+        cfg = cfg or chosen
         grad, target, exp_avg, exp_avg_sq = view(grad), view(target), view(exp_avg), view(exp_avg_sq)
         grad_in = None if grad_in is None else view(grad_in)
         if grad.dim() == 4:  # W1's halves: row m of the gradient is (half m // I, row m % I)
             strides = (grad.stride(0), grad.stride(1), grad.stride(2), grad.stride(3), grad.shape[2])
         else:
             strides = (grad.stride(0), 0, grad.stride(1), grad.stride(2), M)
-        expert_mlp_bwd_dw_kernel[grid](
+        expert_mlp_bwd_dw_kernel[grid_of(cfg)](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
             E, M, N, top_k,
@@ -472,14 +479,36 @@ def _wgrad(
             top_k_weights.stride(0), top_k_weights.stride(1),
             *strides,
             limit,
-            P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens,
-            BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-            EPILOGUE_SPLIT=cfg["EPILOGUE_SPLIT"], EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
+            P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
+            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
             HAS_NORM=has_norm, ARITHMETIC=arithmetic,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"], **options,
+            **cfg.launch(), **options,
         )  # fmt: skip
+
+    # The tile configuration (ops/configs.py): tuned per layer shape on a GPU by the check pass with its flag
+    # set, which computes every tile of the gradient and writes one flag per program (no gradient, no
+    # update, no weight-sized scratch), so the update itself runs once, with the winner.
+    grad_dtype = update.grad_dtype if update is not None else weight.dtype
+    flag_on = torch.ones((), dtype=torch.float32, device=weight.device)
+
+    def trial(cfg):
+        # The check pass's arguments as the update's launch gives them (the same compiled variant); it
+        # reads the gradient's operands only.
+        if update is not None:
+            moments, hyper_arg = (update.exp_avg, update.exp_avg_sq, update.step), update.hyper
+        else:
+            moments, hyper_arg = (weight, weight, flag_on), flag_on.double()
+        partial = common.empty(grid_of(cfg), torch.float32, weight.device)
+        launch(
+            "check", weight, None, flag_on, partial, weight, *moments, hyper_arg, float("inf"), grad_dtype,
+            adamw_arithmetic(weight.device), False, cfg=cfg,
+        )  # fmt: skip
+
+    key = (E, M, N, name, str(weight.dtype), str(grad_dtype), p_from_tokens, q_from_tokens)
+    chosen = configs.choose("wgrad", key, dtype, weight.device, trial)
+    grid = grid_of(chosen)
 
     if update is None:
         offsets = meta.expert_offsets

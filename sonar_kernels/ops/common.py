@@ -9,7 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sonar_kernels.specs import gate_up_view, is_separate
+from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
+from sonar_kernels.specs import RoutingMetadata, gate_up_view, is_separate
 
 TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -43,6 +44,19 @@ def max_row_tiles(S: int, E: int, block_m: int) -> int:
     """Grid rows of a grouped GEMM without a host sync: sum_e ceil(rows_e / block_m) <= cdiv(S, block_m)
     + min(E, S); the programs past tile_offsets[E] exit at once."""
     return triton.cdiv(S, block_m) + min(E, S)
+
+
+def tile_offsets_for(meta: RoutingMetadata, block_m: int) -> torch.Tensor:
+    """[E + 1] int32: the exclusive prefix sum of ceil(rows of e / ``block_m``), the row tiles of a grouped
+    GEMM launched with BLOCK_M = ``block_m`` (``meta.tile_offsets`` itself for the routing metadata's
+    TILE_M); on the device, no host sync."""
+    if block_m == TILE_M:
+        return meta.tile_offsets
+    counts = meta.expert_offsets[1:] - meta.expert_offsets[:-1]
+    tiles = torch.div(counts + (block_m - 1), block_m, rounding_mode="floor")
+    out = torch.zeros_like(meta.expert_offsets)
+    out[1:] = torch.cumsum(tiles, 0, dtype=torch.int32)
+    return out
 
 
 def is_dense(t: torch.Tensor) -> bool:

@@ -7,7 +7,6 @@ import triton
 
 from sonar_kernels.kernels.expert_mlp_fwd import (
     COMBINE_CONFIG,
-    FWD_GEMM_CONFIG,
     TILE_M,
     expert_mlp_combine_kernel,
     expert_mlp_fwd_up_kernel,
@@ -18,12 +17,13 @@ from sonar_kernels.kernels.routing import (
     routing_scan_kernel,
     routing_scatter_kernel,
 )
-from sonar_kernels.ops import common
+from sonar_kernels.ops import common, configs
 from sonar_kernels.ops.common import (
     gate_up_operand,
     input_precision,
     max_row_tiles,
     on_device,
+    tile_offsets_for,
     triton_interpreting,
 )
 from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, parse_activation
@@ -135,39 +135,46 @@ def _launch_fwd(
     if S == 0:
         return out.zero_(), hpre, meta
 
-    cfg = FWD_GEMM_CONFIG
-    block_m, block_n, block_k = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    num_row_tiles = max_row_tiles(S, E, block_m)
     precision = input_precision(dtype)
-
     a = common.empty((S, I), dtype, device)
     kind, alpha, limit = parse_activation(activation)
     # Without a bias the kernels get the weight's pointer and strides, never read.
     b1 = w1.base[:, :, :, 0] if gate_up_proj_bias is None else gate_up_bias_view(gate_up_proj_bias, layout)
     b2 = w2[:, :, 0] if down_proj_bias is None else down_proj_bias
-    expert_mlp_fwd_up_kernel[(num_row_tiles * triton.cdiv(I, block_n),)](
-        hidden_states, w1.base, b1, meta.token_of_row, meta.expert_offsets, meta.tile_offsets, hpre, a,
-        E, H, I,
-        hidden_states.stride(0), hidden_states.stride(1),
-        *w1.strides,
-        hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
-        alpha, limit,
-        ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
-    )  # fmt: skip
+    # The tile configuration of each GEMM: tuned per layer shape on a GPU (ops/configs.py), never per
+    # token count; the routing tile offsets for the BLOCK_M it uses.
+    key = (E, H, I, layout, str(w2.dtype), kind, gate_up_proj_bias is not None, down_proj_bias is not None)
+
+    def up(cfg):
+        expert_mlp_fwd_up_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)](
+            hidden_states, w1.base, b1, meta.token_of_row, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M),
+            hpre, a,
+            E, H, I,
+            hidden_states.stride(0), hidden_states.stride(1),
+            *w1.strides,
+            hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
+            alpha, limit,
+            ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, **cfg.blocks(),
+            INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
+        )  # fmt: skip
+
+    up(configs.choose("up", key, dtype, device, up))
 
     y = common.empty((S, H), dtype, device)
-    expert_mlp_grouped_mm_kernel[(num_row_tiles * triton.cdiv(H, block_n),)](
-        a, w2, b2, meta.expert_offsets, meta.tile_offsets, y,
-        E, H, I,
-        a.stride(0), a.stride(1),
-        w2.stride(0), w2.stride(1), w2.stride(2), 0,
-        y.stride(0), y.stride(1), b2.stride(0), b2.stride(1),
-        HALVES=1, HAS_BIAS=down_proj_bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        INPUT_PRECISION=precision, INTERPRET=interpret, **launch,
-    )  # fmt: skip
-    del a
+
+    def down(cfg):
+        expert_mlp_grouped_mm_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(H, cfg.BLOCK_N),)](
+            a, w2, b2, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), y,
+            E, H, I,
+            a.stride(0), a.stride(1),
+            w2.stride(0), w2.stride(1), w2.stride(2), 0,
+            y.stride(0), y.stride(1), b2.stride(0), b2.stride(1),
+            HALVES=1, HAS_BIAS=down_proj_bias is not None, **cfg.blocks(),
+            INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
+        )  # fmt: skip
+
+    down(configs.choose("grouped_mm", (*key, "fwd"), dtype, device, down))
+    a = None  # freed before the combine (the closures above hold its cell, not the tensor)
 
     cc = COMBINE_CONFIG
     expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](

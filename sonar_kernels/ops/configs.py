@@ -1,0 +1,242 @@
+"""Tile configurations of the grouped-GEMM kernels per (dtype, GPU architecture), and their choice at launch.
+
+Each kernel family has a short candidate list per (dtype class, architecture): fp32 keeps its one no-spill
+configuration (the fp32 FMA path, docs/design.md), 16-bit dtypes get larger tiles on sm_90 (wgmma) and
+sm_80 (mma.sync). Every candidate compiles without spills at aligned shapes for its architecture
+(``make kernel-report``, which builds them all) and passes the float64-reference tests under the
+interpreter (``tests/test_configs.py``). The first candidate of each list is the default.
+
+The choice for a launch (:func:`choose`) is keyed by the family, (E, H, I), the dtypes, the layout and the
+device, never by the token count, so a training run tunes once per layer shape:
+
+- pinned: the default, or the configuration given to :func:`pin` (or ``SONAR_KERNELS_TUNING=0`` in the
+  environment: every family at its default; for reproducible benchmarks);
+- tuned (CUDA, the default there): the first launch of a key times every candidate and keeps the fastest
+  (one host sync per key, then none). A candidate that fails to launch (resources) is skipped.
+  The forward, dHpre and dX kernels have no side effects beyond their outputs, which the winner's launch
+  writes last; the wgrad with the fused AdamW update is never run once per candidate: it is tuned on its
+  plain-store variant (the gradient into a scratch buffer) and the winner runs the update once.
+
+Under the Triton interpreter nothing is tuned unless :func:`tuning` says so (tests), and the default is used.
+Tile offsets of the routing metadata are computed for the BLOCK_M a launch uses
+(:func:`sonar_kernels.ops.common.tile_offsets_for`), so candidates may differ in BLOCK_M.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from sonar_kernels.kernels.expert_mlp_bwd import DHPRE_CONFIG, WGRAD_CONFIG
+from sonar_kernels.kernels.expert_mlp_fwd import FWD_GEMM_CONFIG
+
+
+class Config(NamedTuple):
+    """One tile configuration: the BLOCK_* constexprs and the launch options."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    BLOCK_K: int
+    num_warps: int
+    num_stages: int
+    EPILOGUE_SPLIT: int = 1  # wgrad only: the AdamW epilogue's column slices
+
+    def blocks(self) -> dict:
+        """The BLOCK_* constexprs as kernel keywords."""
+        return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K}
+
+    def launch(self) -> dict:
+        """The launch options (warps, pipeline stages) as kernel keywords."""
+        return {"num_warps": self.num_warps, "num_stages": self.num_stages}
+
+
+def _config(d: dict) -> Config:
+    return Config(
+        d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], d["num_warps"], d["num_stages"], d.get("EPILOGUE_SPLIT", 1)
+    )
+
+
+# The kernel families: the up-projection + GLU ("up"), the grouped GEMM of the down projection and of dX
+# ("grouped_mm"), dHpre ("dhpre"), the wgrad with its AdamW epilogue ("wgrad").
+FAMILIES = ("up", "grouped_mm", "dhpre", "wgrad")
+_DEFAULTS = {
+    "up": _config(FWD_GEMM_CONFIG),
+    "grouped_mm": _config(FWD_GEMM_CONFIG),
+    "dhpre": _config(DHPRE_CONFIG),
+    "wgrad": _config(WGRAD_CONFIG),
+}
+# Candidates per family and (dtype class, architecture major), the default first. Chosen by
+# `make kernel-report` (no spills at aligned shapes for every 16-bit dtype pair, fp32 master weights
+# included, shared memory within the architecture's 227 KB (sm_90) and 163 KB (sm_80), wgmma on sm_90a;
+# 128x256 output tiles spill with fp32 weights, and 128x128 dHpre tiles by kilobytes); their speed is
+# measured by the tuner on the GPU.
+CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
+    "up": {
+        ("fp32", None): (_DEFAULTS["up"],),
+        ("16bit", 9): (_DEFAULTS["up"], Config(128, 64, 64, 8, 3), Config(64, 128, 64, 8, 3)),
+        ("16bit", 8): (_DEFAULTS["up"], Config(128, 64, 32, 8, 4), Config(64, 64, 64, 8, 4)),
+    },
+    "grouped_mm": {
+        ("fp32", None): (_DEFAULTS["grouped_mm"],),
+        ("16bit", 9): (_DEFAULTS["grouped_mm"], Config(128, 128, 64, 8, 3), Config(64, 128, 64, 8, 4)),
+        ("16bit", 8): (_DEFAULTS["grouped_mm"], Config(128, 128, 32, 8, 4), Config(64, 128, 64, 8, 4)),
+    },
+    "dhpre": {
+        ("fp32", None): (_DEFAULTS["dhpre"],),
+        ("16bit", 9): (_DEFAULTS["dhpre"], Config(128, 64, 64, 8, 3), Config(64, 128, 64, 8, 3)),
+        ("16bit", 8): (_DEFAULTS["dhpre"], Config(64, 64, 64, 8, 4)),
+    },
+    "wgrad": {
+        ("fp32", None): (_DEFAULTS["wgrad"],),
+        ("16bit", 9): (_DEFAULTS["wgrad"], Config(128, 128, 64, 8, 3, 4), Config(128, 64, 64, 8, 4, 4)),
+        ("16bit", 8): (_DEFAULTS["wgrad"], Config(128, 128, 32, 8, 4, 4), Config(64, 128, 32, 8, 3, 4)),
+    },
+}
+
+_pinned: dict[str, Config] = {}
+_chosen: dict[tuple, Config] = {}
+_tuning_override: list[bool] = []
+
+
+def _dtype_class(dtype: torch.dtype) -> str:
+    return "fp32" if dtype == torch.float32 else "16bit"
+
+
+def _arch(device: torch.device) -> int | None:
+    if device.type != "cuda":
+        return 9  # the interpreter (tests): the sm_90 list, the richest
+    return torch.cuda.get_device_capability(device)[0]
+
+
+def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
+    """The candidate configurations of ``family`` for GEMM operands of ``dtype`` on ``device`` (CPU: the
+    interpreter, which takes the sm_90 list); an architecture without a list of its own takes sm_80's
+    (sm_90's for 10 and later).
+
+    Raises:
+        ValueError: an unknown family.
+    """
+    if family not in CANDIDATES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    lists = CANDIDATES[family]
+    kind = _dtype_class(dtype)
+    if kind == "fp32":
+        return lists[("fp32", None)]
+    arch = _arch(device)
+    return lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+
+
+def tuning_enabled(device: torch.device) -> bool:
+    """Whether :func:`choose` times the candidates on ``device``: on CUDA unless ``SONAR_KERNELS_TUNING=0``;
+    elsewhere (the interpreter) only inside :func:`tuning`."""
+    if _tuning_override:
+        return _tuning_override[-1]
+    return device.type == "cuda" and os.environ.get("SONAR_KERNELS_TUNING", "1") != "0"
+
+
+@contextlib.contextmanager
+def tuning(enabled: bool = True):
+    """Turn tuning on (or off) on every device inside the block (tests run the tuner under the interpreter,
+    where its timings mean nothing but its choice must not change any result)."""
+    _tuning_override.append(enabled)
+    try:
+        yield
+    finally:
+        _tuning_override.pop()
+
+
+def pin(family: str | None = None, config: Config | None = None) -> None:
+    """Pin ``family`` to ``config`` for every later launch (no tuning), or, with ``config`` None, unpin it;
+    ``pin()`` unpins every family and forgets every tuned choice.
+
+    Raises:
+        ValueError: an unknown family, or a config that is not a :class:`Config`.
+    """
+    if family is None:
+        _pinned.clear()
+        _chosen.clear()
+        return
+    if family not in FAMILIES:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    if config is None:
+        _pinned.pop(family, None)
+        return
+    if not isinstance(config, Config):
+        raise ValueError(f"config must be a sonar_kernels.ops.configs.Config, got {type(config).__name__}")
+    _pinned[family] = config
+
+
+def chosen() -> dict[str, Config]:
+    """The configuration tuned for each key so far, as {"family E=.. H=.. I=.. ...": Config} (for results
+    files)."""
+    return {" ".join(str(part) for part in key): config for key, config in _chosen.items()}
+
+
+def choose(
+    family: str,
+    key: tuple,
+    dtype: torch.dtype,
+    device: torch.device,
+    run: Callable[[Config], None] | None = None,
+) -> Config:
+    """The configuration of one launch of ``family``.
+
+    Args:
+        key: what the choice depends on besides family, dtype and device: (E, H, I, ...) and the layout;
+            never the token count.
+        run: launches the kernel (or its side-effect-free variant) with a given configuration; called once
+            per candidate, timed, when tuning is enabled and ``key`` was not tuned yet.
+    Returns:
+        The pinned configuration, the one tuned for the key, or the default (the first candidate).
+    """
+    if family in _pinned:
+        return _pinned[family]
+    options = candidates(family, dtype, device)
+    full_key = (family, *key, str(dtype).removeprefix("torch."), device.type, device.index)
+    if full_key in _chosen:
+        return _chosen[full_key]
+    if run is None or len(options) == 1 or not tuning_enabled(device):
+        return options[0]
+    best, best_time = options[0], float("inf")
+    for config in options:
+        try:
+            elapsed = _time(run, config, device)
+        except Exception as error:
+            if _out_of_resources(error):
+                continue
+            raise
+        if elapsed < best_time:
+            best, best_time = config, elapsed
+    _chosen[full_key] = best
+    return best
+
+
+def _out_of_resources(error: Exception) -> bool:
+    name = type(error).__name__
+    return name in ("OutOfResources", "OutOfMemoryError") or "out of resource" in str(error).lower()
+
+
+def _time(run: Callable[[Config], None], config: Config, device: torch.device) -> float:
+    """Median seconds of ``run(config)`` over 5 runs after one warm-up run (which also compiles it); one
+    run off CUDA (the interpreter's times mean nothing)."""
+    run(config)
+    repeats = 5 if device.type == "cuda" else 1
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run(config)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            run(config)
+            times.append(time.perf_counter() - begin)
+    return sorted(times)[len(times) // 2]
