@@ -112,6 +112,23 @@ def _stacked_grads(experts):
     }
 
 
+def _fp32_step_and_reference(stock, sonar):
+    """One forward and backward of ``sonar`` on random fp32 rows (the counts of _counts) and of the float64
+    per-expert SwiGLU with ``stock``'s weights: (output, its input leaf, the reference output, its input
+    leaf, the reference's FeedForward modules)."""
+    device = sonar.w1_EFD.device
+    counts = _counts()
+    x = torch.randn(N, D)
+    grad_out = torch.randn(N, D)
+    xd = x.to(device).detach().requires_grad_()
+    out = sonar(xd, counts)
+    out.backward(grad_out.to(device))
+    x64 = x.detach().double().requires_grad_()
+    expected, experts = _swiglu_per_expert_float64(stock, x64, counts)
+    expected.backward(grad_out.double())
+    return out, xd, expected, x64, experts
+
+
 @pytest.mark.timeout(60)
 def test_parameters_and_checkpoints_are_the_stock_modules():
     stock = _stock()
@@ -158,17 +175,8 @@ def test_default_bf16_compute_matches_torchtitans_grouped_experts(backend):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_fp32_gradients_match_torchtitans_swiglu_in_float64(backend):
     stock = _stock()
-    device = _device(backend)
-    sonar = _sonar_like(stock, device, backend=backend, compute_dtype="input")
-    counts = _counts()
-    x = torch.randn(N, D)
-    grad_out = torch.randn(N, D)
-    xd = x.to(device).detach().requires_grad_()
-    out = sonar(xd, counts)
-    out.backward(grad_out.to(device))
-    x64 = x.detach().double().requires_grad_()
-    expected, experts = _swiglu_per_expert_float64(stock, x64, counts)
-    expected.backward(grad_out.double())
+    sonar = _sonar_like(stock, _device(backend), backend=backend, compute_dtype="input")
+    out, xd, expected, x64, experts = _fp32_step_and_reference(stock, sonar)
     assert out.dtype == torch.float32
     assert_close(out.cpu(), expected, torch.float32, what="output")
     assert_close(xd.grad.cpu(), x64.grad, torch.float32, what="dX")
@@ -186,17 +194,9 @@ def test_split_path_update_uses_the_gradients_of_torchtitans_swiglu(backend):
     # exp_avg = (1 - beta1) g and exp_avg_sq = (1 - beta2) g^2, and W is torch.optim.AdamW's step fed the
     # float64 reference gradient.
     stock = _stock()
-    device = _device(backend)
-    sonar = _sonar_like(stock, device, backend=backend, compute_dtype="input")
+    sonar = _sonar_like(stock, _device(backend), backend=backend, compute_dtype="input")
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, fused_epilogue=False)
-    counts = _counts()
-    x = torch.randn(N, D)
-    grad_out = torch.randn(N, D)
-    xd = x.to(device).detach().requires_grad_()
-    sonar(xd, counts).backward(grad_out.to(device))
-    x64 = x.detach().double().requires_grad_()
-    expected, experts = _swiglu_per_expert_float64(stock, x64, counts)
-    expected.backward(grad_out.double())
+    _, xd, _, x64, experts = _fp32_step_and_reference(stock, sonar)
     assert_close(xd.grad.cpu(), x64.grad, torch.float32, what="dX")
     reference = {name: nn.Parameter(getattr(stock, name).detach().double()) for name in EXPERT_WEIGHTS}
     torch_adamw = torch.optim.AdamW(reference.values(), **HYPER)
