@@ -1,0 +1,99 @@
+"""bench/memory_model.py: the predicted per-rank peak against torch's MemTracker (an independent account of
+the same step), the parameter inventory against transformers' models, and the README's tables against the
+model and the committed validation report."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import memory_model as mm  # noqa: E402
+
+pytest.importorskip("transformers", minversion="5.13")
+
+# The model's claim (README "Memory model"): within 5 % of MemTracker's total.
+TOLERANCE = 0.05
+
+
+def _check(case, measured):
+    report = mm.compare(case, measured)
+    for rank in report["ranks"]:
+        predicted, seen = rank["predicted"], rank["measured"]
+        assert abs(rank["relative_error"]) <= TOLERANCE, (case.label(), predicted, seen)
+    return report
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore")
+def test_one_rank_the_paper_method_and_standard_training_match_memtracker():
+    # The paper's method in bf16 (peak in the backward: one expert gradient and AdamW's temporaries) and
+    # standard training in fp32 without checkpointing (peak in the optimizer step: every gradient); two
+    # of the presets' four layers, to keep the test short (the committed validation runs all four).
+    for case in (
+        mm.Case("tiny-olmoe", "paper", mm.Layout(), "bfloat16", checkpointing=True, layers=2),
+        mm.Case("tiny-granitemoe", "standard", mm.Layout(), "float32", checkpointing=False, layers=2),
+    ):
+        report = _check(case, [mm.measure(case)])
+        assert report["ranks"][0]["measured"]["phase"] == (
+            "backward" if case.method == "paper" else "optimizer step"
+        )
+
+
+@pytest.mark.timeout(300)
+def test_two_gloo_ranks_data_parallel_expert_parallel_and_fsdp2_match_memtracker():
+    # Spawned gloo ranks (the validation's own harness): data parallel with the paper's method (expert
+    # gradients in flight over two layers), expert parallel standard training (each rank predicted from
+    # the rows its experts received), FSDP2 with the paper's method (the experts' own reduce-scatter).
+    cases = [
+        mm.Case("tiny-olmoe", "paper", mm.Layout(dp=2), "float32", layers=3),
+        mm.Case("tiny-granitemoe", "standard", mm.Layout(ep=2), "bfloat16", layers=2),
+        mm.Case("tiny-olmoe", "paper", mm.Layout(fsdp=2), "bfloat16", checkpointing=False, layers=2),
+    ]
+    for case, measured in zip(cases, mm.run_cases(cases, timeout=260), strict=True):
+        assert len(measured) == 2
+        _check(case, measured)
+
+
+def test_the_parameter_inventory_is_the_transformers_models():
+    # Shapes and order (torch.optim.AdamW's) of every parameter of the real presets, from the models
+    # themselves, built on the meta device.
+    from sonar_kernels.integrations import transformers as hf
+    from sonar_kernels.train import PRESETS, build_model
+
+    hf.register()
+    for name in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
+        model = build_model(PRESETS[name], 2, 0, torch.bfloat16, torch.device("meta"))
+        actual = [tuple(p.shape) for p in model.parameters()]
+        predicted = [shape for _, shape, _ in mm.parameter_tensors(mm.Dims.of(PRESETS[name], 2))]
+        assert predicted == actual, name
+
+
+def test_fsdp2_and_expert_parallel_shards():
+    # FSDP2 pads the first dimension to a multiple of the ranks (Granite's 49155-row vocabulary over 8).
+    assert mm.local_shape((49155, 1536), False, mm.Layout(fsdp=8)) == (6145, 1536)
+    assert mm.local_shape((40, 1024, 1536), True, mm.Layout(ep=8, dp=4)) == (5, 1024, 1536)
+    with pytest.raises(ValueError, match="cannot be split"):
+        mm.Setup(mm.Dims("olmoe", 8, 8, 6, 2, 1, 1, 1, 8), 1, 1, "standard", mm.Layout(ep=4))
+
+
+def _readme_block(name: str) -> str:
+    text = (ROOT / "README.md").read_text()
+    begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
+    return text[text.index(begin) + len(begin) : text.index(end)].strip()
+
+
+def test_the_readme_tables_are_the_models_and_the_committed_validations():
+    assert _readme_block("memory-model") == mm.real_table().strip()
+    reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-model.json"))
+    assert reports, "no committed validation report under bench/results/memory/"
+    report = json.loads(reports[-1].read_text())
+    assert _readme_block("memory-validation") == mm._validation_summary(report).strip()
+    # Every layout the README claims was measured, and every comparison is within the tolerance.
+    layouts = {(c["case"]["layout"], c["case"]["ranks"]) for c in report["comparisons"]}
+    assert {(layout.name, layout.ranks) for layout in mm.VALIDATION_LAYOUTS} <= layouts
+    assert all(abs(c["relative_error"]) <= TOLERANCE for c in report["comparisons"])
