@@ -491,11 +491,11 @@ def _wgrad(
     # set, which computes every tile of the gradient and writes one flag per program (no gradient, no
     # update, no weight-sized scratch), so the update itself runs once, with the winner.
     grad_dtype = update.grad_dtype if update is not None else weight.dtype
-    flag_on = torch.ones((), dtype=torch.float32, device=weight.device)
 
     def trial(cfg):
         # The check pass's arguments as the update's launch gives them (the same compiled variant); it
         # reads the gradient's operands only.
+        flag_on = torch.ones((), dtype=torch.float32, device=weight.device)
         if update is not None:
             moments, hyper_arg = (update.exp_avg, update.exp_avg_sq, update.step), update.hyper
         else:
