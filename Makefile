@@ -29,8 +29,10 @@ install: $(STAMP)
 
 # The whole suite. Without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 (the Triton interpreter on
 # CPU); with CUDA the kernels run compiled on the GPU.
+# TEST_WORKERS pytest-xdist processes (auto: one per core; 0 runs the tests in this process).
+TEST_WORKERS ?= auto
 test: install
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # ruff, and the import layers of the package (import-linter, contracts in pyproject.toml).
 lint: install

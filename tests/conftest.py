@@ -2,6 +2,12 @@
 
 import os
 
+# pytest-xdist workers (`make test` runs one per core) and the gloo ranks the tests spawn share the
+# cores: OpenMP threads that wait passively instead of spinning leave them to the other processes (the
+# thread count, which decides how torch splits its sums, stays torch's default).
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import torch
 
 # Triton reads TRITON_INTERPRET when the kernels are decorated, so it must be set before any import of

@@ -90,7 +90,11 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     import subprocess
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | {"SONAR_BENCH_SHAPES": "cpu-tiny"}
+    # A pytest of its own: not this run's options, nor its pytest-xdist worker's variables (pytest-benchmark
+    # turns itself off under xdist).
+    env = {
+        k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS" and not k.startswith("PYTEST_XDIST")
+    } | {"SONAR_BENCH_SHAPES": "cpu-tiny"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", str(root / "bench" / "test_layer.py"), "-q", "-p", "no:cacheprovider",
          "-k", "uniform and (sonar-fused or standard)", "--benchmark-only",

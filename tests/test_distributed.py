@@ -111,7 +111,9 @@ def _assert_equal(a: dict, b: dict, what: str) -> None:
 
 @pytest.mark.parametrize(
     ("backend", "world_size"),
-    [("torch", 2), ("torch", 4), ("triton", 2), ("triton", 4)],
+    # 4 ranks on the torch backend (the ring's reduction order); the Triton backend's update is the same
+    # code on any number of ranks.
+    [("torch", 2), ("torch", 4), ("triton", 2)],
 )
 def test_ddp_with_a_data_parallel_group_matches_ddp_with_torch_adamw(tmp_path, backend, world_size):
     ranks.run(_ddp_rank, world_size, backend, "sonar", tmp_path)

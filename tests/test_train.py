@@ -115,7 +115,7 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     assert heldout["mean_delta"] == pytest.approx(float(deltas.mean()), abs=1e-15)
     assert heldout["standard_error"] == pytest.approx(float(deltas.std() / 2**0.5), rel=1e-12)
     assert heldout["standard_seed_sd"] == pytest.approx(
-        float(torch.tensor(standard["heldout_losses"]).double().std())
+        float(torch.tensor(standard["heldout_losses"], dtype=torch.float64).std())
     )
     assert report["heldout_loss_delta"] == heldout["mean_delta"]
     assert "bitwise identical (all parameters after training, seed 0): True" in out

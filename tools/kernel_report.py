@@ -541,11 +541,15 @@ def _build(task: tuple[int, bool, str]) -> dict:
 
 
 def compile_all(
-    jobs: int = 1, kernels: tuple[str, ...] = (), unaligned_targets: tuple[str, ...] = tuple(TARGETS)
+    jobs: int = 1,
+    kernels: tuple[str, ...] = (),
+    unaligned_targets: tuple[str, ...] = tuple(TARGETS),
+    targets: tuple[str, ...] = tuple(TARGETS),
 ) -> list[dict]:
     """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
     ``kernels``: only the kernels whose name contains one of these strings (all when empty);
-    ``unaligned_targets``: the targets the unaligned specialisation is built for (aligned: all)."""
+    ``targets``: the targets the shipped configurations are built for (a tuning candidate is built for
+    its own architecture); ``unaligned_targets``: those of them the unaligned specialisation is built for."""
     every = specs()
     chosen = [
         i for i, spec in enumerate(every) if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
@@ -555,7 +559,9 @@ def compile_all(
         for i in chosen
         for aligned in (True, False)
         for arch in every[i].targets
-        if (aligned or arch in unaligned_targets) and not (every[i].aligned_only and not aligned)
+        if (every[i].aligned_only or arch in targets)
+        and (aligned or arch in unaligned_targets)
+        and not (every[i].aligned_only and not aligned)
     ]
     if jobs <= 1:
         return [_build(task) for task in tasks]
@@ -575,12 +581,20 @@ def main(argv=None) -> int:
         help="only kernels whose name contains one of these (default: all)",
     )
     parser.add_argument(
+        "--targets",
+        nargs="+",
+        choices=tuple(TARGETS),
+        default=tuple(TARGETS),
+        help="targets to build the shipped configurations for (default: all; the test suite builds sm_90a "
+        "only, to save time; each tuning candidate is built for its own architecture)",
+    )
+    parser.add_argument(
         "--unaligned-targets",
         nargs="*",
         choices=tuple(TARGETS),
         default=tuple(TARGETS),
-        help="targets to build the unaligned specialisation for (default: all; the test suite builds "
-        "sm_90a only, to save time)",
+        help="targets to build the unaligned specialisation for (default: all; the test suite builds it "
+        "for none, to save time)",
     )
     parser.add_argument(
         "--candidate-dtypes",
@@ -588,14 +602,14 @@ def main(argv=None) -> int:
         choices=CANDIDATE_DTYPES,
         default=CANDIDATE_DTYPES,
         help="the (activation/weight) dtype pairs the tuning candidates are built for (default: every 16-bit "
-        "pair; the test suite builds bf16/bf16 and bf16/fp32 only, to save time)",
+        "pair; the test suite builds bf16/fp32 only, to save time)",
     )
     args = parser.parse_args(argv)
     os.environ[CANDIDATE_DTYPES_ENV] = ",".join(args.candidate_dtypes)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
-    rows = compile_all(args.jobs, tuple(args.kernels), tuple(args.unaligned_targets))
+    rows = compile_all(args.jobs, tuple(args.kernels), tuple(args.unaligned_targets), tuple(args.targets))
     header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))
