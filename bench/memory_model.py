@@ -47,6 +47,10 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sonar_kernels.train.data import Preset
 
 METHODS = ("standard", "paper", "sonar")
 ADAMW = ("single", "foreach", "fused")  # torch.optim.AdamW's implementations (foreach=, fused=)
@@ -70,31 +74,14 @@ DDP_BUCKET = 25 * 1024 * 1024
 DHPRE_BLOCK_N = 64
 
 
-@dataclass(frozen=True)
-class Dims:
-    """A model's dimensions (sonar_kernels.train.data.Preset's fields that memory depends on)."""
+def with_layers(preset: Preset, layers: int | None = None) -> Preset:
+    """A ``sonar_kernels.train.data.Preset`` with ``layers`` decoder layers (all of them when None): the
+    dimensions memory depends on are the preset's own fields."""
+    return dataclasses.replace(preset, num_layers=layers or preset.num_layers)
 
-    family: str  # "olmoe" or "granitemoe"
-    hidden_size: int
-    intermediate_size: int
-    num_experts: int
-    top_k: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    vocab_size: int
 
-    @classmethod
-    def of(cls, preset, layers: int | None = None) -> Dims:
-        """The dimensions of a ``sonar_kernels.train.data.Preset`` (``layers``: fewer decoder layers)."""
-        return cls(
-            preset.family, preset.hidden_size, preset.intermediate_size, preset.num_experts, preset.top_k,
-            layers or preset.num_layers, preset.num_heads, preset.num_kv_heads, preset.vocab_size,
-        )  # fmt: skip
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+def head_dim(d: Preset) -> int:
+    return d.hidden_size // d.num_heads
 
 
 @dataclass(frozen=True)
@@ -165,7 +152,7 @@ class Setup:
             ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1.
     """
 
-    dims: Dims
+    dims: Preset
     batch_size: int
     sequence_length: int
     method: str
@@ -218,13 +205,13 @@ class Prediction:
 # --- parameters -----------------------------------------------------------------------------------
 
 
-def parameter_tensors(dims: Dims) -> list[tuple[str, tuple[int, ...], bool]]:
+def parameter_tensors(dims: Preset) -> list[tuple[str, tuple[int, ...], bool]]:
     """Every parameter of the transformers model as (name, shape, is_expert), in registration order
     (the order of ``model.parameters()``, which is torch.optim.AdamW's: the embedding, per layer the
     attention, the router, the experts and the norms as each family's modules declare them, the final
     norm and the untied lm_head; sonar-train builds the models with tie_word_embeddings=False)."""
     H, I, E, V = dims.hidden_size, dims.intermediate_size, dims.num_experts, dims.vocab_size
-    Hq, Hkv = dims.num_heads * dims.head_dim, dims.num_kv_heads * dims.head_dim
+    Hq, Hkv = dims.num_heads * head_dim(dims), dims.num_kv_heads * head_dim(dims)
     tensors = [("embed_tokens", (V, H), False)]
     for layer in range(dims.num_layers):
         p = f"layers.{layer}."
@@ -270,7 +257,7 @@ def rms_norm_saved(T: int, width: int, a: int) -> int:
     return T * FP32 + T * width * a + (T * width * FP32 if a != FP32 else 0)
 
 
-def layer_saved(d: Dims, T: int, a: int, layout: Layout, rows: int) -> tuple[dict, dict, dict]:
+def layer_saved(d: Preset, T: int, a: int, layout: Layout, rows: int) -> tuple[dict, dict, dict]:
     """What one decoder layer's forward saves for its backward, besides its input, as byte counts by name:
     (kept, moe, combine). ``moe``: the tensors the expert MLP's backward node alone holds (released when
     it has run, before the deferred in-backward updates); ``combine``: expert parallelism's combine, whose
@@ -281,7 +268,7 @@ def layer_saved(d: Dims, T: int, a: int, layout: Layout, rows: int) -> tuple[dic
     expert_parallel.py and autograd's rules (``a * b`` saves b for a's gradient only when b requires
     grad: rotary's ``q * cos`` keeps cos, not q)."""
     H, I, E, k = d.hidden_size, d.intermediate_size, d.num_experts, d.top_k
-    Hq, Hkv, nh = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.num_heads
+    Hq, Hkv, nh = d.num_heads * head_dim(d), d.num_kv_heads * head_dim(d), d.num_heads
     S = T * k
     fp32 = a == FP32
     kept = {
@@ -321,12 +308,12 @@ def layer_saved(d: Dims, T: int, a: int, layout: Layout, rows: int) -> tuple[dic
     return kept, moe, combine
 
 
-def shared_saved(d: Dims, batch_size: int, seq: int, a: int) -> int:
+def shared_saved(d: Preset, batch_size: int, seq: int, a: int) -> int:
     """Tensors every layer shares: rotary cos and sin [1, seq, head_dim] and the position ids."""
-    return 2 * seq * d.head_dim * a + seq * INT64
+    return 2 * seq * head_dim(d) * a + seq * INT64
 
 
-def logits_dtype_bytes(d: Dims, a: int) -> int:
+def logits_dtype_bytes(d: Preset, a: int) -> int:
     """The router logits' dtype: OLMoE's in a, Granite's cast to fp32 (.float())."""
     return a if d.family == "olmoe" else FP32
 
@@ -533,7 +520,7 @@ def predict(s: Setup) -> Prediction:
     names = [name for name, _, _ in tensors]
     static = {
         "parameters": sum(nbytes.values()),
-        "buffers": 2 * (d.head_dim // 2) * p,  # rotary inv_freq and original_inv_freq, cast with the model
+        "buffers": 2 * (head_dim(d) // 2) * p,  # rotary inv_freq and original_inv_freq, cast with the model
         "optimizer_state": 2 * sum(nbytes.values()) + FP32 * len(names),  # exp_avg, exp_avg_sq, fp32 step
     }
     in_backward = s.method != "standard"  # expert gradients never reach .grad outside the backward
@@ -720,7 +707,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
 
     static = {
         "parameters": sum(shard.values()),
-        "buffers": 2 * (d.head_dim // 2) * p,
+        "buffers": 2 * (head_dim(d) // 2) * p,
         "optimizer_state": 2 * sum(shard.values()) + FP32 * len(names),
     }
     gloo = s.collectives == "gloo"
@@ -834,7 +821,7 @@ class Case:
     def setup(self, presets) -> Setup:
         preset = presets[self.preset]
         return Setup(
-            Dims.of(preset, self.layers), self.batch_size or preset.batch_size,
+            with_layers(preset, self.layers), self.batch_size or preset.batch_size,
             self.sequence_length or preset.sequence_length, self.method, self.layout,
             param_bytes=2 if self.dtype == "bfloat16" else 4, checkpointing=self.checkpointing, adamw=self.adamw,
             backend=self.backend, tracker=True, collectives="gloo",
@@ -1278,7 +1265,7 @@ def real_setup(preset: str, method: str, layout: Layout, precision: str, checkpo
     buffers inside the custom ops counted (allocated bytes, not MemTracker's view)."""
     p = _presets()[preset]
     param_bytes, compute_bytes = PRECISIONS[precision]
-    return Setup(Dims.of(p), p.batch_size, p.sequence_length, method, layout, param_bytes=param_bytes,
+    return Setup(with_layers(p), p.batch_size, p.sequence_length, method, layout, param_bytes=param_bytes,
                  compute_bytes=compute_bytes, checkpointing=checkpointing, adamw="fused", backend="triton",
                  tracker=False)  # fmt: skip
 

@@ -69,7 +69,7 @@ def test_the_parameter_inventory_is_the_transformers_models():
     for name in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
         model = build_model(PRESETS[name], 2, 0, torch.bfloat16, torch.device("meta"))
         actual = [tuple(p.shape) for p in model.parameters()]
-        predicted = [shape for _, shape, _ in mm.parameter_tensors(mm.Dims.of(PRESETS[name], 2))]
+        predicted = [shape for _, shape, _ in mm.parameter_tensors(mm.with_layers(PRESETS[name], 2))]
         assert predicted == actual, name
 
 
@@ -77,8 +77,10 @@ def test_fsdp2_and_expert_parallel_shards():
     # FSDP2 pads the first dimension to a multiple of the ranks (Granite's 49155-row vocabulary over 8).
     assert mm.local_shape((49155, 1536), False, mm.Layout(fsdp=8)) == (6145, 1536)
     assert mm.local_shape((40, 1024, 1536), True, mm.Layout(ep=8, dp=4)) == (5, 1024, 1536)
+    from sonar_kernels.train.data import Preset
+
     with pytest.raises(ValueError, match="cannot be split"):
-        mm.Setup(mm.Dims("olmoe", 8, 8, 6, 2, 1, 1, 1, 8), 1, 1, "standard", mm.Layout(ep=4))
+        mm.Setup(Preset("olmoe", 8, 8, 6, 2, 1, 1, 1, 8), 1, 1, "standard", mm.Layout(ep=4))
 
 
 def _readme_block(name: str) -> str:
