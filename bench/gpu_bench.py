@@ -9,6 +9,7 @@ Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
 
     python bench/gpu_bench.py            # OLMoE-1B-7B and Granite-3.1-3B-A800M layers, bf16
     python bench/gpu_bench.py --small    # tiny shapes; on CPU the Triton interpreter (the tests run it)
+    python bench/gpu_bench.py --no-check # without the correctness checks (check_backward.py runs them alone)
 
 Writes ``bench/results/<date>-<gpu>.json`` and a markdown table next to it (on a CPU,
 ``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). On CUDA the kernels' tile
@@ -215,6 +216,8 @@ def markdown(result: dict) -> str:
     lines = [f"# {result['device']}, {result['date']} (torch {result['torch']}, triton {result['triton']}, "
              f"commit {result['commit'][:9]}, {result['dtype']})", ""]  # fmt: skip
     lines.append(f"Copy bandwidth: {result['bandwidth_gbs']:.0f} GB/s. Whole run: {result['seconds']:.0f} s.")
+    if not result["correctness"]:
+        lines.append("- correctness: not checked in this run (--no-check)")
     for check in result["correctness"]:
         lines.append(
             f"- {check['shape']} {check['weight_dtype']}: fused == split bitwise: {check['fused_equals_split_bitwise']}"
@@ -279,6 +282,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="JSON output path (the markdown table goes next to it)")
     parser.add_argument("--full-step-layers", type=int, default=4,
                         help="decoder layers of the full-step models (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the correctness checks (bench/check_backward.py runs them alone)")  # fmt: skip
     parser.add_argument("--no-full-step", dest="full_step", action="store_false",
                         help="skip the full training steps")  # fmt: skip
     args = parser.parse_args(argv)
@@ -295,6 +300,7 @@ def main(argv=None) -> int:
     correctness = [
         check_backward.check("small" if small else "olmoe-1b-7b", weight_dtype, device)
         for weight_dtype in (torch.bfloat16, torch.float32)
+        if args.check
     ]
     shapes = ("cpu-tiny",) if small else ("olmoe-1b-7b", "granite-3.1-3b-a800m")
     layers = []

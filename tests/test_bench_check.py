@@ -34,12 +34,13 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "bench.json"
     done = subprocess.run(
-        [sys.executable, str(root / "bench" / "gpu_bench.py"), "--small", "--out", str(out)],
+        # --no-check: test_backward_check_small_mode runs the same checks (check_backward.check).
+        [sys.executable, str(root / "bench" / "gpu_bench.py"), "--small", "--no-check", "--out", str(out)],
         cwd=root, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads(out.read_text())
-    assert all(c["fused_equals_split_bitwise"] for c in result["correctness"])
+    assert result["correctness"] == []
     rows = result["layers"][0]["rows"]
     assert {r["provider"] for r in rows.values()} == {
         "sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard",
@@ -76,7 +77,8 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     assert result["bandwidth_gbs"] > 0 and result["commit"]
     md = out.with_suffix(".md").read_text()
     assert (
-        "| step | sonar-fused | uniform |" in md
+        "- correctness: not checked in this run (--no-check)" in md
+        and "| step | sonar-fused | uniform |" in md
         and "| wgrad dW1 adamw (GEMM + AdamW) |" in md
         and "| all-in-backward |" in md
     )
