@@ -296,6 +296,46 @@ def test_activation_checkpointing_updates_each_expert_tensor_once(backend, use_r
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
+class HeldRecomputation(CheckpointedMoE):
+    """CheckpointedMoE whose non-reentrant recomputation leaves the experts' output referenced after it
+    ends, as a collective after the experts does (expert parallelism's all-to-all: gloo's and NCCL's work
+    objects hold their input until their own threads release it)."""
+
+    def __init__(self, backend, hold):
+        super().__init__(backend, use_reentrant=False)
+        self.hold, self.held = hold, []
+
+    def forward(self, x):
+        h = torch.tanh(self.embed(x))
+
+        def moe(h):
+            weights, index = torch.softmax(self.router(h), dim=-1).topk(TOP_K, dim=-1)
+            out = self.experts(h, index, weights / weights.sum(-1, keepdim=True))
+            if self.hold and torch._C._current_graph_task_id() != -1:  # the recomputation, in the backward
+                self.held.append(out)
+            return (
+                h + out * self.head.weight[0]
+            )  # a tensor saved after the experts: the recomputation ends here
+
+        return self.head(torch.utils.checkpoint.checkpoint(moe, h, use_reentrant=False))
+
+
+def test_a_recomputed_graph_still_referenced_is_not_another_live_graph():
+    results = []
+    for model in (HeldRecomputation("torch", hold=False), HeldRecomputation("torch", hold=True)):
+        model.load_state_dict(_model("torch").state_dict())
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5)
+        for step in range(3):
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert float(optimizer.state[model.experts.down_proj]["step"]) == 3
+        results.append([p.detach().clone() for p in model.parameters()])
+    assert len(model.held) == 3  # the recomputed graph of every step was still referenced at its update
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
 def test_step_hooks_run_once_per_step():
     torch.optim.AdamW([nn.Parameter(torch.zeros(1))])  # torch wraps AdamW.step once one exists
     model = _model("torch")

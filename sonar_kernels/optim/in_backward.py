@@ -67,7 +67,15 @@ class _OwnedUpdate(specs.ExpertUpdate):
         return optimizer._accumulating(param)
 
     def track(self, graph) -> None:
-        self.live.add(graph)
+        # A graph recorded while a backward runs is activation checkpointing's recomputation: non-reentrant,
+        # it is thrown away once its saved tensors are taken, though a collective can hold one of its tensors
+        # a while longer (gloo's and NCCL's work objects keep their inputs until their own threads release
+        # them), which kept it in this set when the running backward came to the update; reentrant, its
+        # backward runs at once, nested in the running one. Neither is another graph whose backward would
+        # see updated weights, so neither is tracked (a graph recorded in a backward hook and backpropagated
+        # after the update is still refused, by _Watched.check_unchanged, before its backward writes anything).
+        if torch._C._current_graph_task_id() == -1:
+            self.live.add(graph)
         optimizer, param = self._optimizer(), self._param()
         if optimizer is not None and param is not None:
             optimizer._without_graph.pop(param, None)  # a forward with a graph came after it
