@@ -1000,38 +1000,20 @@ def _custom_step(arm, tokens, max_grad_norm: float) -> None:
 
 def _measure_custom(name: str, initial, data, args, layout: Layout) -> dict:
     """``sonar_kernels.train.memory.measure_memory``'s procedure (two untracked steps, then one tracked
-    by MemTracker; the same categories) on a :func:`_custom_arm`."""
-    import warnings
+    by MemTracker, ``track_step``) on a :func:`_custom_arm`."""
+    import functools
 
     import torch
-    from torch.distributed._tools.mem_tracker import MemTracker
-    from torch.distributed.tensor import DTensor
 
     from sonar_kernels.train import distributed
-    from sonar_kernels.train.memory import CATEGORIES, STEP_TEMPORARIES
+    from sonar_kernels.train.memory import track_step
 
     arm = _custom_arm(name, initial, args, layout)
     for step in range(2):
         _custom_step(arm, data.batch(distributed.batch_index(step)), args.max_grad_norm)
     tokens = data.batch(distributed.batch_index(2))
-    tracker = MemTracker()
-    tracker.track_external(arm.model, *arm.optimizers)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with tracker:
-            _custom_step(arm, tokens, args.max_grad_norm)
-    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
-    breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
-    state_bytes = sum(
-        (t.to_local() if isinstance(t, DTensor) else t).untyped_storage().nbytes()
-        for optimizer in arm.optimizers
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor)
-    )
-    breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - state_bytes)
-    breakdown["optimizer_state"] -= breakdown[STEP_TEMPORARIES]
-    return {"peak_memory_bytes": int(peak["Total"]), "peak_memory": breakdown, "peak_phase": "not recorded"}
+    step = functools.partial(_custom_step, arm, tokens, args.max_grad_norm)
+    return track_step(arm.model, arm.optimizers, step, torch.device("cpu"))
 
 
 def _count_routed_rows(model, ep: int) -> list:

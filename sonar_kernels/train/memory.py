@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -31,9 +32,7 @@ LABELS = (*CATEGORIES.values(), STEP_TEMPORARIES)
 
 def measure_memory(name: str, initial, data: ByteData, args, device: torch.device) -> dict:
     """Peak bytes of one training step of arm ``name`` (after two untracked warm-up steps), by category,
-    and the phase of the step in which the peak falls."""
-    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
-
+    and the phase of the step in which the peak falls (:func:`track_step`)."""
     arm = build_arm(name, initial, args, steps=3)
     for step in range(2):
         train_step(arm, data.batch(distributed.batch_index(step)).to(device), args.max_grad_norm)
@@ -42,12 +41,31 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
+    step = functools.partial(train_step, arm, tokens, args.max_grad_norm)
+    result = track_step(arm.model, arm.optimizers, step, device)
+    if device.type == "cuda":
+        result["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
+        result["cuda_allocated_before_step_bytes"] = int(base)
+    del arm
+    return result
+
+
+def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -> dict:
+    """Run ``step()`` (one training step of ``model`` with ``optimizers``) under torch's MemTracker and
+    return its peak on ``device``: ``peak_memory_bytes``, ``peak_memory`` (bytes per label of
+    :data:`LABELS`; the optimizer state is what the optimizers hold after the step, counted once per
+    storage, a DTensor by its local shard; the rest of what MemTracker files under optimizer state is the
+    step's temporaries) and ``peak_phase`` ("forward", "backward" or "optimizer step"). Also used by
+    bench/memory_model.py for the layouts sonar-train does not run (FSDP2, EP x DP)."""
+    from torch.distributed._tools.mem_tracker import MemTracker, _ModState
+    from torch.distributed.tensor import DTensor
+
     tracker = MemTracker()
-    tracker.track_external(arm.model, *arm.optimizers)
+    tracker.track_external(model, *optimizers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with tracker:
-            train_step(arm, tokens, args.max_grad_norm)
+            step()
     sync(device)
     snapshot = tracker.get_tracker_snapshot("peak")
     tracked = next(
@@ -55,24 +73,19 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
     )
     peak = snapshot[tracked]
     breakdown = {label: int(peak.get(key, 0)) for key, label in CATEGORIES.items()}
-    state_bytes = sum(
-        t.numel() * t.element_size()
-        for optimizer in arm.optimizers
-        for state in optimizer.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.device.type == device.type
-    )
-    breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - state_bytes)
+    storages = {}
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for t in state.values():
+                t = t.to_local() if isinstance(t, DTensor) else t
+                if isinstance(t, torch.Tensor) and t.device.type == device.type:
+                    storages[t.device, t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - sum(storages.values()))
     breakdown["optimizer_state"] -= breakdown[STEP_TEMPORARIES]
     total = int(peak["Total"])
-    stats = tracker.memory_tracking[arm.model].snapshots
+    stats = tracker.memory_tracking[model].snapshots
     phase = "optimizer step"
     for state, label in ((_ModState.PEAK_FW, "forward"), (_ModState.PEAK_BW, "backward")):
         if any(int(snap[tracked]["Total"]) == total for snap in stats.get(state, []) if tracked in snap):
             phase = label
-    result = {"peak_memory_bytes": total, "peak_memory": breakdown, "peak_phase": phase}
-    if device.type == "cuda":
-        result["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
-        result["cuda_allocated_before_step_bytes"] = int(base)
-    del arm
-    return result
+    return {"peak_memory_bytes": total, "peak_memory": breakdown, "peak_phase": phase}
