@@ -13,7 +13,7 @@ import pathlib
 
 import pytest
 import torch
-from numerics import assert_close
+from numerics import TOLERANCE, assert_close, rel_err
 
 import sonar_kernels
 from sonar_kernels.integrations import transformers as hf
@@ -191,10 +191,21 @@ def sonar_equals_eager(family, backend):
     hf.set_backend(sonar, backend)
     ref, got = _forward_backward(eager), _forward_backward(sonar)
     assert_close(got, ref, torch.float32, what=f"{family} output")
+    exact = None
     for (name, p), q in zip(sonar.named_parameters(), eager.parameters(), strict=True):
         assert (p.grad is None) == (q.grad is None), f"{family}: grad of {name}"
-        if q.grad is not None:
-            assert_close(p.grad, q.grad, torch.float32, what=f"{family}: grad of {name}")
+        if q.grad is None or rel_err(p.grad, q.grad) <= TOLERANCE[torch.float32]:
+            continue
+        # Past the fp32 bound against fp32 eager: a gradient made mostly of rounding (linear attention's
+        # decay parameters, a norm's weight) differs by more between any two fp32 summation orders, and
+        # with the thread count. Then both are held against the same model in float64: sonar's error no
+        # more than twice eager's own, or within the fp32 bound (numerics.TOLERANCE, against float64).
+        if exact is None:
+            exact = dict(_float64_gradients(family))
+        sonar_err, eager_err = rel_err(p.grad, exact[name]), rel_err(q.grad, exact[name])
+        assert sonar_err <= max(2 * eager_err, TOLERANCE[torch.float32]), (
+            f"{family}: grad of {name}: relative error against float64 {sonar_err:.3e}, eager's {eager_err:.3e}"
+        )
     # The router logits of every layer (after the first, they see the experts' output), where the family
     # returns them.
     ref, got = _router_logits(eager), _router_logits(sonar)
@@ -202,6 +213,14 @@ def sonar_equals_eager(family, backend):
     for layer, (a, b) in enumerate(zip(got or (), ref or (), strict=True)):
         assert_close(a, b, torch.float32, what=f"{family}: router logits of layer {layer}")
     return sonar
+
+
+def _float64_gradients(family):
+    """(name, gradient) of every parameter of the family's tiny model evaluated in float64 with its eager
+    experts, on the same tokens."""
+    model = build(family).double()
+    _forward_backward(model)
+    return [(name, p.grad) for name, p in model.named_parameters() if p.grad is not None]
 
 
 def _router_logits(model):
