@@ -313,9 +313,8 @@ class HeldRecomputation(CheckpointedMoE):
             out = self.experts(h, index, weights / weights.sum(-1, keepdim=True))
             if self.hold and torch._C._current_graph_task_id() != -1:  # the recomputation, in the backward
                 self.held.append(out)
-            return (
-                h + out * self.head.weight[0]
-            )  # a tensor saved after the experts: the recomputation ends here
+            # A tensor saved after the experts (the product): the recomputation ends there.
+            return h + out * self.head.weight[0]
 
         return self.head(torch.utils.checkpoint.checkpoint(moe, h, use_reentrant=False))
 
