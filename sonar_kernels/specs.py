@@ -5,7 +5,11 @@ any layer may import it.
 Ownership (who updates an expert tensor in the backward) is explicit state, never a global table:
 
 - a module that holds expert tensors marks them (:func:`mark_expert_tensors`, an attribute of the
-  tensor), again whenever it gets new ones (``load_state_dict(assign=True)``, copies);
+  tensor), again whenever it gets new ones (``load_state_dict(assign=True)``, copies) and at each eager
+  forward (``sonar_kernels.optim.ownership.claim_expert_tensors``);
+- SonarAdamW tags every tensor it holds with itself (:func:`set_holder`), so that an experts module that
+  finds at its forward a tensor held as dense by a SonarAdamW hands it over (the optimizer adopts it or
+  refuses it) before any update;
 - the optimizer that takes a marked tensor attaches an :class:`ExpertUpdate` to it (:func:`attach_update`),
   replacing the update of any earlier optimizer (which then lets the tensor go), and detaches it when it
   is garbage-collected;
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import math
 import re
+import weakref
 from typing import NamedTuple
 
 import torch
@@ -87,6 +92,7 @@ IMPLEMENTATION = "sonar"
 # The attributes that carry ownership on an expert tensor (see "Ownership" in the README).
 EXPERT_MARK = "sonar_expert"
 UPDATE_ATTRIBUTE = "sonar_update"
+HOLDER_ATTRIBUTE = "sonar_holder"
 EXPERT_PARALLEL_ATTRIBUTE = "sonar_expert_parallel_group"
 
 
@@ -171,6 +177,12 @@ class ExpertUpdate:
         """The gradient of earlier micro-batches (in ``grad_dtype``, the tensor's strides), or None."""
         return None
 
+    def hyperparameters(self) -> tuple | None:
+        """(lr, beta1, beta2, eps, weight_decay) as the owner's parameter group holds them (floats or
+        one-element tensors), which torch's AdamW takes on the torch backend so that tensor values get its
+        arithmetic for tensors; None: the values of ``hyper``."""
+        return None
+
     def accumulation_buffer(self) -> tuple[torch.Tensor, bool] | None:
         """Where the Triton backward adds a micro-batch's gradient when it is kept outside ``.grad``:
         (buffer, whether it holds earlier micro-batches), or None (``.grad``)."""
@@ -225,6 +237,31 @@ def expert_parallel_group(t: torch.Tensor):
 def is_expert_tensor(t: torch.Tensor) -> bool:
     """Whether ``t`` was marked by :func:`mark_expert_tensors`."""
     return bool(getattr(t, EXPERT_MARK, False))
+
+
+class _Holder:
+    """A weak reference to the optimizer that holds a tensor; copying or pickling it gives None (a copied
+    tensor is not held)."""
+
+    def __init__(self, optimizer):
+        self.ref = weakref.ref(optimizer)
+
+    def __reduce__(self):
+        return (type(None), ())
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def set_holder(t: torch.Tensor, optimizer) -> None:
+    """Record on ``t`` (weakly) the in-backward optimizer that holds it among its parameters."""
+    setattr(t, HOLDER_ATTRIBUTE, _Holder(optimizer))
+
+
+def holder_of(t: torch.Tensor):
+    """The live optimizer recorded on ``t`` by :func:`set_holder`, or None."""
+    holder = getattr(t, HOLDER_ATTRIBUTE, None)
+    return holder.ref() if isinstance(holder, _Holder) else None
 
 
 def update_of(t: torch.Tensor) -> ExpertUpdate | None:

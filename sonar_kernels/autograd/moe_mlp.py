@@ -79,11 +79,11 @@ def _setup_context(ctx, inputs, output) -> None:
         ctx.owners = tuple(
             specs.update_of(t) if state else None for t, state in zip(tensors, states, strict=True)
         )
-        # Per owned tensor: its gradient edge (whether a backward asks for its gradient) and the versions
-        # of the tensor and the hyperparameters this forward saw (whether they changed before the backward).
+        # Per owned tensor: its gradient edge (whether a backward asks for its gradient) and the version
+        # of the tensor this forward saw (whether it changed before the backward). The hyperparameters are
+        # read when the backward runs (the owner rewrites their tensor then, keeping its version).
         ctx.watched = tuple(
-            None if owner is None else _Watched(t, hyper)
-            for owner, t, hyper in zip(ctx.owners, tensors, hypers, strict=True)
+            None if owner is None else _Watched(t) for owner, t in zip(ctx.owners, tensors, strict=True)
         )
         for owner in ctx.owners:
             if owner is not None:
@@ -93,9 +93,8 @@ def _setup_context(ctx, inputs, output) -> None:
 class _Watched:
     """What the backward checks of an owned weight before it unpacks anything (eager mode)."""
 
-    def __init__(self, weight: torch.Tensor, hyper: torch.Tensor):
+    def __init__(self, weight: torch.Tensor):
         self.weight, self.weight_version = weakref.ref(weight), weight._version
-        self.hyper, self.hyper_version = weakref.ref(hyper), hyper._version
         self.outer_task = None  # see _outer_task_accumulating
 
     def request(self, node) -> tuple[object, str]:
@@ -105,21 +104,15 @@ class _Watched:
         return library.gradient_request(node, self.weight())
 
     def check_unchanged(self) -> None:
-        """Raise the library's error (before autograd's own, which names no cause) when the weight or its
-        hyperparameters changed since the forward."""
-        weight, hyper = self.weight(), self.hyper()
+        """Raise the library's error (before autograd's own, which names no cause) when the weight changed
+        since the forward."""
+        weight = self.weight()
         if weight is not None and weight._version != self.weight_version:
             raise RuntimeError(
                 f"an expert tensor of shape {tuple(weight.shape)} changed after the forward of this graph "
                 "(its in-backward update already ran, in an earlier backward of this graph with "
                 "retain_graph=True, or it was modified in place): an in-backward update runs once per "
                 "forward, from the weights that forward used; run the forward again for another backward"
-            )
-        if hyper is not None and hyper._version != self.hyper_version:
-            raise RuntimeError(
-                "a hyperparameter (lr, betas, eps, weight_decay) of an expert tensor's parameter group was set "
-                "between this forward and its backward; set it after optimizer.step() (step an LR scheduler "
-                "after optimizer.step(), as torch documents)"
             )
 
 
@@ -170,16 +163,17 @@ def _backward(ctx, grad_out, *unused):
     count = len(_EXPERT_INPUTS)
     hidden_states, top_k_weights, *rest = ctx.saved_tensors
     weights, (hpre, *meta) = list(rest[:count]), rest[count : count + 6]
-    hypers, rest = rest[count + 6 : 2 * count + 6], rest[2 * count + 6 :]
+    hypers, rest = list(rest[count + 6 : 2 * count + 6]), rest[2 * count + 6 :]
     states, start = [], 0
     for size in ctx.state_sizes:
         states.append(rest[start : start + size])
         start += size
-    # Eager mode with owners: the update writes the parameter and its owner's state, never what
-    # saved-tensor hooks gave back (torch.autograd.graph.save_on_cpu returns copies on CUDA).
+    # Eager mode with owners: the update writes the parameter and its owner's state and reads the owner's
+    # hyperparameters (rewritten by begin_backward below), never what saved-tensor hooks gave back
+    # (torch.autograd.graph.save_on_cpu returns copies on CUDA).
     for i, (watched, owner) in enumerate(zip(ctx.watched, ctx.owners, strict=True)):
         if owner is not None and watched.weight() is not None:
-            weights[i], states[i] = watched.weight(), owner.state()
+            weights[i], states[i], hypers[i] = watched.weight(), owner.state(), owner.hyper
     gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias = weights
     fused_epilogue, foreach, torch_fused = ctx.options
     triton = ctx.backend == "triton"
@@ -233,7 +227,13 @@ def _backward(ctx, grad_out, *unused):
             functools.partial(owner.finish, mode == "update") if owner is not None and mode != "grad" else None
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
-        grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer))
+        # The torch backend's AdamW takes the hyperparameters as the owner's group holds them: a tensor lr
+        # or tensor betas get torch's arithmetic for tensors, as in standard training.
+        values = tuple(
+            owner.hyperparameters() if owner is not None and mode == "update" and not triton else None
+            for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
+        )  # fmt: skip
+        grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer), values=values)
         for accumulator, outer, owner, (mode, *_) in zip(
             accumulators, outer_tasks, ctx.owners, plans, strict=True
         ):

@@ -48,6 +48,7 @@ except ImportError as error:  # pragma: no cover - the message is the point
 
 from sonar_kernels.autograd.moe_mlp import grouped_mlp
 from sonar_kernels.optim import SonarAdamW
+from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import BACKENDS, expert_tensors_of, mark_expert_tensors
 
 __all__ = [
@@ -144,6 +145,7 @@ class SonarGroupedExperts(GroupedExperts):
                     f"{name} is a DTensor; SonarGroupedExperts, as torchtitan's GroupedExperts, takes local tensors "
                     "(torchtitan's RoutedExperts runs it inside local_map)"
                 )
+        claim_expert_tensors(*self.expert_tensors())
         gate, down, up = _local_weights(self)
         compute = torch.bfloat16 if self.compute_dtype == "bfloat16" else x_RD.dtype
         # Weights of one dtype, the compute dtype or float32 (rounded inside the GEMMs), are used as they are;

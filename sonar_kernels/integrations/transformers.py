@@ -22,6 +22,7 @@ from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
 from sonar_kernels.ops.torch_backend import glu
 from sonar_kernels.ops.validation import check_moe_mlp_args
+from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import (
     BACKENDS,
     IMPLEMENTATION,
@@ -159,17 +160,28 @@ def _install_switch_checks(cls) -> None:
     def set_experts_implementation(self, experts_implementation):
         if experts_implementation == IMPLEMENTATION:
             check_sonar_modules(self, selected_only=False)
-        return original_set(self, experts_implementation)
+        result = original_set(self, experts_implementation)
+        _mark_sonar_experts(self)
+        return result
 
     @functools.wraps(original_post_init)
     def post_init(self, *args, **kwargs):
         result = original_post_init(self, *args, **kwargs)
         check_sonar_modules(self)
+        _mark_sonar_experts(self)
         return result
 
     set_experts_implementation._sonar_checks = True
     cls.set_experts_implementation = set_experts_implementation
     cls.post_init = post_init
+
+
+def _mark_sonar_experts(model: nn.Module) -> None:
+    """Mark the expert tensors of the experts modules of ``model`` that run "sonar", so that an optimizer
+    built over ``model.parameters()`` knows them (README, Ownership)."""
+    for module in model.modules():
+        if (tensors := expert_tensors(module)) is not None:
+            mark_expert_tensors(*tensors)
 
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
@@ -327,6 +339,7 @@ def sonar_experts_forward(
     expert-parallel sentinels, are dropped), [T, top_k] routing weights -> [T, H] in the dtype of
     ``hidden_states``."""
     activation = check_experts_module(self)
+    claim_expert_tensors(*(getattr(self, name) for name in expert_weight_names(self)))
     w1 = getattr(self, expert_weight_names(self)[0])  # gate_up_proj, or up_proj without a gate
     group = getattr(self, EP_GROUP_ATTRIBUTE, None)
     if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all

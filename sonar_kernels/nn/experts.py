@@ -10,6 +10,7 @@ from torch import nn
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
 from sonar_kernels.ops.validation import check_moe_mlp_args
+from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import (
     BACKENDS,
     MAX_EXPERTS,
@@ -110,6 +111,7 @@ class SonarExperts(nn.Module):
     ) -> torch.Tensor:
         """Args and errors as :func:`sonar_kernels.moe_mlp`: [T, H], [T, top_k], [T, top_k] -> [T, H]
         (with ``ep_group``: this rank's tokens, global expert ids)."""
+        claim_expert_tensors(self.gate_up_proj, self.down_proj)
         if self.ep_group is not None:
             backend = check_moe_mlp_args(
                 hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,

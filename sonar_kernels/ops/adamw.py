@@ -64,7 +64,7 @@ def torch_adamw_(
     exp_avg: torch.Tensor,
     exp_avg_sq: torch.Tensor,
     step: torch.Tensor,
-    hyperparameters: tuple[float, float, float, float, float],
+    hyperparameters: tuple[float | torch.Tensor, ...],
     grad_norm_sq: torch.Tensor,
     skipped: torch.Tensor,
     *,
@@ -80,7 +80,10 @@ def torch_adamw_(
     gradient's squared L2 norm.
 
     Args:
-        hyperparameters: (lr, beta1, beta2, eps, weight_decay) as Python floats.
+        hyperparameters: (lr, beta1, beta2, eps, weight_decay), each a Python float or a one-element
+            tensor, as a torch.optim.AdamW parameter group holds them: passed to torch's AdamW unchanged,
+            so that a tensor lr or tensor betas get torch's arithmetic for tensor values (bias corrections
+            and step size computed in the tensor's dtype) as in torch.optim.AdamW.step.
         foreach, fused: torch.optim.AdamW's flags.
     """
     lr, beta1, beta2, eps, weight_decay = hyperparameters

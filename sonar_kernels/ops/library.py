@@ -220,14 +220,17 @@ def run_moe_mlp_bwd(
     gate_up_proj_bias_hyper=None, gate_up_proj_bias_buffer=None, gate_up_proj_bias_buffer_add=False,
     gate_up_proj_bias_grad_dtype=None, down_proj_bias_mode="grad", down_proj_bias_state=(),
     down_proj_bias_hyper=None, down_proj_bias_buffer=None, down_proj_bias_buffer_add=False,
-    down_proj_bias_grad_dtype=None, on_done=(None,) * 5, defer=(None,) * 5,
+    down_proj_bias_grad_dtype=None, on_done=(None,) * 5, defer=(None,) * 5, values=(None,) * 5,
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
     run right after the launch that updated it or added to its buffer (before any later launch, so that a
     failure further on cannot leave an applied update unrecorded); and ``defer``: per weight in mode
     "update", None (the update runs in this backward) or a callable given ``run``, a function of the
     gradient of earlier micro-batches (``grad_in``, or None) that computes the weight's gradient and
-    applies the update when it is called, later (see ``ops.AdamWUpdate.defer``). Mutated tensors'
+    applies the update when it is called, later (see ``ops.AdamWUpdate.defer``); and ``values``: per
+    weight, None or its hyperparameters as its owner's parameter group holds them
+    (``specs.ExpertUpdate.hyperparameters``), which the torch backend's AdamW then takes in place of the
+    values of its ``hyper`` tensor (torch's arithmetic for tensor lr and betas). Mutated tensors'
     version counters are the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
     # needs_input_grad: x, routing weights, gate_up_proj, down_proj, the two biases, up_proj.
@@ -271,10 +274,13 @@ def run_moe_mlp_bwd(
     else:
         apply = [
             functools.partial(
-                _torch_update_of, weight, state, hyper, buffer, foreach, torch_fused, done, grad_dtype, later
+                _torch_update_of, weight, state, hyper if value is None else value, buffer, foreach, torch_fused,
+                done, grad_dtype, later,
             )
             if mode == "update" else None
-            for _, weight, mode, state, hyper, buffer, _, grad_dtype, done, later in weights
+            for (_, weight, mode, state, hyper, buffer, _, grad_dtype, done, later), value in zip(
+                weights, values, strict=True
+            )
         ]  # fmt: skip
         grads = torch_backend.moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
@@ -394,16 +400,17 @@ def _torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_d
 
 
 def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
-    """The body of :func:`expert_adamw_`; then ``done()`` when given. ``grad_dtype``: the gradient is
-    rounded to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum
-    with ``grad_in`` (already in that dtype) is rounded once more."""
+    """The body of :func:`expert_adamw_`; then ``done()`` when given. ``hyper``: the [5] float64 tensor, or
+    the group's (lr, beta1, beta2, eps, weight_decay) as it holds them (see :func:`run_moe_mlp_bwd`).
+    ``grad_dtype``: the gradient is rounded to it first (the update's grad_dtype, as the Triton epilogue
+    rounds its accumulator); the sum with ``grad_in`` (already in that dtype) is rounded once more."""
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
     if grad_dtype is not None:
         grad = grad.to(grad_dtype)
     total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
     torch_adamw_(
-        weight, total, exp_avg, exp_avg_sq, step, tuple(hyper.tolist()), grad_norm_sq, skipped,
-        foreach=foreach, fused=fused,
+        weight, total, exp_avg, exp_avg_sq, step, hyper if isinstance(hyper, tuple) else tuple(hyper.tolist()),
+        grad_norm_sq, skipped, foreach=foreach, fused=fused,
     )  # fmt: skip
     if done is not None:
         done()

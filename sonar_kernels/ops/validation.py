@@ -327,11 +327,20 @@ def check_buffer(name: str, weight: torch.Tensor, buffer) -> None:
 
 
 def as_float(value, name: str) -> float:
-    """A hyperparameter as a Python float. Raises TypeError for anything but a real number or a
-    one-element CPU tensor."""
+    """A hyperparameter as a Python float: a real number, or the value of a one-element CPU tensor.
+
+    Raises:
+        ValueError: a tensor of more or fewer than one element (torch.optim.AdamW raises ValueError for
+            it: "Tensor lr must be 1-element"), or one that is not on the CPU (reading it would sync).
+        TypeError: anything else that is not a real number.
+    """
     if isinstance(value, torch.Tensor):
-        if value.numel() != 1 or value.device.type != "cpu":
-            raise TypeError(f"{name} must be a Python float or a one-element CPU tensor, got {value!r}")
+        if value.numel() != 1:
+            raise ValueError(f"Tensor {name} must be 1-element, got shape {tuple(value.shape)}")
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"{name} must be a Python float or a one-element CPU tensor, got one on {value.device}"
+            )
         value = value.item()
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(value).__name__}")
@@ -339,11 +348,12 @@ def as_float(value, name: str) -> float:
 
 
 def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None:
-    """torch.optim.AdamW's ranges: lr, eps, weight_decay >= 0 and finite; betas a pair in [0, 1).
+    """torch.optim.AdamW's ranges: lr, eps, weight_decay >= 0 and finite; betas a pair in [0, 1). Each
+    value a real number or a one-element CPU tensor (see :func:`as_float`).
 
     Raises:
         TypeError: a value that is not a number.
-        ValueError: a value outside its range.
+        ValueError: a value outside its range, a tensor that does not hold one element or is not on the CPU.
     """
     lr = as_float(lr, "lr")
     if not (0.0 <= lr < float("inf")):

@@ -2,6 +2,14 @@
 
 from sonar_kernels.optim.expert_adamw import ExpertAdamW
 from sonar_kernels.optim.in_backward import expert_optimizer, is_expert_tensor, mark_expert_tensors
+from sonar_kernels.optim.ownership import UnownedExpertsWarning
 from sonar_kernels.optim.sonar_adamw import SonarAdamW
 
-__all__ = ["ExpertAdamW", "SonarAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
+__all__ = [
+    "ExpertAdamW",
+    "SonarAdamW",
+    "UnownedExpertsWarning",
+    "expert_optimizer",
+    "is_expert_tensor",
+    "mark_expert_tensors",
+]

@@ -116,8 +116,9 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         registers them for the in-backward update."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
-        param_group = self._watch_group({**param_group, "params": params})
+        # A generator is consumed once, here. A plain dict (torch.compile traces no dict subclass in
+        # param_groups): the backward reads the group when it runs, step() checks it (InBackwardAdamW).
+        param_group = {**param_group, "params": params}
         check_group_options(type(self).__name__, param_group, bool(params))
         self._check_managed(params)
         check_hyperparameters(
@@ -142,6 +143,10 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
                 updates), as for torch.optim optimizers.
         Returns:
             The closure's loss, or None.
+        Raises:
+            RuntimeError: before anything changes (the step does not end), when a hyperparameter of a group
+                whose tensors were updated in this step's backward changed since that update: it came too
+                late for this step (set it back, or set it after step()).
         """
         loss = self._run_closure_and_end_step(closure)
         return loss

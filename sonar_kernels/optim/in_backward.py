@@ -23,7 +23,6 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from sonar_kernels import ops, specs
 from sonar_kernels.ops.common import like
@@ -41,13 +40,19 @@ def expert_optimizer(param: torch.Tensor):
 
 
 class _OwnedUpdate(specs.ExpertUpdate):
-    """The update of one managed tensor, with its owner's bookkeeping (weak references to the optimizer
-    and the tensor: an update keeps neither alive)."""
+    """The update of one managed tensor, with its owner's bookkeeping. It holds the optimizer weakly and
+    the tensor not at all (by its id, which the optimizer maps back to it while it holds it): the update is
+    an attribute of the tensor, and a weak reference to a parameter would make ``torch.utils.swap_tensors``
+    (module conversions in swap mode) refuse it.
+
+    ``signature``: the tensor's (dtype, device, shape) when the update was built; a conversion of the
+    tensor since (``module.to(...)``, in place or by swapping) shows as another signature."""
 
     def __init__(self, optimizer, param: torch.Tensor, **fields):
         super().__init__(**fields)
         self._optimizer = weakref.ref(optimizer)
-        self._param = weakref.ref(param)
+        self._key = id(param)
+        self.signature = signature(param)
         # The autograd graphs recorded over the tensor that have not run their backward yet.
         self.live = weakref.WeakSet()
         self._buffer = None
@@ -57,7 +62,8 @@ class _OwnedUpdate(specs.ExpertUpdate):
         return self._optimizer()
 
     def _owner(self):
-        optimizer, param = self._optimizer(), self._param()
+        optimizer = self._optimizer()
+        param = None if optimizer is None else optimizer._held_by_id.get(self._key)
         if optimizer is None or param is None:
             raise RuntimeError("the optimizer that owned this expert tensor was garbage-collected")
         return optimizer, param
@@ -76,7 +82,8 @@ class _OwnedUpdate(specs.ExpertUpdate):
         # after the update is still refused, by _Watched.check_unchanged, before its backward writes anything).
         if torch._C._current_graph_task_id() == -1:
             self.live.add(graph)
-        optimizer, param = self._optimizer(), self._param()
+        optimizer = self._optimizer()
+        param = None if optimizer is None else optimizer._held_by_id.get(self._key)
         if optimizer is not None and param is not None:
             optimizer._without_graph.pop(param, None)  # a forward with a graph came after it
 
@@ -102,12 +109,14 @@ class _OwnedUpdate(specs.ExpertUpdate):
             )
         optimizer._check_may_update(param)
         optimizer._check_no_user_hooks(param)
-        # The group's hyperparameters as they are now (the tensor the kernels read).
-        optimizer._hyper_tensor(param)
 
     def grad_in(self, other=None):
         optimizer, param = self._owner()
         return optimizer._grad_in(param, other)
+
+    def hyperparameters(self):
+        optimizer, param = self._owner()
+        return optimizer._torch_hyperparameters(optimizer._group_of(param))
 
     def add_to_buffer(self, other) -> None:
         """Add ``other`` (the gradient the tensor's other producers gave in this backward, or None) to
@@ -164,46 +173,32 @@ UNSUPPORTED_OPTIONS = {
 
 
 def check_group_options(owner: str, group: dict, has_experts: bool) -> None:
-    """Raise ValueError when ``group`` holds expert tensors and sets an option of
-    :data:`UNSUPPORTED_OPTIONS` to another value than the one the update implements."""
+    """Raise ValueError, naming the option, when ``group`` holds expert tensors (``has_experts``) and sets
+    an option of :data:`UNSUPPORTED_OPTIONS` to another value than the one the update implements; a group
+    without expert tensors takes every torch.optim.AdamW option. The one check of every path that gives a
+    group expert tensors or an option: the constructor and ``add_param_group`` (``group`` with the
+    constructor's defaults filled in), an option set later, ``load_state_dict`` (the saved group), an
+    expert tensor adopted at its module's first forward."""
     if not has_experts:
         return
     for key, accepted in UNSUPPORTED_OPTIONS.items():
         if key in group and group[key] is not None and bool(group[key]) != accepted:
             raise ValueError(
-                f"{owner}: a parameter group with {key}={group[key]!r} holds expert tensors, which are updated "
-                f"in the backward by AdamW without {key} (only {key}={accepted} is implemented); put the expert "
-                "tensors in a group without it"
+                f"{owner}: a parameter group with {key}={group[key]!r} (its own or the constructor's) holds "
+                f"expert tensors, which are updated in the backward by AdamW without {key} (only "
+                f"{key}={accepted} is implemented); put the expert tensors in a group that sets "
+                f'"{key}": {accepted}'
             )
 
 
-class _Group(dict):
-    """A parameter group that tells its optimizer when a hyperparameter is set (an LR scheduler's
-    ``group["lr"] = ...``), so that the device tensor the kernels read is rewritten at once, and refuses an
-    option the in-backward update does not implement (``group["maximize"] = True``) before it is set."""
-
-    def __setitem__(self, key, value) -> None:
-        before_set = getattr(self, "before_set", None)
-        if before_set is not None and key in ("lr", "betas", "eps", "weight_decay"):
-            before_set(self, key, value)
-        on_option = getattr(self, "on_option", None)
-        if on_option is not None and key in UNSUPPORTED_OPTIONS:
-            on_option(self, {key: value})
-        super().__setitem__(key, value)
-        on_change = getattr(self, "on_change", None)
-        if on_change is not None and key in ("lr", "betas", "eps", "weight_decay"):
-            on_change(self)
-
-
-def _release(entries: list, previous: WeakIdKeyDictionary) -> None:
-    """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor ref, update,
-    hook handle or None]); a tensor it took from an optimizer still alive goes back to that one
+def _release(entries: list, previous: dict) -> None:
+    """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor, update, hook
+    handle or None]); a tensor it took from an optimizer still alive goes back to that one
     (``previous``: tensor -> weak reference to it), so the tensor is never left without its owner."""
-    for ref, update, handle in entries:
+    for param, update, handle in entries:
         if handle is not None:
             handle.remove()
-        param = ref()
-        if param is not None and update_of(param) is update:
+        if update_of(param) is update:
             specs.attach_update(param, None)
             before = previous.get(param)
             before = before() if before is not None else None
@@ -239,10 +234,12 @@ class InBackwardAdamW:
             if self.data_parallel_group is not None
             else None
         )
+        # The per-tensor tables below are keyed by the tensors themselves (identity, as torch.optim's
+        # ``state``), never by weak references: torch.utils.swap_tensors refuses a tensor that has one.
         # Managed tensor -> micro-batch gradients accumulated since the last step(): in its .grad, or in
         # its buffer in _buffers when grad_dtype is not its dtype (.grad must have the tensor's dtype).
-        self._micro = WeakIdKeyDictionary()
-        self._buffers = WeakIdKeyDictionary()
+        self._micro = {}
+        self._buffers = {}
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
                 raise TypeError(
@@ -252,34 +249,37 @@ class InBackwardAdamW:
         self.grad_dtype = grad_dtype
         self.fused_epilogue = bool(fused_epilogue)
         # Managed tensors; those updated since the last step(); their post-accumulate-grad hooks.
-        self._managed = WeakIdKeyDictionary()
-        self._updated = WeakIdKeyDictionary()
-        self._hooked = WeakIdKeyDictionary()
+        self._managed = {}
+        self._updated = {}
+        self._hooked = {}
         # Managed tensor -> squared L2 norm of the gradient of its update in the last step (0 if none,
         # inf if the update was skipped).
-        self._grad_norm_sq = WeakIdKeyDictionary()
+        self._grad_norm_sq = {}
         # Managed tensor -> number of its updates skipped for a non-finite or too large gradient.
-        self._skipped = WeakIdKeyDictionary()
+        self._skipped = {}
         # Managed tensors updated by the Triton epilogue since the last step().
-        self._updated_in_backward = WeakIdKeyDictionary()
+        self._updated_in_backward = {}
         # (parameter group index, device) -> (hyperparameters, [5] float64 tensor on that device) that the
         # kernels read (specs.HYPERPARAMETERS); rewritten when the group's values change.
         self._hyper: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
         # Managed tensor -> the update attached to it.
-        self._updates = WeakIdKeyDictionary()
+        self._updates = {}
         # Reentrant activation checkpointing (a tensor's gradient arrives in a backward and in the backward
         # nested in it): managed tensors used by a forward without a graph since their last update; those
         # whose gradients reaching .grad wait for the end of the running backward; the backward (graph
         # task id) in which such a gradient reached .grad.
-        self._without_graph = WeakIdKeyDictionary()
-        self._held = WeakIdKeyDictionary()
-        self._arrived_in = WeakIdKeyDictionary()
-        # [tensor ref, update, hook handle] of each managed tensor: removed when this optimizer is
+        self._without_graph = {}
+        self._held = {}
+        self._arrived_in = {}
+        # [tensor, update, hook handle] of each managed tensor: removed when this optimizer is
         # garbage-collected (the finalizer holds the list, not the optimizer).
         self._entries: list = []
+        # id -> tensor of every tensor an update of this optimizer was built for (updates name their tensor
+        # by id, see _OwnedUpdate).
+        self._held_by_id: dict[int, torch.Tensor] = {}
         # Managed tensor -> weak reference to the optimizer that owned it before this one (it takes the
         # tensor back when this one is garbage-collected).
-        self._previous = WeakIdKeyDictionary()
+        self._previous = {}
         weakref.finalize(self, _release, self._entries, self._previous)
 
     def _check_managed(self, params) -> None:
@@ -301,32 +301,21 @@ class InBackwardAdamW:
     def _check_may_update(self, p: torch.Tensor) -> None:
         """The checks before a backward updates ``p`` or adds to its gradient, each raising RuntimeError
         before anything is written: not updated since step(), its gradient complete with several ranks,
-        not the backward of a GradScaler-scaled loss."""
+        not the backward of a GradScaler-scaled loss; ValueError for an option of ``p``'s group that the
+        update does not implement. Then ``p``'s group's hyperparameters as they are now are written to the
+        tensor the update reads (a value set since the forward included; :meth:`_check_groups_unchanged`
+        compares them at step())."""
         self._check_not_updated(p)
         self._check_complete([p], RuntimeError)
         loss_scaling.refuse(type(self).__name__)
+        check_group_options(type(self).__name__, self._group_of(p), True)
+        self._hyper_tensor(p)
 
     def _reduces_first(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
         return (
             self._reducer is not None and distributed.layout(p, self.data_parallel_group) == "data-parallel"
         )
-
-    def _watch_group(self, group: dict) -> _Group:
-        """``group`` as a :class:`_Group` that rewrites the hyperparameter tensor when a value is set."""
-        group = group if isinstance(group, _Group) else _Group(group)
-        group.on_change = _weak_call(self, "_on_group_change")
-        group.before_set = _weak_call(self, "_check_hyper_settable")
-        group.on_option = _weak_call(self, "_on_group_option")
-        return group
-
-    def _on_group_option(self, group: dict, option: dict) -> None:
-        check_group_options(type(self).__name__, option, any(p in self._managed for p in group["params"]))
-
-    def _on_group_change(self, group: dict) -> None:
-        for p in group["params"]:
-            if p in self._managed:
-                self._hyper_tensor(p)
 
     def _manage(self, params) -> None:
         """Create the state of ``params`` (already in param_groups), attach their updates (an earlier
@@ -338,17 +327,91 @@ class InBackwardAdamW:
             if previous is not None and previous is not self:
                 previous._let_go(p)
                 self._previous[p] = weakref.ref(previous)
-            moments = self.moments_dtype or p.dtype
-            self.state[p] = {
-                "step": torch.zeros((), dtype=torch.float32, device=p.device),
-                "exp_avg": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
-            }
+            self.state[p] = self._expert_state(p, self.state.get(p, {}))
             self._managed[p] = True
             self._grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
             self._skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
             self._attach(p)
         self._register_hooks()
+
+    def _expert_state(self, p: torch.Tensor, state: dict) -> dict:
+        """The state of ``p`` for its in-backward update: ``state`` (torch.optim.AdamW's keys, from dense
+        steps taken before ``p`` was known as an expert tensor) converted (``step`` a 0-dim float32 tensor
+        on ``p``'s device, the moments on that device in ``moments_dtype``, else their own dtype), or new
+        zeros when it has none."""
+        moments = self.moments_dtype or p.dtype
+        if not all(isinstance(state.get(key), torch.Tensor) for key in ("exp_avg", "exp_avg_sq")):
+            return {
+                "step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, dtype=moments, memory_format=torch.preserve_format),
+            }
+        step = state.get("step", 0.0)
+        converted = {"step": torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(()).clone()}
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = state[key]
+            dtype = self.moments_dtype or (value.dtype if value.dtype in ops.SUPPORTED_DTYPES else p.dtype)
+            converted[key] = torch.empty_like(p, dtype=dtype).copy_(value)
+        return converted
+
+    def claim(self, p: torch.Tensor) -> None:
+        """``p`` is an expert tensor that its experts module is about to run (called at each eager forward
+        by :func:`sonar_kernels.optim.ownership.claim_expert_tensors`): when this optimizer updates it in
+        the backward, rebuild its update if ``p`` was converted since (another dtype or device: its state
+        follows, as if the optimizer had been built after the conversion when no update has run yet); when
+        it holds ``p`` as a dense parameter (SonarAdamW), adopt it.
+
+        Raises:
+            RuntimeError: ``p`` was converted, or has a gradient of a dense backward, between a backward
+                and ``step()``.
+            ValueError, TypeError: ``p``'s parameter group sets an option the update does not implement,
+                or ``p`` is not a tensor the update takes (see :meth:`_check_managed`).
+        """
+        if p in self._managed:
+            update = self._updates.get(p)
+            if update is not None and specs.update_of(p) is update and update.signature == signature(p):
+                return
+            self._rebuild(p)
+            return
+        if specs.update_of(p) is not None or not getattr(self, "adopts_expert_tensors", False):
+            return
+        if not any(q is p for group in self.param_groups for q in group["params"]):
+            return  # a copy of a tensor it holds (a deep-copied model)
+        name = type(self).__name__
+        if p.grad is not None:
+            raise RuntimeError(
+                f"{name}: the expert tensor of shape {tuple(p.shape)} has a gradient from a backward in which it "
+                'was trained as a dense parameter (before its experts module ran "sonar"); call step() or '
+                'zero_grad() before the first forward of the "sonar" experts'
+            )
+        check_group_options(name, self._group_of(p), True)
+        self._check_managed([p])
+        self._manage([p])
+
+    def _rebuild(self, p: torch.Tensor) -> None:
+        """The update of managed ``p`` after a conversion of ``p`` (``module.to(...)``: its dtype or device
+        changed, in place or by torch.utils.swap_tensors, which also drops the attached update): the state
+        moves to ``p``'s device, the moments that had the parameter's dtype take its new one, and a state
+        that no update has advanced yet starts anew (what building the optimizer after the conversion
+        gives)."""
+        name = type(self).__name__
+        if p in self._updated or p in self._micro or p.grad is not None:
+            raise RuntimeError(
+                f"{name}: the expert tensor of shape {tuple(p.shape)} was converted (dtype or device) between a "
+                "backward and step(); convert the model before its forward or after step()"
+            )
+        state = self.state[p]
+        update = self._updates.get(p)
+        before = update.signature[0] if update is not None else p.dtype
+        fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
+        for key in ("exp_avg", "exp_avg_sq"):
+            dtype = self.moments_dtype or (p.dtype if state[key].dtype == before else state[key].dtype)
+            moment = torch.empty_like(p, dtype=dtype)
+            state[key] = moment.zero_() if fresh else moment.copy_(state[key])
+        state["step"] = state["step"].to(p.device)
+        self._grad_norm_sq[p] = self._grad_norm_sq[p].to(p.device)
+        self._skipped[p] = self._skipped[p].to(p.device)
+        self._attach(p)
 
     def _attach(self, p: torch.Tensor) -> None:
         """(Re)build the update of ``p`` from its current state tensors and attach it."""
@@ -362,13 +425,14 @@ class InBackwardAdamW:
         )  # fmt: skip
         old = self._updates.get(p)
         self._updates[p] = update
+        self._held_by_id[id(p)] = p
         specs.attach_update(p, update)
         for entry in self._entries:
-            if entry[1] is old and entry[0]() is p:
+            if entry[1] is old and entry[0] is p:
                 entry[1] = update
                 break
         else:
-            self._entries.append([weakref.ref(p), update, None])
+            self._entries.append([p, update, None])
 
     def _let_go(self, p: torch.Tensor) -> None:
         """A newer optimizer owns ``p`` now: remove this one's hook; ``p`` is no longer updated here in the
@@ -378,7 +442,7 @@ class InBackwardAdamW:
             handle.remove()
         self._managed.pop(p, None)
         self._updates.pop(p, None)
-        self._entries[:] = [entry for entry in self._entries if entry[0]() is not p]
+        self._entries[:] = [entry for entry in self._entries if entry[0] is not p]
 
     def _take_back(self, p: torch.Tensor) -> None:
         """The newer optimizer that took ``p`` was garbage-collected: own it again, with the state kept."""
@@ -392,8 +456,8 @@ class InBackwardAdamW:
         tensors frozen now get theirs at the next step()."""
         this = weakref.ref(self)
         for entry in self._entries:
-            p = entry[0]()
-            if p is not None and p.requires_grad and p not in self._hooked:
+            p = entry[0]
+            if p.requires_grad and p not in self._hooked:
                 entry[2] = self._hooked[p] = p.register_post_accumulate_grad_hook(
                     _apply_accumulated_grad(this)
                 )
@@ -418,9 +482,24 @@ class InBackwardAdamW:
             as_float(group["weight_decay"], "weight_decay"),
         )
 
+    def _torch_hyperparameters(self, group: dict) -> tuple:
+        """(lr, beta1, beta2, eps, weight_decay) of ``group`` as torch.optim.AdamW.step passes them to torch's
+        AdamW: as the group holds them (Python floats or one-element tensors), so that torch's AdamW applied
+        to a managed tensor (the torch backend, a gradient that reached ``.grad``) uses its arithmetic for
+        tensor values, as standard training does."""
+        beta1, beta2 = group["betas"]
+        return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
     def _hyper_tensor(self, p: torch.Tensor) -> torch.Tensor:
         """The [5] float64 tensor on ``p``'s device holding its group's hyperparameters, which the kernels
-        read; written again only when the group's values changed (an LR scheduler's step)."""
+        read. Called when an update of ``p`` is about to run (:meth:`_check_may_update`, also inside a
+        compiled backward); written again only when the group's values changed since (``group[key] = ...``,
+        ``group.update``, a tensor lr filled in place by an LR scheduler).
+
+        The tensor is saved by each forward that uses the group's expert tensors, and the backward of
+        the first layer rewrites it before the later layers' backward unpacks it: the write keeps its
+        version counter, so that autograd does not take it for a modified saved tensor (it is read, never
+        differentiated)."""
         index = self._group_index(p)
         values = self._hyperparameters(self.param_groups[index])
         ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
@@ -428,7 +507,8 @@ class InBackwardAdamW:
         cached = self._hyper.get(key)
         if cached is None or cached[0] != values:
             tensor = cached[1] if cached is not None else torch.empty(5, dtype=torch.float64, device=p.device)
-            tensor.copy_(torch.tensor(values, dtype=torch.float64))
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+                tensor.copy_(torch.tensor(values, dtype=torch.float64))
             self._hyper[key] = (values, tensor)
             return tensor
         return cached[1]
@@ -458,18 +538,39 @@ class InBackwardAdamW:
                 "tensor to torch.optim.AdamW"
             )
 
-    def _check_hyper_settable(self, group: dict, key: str, value) -> None:
-        """Raise before ``group[key] = value`` changes a hyperparameter that an in-backward update of this
-        step already used (set after backward(), before step())."""
-        if key in group and _same_value(group[key], value):
-            return
-        if any(p in self._updated and p in self._managed for p in group["params"]):
-            raise RuntimeError(
-                f"{type(self).__name__}: {key} of a parameter group was set after its expert tensors were updated "
-                "in this step's backward and before step(): their update already used the old value. Set "
-                "hyperparameters after optimizer.step() (an LR scheduler's step() after the optimizer's, as torch "
-                "documents), or before the forward"
-            )
+    def _check_groups_unchanged(self) -> None:
+        """Raise before ``step()`` does anything (RuntimeError; the step is not ended, so it raises again
+        until the value is set back) when a hyperparameter of a group whose expert tensors were updated in
+        this step's backward changed since that update, however it was set (``group[key] = ...``,
+        ``group.update``, a tensor lr filled in place): the update used the old value, and the dense
+        step would use the new one. ValueError when a group holding expert tensors sets an option the
+        update does not implement."""
+        name = type(self).__name__
+        for index, group in enumerate(self.param_groups):
+            managed = [p for p in group["params"] if p in self._managed]
+            if not managed:
+                continue
+            check_group_options(name, group, True)
+            keys = {(index, p.device) for p in managed if p in self._updated} & self._hyper.keys()
+            if not keys:
+                continue
+            values = self._hyperparameters(group)
+            for before in {self._hyper[key][0] for key in keys}:
+                changed = [
+                    (key, old, new)
+                    for key, old, new in zip(specs.HYPERPARAMETERS, before, values, strict=True)
+                    if old != new
+                ]
+                if changed:
+                    details = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changed)
+                    raise RuntimeError(
+                        f"{name}: {changed[0][0]} of parameter group {index} changed after its expert tensors were "
+                        f"updated in this step's backward and before step() ({details}): their update already "
+                        "used the old value, where torch.optim.AdamW takes the new one in this step (as this step() "
+                        "would for the dense parameters); nothing was changed. Set the value back and call step(); "
+                        "set hyperparameters after optimizer.step() (an LR scheduler's step() after the optimizer's, "
+                        "as torch documents) or before the backward"
+                    )
 
     def _accumulating(self, p: torch.Tensor) -> bool:
         """Whether this backward's gradient of ``p`` goes into ``p.grad`` (micro-batches 1 .. k-1 of
@@ -548,7 +649,7 @@ class InBackwardAdamW:
         foreach, fused = self._torch_adamw_flags(group, p)
         state = self.state[p]
         ops.torch_adamw_(
-            p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self._hyperparameters(group),
+            p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], self._torch_hyperparameters(group),
             self._grad_norm_sq[p], self._skipped[p], foreach=foreach, fused=fused,
         )  # fmt: skip
         p.grad = None
@@ -691,9 +792,15 @@ class InBackwardAdamW:
         fused = p.device.type == "cuda"
         return False, fused
 
+    @torch.compiler.disable
     def _run_closure_and_end_step(self, closure):
-        """Run ``closure`` (with grad enabled, as torch.optim does) if given, then :meth:`_end_step`, also
-        when the closure raises. Returns the closure's loss or None."""
+        """Check the groups (:meth:`_check_groups_unchanged`), run ``closure`` (with grad enabled, as
+        torch.optim does) if given, then :meth:`_end_step`, also when the closure raises. Returns the
+        closure's loss or None.
+
+        Eager also under ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe): per-tensor
+        bookkeeping and hooks, no tensor math to compile (a closure runs eagerly there)."""
+        self._check_groups_unchanged()
         try:
             if closure is None:
                 return None
@@ -726,10 +833,10 @@ class InBackwardAdamW:
                     self._grad_norm_sq[p].zero_()  # no gradient this step: it counts as 0
         finally:
             # The step ends even when a gradient above was refused (a tensor updated twice).
-            self._updated = WeakIdKeyDictionary()
-            self._updated_in_backward = WeakIdKeyDictionary()
-            self._micro = WeakIdKeyDictionary()
-            self._buffers = WeakIdKeyDictionary()
+            self._updated = {}
+            self._updated_in_backward = {}
+            self._micro = {}
+            self._buffers = {}
             self._register_hooks()
 
     def __deepcopy__(self, memo):
@@ -749,9 +856,9 @@ class InBackwardAdamW:
         micro-batches counted towards ``accumulation_steps`` are forgotten with their gradient (the
         buffers of ``grad_dtype`` are released, or zeroed with ``set_to_none=False``, like ``.grad``)."""
         super().zero_grad(set_to_none)
-        self._micro = WeakIdKeyDictionary()
+        self._micro = {}
         if set_to_none:
-            self._buffers = WeakIdKeyDictionary()
+            self._buffers = {}
         else:
             for buffer in self._buffers.values():
                 buffer.zero_()
@@ -777,10 +884,11 @@ class InBackwardAdamW:
         their ``step`` becomes a float32 tensor on the parameter's device (the kernels read it there).
 
         Raises:
-            ValueError: a group with amsgrad, maximize, capturable, differentiable, or non-decoupled
-                weight decay (Adam), which these optimizers do not implement, or hyperparameters outside
-                their ranges; a parameter state without moments, or moments whose shape is not the
-                parameter's.
+            ValueError: a group holding expert tensors with amsgrad, maximize, capturable, differentiable,
+                or non-decoupled weight decay (Adam), which the in-backward update does not implement, or
+                hyperparameters outside their ranges (groups of dense parameters only load whatever
+                torch.optim.AdamW loads); another number of groups; a parameter state without moments, or
+                moments whose shape is not the parameter's.
             RuntimeError: called after a backward that updated expert tensors and before ``step()``.
         """
         if any(p in self._managed for p in self._updated):
@@ -791,20 +899,14 @@ class InBackwardAdamW:
             )
         saved_groups = state_dict["param_groups"]
         saved_state = state_dict["state"]
-        for group in saved_groups:
-            for key, unsupported in (
-                ("amsgrad", True),
-                ("maximize", True),
-                ("decoupled_weight_decay", False),
-                ("capturable", True),
-                ("differentiable", True),
-            ):
-                if key in group and bool(group[key]) == unsupported:
-                    raise ValueError(
-                        f"cannot load a state_dict with {key}={group[key]}: {type(self).__name__} implements AdamW "
-                        "without amsgrad, maximize, capturable and differentiable"
-                    )
-            ops.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError("loaded state dict has a different number of parameter groups")  # torch's words
+        # A group that holds expert tensors: only the options and ranges the in-backward update implements;
+        # any other group loads as into torch.optim.AdamW.
+        for group, own in zip(saved_groups, self.param_groups, strict=True):
+            if any(p in self._managed for p in own["params"]):
+                check_group_options(f"{type(self).__name__}.load_state_dict", group, True)
+                ops.check_hyperparameters(group["lr"], group["betas"], group["eps"], group["weight_decay"])
         ids = [i for g in saved_groups for i in g["params"]]
         params = [p for g in self.param_groups for p in g["params"]]
         if len(ids) != len(params):
@@ -822,8 +924,7 @@ class InBackwardAdamW:
                         f"{key} of parameter {param_id} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
                     )
         super().load_state_dict(state_dict)
-        # torch's load_state_dict builds new group dicts: watch them again.
-        self.param_groups[:] = [self._watch_group(group) for group in self.param_groups]
+        # torch's load_state_dict builds new group dicts: new hyperparameter tensors below (_attach).
         self._hyper = {}
         # The managed tensors' state: what the kernels read (torch's policy is kept for the others).
         for param_id, p in zip(ids, params, strict=True):
@@ -855,12 +956,6 @@ class InBackwardAdamW:
 _KNOWN_HOOK_MODULES = (__name__, "torch.distributed._tools.")
 
 
-def _same_value(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a is b
-    return a == b
-
-
 def _weak_call(obj, method: str, *bound):
     """A callable that calls ``obj.<method>(*bound, *args)`` while ``obj`` lives, holding it weakly."""
     ref = weakref.ref(obj)
@@ -879,4 +974,12 @@ def _apply_accumulated_grad(optimizer_ref):
         if optimizer is not None and p.grad is not None:
             optimizer._on_grad_accumulated(p)
 
+    # The hook outlives the tensor's attributes (torch.utils.swap_tensors swaps them away, not the hooks):
+    # ownership.owner_of finds the owner through it.
+    hook.sonar_optimizer = optimizer_ref
     return hook
+
+
+def signature(t: torch.Tensor) -> tuple:
+    """(dtype, device, shape) of ``t``: what a module conversion (``module.to(...)``) changes."""
+    return (t.dtype, t.device, tuple(t.shape))

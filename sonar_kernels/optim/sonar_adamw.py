@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _get_scalar_dtype
 
 from sonar_kernels import ops, specs
-from sonar_kernels.optim import distributed
+from sonar_kernels.optim import distributed, ownership
 from sonar_kernels.optim.in_backward import (
     InBackwardAdamW,
     check_group_options,
@@ -53,9 +56,25 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     AdamW have no such input, so ``step()`` reads the decision on the host there (one sync per step on
     a GPU).
 
+    Loss scaling of dense-only models: with fused=True, ``step()`` takes the ``grad_scale`` and
+    ``found_inf`` attributes that ``torch.amp.GradScaler.step`` (or the caller) sets, as torch's fused
+    AdamW does: the step is skipped when the caller's ``found_inf`` is 1 or this optimizer finds a
+    non-finite gradient (measured on the unscaled gradient), the attributes are left as they were, and a
+    skipped step counts in ``dense_skipped_steps``. With ``max_grad_norm`` the gradients are unscaled
+    first, as ``GradScaler.unscale_`` does, so that the clipping sees the true norm. The backward of a
+    scaled loss through expert tensors stays refused (see ExpertAdamW).
+
     Args:
-        params_or_model: an nn.Module (its parameters, in order) or parameters / parameter groups.
-        lr, betas, eps, weight_decay: as torch.optim.AdamW (decoupled weight decay).
+        params: an nn.Module (its parameters, in order) or parameters / parameter groups.
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach, capturable, differentiable, fused:
+            torch.optim.AdamW's arguments, in its order and with its defaults and checks (the same
+            exception types and messages). A group of dense parameters only takes each of them as
+            torch.optim.AdamW does; a group that holds expert tensors refuses amsgrad, maximize,
+            capturable, differentiable (and decoupled_weight_decay=False), which the in-backward update
+            does not implement, with a ValueError naming the option (a group dict may set them off for
+            the expert tensors while the constructor sets them for the others). A tensor lr or tensor
+            betas get torch's arithmetic for tensors where torch's AdamW updates an expert tensor (torch
+            backend); the Triton kernels read their values.
         max_grad_norm: clip the dense parameters' gradients to this global L2 norm in ``step()`` (as
             ``torch.nn.utils.clip_grad_norm_``); None: no clipping. The norm before clipping is kept in
             ``last_dense_grad_norm``.
@@ -63,8 +82,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
-        foreach, fused: torch.optim.AdamW's flags, with its defaults; they also pick the torch AdamW path
-            of expert tensors updated outside the Triton kernels.
+            foreach and fused also pick the torch AdamW path of expert tensors updated outside the Triton
+            kernels.
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
             ExpertAdamW (with accumulation_steps=k, call ``step()`` once per k backward passes, as for
             standard accumulation).
@@ -74,7 +93,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             ``DistributedDataParallel(model)`` wraps the module (DDP reduces the dense parameters; their
             clipping and update are torch's, in ``step()``).
     Raises:
-        ValueError: a hyperparameter outside its range (max_grad_norm must be a finite float > 0), a
+        ValueError, TypeError, RuntimeError, IndexError: what torch.optim.AdamW raises for its own bad
+            arguments.
+        ValueError: a hyperparameter of a group holding expert tensors outside its range (finite
+            values; a tensor must be a one-element CPU tensor), max_grad_norm not a finite float > 0, a
             non-dense expert tensor; a group holding expert tensors with maximize, amsgrad, capturable,
             differentiable or decoupled_weight_decay=False; a DistributedDataParallel-wrapped model whose
             reducer holds expert tensors; with more than one rank, an expert tensor that is neither
@@ -82,17 +104,26 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         TypeError: an expert tensor of an unsupported dtype.
     """
 
+    # Experts modules hand over the expert tensors it holds as dense ones (InBackwardAdamW.claim).
+    adopts_expert_tensors = True
+    # Whether step() warned that no expert tensor is updated in the backward (once per optimizer).
+    _warned_no_experts = False
+
     def __init__(
         self,
-        params_or_model,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
+        params,
+        lr: float | torch.Tensor = 1e-3,
+        betas: tuple[float | torch.Tensor, float | torch.Tensor] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        amsgrad: bool = False,
         *,
-        max_grad_norm: float | None = None,
+        maximize: bool = False,
         foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
         fused: bool | None = None,
+        max_grad_norm: float | None = None,
         moments_dtype: torch.dtype | None = None,
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
@@ -100,7 +131,14 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         clip_norm_includes_experts: bool = False,
         data_parallel_group=None,
     ):
-        ops.check_hyperparameters(lr, betas, eps, weight_decay)
+        # lr, betas, eps and weight_decay are checked by torch.optim.AdamW's own __init__ (below, before any
+        # group is added: its exception types and messages), and again for the expert tensors' groups. Its
+        # two checks that come after the groups are made first, so that they precede a refusal of an expert
+        # group as they precede everything for torch.optim.AdamW (torch.optim.Adam.__init__'s words).
+        if fused and differentiable:
+            raise RuntimeError("`fused` does not support `differentiable`")
+        if fused and foreach:
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if max_grad_norm is not None and (
             isinstance(max_grad_norm, bool)
             or not isinstance(max_grad_norm, (int, float))
@@ -118,12 +156,12 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self._init_in_backward(
             moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group
         )
-        params = params_or_model
-        if isinstance(params_or_model, nn.Module):
+        if isinstance(params, nn.Module):
+            model = params
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
             # transformers experts modules running the "sonar" implementation are found by their config.
             other = set()
-            for module in params_or_model.modules():
+            for module in model.modules():
                 if (tensors := specs.expert_tensors_of(module)) is not None:
                     mark_expert_tensors(*tensors)
                 elif specs.is_experts_module(module):
@@ -131,15 +169,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             if other:
                 warnings.warn(
                     f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
-                    '"sonar": their tensors are dense parameters here (clipped and updated in step()). Switch '
-                    'them first (model.set_experts_implementation("sonar")), then build the optimizer.',
+                    '"sonar": their tensors are trained as dense parameters (clipped and updated in step()) '
+                    'unless the model is switched (model.set_experts_implementation("sonar")) before its next '
+                    "forward, which hands them to this optimizer.",
                     stacklevel=2,
                 )
-            experts = [p for p in params_or_model.parameters() if is_expert_tensor(p)]
-            if not experts and _selects_sonar(params_or_model):
+            experts = [p for p in model.parameters() if is_expert_tensor(p)]
+            if not experts and _selects_sonar(model):
                 # The config asks for "sonar", but no experts module dispatches through transformers'
                 # ExpertsInterface (e.g. JetMoe in transformers 5.24): nothing runs the kernels.
-                batched = [name for name, p in params_or_model.named_parameters() if p.dim() == 3]
+                batched = [name for name, p in model.named_parameters() if p.dim() == 3]
                 warnings.warn(
                     'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
                     "dispatches through transformers' ExpertsInterface, so no expert tensor is updated in the "
@@ -147,17 +186,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     f"{' ...' if len(batched) > 4 else ''}. The sonar kernels do not run in this model.",
                     stacklevel=2,
                 )
-            if (
-                isinstance(params_or_model, distributed.ddp_class())
-                or self.data_parallel_group is not None
-                or any(specs.expert_parallel_group(p) is not None for p in experts)
-            ):
-                # Before any state exists: a DDP reducer that holds the experts is refused here.
-                distributed.exclude_from_ddp(params_or_model, experts)
-            params = params_or_model.parameters()
+            if experts:
+                # Before any state exists: a DDP reducer that holds the experts is refused here, and a DDP
+                # that wraps the module later leaves them alone (no zero .grad of its own on them).
+                distributed.exclude_from_ddp(model, experts)
+            params = model.parameters()
+        # torch.optim.AdamW's options apply as torch applies them; add_param_group refuses those the
+        # in-backward update does not implement for a group that holds expert tensors.
         super().__init__(
-            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=False, maximize=False,
-            foreach=foreach, capturable=False, differentiable=False, fused=fused,
+            params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
+            foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
         )  # fmt: skip
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
@@ -168,13 +206,22 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         in-backward update (state created now)."""
         params = param_group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params)
-        # A generator is consumed once, here; the group tells this optimizer when a hyperparameter changes.
-        param_group = self._watch_group({**param_group, "params": params})
-        experts = [p for p in params if is_expert_tensor(p)]
-        check_group_options(type(self).__name__, param_group, bool(experts))
+        # A generator is consumed once, here. A plain dict (torch.compile traces no dict subclass in
+        # param_groups): the backward reads the group when it runs, step() checks it (InBackwardAdamW).
+        param_group = {**param_group, "params": params}
+        # Named parameters ((name, tensor) pairs, as torch.optim takes them) are tensors with their names.
+        tensors = [p[1] if isinstance(p, tuple) else p for p in params]
+        if any(isinstance(p, DTensor) for p in tensors):
+            ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
+        experts = [p for p in tensors if is_expert_tensor(p)]
+        # The options the group will have: its own, else the constructor's (torch fills them in below).
+        check_group_options(type(self).__name__, {**self.defaults, **param_group}, bool(experts))
         self._check_managed(experts)
         super().add_param_group(param_group)
         self._manage(experts)
+        # An experts module that finds one of these tensors at its forward hands it over (ownership.py).
+        for p in tensors:
+            specs.set_holder(p, self)
 
     def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
         # The flags torch.optim.AdamW.step would use for this group: the same arithmetic as standard training.
@@ -184,6 +231,23 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         """The parameters updated by ``step()`` (not in the backward), in param_groups order."""
         return [p for group in self.param_groups for p in group["params"] if p not in self._managed]
 
+    def state_dict(self) -> dict:
+        """As InBackwardAdamW.state_dict, with the state torch.optim.AdamW creates at a parameter's first
+        step (``step`` 0, zero moments) for each dense parameter that requires grad and has none yet, so
+        that a checkpoint holds every parameter from the start and resuming from it equals not stopping.
+
+        torch.distributed.checkpoint.state_dict.get_optimizer_state_dict fills an optimizer's empty state
+        by a step with zero gradients and lr 0 (which advances ``step``); this optimizer's state is never
+        empty (its expert tensors' exists from the start), and set_optimizer_state_dict wants a state for
+        every parameter that requires grad."""
+        saved = super().state_dict()
+        ids = [i for group in saved["param_groups"] for i in group["params"]]
+        owned = [(p, group) for group in self.param_groups for p in group["params"]]
+        for param_id, (p, group) in zip(ids, owned, strict=True):
+            if param_id not in saved["state"] and p.requires_grad and p not in self._managed:
+                saved["state"][param_id] = _initial_dense_state(p, group)
+        return saved
+
     @torch.no_grad()
     def step(self, closure=None):
         """Clip the dense parameters' gradients (``max_grad_norm``) and apply torch.optim.AdamW to them.
@@ -191,13 +255,41 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         The expert tensors were updated in the backward; a gradient found on one (it had
         requires_grad=False when the optimizer was built) is applied here, once, unclipped.
 
+        With fused=True the ``grad_scale`` and ``found_inf`` attributes that ``torch.amp.GradScaler.step``
+        sets are honoured as torch's fused AdamW honours them, and left in place (see the class docstring).
+
+        Compiles with ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe): the dense
+        clipping and AdamW are traced, the expert tensors' bookkeeping (and a closure) runs eagerly.
+
         Args:
             closure: optional, re-evaluates the model and returns the loss.
         Returns:
             The closure's loss, or None.
+        Raises:
+            RuntimeError: before anything changes (the step does not end), when a hyperparameter of a group
+                whose expert tensors were updated in this step's backward changed since that update (set
+                back, it steps): the update used the old value, the dense step would use the new one.
+            ValueError: a group holding expert tensors sets maximize, amsgrad, capturable, differentiable or
+                decoupled_weight_decay=False.
         """
         loss = self._run_closure_and_end_step(closure)
+        if not self._managed and not self._warned_no_experts and not torch.compiler.is_compiling():
+            self._warned_no_experts = True
+            warnings.warn(
+                f"{type(self).__name__} updates no expert tensor in the backward: none of its parameters belongs "
+                'to an experts module running experts_implementation "sonar" (SonarExperts, a transformers '
+                'model switched to "sonar", torchtitan\'s SonarGroupedExperts), so it trains every parameter as '
+                "torch.optim.AdamW does, with no memory saved (README, Ownership)",
+                stacklevel=2,
+            )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
+        # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
+        # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
+        grad_scale = getattr(self, "grad_scale", None)
+        caller_found_inf = getattr(self, "found_inf", None)
+        if grad_scale is not None and self.max_grad_norm is not None and dense:
+            _unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
+            grad_scale = None
         norm = None
         if self.max_grad_norm is not None:
             if self.clip_norm_includes_experts:
@@ -211,24 +303,45 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 self.last_dense_grad_norm = norm
         if not dense:
             return loss
-        found = _found_inf(dense, norm).to(self.dense_skipped_steps.device)
-        # torch.optim.AdamW's own step, unwrapped: Optimizer hooks wrap it once another AdamW exists, and
-        # they already ran around this step().
+        found = _found_inf(dense, norm, grad_scale).to(self.dense_skipped_steps.device)
+        # torch.optim.AdamW's own step without the hooks Optimizer wraps it in (they already ran around this
+        # step()); its own wrapper, which sets the grad mode for differentiable, stays.
         adamw_step = torch.optim.AdamW.step
-        adamw_step = getattr(adamw_step, "__wrapped__", adamw_step)
+        if getattr(adamw_step, "hooked", False):
+            adamw_step = adamw_step.__wrapped__
         if all(
             group["fused"] for group in self.param_groups if any(p.grad is not None for p in group["params"])
         ):
-            # torch's fused AdamW skips every parameter (step included) when found_inf is 1.
-            self.found_inf = found.float()
-            try:
+            # torch's fused AdamW skips every parameter (step included) when found_inf is 1: the caller's
+            # value, or 1 when this optimizer found a non-finite gradient.
+            combined = found.float()
+            if caller_found_inf is not None:
+                combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
+            with _attributes(self, found_inf=combined, grad_scale=grad_scale):
                 adamw_step(self)
-            finally:
-                del self.found_inf
-        elif not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
-            adamw_step(self)
-        self.dense_skipped_steps += found.long()
+            skipped = (combined == 1).to(found.device)
+        else:
+            if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
+                adamw_step(self)
+            skipped = found
+        self.dense_skipped_steps += skipped.long()
         return loss
+
+
+def _initial_dense_state(p: torch.Tensor, group: dict) -> dict:
+    """The state torch.optim.AdamW creates for ``p`` at its first step (torch/optim/adam.py,
+    Adam._init_group): ``step`` on the parameter's device when fused or capturable, else on the CPU."""
+    on_device = bool(group.get("capturable")) or bool(group.get("fused"))
+    state = {
+        "step": torch.zeros(
+            (), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device if on_device else "cpu"
+        ),
+        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+    }
+    if group.get("amsgrad"):
+        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return state
 
 
 def _selects_sonar(model: nn.Module) -> bool:
@@ -239,10 +352,46 @@ def _selects_sonar(model: nn.Module) -> bool:
     )
 
 
-def _found_inf(params: list[torch.Tensor], norm: torch.Tensor | None) -> torch.Tensor:
-    """A 0-dim bool tensor on the first parameter's device: True when a gradient of ``params`` has an entry
-    that is NaN, infinite, or beyond ``ops.grad_limit`` of the parameter's dtype (torch.optim.AdamW keeps
-    the moments in it), or when ``norm`` is given and not finite."""
+@contextlib.contextmanager
+def _attributes(obj, **values):
+    """Set the attributes ``values`` of ``obj`` for the block, then restore those it had and remove the
+    others (the caller's ``found_inf`` and ``grad_scale`` stay theirs: GradScaler deletes them itself)."""
+    missing = object()
+    saved = {name: getattr(obj, name, missing) for name in values}
+    for name, value in values.items():
+        setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is missing:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, value)
+
+
+def _unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
+    """Divide ``grads`` by ``grad_scale`` in place exactly as ``torch.amp.GradScaler.unscale_`` does (a
+    multiplication by the float32 reciprocal computed in float64)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, device_grads in by_device.items():
+        inv_scale = grad_scale.double().reciprocal().float().to(device)
+        found = torch.zeros(1, dtype=torch.float32, device=device)  # the caller's found_inf decides
+        for dtype in {g.dtype for g in device_grads}:
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                [g for g in device_grads if g.dtype == dtype], found, inv_scale
+            )
+
+
+def _found_inf(
+    params: list[torch.Tensor], norm: torch.Tensor | None, grad_scale: torch.Tensor | None = None
+) -> torch.Tensor:
+    """A 0-dim bool tensor on the first parameter's device: True when a gradient of ``params`` (divided by
+    ``grad_scale`` when given) has an entry that is NaN, infinite, or beyond ``ops.grad_limit`` of the
+    parameter's dtype (torch.optim.AdamW keeps the moments in it), or when ``norm`` is given and not
+    finite."""
     device = params[0].grad.device
     found = torch.zeros((), dtype=torch.bool, device=device)
     groups: dict[tuple, list[torch.Tensor]] = {}
@@ -251,7 +400,10 @@ def _found_inf(params: list[torch.Tensor], norm: torch.Tensor | None) -> torch.T
     for (_, dtype), grads in groups.items():
         # A DTensor gradient (FSDP2's shard) is reduced over its mesh.
         largest = torch.stack([ops.whole(n).float() for n in torch._foreach_norm(grads, float("inf"))]).amax()
-        found |= (~(largest <= ops.grad_limit(dtype))).to(device)
+        limit = ops.grad_limit(dtype)
+        if grad_scale is not None:
+            limit = grad_scale.to(largest.device, torch.float64) * limit
+        found |= (~(largest <= limit)).to(device)
     if norm is not None:
         found |= ~torch.isfinite(ops.whole(norm)).to(device)
     return found

@@ -11,11 +11,13 @@ import os
 import statistics
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import torch
 
 from sonar_kernels.ops.validation import resolve_backend
+from sonar_kernels.optim import UnownedExpertsWarning
 from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
@@ -173,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     args.run_dir = None
+    # The standard arms train the "sonar" experts with torch.optim.AdamW on purpose (the baseline).
+    warnings.filterwarnings("ignore", category=UnownedExpertsWarning)
     try:
         distributed.setup(args)  # under torchrun: one rank of a data-parallel run
         return _run(args)

@@ -1,0 +1,163 @@
+"""Expert identity however the optimizer and the model were built (README "Ownership").
+
+The rule: the tensors of an experts module running "sonar" (SonarExperts, a transformers experts module
+switched to "sonar", torchtitan's SonarGroupedExperts) are expert tensors, and a SonarAdamW that holds
+one among its parameters updates it in the backward, whatever list, generator or groups it was given and
+whenever the module's Parameter objects were replaced. Where that cannot hold, an error says so before
+any update; an optimizer that trains expert tensors without owning them is named in a warning.
+
+How the optimizer learns which of its parameters are expert tensors:
+
+- the modules mark their tensors (:func:`sonar_kernels.specs.mark_expert_tensors`) when they get them
+  and at every eager forward (:func:`claim_expert_tensors`);
+- SonarAdamW tags every tensor it holds (:func:`sonar_kernels.specs.set_holder`); at its forward, an
+  experts module hands each unowned tensor to the SonarAdamW that holds it (:func:`claim_expert_tensors`),
+  which adopts it before the backward runs, or refuses it with an error (an option its update does not
+  implement, a gradient already accumulated as a dense one). That covers tensors replaced after their
+  module marked them and before the optimizer was built: meta-device init and ``to_empty()``, conversions
+  that overwrite parameters, ``load_state_dict(assign=True)`` of transformers modules;
+- FSDP2 runs the forward on unsharded tensors, not the sharded parameters the optimizer holds: the
+  optimizer marks the expert tensors of the FSDP2 modules when it is given DTensors
+  (:func:`mark_fsdp_expert_tensors`);
+- a conversion in swap mode (``torch.utils.swap_tensors``: DTensor and tensor-subclass parameters, or
+  ``torch.__future__.set_swap_module_params_on_conversion(True)``) keeps the Parameter object and drops its
+  attributes, but not its hooks: the owner is found through its post-accumulate-grad hook, and the update
+  is rebuilt for the tensor's new dtype and device (:meth:`InBackwardAdamW.claim`).
+
+Nothing here is a table keyed by tensors: the links are attributes and hooks of the tensors, and the
+optimizer's own ``param_groups``.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from sonar_kernels import specs
+
+__all__ = [
+    "UnownedExpertsWarning",
+    "claim_expert_tensors",
+    "mark_fsdp_expert_tensors",
+    "owner_of",
+    "warn_unowned_experts",
+]
+
+
+class UnownedExpertsWarning(UserWarning):
+    """An optimizer trains expert tensors of experts running "sonar" as dense parameters (no in-backward
+    optimizer owns them). Filter this category where that is deliberate (a standard-training baseline)."""
+
+
+# The attribute of an optimizer that says it was checked by warn_unowned_experts.
+_CHECKED = "_sonar_checked_experts"
+
+
+def owner_of(t: torch.Tensor):
+    """The live in-backward optimizer that owns ``t`` (its update), holds it (its tag), or whose
+    post-accumulate-grad hook it carries (a swap dropped the tensor's attributes); None otherwise."""
+    update = specs.update_of(t)
+    owner = getattr(update, "optimizer", None)
+    if owner is not None:
+        return owner
+    owner = specs.holder_of(t)
+    if owner is not None:
+        return owner
+    for hook in (getattr(t, "_post_accumulate_grad_hooks", None) or {}).values():
+        ref = getattr(hook, "sonar_optimizer", None)
+        if ref is not None and ref() is not None:
+            return ref()
+    return None
+
+
+def claim_expert_tensors(*tensors: torch.Tensor | None) -> None:
+    """Called by an experts module running "sonar" at each forward, with the expert tensors it holds
+    (None entries are skipped): marks them, and hands each to its owner's :meth:`claim` (the optimizer
+    adopts a tensor it held as dense, and rebuilds the update of one converted since). Eager mode only:
+    under torch.compile the ownership of the eager steps (or of the optimizer's construction) holds.
+
+    Raises:
+        ValueError, TypeError, RuntimeError: the optimizer that holds a tensor cannot update it in the
+            backward (its message names why); raised before anything is updated.
+    """
+    if torch.compiler.is_compiling():
+        return
+    _install_step_check()
+    for t in tensors:
+        if t is None:
+            continue
+        if not specs.is_expert_tensor(t):
+            specs.mark_expert_tensors(t)
+        owner = owner_of(t)
+        if owner is not None:
+            owner.claim(t)
+
+
+def mark_fsdp_expert_tensors() -> None:
+    """Mark the expert tensors of the experts modules under FSDP2 (``fully_shard``): outside the forward
+    those modules hold the sharded parameters that an optimizer is given, and they lost the mark of the
+    tensors they replaced. Reads FSDP2's registry of the modules it manages."""
+    try:
+        from torch.distributed._composable_state import _module_state_mapping
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2
+        return
+    for root in list(_module_state_mapping.keys()):
+        if not isinstance(root, FSDPModule):
+            continue
+        for module in root.modules():
+            tensors = specs.expert_tensors_of(module)
+            if tensors is not None:
+                specs.mark_expert_tensors(*tensors)
+
+
+def warn_unowned_experts(optimizer) -> None:
+    """Warn once per optimizer when its first step trains expert tensors (marked, with a gradient) that no
+    in-backward optimizer owns: torch.optim.AdamW, transformers.Trainer's default optimizer, any other
+    optimizer over a model whose experts run "sonar". torch.optim's global step pre-hook, installed at
+    the first forward of an experts module."""
+    if torch.compiler.is_compiling() or getattr(optimizer, _CHECKED, False):
+        return
+    setattr(optimizer, _CHECKED, True)
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(_is_dtensor(p) for p in params):
+        mark_fsdp_expert_tensors()
+    unowned = [
+        p
+        for p in params
+        if p.grad is not None
+        and specs.is_expert_tensor(p)
+        and getattr(specs.update_of(p), "optimizer", None) is None
+    ]
+    if unowned:
+        warnings.warn(
+            f"{type(optimizer).__name__} trains {len(unowned)} expert tensor(s) of experts running "
+            '"sonar" as dense parameters: no in-backward optimizer owns them, so their gradients are kept in '
+            ".grad (no memory saved) and any gradient clipping includes them. Build "
+            "sonar_kernels.SonarAdamW over the model (or its parameters) to update them in the backward "
+            "(README, Ownership).",
+            UnownedExpertsWarning,
+            stacklevel=3,
+        )
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+_installed = []
+
+
+def _install_step_check() -> None:
+    """Register :func:`warn_unowned_experts` as torch.optim's global step pre-hook, once per process."""
+    if _installed:
+        return
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    def check(optimizer, args, kwargs):
+        warn_unowned_experts(optimizer)
+
+    _installed.append(register_optimizer_step_pre_hook(check))
