@@ -105,8 +105,9 @@ class ExpertUpdate:
         exp_avg, exp_avg_sq: the moments, the tensor's shape and strides; float32/bfloat16/float16.
         step: [] float32 on the tensor's device, advanced on the device by each applied update.
         hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
-            (``HYPERPARAMETERS``), read by the kernels when they run, so that a scheduler's change
-            reaches compiled and CUDA-graph-captured steps. Shared by the tensors of a parameter group.
+            (``HYPERPARAMETERS``), read by the kernels when they run and rewritten by the owner from the
+            parameter group just before each update, so that a scheduler's change reaches compiled steps.
+            Shared by the tensors of a parameter group.
         grad_norm_sq: [] float32, receives the squared L2 norm of each update's gradient (inf when the
             update was skipped for a non-finite gradient).
         skipped: [] int64, counts the updates skipped for a non-finite or too large gradient.

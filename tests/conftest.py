@@ -1,6 +1,8 @@
 """Test set-up: the Triton interpreter on CPU-only machines, NaN-filled launcher buffers, seeding."""
 
+import datetime
 import os
+import socket
 
 # pytest-xdist workers (`make test` runs one per core) and the gloo ranks the tests spawn share the
 # cores: OpenMP threads that wait passively instead of spinning leave them to the other processes (the
@@ -52,3 +54,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def one_rank_mesh():
+    """A one-rank gloo process group (a free port, a short timeout) and its CPU DeviceMesh, destroyed after
+    the test."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -7,13 +7,11 @@ same parameter groups and dense-only clipping.
 """
 
 import copy
-import datetime
-import os
-import socket
 import warnings
 
 import pytest
 import torch
+from test_ownership import Tiny
 
 import sonar_kernels
 from sonar_kernels import specs
@@ -21,21 +19,6 @@ from sonar_kernels import specs
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 BACKENDS = ["torch", "triton"]
 EXPERT_NAMES = ("gate_up_proj", "down_proj")
-
-
-class Tiny(torch.nn.Module):
-    """A router, SonarExperts and a dense head."""
-
-    def __init__(self, seed=0, backend="torch"):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.router = torch.nn.Linear(16, 4)
-        self.experts = sonar_kernels.SonarExperts(4, 16, 8, backend=backend)
-        self.head = torch.nn.Linear(16, 16)
-
-    def forward(self, x):
-        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
-        return self.head(self.experts(x, index, weights.to(x.dtype)))
 
 
 def _batch(step, dtype=torch.float32):
@@ -226,23 +209,6 @@ def test_experts_switched_to_sonar_after_a_dense_backward_are_refused_until_step
     _train_lm(model, optimizer, steps=1)  # adopted at this forward, with the state of that step
     assert len(optimizer.expert_tensors) == 4
     assert all(float(optimizer.state[p]["step"]) == 2.0 for p in optimizer.expert_tensors)
-
-
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo process group and its CPU DeviceMesh, destroyed after the test."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(120)

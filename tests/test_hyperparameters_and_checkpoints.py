@@ -266,18 +266,19 @@ def test_a_distributed_checkpoint_round_trip_resumes_bitwise(backend, stop_at):
     # torch.distributed.checkpoint.state_dict (no process group needed): a checkpoint taken before the
     # first step() too holds every parameter's state, and resuming equals not stopping.
     steps = 3
+
+    def train(model, optimizer, batches):
+        for i in batches:
+            _loss(model, i).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
     uninterrupted = TwoLayers(backend)
     optimizer = sonar_kernels.SonarAdamW(uninterrupted, lr=LR, max_grad_norm=1.0, **HYPER)
-    for i in range(steps):
-        _loss(uninterrupted, i).backward()
-        optimizer.step()
-        optimizer.zero_grad()
+    train(uninterrupted, optimizer, range(steps))
     first = TwoLayers(backend)
     first_optimizer = sonar_kernels.SonarAdamW(first, lr=LR, max_grad_norm=1.0, **HYPER)
-    for i in range(stop_at):
-        _loss(first, i).backward()
-        first_optimizer.step()
-        first_optimizer.zero_grad()
+    train(first, first_optimizer, range(stop_at))
     saved_model = _state_bytes(get_model_state_dict(first))
     saved_optimizer = _state_bytes(get_optimizer_state_dict(first, first_optimizer))
     assert set(saved_optimizer["state"]) == {name for name, _ in first.named_parameters()}
@@ -285,10 +286,7 @@ def test_a_distributed_checkpoint_round_trip_resumes_bitwise(backend, stop_at):
     resumed_optimizer = sonar_kernels.SonarAdamW(resumed, lr=LR, max_grad_norm=1.0, **HYPER)
     set_model_state_dict(resumed, saved_model)
     set_optimizer_state_dict(resumed, resumed_optimizer, saved_optimizer)
-    for i in range(stop_at, steps):
-        _loss(resumed, i).backward()
-        resumed_optimizer.step()
-        resumed_optimizer.zero_grad()
+    train(resumed, resumed_optimizer, range(stop_at, steps))
     for p, q in zip(resumed.parameters(), uninterrupted.parameters(), strict=True):
         assert torch.equal(p, q)
         for key, value in optimizer.state[q].items():

@@ -2,10 +2,7 @@
 global table), robust to new tensor objects (assign loads, casts, DTensor), one owner and one hook per
 tensor, released with the optimizer."""
 
-import datetime
 import gc
-import os
-import socket
 
 import pytest
 import torch
@@ -32,7 +29,7 @@ class Tiny(torch.nn.Module):
 
     def forward(self, x):
         weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
-        return self.head(self.experts(x, index, weights))
+        return self.head(self.experts(x, index, weights.to(x.dtype)))
 
 
 def _batch(step):
@@ -176,26 +173,6 @@ def _to_local_forward(experts):
         )
 
     return forward
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture
-def one_rank_mesh():
-    """A one-rank gloo process group and its CPU DeviceMesh, destroyed after the test."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(seconds=20))
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.mark.timeout(60)

@@ -28,9 +28,8 @@ p, m and v are rounded to their own dtypes once, at the store. Both kernels belo
 :func:`adamw_kernel`) give the same bits.
 
 The hyperparameters reach the kernels as fp64 values in a device tensor ([5] fp64: lr, beta1, beta2, eps,
-weight_decay), read at run time, so a scheduler's new learning rate reaches a compiled or CUDA-graph
-captured step and no hyperparameter is rounded to fp32 on the way (a plain float kernel parameter is
-passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
+weight_decay), read at run time, so a scheduler's new learning rate reaches a compiled step and no
+hyperparameter is rounded to fp32 on the way (a plain float kernel parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
 pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
 torch's bias corrections), and an fp32 fma as an exact fp64 product plus an fp64 sum rounded to fp32 (the
 interpreter's own fma rounds the product to fp32 first; this form can still round twice, in rare

@@ -277,6 +277,8 @@ class InBackwardAdamW:
         # id -> tensor of every tensor an update of this optimizer was built for (updates name their tensor
         # by id, see _OwnedUpdate).
         self._held_by_id: dict[int, torch.Tensor] = {}
+        # Tensor -> (index, group dict) in param_groups (_group_index).
+        self._group_cache: dict = {}
         # Managed tensor -> weak reference to the optimizer that owned it before this one (it takes the
         # tensor back when this one is garbage-collected).
         self._previous = {}
@@ -466,8 +468,18 @@ class InBackwardAdamW:
         return self.param_groups[self._group_index(p)]
 
     def _group_index(self, p: torch.Tensor) -> int:
+        """The index of ``p``'s group in ``param_groups``; remembered per tensor with its group dict (each
+        update asks it), looked up again when that dict is no longer at the index (``load_state_dict``)."""
+        cached = self._group_cache.get(p)
+        if (
+            cached is not None
+            and cached[0] < len(self.param_groups)
+            and self.param_groups[cached[0]] is cached[1]
+        ):
+            return cached[0]
         for index, group in enumerate(self.param_groups):
             if any(q is p for q in group["params"]):
+                self._group_cache[p] = (index, group)
                 return index
         raise RuntimeError(f"{type(self).__name__}: tensor not found in param_groups")
 
