@@ -89,7 +89,7 @@ class RoutingMetadata(NamedTuple):
 
 # transformers' experts_implementation name of this library.
 IMPLEMENTATION = "sonar"
-# The attributes that carry ownership on an expert tensor (see "Ownership" in the README).
+# The attributes that carry ownership on an expert tensor (see "Ownership" in docs/usage.md).
 EXPERT_MARK = "sonar_expert"
 UPDATE_ATTRIBUTE = "sonar_update"
 HOLDER_ATTRIBUTE = "sonar_holder"

@@ -1,5 +1,5 @@
 """No silent standard training: the experts reach their in-backward update however the optimizer and the
-model were built (README "Ownership"), or an error or the documented warning says why not.
+model were built (docs/usage.md, "Ownership"), or an error or the documented warning says why not.
 
 References: SonarAdamW(model) on the same model built the plain way (the documented path, itself tested
 against torch.optim.AdamW with dense-only clipping in test_sonar_adamw.py), or torch.optim.AdamW with the
@@ -315,7 +315,7 @@ def test_a_swap_conversion_after_the_optimizer_equals_building_it_after(backend,
 def _sweep_ddp(model, mesh):
     from torch.nn.parallel import DistributedDataParallel
 
-    # Before DDP wraps the module, with the group over which the experts are replicated (README).
+    # Before DDP wraps the module, with the group over which the experts are replicated (docs/distributed.md).
     optimizer = sonar_kernels.SonarAdamW(model, **HYPER, data_parallel_group=mesh)
     return DistributedDataParallel(model), optimizer
 

@@ -1,5 +1,5 @@
 """bench/memory_model.py: the predicted per-rank peak against torch's MemTracker (an independent account of
-the same step), the parameter inventory against transformers' models, and the README's tables against the
+the same step), the parameter inventory against transformers' models, and docs/distributed.md's tables against the
 model and the committed validation report."""
 
 import json
@@ -16,7 +16,7 @@ import memory_model as mm  # noqa: E402
 
 pytest.importorskip("transformers", minversion="5.13")
 
-# The model's claim (README "Memory model"): within 5 % of MemTracker's total.
+# The model's claim (docs/distributed.md, "Memory model"): within 5 % of MemTracker's total.
 TOLERANCE = 0.05
 
 
@@ -84,7 +84,7 @@ def test_fsdp2_and_expert_parallel_shards():
 
 
 def _readme_block(name: str) -> str:
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "distributed.md").read_text()
     begin, end = f"<!-- {name}:begin -->", f"<!-- {name}:end -->"
     return text[text.index(begin) + len(begin) : text.index(end)].strip()
 
@@ -95,7 +95,7 @@ def test_the_readme_tables_are_the_models_and_the_committed_validations():
     assert reports, "no committed validation report under bench/results/memory/"
     report = json.loads(reports[-1].read_text())
     assert _readme_block("memory-validation") == mm._validation_summary(report).strip()
-    # Every layout the README claims was measured, and every comparison is within the tolerance.
+    # Every layout docs/distributed.md claims was measured, and every comparison is within the tolerance.
     layouts = {(c["case"]["layout"], c["case"]["ranks"]) for c in report["comparisons"]}
     assert {(layout.name, layout.ranks) for layout in mm.VALIDATION_LAYOUTS} <= layouts
     assert all(abs(c["relative_error"]) <= TOLERANCE for c in report["comparisons"])

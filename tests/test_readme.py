@@ -1,5 +1,5 @@
-"""Every ```python block of README.md runs as written, each in a fresh process (issue 16, the newcomer's
-path). A block whose first line is ``# torchrun --nproc-per-node N ...`` is a script for N processes: it
+"""Every ```python block of README.md and of docs/*.md runs as written, each in a fresh process (issue 16,
+the newcomer's path). A block whose first line is ``# torchrun --nproc-per-node N ...`` is a script for N processes: it
 runs under ``python -m torch.distributed.run`` (gloo on the CPU)."""
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-# The "Use" block, the transformers block, the data-parallel script of "Distributed training".
+DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
+# README's two quick starts; docs/usage.md's "Use" block; docs/distributed.md's data-parallel script.
 EXPECTED_BLOCKS = 4
 # Each block takes a few seconds on a 2-core CPU (most of it importing torch and transformers).
 BLOCK_TIMEOUT = 90
@@ -32,7 +33,7 @@ TORCHRUN = re.compile(r"#\s*torchrun\s+--nproc-per-node[ =](\d+)\b")
 FENCE = re.compile(r"^([ \t]*)```python[ \t]*$")
 
 
-def python_blocks(text: str) -> list[tuple[int, str]]:
+def python_blocks(text: str, name: str = "README.md") -> list[tuple[int, str]]:
     """(line number of the opening fence, dedented code) of every fenced ```python block, those indented
     inside list items included (closed by a fence at the same indentation)."""
     lines = text.splitlines()
@@ -47,17 +48,22 @@ def python_blocks(text: str) -> list[tuple[int, str]]:
         while i < len(lines) and lines[i].rstrip() != indent + "```":
             i += 1
         if i == len(lines):
-            raise ValueError(f"README.md:{start + 1}: the ```python block is never closed")
+            raise ValueError(f"{name}:{start + 1}: the ```python block is never closed")
         blocks.append((start + 1, textwrap.dedent("\n".join(lines[start + 1 : i])) + "\n"))
         i += 1
     return blocks
 
 
-BLOCKS = python_blocks(README.read_text(encoding="utf-8"))
+BLOCKS = [
+    (f"{path.relative_to(ROOT)}:{line}", code)
+    for path in DOCS
+    for line, code in python_blocks(path.read_text(encoding="utf-8"), str(path.relative_to(ROOT)))
+]
 
 
-def test_the_readme_has_its_python_blocks():
-    assert len(BLOCKS) >= EXPECTED_BLOCKS, [line for line, _ in BLOCKS]
+def test_the_readme_and_docs_have_their_python_blocks():
+    assert len(BLOCKS) >= EXPECTED_BLOCKS, [where for where, _ in BLOCKS]
+    assert sum(where.startswith("README.md:") for where, _ in BLOCKS) >= 2, "the README's quick starts"
 
 
 def _environment() -> dict[str, str]:
@@ -92,12 +98,12 @@ def run_block(code: str, workdir: Path, timeout: float = BLOCK_TIMEOUT) -> subpr
 
 
 @pytest.mark.timeout(ATTEMPTS * BLOCK_TIMEOUT + 30)
-@pytest.mark.parametrize(("line", "code"), BLOCKS, ids=[f"README.md:{line}" for line, _ in BLOCKS])
-def test_readme_python_block_runs(line, code, tmp_path):
+@pytest.mark.parametrize(("where", "code"), BLOCKS, ids=[where for where, _ in BLOCKS])
+def test_readme_python_block_runs(where, code, tmp_path):
     done = run_block(code, tmp_path)
     head = "\n".join(code.splitlines()[:6])
     assert done.returncode == 0, (
-        f"README.md:{line}: the ```python block exits with {done.returncode}; its first lines:\n{head}\n"
+        f"{where}: the ```python block exits with {done.returncode}; its first lines:\n{head}\n"
         f"stderr (last 4000 characters):\n{done.stderr[-4000:]}\nstdout:\n{done.stdout[-1000:]}"
     )
 

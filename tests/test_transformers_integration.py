@@ -335,7 +335,7 @@ class _GradNorms(transformers.TrainerCallback):
 
 
 def test_hf_trainer_with_sonar_adamw_equals_dense_clip_training_bitwise(tmp_path):
-    """README's Trainer recipe: SonarAdamW through ``optimizers=(optimizer, scheduler)``, Trainer's own
+    """The README's Trainer quick start: SonarAdamW through ``optimizers=(optimizer, scheduler)``, Trainer's own
     clipping (it sees the dense gradients only: the experts were updated in the backward) and its logged
     grad_norm (the dense parameters' norm), against torch.optim.AdamW with dense-only clipping on the same
     batches."""

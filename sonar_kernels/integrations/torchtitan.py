@@ -135,7 +135,7 @@ class SonarGroupedExperts(GroupedExperts):
 
         DTensor weights (expert parallelism, tensor parallelism on the experts, FSDP2) are used through
         their local shards, as the stock forward does; their gradient goes back to the DTensor parameter,
-        whose owner (SonarAdamW) updates it once the gradient is complete (see README, "Distributed
+        whose owner (SonarAdamW) updates it once the gradient is complete (see docs/distributed.md, "Distributed
         training"; SonarAdamW refuses a layout whose local gradient would be partial, e.g. experts
         replicated over data-parallel ranks).
         """

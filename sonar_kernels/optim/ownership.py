@@ -1,4 +1,4 @@
-"""Expert identity however the optimizer and the model were built (README "Ownership").
+"""Expert identity however the optimizer and the model were built (docs/usage.md, "Ownership").
 
 The rule: the tensors of an experts module running "sonar" (SonarExperts, a transformers experts module
 switched to "sonar", torchtitan's SonarGroupedExperts) are expert tensors, and a SonarAdamW that holds
@@ -136,7 +136,7 @@ def warn_unowned_experts(optimizer) -> None:
             '"sonar" as dense parameters: no in-backward optimizer owns them, so their gradients are kept in '
             ".grad (no memory saved) and any gradient clipping includes them. Build "
             "sonar_kernels.SonarAdamW over the model (or its parameters) to update them in the backward "
-            "(README, Ownership).",
+            "(docs/usage.md, Ownership).",
             UnownedExpertsWarning,
             stacklevel=3,
         )

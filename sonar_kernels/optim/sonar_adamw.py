@@ -279,7 +279,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 f"{type(self).__name__} updates no expert tensor in the backward: none of its parameters belongs "
                 'to an experts module running experts_implementation "sonar" (SonarExperts, a transformers '
                 'model switched to "sonar", torchtitan\'s SonarGroupedExperts), so it trains every parameter as '
-                "torch.optim.AdamW does, with no memory saved (README, Ownership)",
+                "torch.optim.AdamW does, with no memory saved (docs/usage.md, Ownership)",
                 stacklevel=2,
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
