@@ -1,4 +1,5 @@
-"""sonar-train: train an OLMoE or Granite MoE model on real text with standard and sonar training side by side.
+"""sonar-train: train an MoE model on real text with standard and sonar training side by side: an OLMoE or
+Granite MoE preset from random initialization, or a transformers checkpoint the user has (``--model``).
 
 Three arms start from the same initial weights and see the same batches; all run the experts with the
 sonar kernels (transformers' experts_implementation "sonar"), so only the optimizer differs:
@@ -11,6 +12,17 @@ sonar kernels (transformers' experts_implementation "sonar"), so only the optimi
 
 ``--arms all-in-backward`` adds the paper's other comparison (not run by default): every parameter
 updated in the backward and no clipping anywhere (:class:`AllInBackward`).
+
+``--model PATH`` loads a local transformers checkpoint (a folder saved by ``save_pretrained``) of any MoE
+family the sonar experts run, with ``from_pretrained`` (local files only), and every arm and seed starts
+from its weights (the seeds then differ in batch order only). The token ids stay the text's bytes
+(:mod:`checkpoint`: a vocabulary below 256 is refused). ``--save DIR`` writes the sonar arm's trained model
+(first seed) with ``save_pretrained``: it loads in plain transformers, without sonar_kernels.
+
+Before any model is built or loaded, the run's memory is estimated from the model's shapes on the meta
+device (parameters, gradients, AdamW state, activations, and what the run keeps on the host) against the
+memory available (``/proc/meminfo``, the cgroup limit, ``torch.cuda.mem_get_info``); a run that cannot
+fit is refused with exit code 2 and the estimate (``--no-memory-check`` starts it anyway).
 
 Data: by default the Python reference documentation that ships with every CPython (the module
 ``pydoc_data.topics``, about 465 KB of English), tokenized as bytes (vocabulary 256); ``--data`` takes a
@@ -36,8 +48,8 @@ each rank trains on its own batches, DDP reduces the dense gradients and SonarAd
 expert gradient over the ranks before its update; the report names the ranks and the layout and gives
 a checksum of the expert weights per rank and arm (``distributed``).
 
-The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``memory``
-(the MemTracker pass), ``report`` (table and figure), ``distributed`` (torchrun: the process group, the
+The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``checkpoint``
+(``--model`` and ``--save``), ``memory`` (the estimate before the run, the MemTracker pass), ``report`` (table and figure), ``distributed`` (torchrun: the process group, the
 ranks' batches, DDP, the checksums), ``cli`` (``sonar-train``, ``python -m sonar_kernels.train``).
 """
 

@@ -18,10 +18,18 @@ import torch
 
 from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
-from sonar_kernels.train import distributed
+from sonar_kernels.train import checkpoint, distributed
 from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
-from sonar_kernels.train.memory import LABELS, measure_memory
+from sonar_kernels.train.memory import (
+    LABELS,
+    GiB,
+    available_memory,
+    check_fits,
+    estimate_training_memory,
+    local_processes,
+    measure_memory,
+)
 from sonar_kernels.train.report import heldout_statistics, plot, speedup, step_time_summary, summary_table
 
 
@@ -43,12 +51,29 @@ def parse_args(argv):
             "(torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: expert tensors updated in the "
             "backward, dense clipping) and standard-dense-clip (its control, which must equal sonar bit for "
             "bit), over several seeds. Writes report.json and report.png under --out/--name and prints the "
-            "held-out loss per seed with a statistical verdict, peak memory and step time."
+            "held-out loss per seed with a statistical verdict, peak memory and step time. --model PATH starts "
+            "every arm from a local transformers checkpoint instead, --save DIR writes the sonar arm's trained "
+            "model. Before any model is built, its training memory is estimated and a run that cannot fit is "
+            "refused (exit code 2)."
         ),
         formatter_class=_HelpFormatter,
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
                         help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
+    parser.add_argument("--model", metavar="PATH",
+                        help="a local transformers checkpoint (a folder saved by save_pretrained) of an MoE family the "
+                        "sonar experts run (OLMoE, Qwen3-MoE, Granite MoE, Mixtral, ...), loaded with from_pretrained "
+                        "(local files only, in --dtype): every arm starts from its weights instead of the preset's "
+                        "random ones, and the seeds differ only in batch order. The token ids stay the text's UTF-8 "
+                        "bytes (0-255), not the checkpoint's tokenizer: its vocabulary must hold at least 256 ids "
+                        "(ids 256 and up are never seen), and its first losses are high (its embeddings of ids 0-255 "
+                        "mean other tokens). --preset then only sets the defaults of --steps, --batch-size and "
+                        "--seq-len")  # fmt: skip
+    parser.add_argument("--save", metavar="DIR",
+                        help="save the sonar arm's trained model (first seed) to DIR with save_pretrained, in the "
+                        "training dtype: a transformers checkpoint that loads without sonar_kernels (its config "
+                        "does not select the sonar experts; transformers' default experts run it). DIR must be a "
+                        "new or empty folder")  # fmt: skip
     parser.add_argument(
         "--layers",
         type=int,
@@ -103,12 +128,16 @@ def parse_args(argv):
                         "--foreach is given, else torch's choice)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
+    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
+                        help="start even when the estimate of the training memory (parameters, gradients, AdamW "
+                        "state, activations, from the model's shapes before it is built) exceeds the memory "
+                        "available; by default such a run is refused with exit code 2")  # fmt: skip
     parser.add_argument("--ep", type=int, default=1,
                         metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
                         "parallel on several processes)")  # fmt: skip
     parser.add_argument("--out", default="runs", metavar="DIR", help="output folder")
     parser.add_argument("--name", metavar="NAME", help="run name: the run creates --out/NAME, or NAME-2, NAME-3, ... when that "
-                        "exists (default: the preset)")  # fmt: skip
+                        "exists (default: the preset, or the --model folder's name)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
@@ -121,6 +150,14 @@ def parse_args(argv):
     repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
     if repeated:
         parser.error(f"--arms: {', '.join(repeated)} given more than once")
+    if args.model is not None and args.layers is not None:
+        parser.error("--layers does not apply to --model: a checkpoint has its own layers")
+    if args.save is not None:
+        if "sonar" not in args.arms:
+            parser.error("--save saves the sonar arm's model: add sonar to --arms")
+        save = Path(args.save)
+        if save.exists() and (not save.is_dir() or any(save.iterdir())):
+            parser.error(f"--save {args.save}: exists and is not an empty folder")
     if args.name is not None and (
         not args.name or Path(args.name).name != args.name or args.name in (".", "..")
     ):
@@ -150,7 +187,8 @@ def parse_args(argv):
                 "--backend triton on the CPU needs TRITON_INTERPRET=1 (the interpreter: tests, not training)"
             )
     out = Path(args.out)
-    for path in (out, out / (args.name or args.preset)):
+    args.run_name = args.name or (Path(args.model).resolve().name if args.model else args.preset)
+    for path in (out, out / args.run_name):
         if path.exists() and not path.is_dir():
             parser.error(f"--out: {path} exists and is not a folder")
     return args
@@ -169,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         print(
-            f"sonar-train: error: {', '.join(missing)} not installed; sonar-train needs the [train] extra: "
-            "pip install 'sonar-kernels[train]'",
+            f"sonar-train: error: {', '.join(missing)} not installed; sonar-train needs the [train] extra "
+            "(sonar-kernels is not on PyPI): pip install -e '.[train]' in the sonar-kernels checkout, or "
+            f"pip install {' '.join(missing)}",
             file=sys.stderr,
         )
         return 2
@@ -209,6 +248,10 @@ def _run(args) -> int:
             f"--ep {args.ep} needs {args.ep} ranks: torchrun --nproc-per-node {args.ep} -m sonar_kernels.train "
             f"(this run has {ranks})"
         )
+    if args.save is not None and args.ep > 1:
+        raise UsageError(
+            "--save with --ep > 1: each rank holds only its own experts; save from a run without --ep"
+        )
     args.quiet = args.quiet or not leader
     if device.type == "cuda":
         # The sonar arm and its control are compared bit for bit: deterministic kernels where torch has them.
@@ -221,19 +264,56 @@ def _run(args) -> int:
     steps = args.steps or preset.steps
     sequence_length = args.seq_len or preset.sequence_length
     batch_size = args.batch_size or preset.batch_size
+    hf.register()
+    # The model's shapes on the meta device (nothing allocated): the memory estimate, checked before the
+    # model is built or loaded.
+    if args.model is not None:
+        config = checkpoint.load_config(args.model)
+        shapes = checkpoint.meta_model(config, args.model)
+        settings = checkpoint.saved_settings(config)
+        what, remedies = f"--model {args.model}", "A smaller --batch-size or --seq-len, --dtype bfloat16"
+    else:
+        shapes = build_model(preset, args.layers, args.seed, dtype, torch.device("meta"))
+        settings = {"output_router_logits": False, "use_cache": True}  # the configs' defaults
+        what, remedies = (
+            f"--preset {args.preset}",
+            "Fewer --layers, a smaller --batch-size or --seq-len, --dtype bfloat16",
+        )
+    estimate = estimate_training_memory(
+        shapes, dtype=dtype, batch_size=batch_size, sequence_length=sequence_length, arms=args.arms,
+        checkpointing=args.checkpointing, device=device, foreach=args.foreach, fused=args.fused,
+        local_processes=local_processes(),
+    )  # fmt: skip
+    available = available_memory(device)
+    estimate["available_host_bytes"], estimate["available_device_bytes"] = (
+        available["host"],
+        available["device"],
+    )
+    del shapes
+    if args.memory_check:
+        check_fits(estimate, available, what, remedies)
     text = load_text(args.data)
     data = ByteData(text, sequence_length, batch_size, args.seed)
     heldout = [b.to(device) for b in data.heldout_batches(args.heldout_batches or None)]
-    hf.register()
-    initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
+    if args.model is not None:  # the same loaded weights for every arm and seed
+        initial = checkpoint.load_model(args.model, dtype, args.quiet)
+    else:
+        initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
     hf.set_backend(initial, args.backend)  # an attribute of each experts module, copied with it
     if leader:  # the run's folder, reserved once the data and the model are known to be good
-        args.run_dir = reserve_run_directory(Path(args.out), args.name or args.preset)
+        args.run_dir = reserve_run_directory(Path(args.out), args.run_name)
     n_params = sum(p.numel() for p in initial.parameters())
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
+    source = f"model {args.model} ({initial.config.model_type})" if args.model else args.preset
     if not args.quiet:
+        memory = f"{_gib(estimate['host_bytes'])} of host memory ({_gib(available['host'])} available)"
+        if device.type == "cuda":
+            memory += (
+                f", {_gib(estimate['device_bytes'])} of GPU memory ({_gib(available['device'])} available)"
+            )
+        print(f"sonar-train: estimated training memory {memory}", file=sys.stderr)
         print(
-            f"sonar-train: {args.preset}, {initial.config.num_hidden_layers} layer"
+            f"sonar-train: {source}, {initial.config.num_hidden_layers} layer"
             f"{'s' if initial.config.num_hidden_layers > 1 else ''}, {n_params / 1e6:.2f} M parameters "
             f"({100 * n_expert / n_params:.0f} % in experts), {str(dtype).removeprefix('torch.')}, {device}, backend "
             f"{resolve_backend(args.backend, device)}; {args.seeds} seed{'s' if args.seeds > 1 else ''} x {steps} "
@@ -243,7 +323,13 @@ def _run(args) -> int:
             file=sys.stderr,
         )
     report = {
-        "preset": args.preset,
+        "preset": None if args.model else args.preset,
+        "source": source,
+        "model": str(Path(args.model).resolve()) if args.model else None,
+        "model_type": initial.config.model_type,
+        "vocab_size": initial.config.vocab_size,
+        "tokens": checkpoint.TOKENS_NOTE.format(vocab=initial.config.vocab_size),
+        "memory_estimate": estimate,
         "layers": initial.config.num_hidden_layers,
         "parameters": n_params,
         "expert_parameters": n_expert,
@@ -269,7 +355,7 @@ def _run(args) -> int:
         "arms": {},
     }
     if ranks > 1:
-        experts = initial.config.num_experts if preset.family == "olmoe" else initial.config.num_local_experts
+        experts = getattr(initial.config, "num_experts", None) or initial.config.num_local_experts
         layout = (
             distributed.EP_LAYOUT.format(local=experts // args.ep, experts=experts)
             if args.ep > 1
@@ -281,14 +367,20 @@ def _run(args) -> int:
     report["seeds"] = seeds
     report["seeds_run"] = len(seeds)
     results = {name: [] for name in args.arms}  # per arm, one run_arm result per seed it ran
-    final = {}  # the compared arms' parameters after training (first seed), on the CPU
+    # sonar and its control, when both run: the parameters of the first to train (first seed), on the CPU,
+    # until the other has trained.
+    compared = [name for name in args.arms if name in ("sonar", "standard-dense-clip")]
+    compared = compared if len(compared) == 2 else []
+    final = {}
+    equal = None  # sonar's parameters equal its control's, bit for bit (first seed)
     updates = {"backward": 0, "step": 0, "expected": 0}
     for i, seed in enumerate(seeds):
-        if i > 0:  # another initialization and batch order
+        if i > 0:  # another batch order, and without --model another initialization
             data = ByteData(text, sequence_length, batch_size, seed)
-            initial = None  # one initial model at a time (the real presets are large)
-            initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
-            hf.set_backend(initial, args.backend)
+            if args.model is None:
+                initial = None  # one initial model at a time (the real presets are large)
+                initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
+                hf.set_backend(initial, args.backend)
         for name in args.arms:
             if i > 0 and name == "standard-dense-clip":
                 continue  # the exactness control: compared bit for bit on the first seed
@@ -310,8 +402,19 @@ def _run(args) -> int:
                 updates["step"] += int(arm.updates["step"])
                 updates["expected"] += steps * len(arm.optimizer.expert_tensors)
                 report["expert_tensors"] = len(arm.optimizer.expert_tensors)
-            if i == 0 and name in ("sonar", "standard-dense-clip"):
-                final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
+            if i == 0 and name == "sonar" and args.save is not None and leader:
+                checkpoint.save_model(arm.model, args.save, settings, args.quiet)
+                report["saved"] = {"path": str(Path(args.save).resolve()), "arm": "sonar", "seed": seed}
+            if i == 0 and name in compared:
+                if not final:  # the first of the two: kept until the other has trained
+                    final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
+                else:
+                    (kept,) = final.values()
+                    equal = all(
+                        torch.equal(a, b.detach().cpu())
+                        for a, b in zip(kept, arm.model.parameters(), strict=True)
+                    )
+                    final.clear()  # compared: no copy held through the other arms and the memory pass
             del arm
         if i == 0:
             memory = _memory_pass(args, initial, data, device)
@@ -322,13 +425,9 @@ def _run(args) -> int:
         report["sonar_expert_updates_in_backward"] = updates["backward"]
         report["sonar_expert_updates_in_step"] = updates["step"]
         report["sonar_expert_updates_expected"] = updates["expected"]
-    if len(final) == 2:
+    if equal is not None:
         report["sonar_equals_control_bitwise"] = (
-            updates["backward"] == updates["expected"]
-            and updates["step"] == 0
-            and all(
-                torch.equal(a, b) for a, b in zip(final["sonar"], final["standard-dense-clip"], strict=True)
-            )
+            updates["backward"] == updates["expected"] and updates["step"] == 0 and equal
         )
     if "sonar" in report["arms"] and "standard" in report["arms"]:
         sonar_arm, standard_arm = report["arms"]["sonar"], report["arms"]["standard"]
@@ -354,6 +453,8 @@ def _run(args) -> int:
     print(summary_table(report))
     plot(report, out / "report.png")
     print(f"\nwrote {out / 'report.json'} and {out / 'report.png'}")
+    if "saved" in report:
+        print(f"saved the sonar arm's model (seed {report['saved']['seed']}) to {report['saved']['path']}")
     return 0
 
 
@@ -407,6 +508,12 @@ def reserve_run_directory(out: Path, name: str) -> Path:
             number += 1
         except OSError as e:
             raise UsageError(f"--out: cannot create {candidate} ({e.strerror})") from None
+
+
+def _gib(nbytes: int | None) -> str:
+    if nbytes is None:
+        return "unknown"
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB / 10 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def _commit() -> str:

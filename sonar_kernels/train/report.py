@@ -102,9 +102,11 @@ def summary_table(report: dict) -> str:
     lines = []
     if "backend" in report:
         lines.append(
-            f"{report['preset']}, {_seeds(report)}, "
+            f"{_source(report)}, {_seeds(report)}, "
             f"data {report.get('data', '?')}, commit {report.get('commit', 'unknown')[:12]}"
         )
+        if report.get("model"):
+            lines.append(report["tokens"])
         if "sonar" in arms:
             lines.append(f"sonar arm: backend {report['backend']} ({BACKEND_RUNS[report['backend']]})")
         lines.append("")
@@ -208,6 +210,11 @@ def summary_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _source(report: dict) -> str:
+    """What was trained: the preset, or "model PATH (model type)" for a --model run."""
+    return report.get("source") or report["preset"]
+
+
 def _seeds(report: dict) -> str:
     """The run's size in words, e.g. "3 seeds x 200 steps"."""
     n, steps = report.get("seeds_run", 1), report["steps"]
@@ -218,7 +225,7 @@ def _title(report: dict) -> str:
     data = report.get("data", "?")
     data = Path(data).name if data != "pydoc_data.topics" else data
     first = (
-        f"{report['preset']} ({report['layers']} layer{'s' if report['layers'] > 1 else ''}, {report['parameters'] / 1e6:.1f} M parameters, "
+        f"{_source(report)} ({report['layers']} layer{'s' if report['layers'] > 1 else ''}, {report['parameters'] / 1e6:.1f} M parameters, "
         f"{report['dtype']}, {report['device']}) on {data}; backend {report.get('backend', '?')}; "
         f"{_seeds(report)}"
     )
