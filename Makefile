@@ -55,11 +55,13 @@ demo: install
 	$(BIN)/sonar-train
 
 # One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the torch
-# backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed). The
-# JSON (device, versions, commit) goes to runs/bench/.
+# backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed): median
+# and p10-p90 per row, every ratio provider / standard (below 1 is better), and a last line saying whether
+# the machine was quiet enough to compare them (bench/README.md). About 2 minutes on 2 idle CPU cores. The JSON
+# (device, versions, commit, p10/p90 per row) goes to runs/bench/.
 bench: install
 	mkdir -p runs/bench
-	$(BIN)/python -m pytest bench/test_layer.py --benchmark-only --benchmark-columns=median,rounds \
+	$(BIN)/python -m pytest bench/test_layer.py -p no:cacheprovider --benchmark-only \
 		--benchmark-json=runs/bench/layer.json
 
 # On one CUDA GPU: correctness at the real shapes, then every provider at the OLMoE-1B-7B and Granite

@@ -1,10 +1,13 @@
 """pytest set-up of the layer benchmark (bench/test_layer.py): the Triton interpreter on CPU-only
-machines, and a side-by-side table of the providers at the end of the run."""
+machines, how busy the machine was during the run, and a side-by-side table of the providers at the end
+(bench/table.py; pytest-benchmark's own table, whose ratios are to the fastest row, is not printed)."""
 
 import os
 import sys
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -12,24 +15,75 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import table
+
+_RUN = {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    session = getattr(config, "_benchmarksession", None)
+    if session is not None:
+        session.quiet = True  # one table, one ratio convention: bench/table.py's
+
+
+def pytest_sessionstart(session):
+    _RUN.update(start=time.perf_counter(), cpu=table.cpu_seconds())
+
+
+def _machine() -> tuple[float | None, int]:
+    """(other processes' share of the CPU since the session started, the CPU count)."""
+    cores = os.cpu_count() or 1
+    if "start" not in _RUN:
+        return None, cores
+    wall = time.perf_counter() - _RUN["start"]
+    return table.others_share(_RUN["cpu"], table.cpu_seconds(), wall, cores), cores
+
+
+def _rows(benchmarks) -> list[dict]:
+    rows = []
+    for bench in benchmarks:
+        if bench.stats is None:
+            continue
+        data = bench.stats.data
+        rows.append(
+            {
+                **bench.extra_info,
+                "name": bench.name,
+                "median_s": bench.stats.median,
+                "p10_s": table.percentile(data, 10),
+                "p90_s": table.percentile(data, 90),
+                "rounds": len(data),
+            }
+        )
+    return rows
+
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     import triton
 
     output_json["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
     output_json["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    rows = {r["name"]: r for r in _rows(config._benchmarksession.benchmarks)}
+    for entry in output_json["benchmarks"]:
+        row = rows.get(entry["name"])
+        if row is not None:
+            entry["stats"].update(p10=row["p10_s"], p90=row["p90_s"], busy=table.is_busy(row))
+    others, cores = _machine()
+    output_json["machine_load"] = {"other_processes_cpu_share": others, "cores": cores}
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     session = getattr(config, "_benchmarksession", None)
     if session is None or not session.benchmarks:
         return
-    from table import side_by_side
-
-    rows = [
-        {**bench.extra_info, "median_s": bench.stats.median, "rounds": bench.stats.rounds}
-        for bench in session.benchmarks
-        if bench.stats is not None
-    ]
+    rows = _rows(session.benchmarks)
+    if not rows:
+        return
+    others, cores = _machine()
     terminalreporter.write_sep("=", "providers side by side")
-    terminalreporter.write_line(side_by_side(rows))
+    terminalreporter.write_line(table.side_by_side(rows, others, cores))
+    if session.json:
+        terminalreporter.write_line(
+            f"JSON (pytest-benchmark's, with p10, p90 and busy per row): {session.json}"
+        )

@@ -52,8 +52,8 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
             rows.append(
                 f"| {where} | layer {layer['shape']}; standard: {step['standard']['experts']}, AdamW, clipping | "
                 f"{1000 * step['standard']['seconds']:.2f} | "
-                f"{1000 * step['sonar-fused']['seconds']:.2f} | {g['step_speedup_sonar_fused_vs_standard']:.2f}x | "
-                f"{step['sonar-fused']['memory_vs_standard']:.2f}x | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
+                f"{1000 * step['sonar-fused']['seconds']:.2f} | {1 / g['step_speedup_sonar_fused_vs_standard']:.2f} | "
+                f"{step['sonar-fused']['memory_vs_standard']:.2f} | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
                 f"{g['per_expert_over_batched_step_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
             )
         for preset, entry in r["full_steps"].items() if "skipped" not in r["full_steps"] else ():
@@ -61,14 +61,14 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
             rows.append(
                 f"| {where} | full step {preset}, {entry['layers']} layers; standard: the sonar experts, AdamW, "
                 f"global clipping | {1000 * arms['standard']['step_time_s']:.1f} | "
-                f"{1000 * arms['sonar']['step_time_s']:.1f} | {arms['sonar']['speedup_vs_standard']:.2f}x | "
-                f"{arms['sonar'].get('memory_vs_standard', float('nan')):.2f}x | | | "
+                f"{1000 * arms['sonar']['step_time_s']:.1f} | {1 / arms['sonar']['speedup_vs_standard']:.2f} | "
+                f"{arms['sonar'].get('memory_vs_standard', float('nan')):.2f} | | | "
                 f"[{path.name}](bench/results/{path.name}) |"
             )
     if not rows:
         return "No GPU results are committed yet (bench/results/ holds none), so this table is empty."
     head = [
-        "| device, date, versions, commit | what | standard ms | sonar ms | speedup | peak memory vs standard "
+        "| device, date, versions, commit | what | standard ms | sonar ms | time sonar / standard | peak memory sonar / standard "
         "| slowest GEMM / torch.mm | per-expert / batched step | file |",
         "|---|---|---|---|---|---|---|---|---|",
     ]

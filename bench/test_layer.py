@@ -8,9 +8,14 @@ CPU: the torch backend (the path CPU users run: torch's grouped GEMM) at sonar-t
 and a larger layer, uniform routing; the Triton interpreter is not timed (it says nothing about speed;
 tests/test_bench_providers.py runs it for correctness). ``SONAR_BENCH_SHAPES`` (comma-separated names of
 providers.SHAPES) overrides the shapes.
+
+Each row is timed over enough rounds for its spread (p10-p90) to show; the table at the end
+(bench/conftest.py, bench/table.py) gives every ratio as provider / standard (below 1 is better) and says
+whether the machine was quiet enough to compare them.
 """
 
 import os
+import time
 
 import providers
 import pytest
@@ -22,7 +27,15 @@ SHAPES = tuple(filter(None, os.environ.get("SONAR_BENCH_SHAPES", "").split(","))
 ROUTINGS = ("uniform", "skewed") if CUDA else ("uniform",)
 BACKEND = "triton" if CUDA else "torch"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
-ROUNDS = 20 if CUDA else 5
+# Rounds per row: about ROUND_BUDGET_S of timing, at least MIN_ROUNDS (enough for a p10-p90 spread), at
+# most MAX_ROUNDS. On 2 idle CPU cores that is 15 to 58 rounds of cpu-large's rows and 100 of tiny-olmoe's,
+# p90/p10 between 1.04 and 1.16 on every row; the whole run takes about 2 minutes (7 on a busy machine).
+MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S = (30, 200, 2.0) if CUDA else (15, 100, 8.0)
+
+
+def rounds_for(seconds: float) -> int:
+    """Rounds for a phase that takes ``seconds`` once (see MIN_ROUNDS, MAX_ROUNDS, ROUND_BUDGET_S)."""
+    return max(MIN_ROUNDS, min(MAX_ROUNDS, int(ROUND_BUDGET_S / max(seconds, 1e-9))))
 
 
 PHASE_PROVIDERS = [(phase, name) for phase in providers.PHASES for name in providers.phase_providers(phase)]
@@ -51,4 +64,6 @@ def test_layer(benchmark, phase, provider, shape, routing):
         if CUDA:
             torch.cuda.synchronize()
 
-    benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=1)
+    start = time.perf_counter()
+    run()
+    benchmark.pedantic(run, rounds=rounds_for(time.perf_counter() - start), iterations=1, warmup_rounds=1)

@@ -119,6 +119,10 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     assert "cpu-tiny, uniform routing, training step" in done.stdout
     assert "cpu-tiny, uniform routing, forward+backward" in done.stdout
     assert "sonar-fused / standard: step time" in done.stdout
+    # One ratio convention, the spread beside every median, and the verdict on the machine's load.
+    assert "ratios are provider / standard: below 1 is better" in done.stdout and "p10-p90 ms" in done.stdout
+    assert "quiet machine (" in done.stdout or "BUSY MACHINE (" in done.stdout
+    assert all({"p10", "p90", "busy"} <= set(b["stats"]) for b in report["benchmarks"])
 
 
 def test_standard_falls_back_to_the_reference_experts_without_transformers(monkeypatch):

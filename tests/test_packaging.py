@@ -1,0 +1,110 @@
+"""The distribution as a user installs it: `python -m build` makes an sdist and a wheel, the wheel installs
+into a clean virtual environment and imports, its metadata carries the extras README.md relies on, and the
+Makefile's pinned versions satisfy pyproject.toml's bounds.
+
+No download: the clean environment gets torch, triton and numpy from this test environment's
+site-packages through a .pth line (which does not run this checkout's editable-install hook), the wheel is
+installed with --no-deps --no-index, and the build runs without isolation (setuptools from this
+environment)."""
+
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+import zipfile
+from email.parser import Parser
+from pathlib import Path
+
+import pytest
+import tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _run(*args, cwd):
+    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, check=False)
+    assert done.returncode == 0, f"{' '.join(map(str, args))}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_the_wheel_builds_installs_into_a_clean_venv_and_imports(tmp_path):
+    pytest.importorskip("build", reason="`build` is not installed: pip install -e '.[test]'")
+    # A copy of what the distribution is made of, so the build writes nothing into the checkout.
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
+        shutil.copy2(ROOT / name, src / name)
+    shutil.copytree(
+        ROOT / "sonar_kernels", src / "sonar_kernels", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    dist = tmp_path / "dist"
+    # `python -m build`: the sdist, then the wheel built from the sdist.
+    _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src), cwd=tmp_path)
+    (wheel,) = dist.glob("sonar_kernels-*.whl")
+    assert len(list(dist.glob("sonar_kernels-*.tar.gz"))) == 1
+
+    with zipfile.ZipFile(wheel) as zf:
+        names = zf.namelist()
+        (metadata_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = Parser().parsestr(zf.read(metadata_name).decode())
+        entry_points = zf.read(metadata_name.replace("METADATA", "entry_points.txt")).decode()
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"sonar_kernels"}, top  # no tests/, bench/ or a top-level package that shadows another
+    assert "sonar_kernels/kernels/__init__.py" in names
+    requires = metadata.get_all("Requires-Dist")
+    from packaging.requirements import Requirement
+
+    base = {Requirement(r).name: Requirement(r).specifier for r in requires if not Requirement(r).marker}
+    for dep in map(Requirement, PYPROJECT["project"]["dependencies"]):
+        assert base.get(dep.name) == dep.specifier, (dep, requires)
+    assert {"transformers", "train", "test"} <= set(metadata.get_all("Provides-Extra"))
+    assert any(r.startswith("accelerate") and 'extra == "train"' in r for r in requires), requires
+    assert "sonar-train = sonar_kernels.train:main" in entry_points
+
+    # A clean venv that sees this environment's torch, triton and numpy but not this checkout.
+    env_dir = tmp_path / "venv"
+    venv.create(env_dir, with_pip=False)
+    python = env_dir / "bin" / "python"
+    purelib = Path(
+        _run(python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", cwd=tmp_path).strip()
+    )
+    (purelib / "test_environment.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run(
+        sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "--no-index", str(wheel),
+        cwd=tmp_path,
+    )  # fmt: skip
+    out = _run(
+        python, "-c",
+        "import importlib.metadata, sonar_kernels; "
+        "print(sonar_kernels.__file__); print(importlib.metadata.version('sonar-kernels')); "
+        "print(hasattr(sonar_kernels, 'moe_mlp'))",
+        cwd=tmp_path,
+    ).split()  # fmt: skip
+    assert Path(out[0]).is_relative_to(purelib), f"imported {out[0]}, not the installed wheel"
+    assert out[1:] == [PYPROJECT["project"]["version"], "True"]
+    assert (env_dir / "bin" / "sonar-train").exists()
+
+
+def _spec(requirements: list[str], name: str) -> str:
+    (spec,) = [r[len(name) :] for r in requirements if re.match(rf"{name}\b", r)]
+    return spec
+
+
+def test_makefile_versions_satisfy_pyproject_bounds():
+    from packaging.specifiers import SpecifierSet
+
+    makefile = (ROOT / "Makefile").read_text()
+    deps = PYPROJECT["project"]["dependencies"]
+    for var, name in (("TORCH_SPEC", "torch"), ("TRITON_SPEC", "triton")):
+        pinned = re.search(rf"^{var} \?= {name}==(\S+)$", makefile, re.M).group(1)
+        assert pinned in SpecifierSet(_spec(deps, name)), (var, pinned, deps)
+    numpy = re.search(r"^NUMPY_SPEC \?= (\S+)$", makefile, re.M).group(1)
+    assert numpy == "numpy" + _spec(deps, "numpy")
+    extras = PYPROJECT["project"]["optional-dependencies"]
+    # The test extra holds what sonar-train and Trainer need, so `make install` ([test,train]) and
+    # `pip install .[train]` agree on them.
+    assert set(extras["train"]) <= set(extras["test"])
+    assert "accelerate" in {re.split(r"[<>=!~]", r)[0] for r in extras["train"]}
