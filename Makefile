@@ -8,7 +8,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
-# torchtitan, for tests/test_torchtitan.py and the README's torchtitan block: the release
+# torchtitan, for tests/test_torchtitan.py and docs/frameworks.md's torchtitan block: the release
 # sonar_kernels.integrations.torchtitan is tested with, installed --no-deps with what its modules import
 # (spmd_types, tyro and tyro's docstring_parser and typeguard), without its trainer's dependencies
 # (datasets, tensorboard, wandb, ...) and never another torch.

@@ -16,7 +16,7 @@ activations and temporaries), for three methods:
 and these layouts (:class:`Layout`): one rank, data parallel (DDP for the dense parameters; the experts
 replicated, their gradients averaged by SonarAdamW's data-parallel group), expert parallel (each rank
 E / ep experts, tokens by all-to-all), expert parallel x data parallel, FSDP2 (``fully_shard`` of every
-experts module, every decoder layer and the model: the README's recipe).
+experts module, every decoder layer and the model: docs/distributed.md's recipe).
 
 How: an analytic account of what is alive at each candidate moment of the step (the end of the forward,
 the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the optimizer step),
@@ -672,7 +672,7 @@ def _categories(terms: dict, phase: str) -> dict:
 
 
 def _predict_fsdp(s: Setup, tensors) -> Prediction:
-    """FSDP2 as the README recipe applies it (``fully_shard`` of every experts module, then of every decoder
+    """FSDP2 as docs/distributed.md's recipe applies it (``fully_shard`` of every experts module, then of every decoder
     layer, then of the model), from torch's ``_fully_shard/_fsdp_param_group.py`` and
     ``_fsdp_collectives.py``, on rank 0 (whose shards are the padded ones).
 
@@ -918,7 +918,7 @@ def measure(case: Case) -> dict:
 def _custom_arm(name: str, initial, args, layout: Layout):
     """sonar-train's arm (``sonar_kernels.train.arms.build_arm``) for the layouts sonar-train does not run.
 
-    FSDP2: ``fully_shard`` of every experts module and decoder layer, then of the model (README
+    FSDP2: ``fully_shard`` of every experts module and decoder layer, then of the model (docs/distributed.md,
     "Distributed training"; after activation checkpointing is enabled); ``standard``: torch.optim.AdamW
     and ``clip_grad_norm_`` over every (sharded) parameter; ``sonar``: SonarAdamW, which updates each
     expert shard from FSDP2's reduce-scattered gradient. EP x DP: a (dp, ep) mesh; the experts sharded
@@ -944,7 +944,9 @@ def _custom_arm(name: str, initial, args, layout: Layout):
         from torch.distributed.fsdp import fully_shard
 
         mesh = init_device_mesh("cpu", (layout.fsdp,))
-        for layer in model.model.layers:  # the README's recipe: the experts module, the layer, the model
+        for (
+            layer
+        ) in model.model.layers:  # docs/distributed.md's recipe: the experts module, the layer, the model
             experts = next(m for m in layer.modules() if type(m).__name__.endswith("Experts"))
             fully_shard(experts, mesh=mesh)
             fully_shard(layer, mesh=mesh)
