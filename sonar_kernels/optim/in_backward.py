@@ -2,8 +2,8 @@
 
 (About 1,000 lines: one state machine (ownership and adoption, micro-batch accumulation, the hook path,
 reentrant checkpointing's held gradients, the hyperparameter checks, checkpoints) over one set of private
-per-tensor tables; split across modules, those tables would be shared private state. Issue 31 splits it by
-concern behind public seams; optim/ownership.py already holds what needs no private table.)
+per-tensor tables; split across modules, those tables would be shared private state. A split by
+concern behind public seams is the next step; optim/ownership.py already holds what needs no private table.)
 
 A tensor "managed" here is updated inside the backward pass. The optimizer attaches an
 :class:`sonar_kernels.specs.ExpertUpdate` to it (``_OwnedUpdate``: the state tensors, and the
