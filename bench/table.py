@@ -11,30 +11,12 @@ of the CPU during the run), and when busy that the ratios cannot be compared.
 
 from __future__ import annotations
 
-import math
-
 # p90 / p10 of a row's rounds above this: the machine was busy while it ran (on 2 idle cores every row of
 # `make bench` measured 1.04 to 1.16; a 30 % spread is larger than most differences the table shows).
 BUSY_SPREAD = 1.3
 # Other processes' share of the machine's CPU during the run above this: the machine was busy.
 BUSY_OTHERS = 0.10
 CONVENTION = "ratios are provider / standard: below 1 is better (faster, less memory)"
-
-
-def percentile(data: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) of ``data``, linear between the closest ranks (numpy's default).
-
-    Raises:
-        ValueError: ``data`` is empty or ``q`` is outside [0, 100].
-    """
-    if not data:
-        raise ValueError("percentile of no data")
-    if not 0 <= q <= 100:
-        raise ValueError(f"q must be in [0, 100], got {q}")
-    ordered = sorted(data)
-    pos = (len(ordered) - 1) * q / 100
-    lo, hi = math.floor(pos), math.ceil(pos)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 def ratio(value: float, standard: float | None) -> float:

@@ -19,17 +19,6 @@ def _row(provider, median_ms, p10_ms=None, p90_ms=None, peak_mib=100.0, phase="s
     }  # fmt: skip
 
 
-def test_percentile_is_linear_between_ranks_like_numpy():
-    data = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert table.percentile(data, 0) == 1.0 and table.percentile(data, 100) == 5.0
-    assert table.percentile(data, 50) == 3.0
-    assert table.percentile(data, 10) == pytest.approx(1.4)
-    assert table.percentile(data, 90) == pytest.approx(4.6)
-    assert table.percentile([7.0], 10) == 7.0
-    with pytest.raises(ValueError, match="no data"):
-        table.percentile([], 50)
-
-
 def test_ratio_is_provider_over_standard_so_below_one_is_better():
     # sonar at 26 ms, standard at 100 ms: sonar is faster, and the ratio says 0.26 (not 3.85).
     assert table.ratio(26.0, 100.0) == pytest.approx(0.26)

@@ -62,9 +62,13 @@ class _OwnedUpdate(specs.ExpertUpdate):
     def optimizer(self):
         return self._optimizer()
 
-    def _owner(self):
+    def _lookup(self):
+        """(the optimizer, the tensor), or Nones once the optimizer was garbage-collected."""
         optimizer = self._optimizer()
-        param = None if optimizer is None else optimizer._held_by_id.get(self._key)
+        return optimizer, None if optimizer is None else optimizer._held_by_id.get(self._key)
+
+    def _owner(self):
+        optimizer, param = self._lookup()
         if optimizer is None or param is None:
             raise RuntimeError("the optimizer that owned this expert tensor was garbage-collected")
         return optimizer, param
@@ -83,8 +87,7 @@ class _OwnedUpdate(specs.ExpertUpdate):
         # after the update is still refused, by _Watched.check_unchanged, before its backward writes anything).
         if torch._C._current_graph_task_id() == -1:
             self.live.add(graph)
-        optimizer = self._optimizer()
-        param = None if optimizer is None else optimizer._held_by_id.get(self._key)
+        optimizer, param = self._lookup()
         if optimizer is not None and param is not None:
             optimizer._without_graph.pop(param, None)  # a forward with a graph came after it
 
@@ -337,11 +340,12 @@ class InBackwardAdamW:
             self._attach(p)
         self._register_hooks()
 
-    def _expert_state(self, p: torch.Tensor, state: dict) -> dict:
-        """The state of ``p`` for its in-backward update: ``state`` (torch.optim.AdamW's keys, from dense
-        steps taken before ``p`` was known as an expert tensor) converted (``step`` a 0-dim float32 tensor
-        on ``p``'s device, the moments on that device in ``moments_dtype``, else their own dtype), or new
-        zeros when it has none."""
+    def _expert_state(self, p: torch.Tensor, state: dict, follows: torch.dtype | None = None) -> dict:
+        """The state of ``p`` for its in-backward update: ``state`` (torch.optim.AdamW's keys: from dense
+        steps taken before ``p`` was known as an expert tensor, or its own before a conversion of ``p``)
+        converted (``step`` a 0-dim float32 tensor on ``p``'s device, the moments on that device in
+        ``moments_dtype``, else their own dtype, else, for a dtype the kernels do not take or the dtype
+        ``follows`` (the parameter's before a conversion), ``p``'s), or new zeros when it has none."""
         moments = self.moments_dtype or p.dtype
         if not all(isinstance(state.get(key), torch.Tensor) for key in ("exp_avg", "exp_avg_sq")):
             return {
@@ -353,7 +357,8 @@ class InBackwardAdamW:
         converted = {"step": torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(()).clone()}
         for key in ("exp_avg", "exp_avg_sq"):
             value = state[key]
-            dtype = self.moments_dtype or (value.dtype if value.dtype in ops.SUPPORTED_DTYPES else p.dtype)
+            kept = value.dtype in ops.SUPPORTED_DTYPES and value.dtype != follows
+            dtype = self.moments_dtype or (value.dtype if kept else p.dtype)
             converted[key] = torch.empty_like(p, dtype=dtype).copy_(value)
         return converted
 
@@ -405,13 +410,9 @@ class InBackwardAdamW:
             )
         state = self.state[p]
         update = self._updates.get(p)
-        before = update.signature[0] if update is not None else p.dtype
         fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
-        for key in ("exp_avg", "exp_avg_sq"):
-            dtype = self.moments_dtype or (p.dtype if state[key].dtype == before else state[key].dtype)
-            moment = torch.empty_like(p, dtype=dtype)
-            state[key] = moment.zero_() if fresh else moment.copy_(state[key])
-        state["step"] = state["step"].to(p.device)
+        before = update.signature[0] if update is not None else p.dtype
+        self.state[p] = self._expert_state(p, {} if fresh else state, follows=before)
         self._grad_norm_sq[p] = self._grad_norm_sq[p].to(p.device)
         self._skipped[p] = self._skipped[p].to(p.device)
         self._attach(p)

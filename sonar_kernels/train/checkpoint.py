@@ -18,7 +18,6 @@ from pathlib import Path
 
 import torch
 
-from sonar_kernels.train.arms import EXPERT_PARAMS
 from sonar_kernels.train.data import UsageError
 
 # The byte values sonar-train's data uses as token ids.
@@ -163,10 +162,6 @@ def save_model(model, directory: str, settings: dict, quiet: bool) -> Path:
             written.pop(key, None)
         config_file.write_text(json.dumps(written, indent=2, sort_keys=True) + "\n")
     return folder
-
-
-def expert_parameter_count(model) -> int:
-    return sum(p.numel() for name, p in model.named_parameters() if name.endswith(EXPERT_PARAMS))
 
 
 @contextlib.contextmanager
