@@ -55,10 +55,13 @@ demo: install
 	$(BIN)/sonar-train
 
 # One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the torch
-# backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed): median
-# and p10-p90 per row, every ratio provider / standard (below 1 is better), and a last line saying whether
-# the machine was quiet enough to compare them (bench/README.md). About 2 minutes on 2 idle CPU cores. The JSON
-# (device, versions, commit, p10/p90 per row) goes to runs/bench/.
+# backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed): sonar,
+# sonar-unfused, the paper's method and its per-expert ablation, standard with torch's fused AdamW
+# (standard-fused, the baseline) and with its default flags (standard). Median and p10-p90 per row, every
+# ratio provider / standard-fused (below 1 is better), sonar's step time and the share of the layer's
+# expert-gradient bytes its peak saves, and a last line saying whether the machine was quiet enough to
+# compare the times (bench/README.md). The JSON (per row provider, phase, shape, peak and expert-gradient
+# bytes, device, versions, commit, p10/p90) goes to runs/bench/.
 bench: install
 	mkdir -p runs/bench
 	$(BIN)/python -m pytest bench/test_layer.py -p no:cacheprovider --benchmark-only \

@@ -1,6 +1,8 @@
 """pytest set-up of the layer benchmark (bench/test_layer.py): the Triton interpreter on CPU-only
-machines, how busy the machine was during the run, and a side-by-side table of the providers at the end
-(bench/table.py; pytest-benchmark's own table, whose ratios are to the fastest row, is not printed)."""
+machines, how busy the machine was during the run, the JSON's additions (per row p10, p90 and busy beside
+the extra_info bench/test_layer.py records; for the run the device, versions, commit and machine load) and
+a side-by-side table of the providers at the end (bench/table.py; pytest-benchmark's own table, whose
+ratios are to the fastest row, is not printed)."""
 
 import os
 import sys
@@ -61,10 +63,8 @@ def _rows(benchmarks) -> list[dict]:
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
-    import triton
-
-    output_json["versions"] = {"torch": torch.__version__, "triton": triton.__version__}
-    output_json["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    # The run's device, versions and commit (each row's extra_info holds the same, table.run_info).
+    output_json.update(table.run_info(Path(__file__).resolve().parents[1]))
     rows = {r["name"]: r for r in _rows(config._benchmarksession.benchmarks)}
     for entry in output_json["benchmarks"]:
         row = rows.get(entry["name"])
@@ -86,5 +86,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(table.side_by_side(rows, others, cores))
     if session.json:
         terminalreporter.write_line(
-            f"JSON (pytest-benchmark's, with p10, p90 and busy per row): {session.json}"
+            f"JSON (pytest-benchmark's; per row the extra_info fields, p10, p90 and busy): {session.json}"
         )

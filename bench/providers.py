@@ -1,26 +1,35 @@
 """One training step of one expert-MLP layer (forward, backward, AdamW update), by each provider of the
 benchmark table, on the same tensors.
 
-Providers (issue "Benchmarks: make bench ..."):
+Providers (issue 30: what a user would compare against, side by side in one run):
 
-- ``sonar-fused``: the Triton kernels, AdamW fused into the wgrad epilogue (ExpertAdamW): no gradient.
-- ``sonar-unfused``: the same kernels writing dW to ``.grad``, then torch.optim.AdamW (fused where the
-  device has it).
-- ``paper-inbwd``: the paper's method: the same kernels writing dW, and torch's AdamW applied to the
-  batched tensor from its post-accumulate-grad hook, the gradient released right after (one layer of
-  gradients alive).
+- ``sonar``: what users run on this device: ``sonar_kernels.moe_mlp`` with ``sonar_kernels.ExpertAdamW``,
+  the update applied inside the backward and no gradient kept. On CUDA the Triton backend, AdamW fused
+  into the wgrad epilogue; on the CPU the torch backend, each expert tensor updated by the library's
+  in-backward torch AdamW as soon as its gradient exists.
+- ``sonar-unfused``: the same expert MLP writing dW to ``.grad``, then torch.optim.AdamW (fused where torch
+  has it). Its forward and forward+backward are those of sonar and of the paper's providers.
+- ``paper-inbwd``: the paper's method: the same expert MLP writing dW, and torch's AdamW (fused where torch
+  has it) applied to the batched tensor from its post-accumulate-grad hook, the gradient released right
+  after (one layer of gradients alive).
 - ``per-expert-inbwd``: as paper-inbwd, but one AdamW call per expert slice (the paper's ablation).
-- ``standard``: transformers' own experts module ("grouped_mm" where it runs, else "eager"),
-  torch.optim.AdamW and ``clip_grad_norm_``.
+- ``standard-fused``: the baseline: transformers' own experts module ("grouped_mm" where it runs, else
+  "eager"), ``clip_grad_norm_`` and torch.optim.AdamW(fused=True) where torch has a fused AdamW for the
+  device and dtype (the CPU and CUDA).
+- ``standard``: the same with torch's default AdamW flags (foreach=None, fused=None: single-tensor on the
+  CPU, foreach on CUDA).
+
+Every ratio of the tables is provider / :data:`BASELINE` (standard-fused): below 1 is better.
 
 Each provider is built by :func:`build` and returns a :class:`Step`: ``run()`` does one step, ``weights()``
 returns the updated (gate_up_proj, down_proj), ``phase(name)`` the callable that times one of
-:data:`PHASES`.
+:data:`PHASES`; ``experts`` and ``update`` say what computed the experts and what applied AdamW.
 
 Phases: ``forward`` (the training forward, autograd graph built), ``forward+backward`` (plain gradients
 written, no update) and ``step`` (forward, backward and the AdamW update). The first two are measured for
-``sonar-unfused`` and ``standard`` only: the four sonar providers run the same forward and backward
-kernels and differ in the update alone (:func:`phase_providers`).
+``sonar-unfused`` and ``standard-fused`` only: sonar and the paper's providers run the same forward and
+backward as sonar-unfused, standard's are standard-fused's, and they differ in the update alone
+(:func:`phase_providers`).
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ from torch.optim.adamw import adamw as torch_adamw
 
 import sonar_kernels
 
-PROVIDERS = ("sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard")
+PROVIDERS = ("sonar", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard-fused", "standard")
+# The provider every ratio divides by.
+BASELINE = "standard-fused"
 PHASES = ("forward", "forward+backward", "step")
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -57,13 +68,26 @@ class Shape(NamedTuple):
         """The GEMM FLOPs of ``phase`` (the AdamW update's elementwise work is not counted)."""
         return self.flops(backward=phase != "forward")
 
+    def expert_grad_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the layer's expert gradients, those of gate_up_proj [E, 2I, H] and down_proj [E, H, I],
+        in the weights' ``dtype``: what standard training holds in ``.grad`` for this layer until its
+        optimizer step."""
+        return 3 * self.E * self.H * self.I * torch.empty((), dtype=dtype).element_size()
+
 
 def phase_providers(phase: str) -> tuple[str, ...]:
     """The providers whose ``phase`` is measured: every provider's step; the forward and the
-    forward+backward of the sonar kernels (as sonar-unfused) and of standard."""
+    forward+backward of the sonar expert MLP (as sonar-unfused) and of transformers' experts (as
+    standard-fused, the baseline)."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
-    return PROVIDERS if phase == "step" else ("sonar-unfused", "standard")
+    return PROVIDERS if phase == "step" else ("sonar-unfused", BASELINE)
+
+
+def fused_adamw_runs(p: torch.Tensor) -> bool:
+    """Whether torch has a fused AdamW for ``p``'s device and dtype (the library's rule, the one its
+    optimizers' default flags follow: ``sonar_kernels.ops.has_torch_fused_adamw``)."""
+    return sonar_kernels.ops.has_torch_fused_adamw(p.device, p.dtype)
 
 
 # Layer shapes: one MoE layer of each model (T tokens per step), and CPU-sized ones: sonar-train's
@@ -132,12 +156,14 @@ def make_inputs(shape: Shape, dtype: torch.dtype, device, routing: str = "unifor
 
 class Step:
     """One provider's training step on its own copy of the weights; ``forward`` (a callable returning the
-    layer's output) is given where the provider's forward and backward are timed on their own."""
+    layer's output) is given where the provider's forward and backward are timed on their own.
+    ``experts`` says what computes the experts, ``update`` what applies AdamW (recorded with each row)."""
 
-    def __init__(self, inputs: Inputs, run, params, optimizer=None, forward=None, experts: str = ""):
+    def __init__(self, inputs: Inputs, run, params, optimizer=None, forward=None, experts: str = "",
+                 update: str = ""):  # fmt: skip
         self.inputs, self._run, self.params, self.optimizer = inputs, run, params, optimizer
         self._forward = forward
-        self.experts = experts  # what computes the experts
+        self.experts, self.update = experts, update
 
     def run(self) -> None:
         self._run()
@@ -184,52 +210,52 @@ def _forward_backward(inputs: Inputs, w1, w2, backend: str) -> None:
     inputs.backward(_forward(inputs, w1, w2, backend))
 
 
-def _in_backward_hook(state: dict, per_expert: bool):
-    """torch's AdamW on the accumulated gradient of the batched tensor (or of each expert slice), then the
-    gradient released: the paper's optimizer-in-backward. The hook holds only the tensor's own state
-    (a hook that refers back to its parameter keeps both alive for good)."""
+def _in_backward_hook(state: dict, per_expert: bool, fused: bool):
+    """torch's AdamW (fused or single-tensor) on the accumulated gradient of the batched tensor (or of each
+    expert slice), then the gradient released: the paper's optimizer-in-backward. The hook holds only the
+    tensor's own state (a hook that refers back to its parameter keeps both alive for good)."""
+    flags = {
+        "foreach": False, "fused": fused, "capturable": False, "amsgrad": False, "maximize": False,
+        "beta1": HYPER["betas"][0], "beta2": HYPER["betas"][1], "lr": HYPER["lr"],
+        "weight_decay": HYPER["weight_decay"], "eps": HYPER["eps"],
+    }  # fmt: skip
 
     def hook(p: torch.Tensor) -> None:
-        fused = p.device.type == "cuda"
         with torch.no_grad():
             if per_expert:
                 for e in range(p.shape[0]):
                     torch_adamw(
                         [p[e]], [p.grad[e]], [state["exp_avg"][e]], [state["exp_avg_sq"][e]], [],
-                        [state["steps"][e]], foreach=False, fused=fused, capturable=False, amsgrad=False,
-                        maximize=False, beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"],
-                        weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
+                        [state["steps"][e]], **flags,
                     )  # fmt: skip
             else:
                 torch_adamw(
-                    [p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]],
-                    foreach=False, fused=fused, capturable=False, amsgrad=False, maximize=False,
-                    beta1=HYPER["betas"][0], beta2=HYPER["betas"][1], lr=HYPER["lr"],
-                    weight_decay=HYPER["weight_decay"], eps=HYPER["eps"],
-                )  # fmt: skip
+                    [p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], **flags
+                )
         p.grad = None
 
     return hook
 
 
-def _step_tensor(p: torch.Tensor) -> torch.Tensor:
-    # torch's fused AdamW keeps the step on the device, the single-tensor one on the CPU.
-    return torch.zeros((), dtype=torch.float32, device=p.device if p.device.type == "cuda" else "cpu")
+def _step_tensor(p: torch.Tensor, fused: bool) -> torch.Tensor:
+    # torch's fused AdamW keeps the step on the parameter's device, the single-tensor one on the CPU.
+    return torch.zeros((), dtype=torch.float32, device=p.device if fused else "cpu")
 
 
 def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
     """The step of ``provider`` on a copy of ``inputs``' weights.
 
     Args:
-        backend: the moe_mlp backend of the sonar kernels ("triton" on CUDA or under the interpreter).
+        backend: the moe_mlp backend of sonar, sonar-unfused and the paper's providers ("auto": Triton on
+            CUDA, torch on the CPU; "triton" under the interpreter is for correctness only).
     Raises:
         ValueError: an unknown provider.
     """
     if provider not in PROVIDERS:
         raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
     w1, w2 = _params(inputs)
-    if provider == "standard":
-        return _standard(inputs, w1, w2)
+    if provider in ("standard-fused", "standard"):
+        return _standard(inputs, w1, w2, fused=provider == "standard-fused" and fused_adamw_runs(w1))
     step = _sonar(provider, inputs, w1, w2, backend)
     resolved = backend if backend != "auto" else ("triton" if w1.is_cuda else "torch")
     step.experts = f"sonar_kernels {resolved} backend"
@@ -237,17 +263,17 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
 
 
 def _sonar(provider: str, inputs: Inputs, w1, w2, backend: str) -> Step:
-    if provider == "sonar-fused":
+    fused = fused_adamw_runs(w1)
+    if provider == "sonar":
         optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
 
         def run():
             _forward_backward(inputs, w1, w2, backend)
             optimizer.step()
 
-        return Step(inputs, run, (w1, w2), optimizer)
+        return Step(inputs, run, (w1, w2), optimizer, update="sonar_kernels.ExpertAdamW in the backward")
 
     if provider == "sonar-unfused":
-        fused = w1.device.type == "cuda"
         optimizer = torch.optim.AdamW([w1, w2], **HYPER, fused=fused)
 
         def run():
@@ -255,7 +281,8 @@ def _sonar(provider: str, inputs: Inputs, w1, w2, backend: str) -> Step:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
-        return Step(inputs, run, (w1, w2), optimizer, functools.partial(_forward, inputs, w1, w2, backend))
+        return Step(inputs, run, (w1, w2), optimizer, functools.partial(_forward, inputs, w1, w2, backend),
+                    update=f"torch.optim.AdamW(fused={fused}) after the backward")  # fmt: skip
 
     if provider in ("paper-inbwd", "per-expert-inbwd"):
         per_expert = provider == "per-expert-inbwd"
@@ -263,30 +290,32 @@ def _sonar(provider: str, inputs: Inputs, w1, w2, backend: str) -> Step:
         for p in (w1, w2):
             states[p] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
             if per_expert:
-                states[p]["steps"] = [_step_tensor(p) for _ in range(p.shape[0])]
+                states[p]["steps"] = [_step_tensor(p, fused) for _ in range(p.shape[0])]
             else:
-                states[p]["step"] = _step_tensor(p)
-            p.register_post_accumulate_grad_hook(_in_backward_hook(states[p], per_expert))
+                states[p]["step"] = _step_tensor(p, fused)
+            p.register_post_accumulate_grad_hook(_in_backward_hook(states[p], per_expert, fused))
 
         def run():
             _forward_backward(inputs, w1, w2, backend)
 
-        return Step(inputs, run, (w1, w2), states)
+        which = "each expert slice" if per_expert else "each batched tensor"
+        update = f"torch adamw(fused={fused}) on {which} in its post-accumulate-grad hook"
+        return Step(inputs, run, (w1, w2), states, update=update)
     raise AssertionError(provider)
 
 
-def _standard(inputs: Inputs, w1, w2) -> Step:
-    """transformers' OlmoeExperts with its fastest implementation here, torch.optim.AdamW, clipping. Where
-    transformers is not installed (a bare GPU machine), the experts are sonar_kernels' PyTorch reference
-    (a loop over experts); ``Step.experts`` says which ran."""
+def _standard(inputs: Inputs, w1, w2, fused: bool) -> Step:
+    """transformers' OlmoeExperts with its fastest implementation here, ``clip_grad_norm_``, then
+    torch.optim.AdamW: fused=True when ``fused``, else torch's default flags (foreach=None, fused=None).
+    Where transformers is not installed (a bare GPU machine), the experts are sonar_kernels' torch backend;
+    ``Step.experts`` says which ran."""
     try:
         from transformers.models.olmoe.configuration_olmoe import OlmoeConfig
         from transformers.models.olmoe.modeling_olmoe import OlmoeExperts
     except ImportError:
         OlmoeExperts = None
-    fused = w1.device.type == "cuda"
     if OlmoeExperts is None:
-        params, label = [w1, w2], "sonar_kernels reference (transformers not installed)"
+        params, label = [w1, w2], "sonar_kernels torch backend (transformers not installed)"
 
         def forward():
             return sonar_kernels.moe_mlp(inputs.x, inputs.index, inputs.weights, w1, w2, backend="torch")
@@ -309,7 +338,10 @@ def _standard(inputs: Inputs, w1, w2) -> Step:
         def forward():
             return experts(inputs.x, inputs.index, inputs.weights)
 
-    optimizer = torch.optim.AdamW(params, **HYPER, fused=fused)
+    if fused:
+        optimizer, update = torch.optim.AdamW(params, **HYPER, fused=True), "torch.optim.AdamW(fused=True)"
+    else:
+        optimizer, update = torch.optim.AdamW(params, **HYPER), "torch.optim.AdamW (default flags)"
 
     def run():
         inputs.backward(forward())
@@ -317,7 +349,7 @@ def _standard(inputs: Inputs, w1, w2) -> Step:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    return Step(inputs, run, (w1, w2), optimizer, forward, experts=label)
+    return Step(inputs, run, (w1, w2), optimizer, forward, experts=label, update=update)
 
 
 def _grouped_mm_runs(w: torch.Tensor) -> bool:

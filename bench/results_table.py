@@ -50,10 +50,10 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
             }
             g = layer["goals"]
             rows.append(
-                f"| {where} | layer {layer['shape']}; standard: {step['standard']['experts']}, AdamW, clipping | "
-                f"{1000 * step['standard']['seconds']:.2f} | "
-                f"{1000 * step['sonar-fused']['seconds']:.2f} | {1 / g['step_speedup_sonar_fused_vs_standard']:.2f} | "
-                f"{step['sonar-fused']['memory_vs_standard']:.2f} | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
+                f"| {where} | layer {layer['shape']}; standard: {step['standard-fused']['experts']}, AdamW, clipping | "
+                f"{1000 * step['standard-fused']['seconds']:.2f} | "
+                f"{1000 * step['sonar']['seconds']:.2f} | {1 / g['step_speedup_sonar_fused_vs_standard']:.2f} | "
+                f"{step['sonar']['memory_vs_standard']:.2f} | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
                 f"{g['per_expert_over_batched_step_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
             )
         for preset, entry in r["full_steps"].items() if "skipped" not in r["full_steps"] else ():

@@ -11,7 +11,9 @@ reduces the dense parameters and SonarAdamW the experts. Without the group, Sona
 this fix (each rank would otherwise update the experts from its own gradient and the ranks would
 diverge). Trainer's own clipping (``max_grad_norm``) sees only the dense gradients: the expert gradients
 never wait in ``.grad`` for it (the paper's dense-only clipping). Here there is no clipping, so that
-``--optimizer torch`` (whose clipping would include the experts) trains the same model.
+``--optimizer torch`` (whose clipping would include the experts) trains the same model: it runs
+``torch.optim.AdamW(fused=True)``, torch's fused AdamW, which is what SonarAdamW's default flags run
+wherever torch has it (docs/usage.md, "Which AdamW runs where").
 
 Rank 0 prints whether the ranks' expert weights are identical (a checksum per rank); with ``--out`` each
 rank also saves its parameters there.
@@ -84,7 +86,8 @@ def main(argv=None) -> int:
             group = dist.group.WORLD if dist.is_initialized() else None
             optimizer = sonar_kernels.SonarAdamW(model, **hyper, data_parallel_group=group)
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), **hyper)
+            # What SonarAdamW runs with its default flags (foreach=None, fused=None): torch's fused AdamW.
+            optimizer = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
         trainer = transformers.Trainer(
             model=model, args=training, train_dataset=Tokens(), optimizers=(optimizer, None)
         )

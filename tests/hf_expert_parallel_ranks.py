@@ -1,8 +1,8 @@
 """One rank of transformers' own expert parallelism (``DistributedConfig(ep_size=2, fsdp_size=2)``) on a tiny
-OLMoE running experts_implementation "sonar": 3 steps with SonarAdamW, then 3 with torch.optim.AdamW from
-the same checkpoint; each rank saves both models' full parameters. Run by torchrun from
-tests/test_transformers_expert_parallel.py: ``python -m torch.distributed.run --nproc-per-node 2
-tests/hf_expert_parallel_ranks.py CHECKPOINT OUT``."""
+OLMoE running experts_implementation "sonar": 3 steps with SonarAdamW, then 3 with
+torch.optim.AdamW(fused=True) (what SonarAdamW's default flags run) from the same checkpoint; each rank
+saves both models' full parameters. Run by torchrun from tests/test_transformers_expert_parallel.py:
+``python -m torch.distributed.run --nproc-per-node 2 tests/hf_expert_parallel_ranks.py CHECKPOINT OUT``."""
 
 import gc
 import sys
@@ -30,7 +30,9 @@ def main(checkpoint: str, out: str) -> None:
             optimizer = sonar_kernels.SonarAdamW(model, lr=1e-2)
             assert len(optimizer.expert_tensors) == 2 * model.config.num_hidden_layers
         else:
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU (every parameter here is
+            # a DTensor, so one fused call takes them all).
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
         for step in range(3):
             ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
             model(input_ids=ids, labels=ids).loss.backward()

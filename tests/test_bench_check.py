@@ -43,11 +43,11 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     assert result["correctness"] == []
     rows = result["layers"][0]["rows"]
     assert {r["provider"] for r in rows.values()} == {
-        "sonar-fused", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard",
+        "sonar", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard-fused", "standard",
     }  # fmt: skip
     assert all(r["seconds"] > 0 and r["peak_bytes"] > 0 for r in rows.values())
     assert {r["phase"] for r in rows.values()} == {"forward", "forward+backward", "step"}
-    assert rows["step sonar-fused uniform"]["memory_vs_standard"] < 1.0
+    assert rows["step sonar uniform"]["memory_vs_standard"] < 1.0
     table = result["layers"][0]
     assert set(table["roofline"]) >= {"up", "down", "wgrad dW1", "wgrad dW2", "total_seconds"}
     # Every launch of the step, labelled from its arguments (bench/kernel_times.py).
@@ -61,7 +61,7 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
         "combine dX",
         *gemms,
     ]
-    fused, unfused = table["kernels"]["sonar-fused"], table["kernels"]["sonar-unfused"]
+    fused, unfused = table["kernels"]["sonar"], table["kernels"]["sonar-unfused"]
     assert set(fused) == {*common, "wgrad dW2 check", "wgrad dW2 adamw", "wgrad dW1 check", "wgrad dW1 adamw",
                           "adamw scalars"}  # fmt: skip
     assert set(unfused) == {*common, "wgrad dW2 store", "wgrad dW1 store"}
@@ -78,7 +78,7 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     md = out.with_suffix(".md").read_text()
     assert (
         "- correctness: not checked in this run (--no-check)" in md
-        and "| step | sonar-fused | uniform |" in md
+        and "| step | sonar | uniform |" in md
         and "| wgrad dW1 adamw (GEMM + AdamW) |" in md
         and "| all-in-backward |" in md
     )
@@ -92,7 +92,7 @@ def test_gpu_benchmark_small_mode_runs_and_writes_its_tables(tmp_path):
     rendered = module.table(tmp_path, include_cpu=True)
     assert "| layer cpu-tiny; standard: transformers OlmoeExperts" in rendered
     assert "| full step tiny-olmoe, 1 layers;" in rendered
-    assert f"{1000 * rows['step standard uniform']['seconds']:.2f}" in rendered
+    assert f"{1000 * rows['step standard-fused uniform']['seconds']:.2f}" in rendered
 
 
 def _results_table():

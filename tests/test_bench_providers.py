@@ -7,6 +7,8 @@ import pytest
 import torch
 from numerics import assert_close
 
+import sonar_kernels
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import providers
 
@@ -19,22 +21,45 @@ def test_every_provider_takes_the_same_two_steps(routing, backend, device):
     # The torch backend is what `make bench` times on the CPU; the Triton one runs here as a correctness
     # smoke (under the interpreter without a GPU).
     inputs = providers.make_inputs(providers.SHAPES["cpu-tiny"], torch.float32, device, routing=routing)
-    results = {}
+    fused = providers.fused_adamw_runs(inputs.gate_up_proj)
+    assert fused  # torch has a fused AdamW for fp32 on the CPU and on CUDA
+    results, steps = {}, {}
     for name in providers.PROVIDERS:
         step = providers.build(name, inputs, backend=backend)
         for _ in range(2):
             step.run()
-        results[name] = step.weights()
+        results[name], steps[name] = step.weights(), step
         assert all(p.grad is None for p in step.params), name  # updated, or released by zero_grad
-    reference = results["sonar-unfused"]  # the kernels' gradient, then torch.optim.AdamW
+    # The AdamW flags each provider applies: torch's fused AdamW where it runs, the default flags for
+    # standard.
+    for name in ("sonar-unfused", "standard-fused"):
+        assert steps[name].optimizer.defaults["fused"] is True, name
+    assert steps["standard"].optimizer.defaults["fused"] is None
+    assert steps["standard"].optimizer.defaults["foreach"] is None
+    assert isinstance(steps["sonar"].optimizer, sonar_kernels.ExpertAdamW)
+    assert all(state["step"].device == inputs.x.device for state in steps["paper-inbwd"].optimizer.values())
+    reference = results["sonar-unfused"]  # the expert MLP's gradient, then torch.optim.AdamW(fused=True)
     moved = (reference[0] - inputs.gate_up_proj).norm() / inputs.gate_up_proj.norm()
     assert moved > 1e-4  # two steps changed the weights
+    # Fused and non-fused AdamW, the sonar expert MLP's gradients and transformers': within fp32 tolerance.
     for name, weights in results.items():
         for w, ref, what in zip(weights, reference, ("gate_up_proj", "down_proj"), strict=True):
             assert_close(w, ref, torch.float32, what=f"{name} {what}")
-    # The paper's method applies the same torch AdamW to the same gradient: identical bits.
+    # The paper's method applies the same torch AdamW flags to the same gradient: identical bits (per
+    # expert too: at cpu-tiny each expert slice is a whole number of the fused kernel's vectors).
     for name in ("paper-inbwd", "per-expert-inbwd"):
         assert all(torch.equal(a, b) for a, b in zip(results[name], reference, strict=True)), name
+
+
+def test_expert_grad_bytes_are_those_of_the_layers_gradients():
+    shape = providers.SHAPES["cpu-tiny"]
+    inputs = providers.make_inputs(shape, torch.float32, "cpu")
+    step = providers.build("standard", inputs)
+    inputs.backward(step.phase("forward")())
+    assert shape.expert_grad_bytes(torch.float32) == sum(
+        p.grad.numel() * p.grad.element_size() for p in step.params
+    )
+    assert shape.expert_grad_bytes(torch.bfloat16) == 3 * shape.E * shape.H * shape.I * 2
 
 
 def test_forward_and_forward_backward_phases_match_the_reference_and_keep_no_gradient(device):
@@ -69,12 +94,15 @@ def test_forward_and_forward_backward_phases_match_the_reference_and_keep_no_gra
         )
     assert providers.phase_providers("step") == providers.PROVIDERS
     with pytest.raises(ValueError, match="is measured for"):
-        providers.build("sonar-fused", inputs).phase("forward")
+        providers.build("sonar", inputs).phase("forward")
     with pytest.raises(ValueError, match="phase must be one of"):
         providers.phase_providers("update")
 
 
 def test_shapes_and_flops():
+    import table
+
+    assert table.BASELINE == providers.BASELINE == "standard-fused" and table.SONAR in providers.PROVIDERS
     shape = providers.SHAPES["olmoe-1b-7b"]
     assert shape == (4096, 2048, 1024, 64, 8)
     assert shape.flops(backward=False) == 6 * 4096 * 8 * 2048 * 1024
@@ -86,6 +114,7 @@ def test_shapes_and_flops():
 
 
 def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
+    import json
     import os
     import subprocess
 
@@ -97,32 +126,40 @@ def test_layer_benchmark_runs_and_prints_the_side_by_side_table(tmp_path):
     } | {"SONAR_BENCH_SHAPES": "cpu-tiny"}
     done = subprocess.run(
         [sys.executable, "-m", "pytest", str(root / "bench" / "test_layer.py"), "-q", "-p", "no:cacheprovider",
-         "-k", "uniform and (sonar-fused or standard)", "--benchmark-only",
+         "-k", "uniform and (step-sonar-cpu or standard-fused-cpu)", "--benchmark-only",
          f"--benchmark-json={tmp_path / 'layer.json'}"],
         cwd=root, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "providers side by side" in done.stdout
-    assert "sonar-fused" in done.stdout and "standard" in done.stdout
-    report = __import__("json").loads((tmp_path / "layer.json").read_text())
-    assert report["versions"]["torch"] == torch.__version__ and "commit_info" in report
-    peaks = {
-        (b["extra_info"]["phase"], b["extra_info"]["provider"]): b["extra_info"]["peak_bytes"]
-        for b in report["benchmarks"]
-    }
-    assert set(peaks) == {("step", "sonar-fused"), *((p, "standard") for p in providers.PHASES)}
-    # Measured, not asserted: on the CPU the torch backend runs (its memory against standard is a
-    # benchmark result; tests/test_memory.py checks the fused epilogue's saving).
-    assert all(peak > 0 for peak in peaks.values())
-    expected_backend = "triton" if torch.cuda.is_available() else "torch"
-    assert {b["extra_info"]["backend"] for b in report["benchmarks"]} == {expected_backend}
-    assert "cpu-tiny, uniform routing, training step" in done.stdout
-    assert "cpu-tiny, uniform routing, forward+backward" in done.stdout
-    assert "sonar-fused / standard: step time" in done.stdout
-    # One ratio convention, the spread beside every median, and the verdict on the machine's load.
-    assert "ratios are provider / standard: below 1 is better" in done.stdout and "p10-p90 ms" in done.stdout
+    report = json.loads((tmp_path / "layer.json").read_text())
+    rows = {(b["extra_info"]["phase"], b["extra_info"]["provider"]): b for b in report["benchmarks"]}
+    assert set(rows) == {("step", "sonar"), *((p, "standard-fused") for p in providers.PHASES)}
+    # Each row records what the memory goal is read from, and where it ran.
+    commit = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=False).stdout.strip()  # fmt: skip
+    shape = providers.SHAPES["cpu-tiny"]
+    for (phase, provider), row in rows.items():
+        info = row["extra_info"]
+        assert info["provider"] == provider and info["phase"] == phase and info["shape"] == "cpu-tiny"
+        assert tuple(info[k] for k in shape._fields) == tuple(shape)
+        # Measured, not asserted: on the CPU the torch backend runs (its memory against the baseline's is
+        # a benchmark result; tests/test_memory.py checks the fused epilogue's saving).
+        assert info["peak_bytes"] > 0 and info["expert_grad_bytes"] == shape.expert_grad_bytes(torch.float32)
+        assert info["device"] == ("cuda" if torch.cuda.is_available() else "cpu") and info["device_name"]
+        assert info["versions"]["torch"] == torch.__version__ and info["versions"]["transformers"]
+        assert info["commit"] == (commit or None) and info["dirty"] in (True, False, None)
+        assert info["backend"] == ("triton" if torch.cuda.is_available() else "torch")
+        assert {"p10", "p90", "busy"} <= set(row["stats"])
+    assert report["commit"] == rows["step", "sonar"]["extra_info"]["commit"] and "commit_info" in report
+    assert "cpu-tiny (T 16, H 32, I 16, E 4, top_k 2), uniform routing, training step" in done.stdout
+    assert "cpu-tiny (T 16, H 32, I 16, E 4, top_k 2), uniform routing, forward+backward" in done.stdout
+    # One ratio convention, the spread beside every median, sonar's goals, the verdict on the load.
+    assert "ratios are provider / standard-fused: below 1 is better" in done.stdout
+    assert "p10-p90 ms" in done.stdout
+    assert "sonar / standard-fused: step time" in done.stdout
+    assert "sonar's peak saves" in done.stdout and "of the layer's expert-gradient bytes" in done.stdout
     assert "quiet machine (" in done.stdout or "BUSY MACHINE (" in done.stdout
-    assert all({"p10", "p90", "busy"} <= set(b["stats"]) for b in report["benchmarks"])
 
 
 def test_standard_falls_back_to_the_reference_experts_without_transformers(monkeypatch):
@@ -139,7 +176,7 @@ def test_standard_falls_back_to_the_reference_experts_without_transformers(monke
     with_transformers = providers.build("standard", inputs)
     monkeypatch.setattr(builtins, "__import__", no_transformers)
     without = providers.build("standard", inputs)
-    assert "OlmoeExperts" in with_transformers.experts and "reference" in without.experts
+    assert "OlmoeExperts" in with_transformers.experts and "transformers not installed" in without.experts
     for step in (with_transformers, without):
         step.run()
     for a, b in zip(without.weights(), with_transformers.weights(), strict=True):

@@ -2,8 +2,8 @@
 and the refusal of every layout in which an update would use a rank's partial gradient.
 
 Each rank writes its parameters and optimizer state to a file; the test process compares the ranks with
-each other, with torch.optim.AdamW under the same wrapper (dense-only clipping), and with single-process
-training on the concatenated batch. Spawned ranks import this module: keep its work in functions.
+each other, with torch.optim.AdamW(fused=True) (what SonarAdamW's default flags run) under the same
+wrapper (dense-only clipping), and with single-process training on the concatenated batch. Spawned ranks import this module: keep its work in functions.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ import sonar_kernels
 T = 8  # tokens per rank (TinyMoE's H, I, top-k and the hyperparameters are test_sonar_adamw's)
 MAX_NORM = 0.5
 STEPS = 3
+# The standard arms' flags: SonarAdamW's default flags (foreach=None, fused=None) run torch's fused AdamW
+# on the CPU.
+FUSED = {"fused": True}
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -83,7 +86,7 @@ def _ddp_rank(rank, world_size, backend, mode, out):
         assert {"experts.gate_up_proj", "experts.down_proj"} <= wrapped.parameters_to_ignore
     else:
         wrapped = nn.parallel.DistributedDataParallel(model)
-        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER, **FUSED)
     _train(wrapped, optimizer, rank, sonar=mode == "sonar")
     torch.save(_snapshot(model, optimizer), out / f"{mode}-{rank}.pt")
 
@@ -202,7 +205,7 @@ def _fsdp_rank(rank, world_size, mode, out):
         optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=MAX_NORM)
         assert len(optimizer.expert_tensors) == 2
     else:
-        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER, **FUSED)
     _train(model, optimizer, rank, sonar=mode == "sonar")
     torch.save(_snapshot(model, optimizer), out / f"{mode}-{rank}.pt")
 
@@ -233,7 +236,7 @@ def _telemetry_rank(rank, world_size, mode, out):
         )
     wrapped = nn.parallel.DistributedDataParallel(model)
     if not sonar:
-        optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+        optimizer = torch.optim.AdamW(model.parameters(), **HYPER, **FUSED)
     norms = []
     for step in range(STEPS):
         for micro in range(2):

@@ -19,6 +19,13 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # The options torch.optim.AdamW has that the in-backward update does not implement, with a value that
 # turns each on.
 EXPERT_REFUSED = {"amsgrad": True, "maximize": True, "capturable": True, "differentiable": True}
+# What SonarAdamW's default flags (foreach=None, fused=None) run on the CPU: torch's fused AdamW.
+FUSED = {"fused": True}
+
+
+def _torch_flags(options):
+    """torch.optim.AdamW's flags for SonarAdamW(**options): the options' own, else fused (the default)."""
+    return {} if {"foreach", "fused", "capturable", "differentiable"} & options.keys() else FUSED
 
 
 class Tiny(torch.nn.Module):
@@ -99,7 +106,7 @@ def test_torchs_keywords_set_to_their_defaults_are_accepted_with_expert_tensors(
     assert len(optimizer.expert_tensors) == 2 and len(positional.expert_tensors) == 2
     if backend == "torch":
         _train(model, optimizer)
-        _train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, **ALL_FALSE))
+        _train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, **ALL_FALSE, **FUSED))
         _assert_same(model, reference)
 
 
@@ -128,7 +135,7 @@ def test_a_dense_only_optimizer_with_torchs_options_trains_as_torch_adamw_bitwis
     model, reference = Dense(), Dense()
     optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER, **options)
     _train(model, optimizer)
-    _train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, **options))
+    _train(reference, torch.optim.AdamW(reference.parameters(), **HYPER, **options, **_torch_flags(options)))
     _assert_same(model, reference)
 
 
@@ -150,7 +157,7 @@ def test_capturable_and_differentiable_meet_torchs_own_refusal_on_the_cpu(option
 def test_amsgrad_as_the_sixth_positional_argument_is_honoured_for_dense_parameters():
     model, reference = Dense(), Dense()
     _train(model, sonar_kernels.SonarAdamW(model.parameters(), 1e-2, (0.9, 0.95), 1e-8, 0.1, True))
-    _train(reference, torch.optim.AdamW(reference.parameters(), 1e-2, (0.9, 0.95), 1e-8, 0.1, True))
+    _train(reference, torch.optim.AdamW(reference.parameters(), 1e-2, (0.9, 0.95), 1e-8, 0.1, True, **FUSED))
     _assert_same(model, reference)
 
 
@@ -163,7 +170,8 @@ def test_constructor_options_reach_the_dense_group_while_the_expert_group_sets_t
     optimizer = sonar_kernels.SonarAdamW(groups, **HYPER, **options)
     assert len(optimizer.expert_tensors) == 2
     _train(model, optimizer)
-    _train(reference, torch.optim.AdamW(_groups(reference, expert_options=expert_off), **HYPER, **options))
+    groups = _groups(reference, expert_options=expert_off)
+    _train(reference, torch.optim.AdamW(groups, **HYPER, **options, **_torch_flags(options)))
     _assert_same(model, reference)
 
 
@@ -217,6 +225,14 @@ def _dense_state(kind, model):
     return optimizer.state_dict()
 
 
+def _run_fused(standard):
+    """torch.optim.AdamW takes foreach and fused from the loaded groups (None here: its own default, the
+    for-loop on the CPU); SonarAdamW runs None as fused: set it for the reference."""
+    for group in standard.param_groups:
+        assert group["fused"] is None and group["foreach"] is None
+        group["fused"] = True
+
+
 @pytest.mark.parametrize("kind", ["torch-amsgrad", "torch-adam", "sonar-amsgrad-maximize"])
 def test_a_state_whose_dense_only_groups_carry_torchs_options_loads_as_into_torch_adamw(kind):
     source = Dense()
@@ -230,6 +246,7 @@ def test_a_state_whose_dense_only_groups_carry_torchs_options_loads_as_into_torc
     sonar.load_state_dict(copy.deepcopy(state))
     standard.load_state_dict(copy.deepcopy(state))
     assert sonar.state_dict()["param_groups"] == standard.state_dict()["param_groups"]
+    _run_fused(standard)
     _train(model, sonar, 2, start=2)
     _train(reference, standard, 2, start=2)
     _assert_same(model, reference)
@@ -259,6 +276,7 @@ def test_a_state_with_those_options_on_its_dense_group_loads_beside_an_expert_gr
     # torch's load_state_dict keeps tensors of the right dtype and device: each optimizer gets its own copy.
     sonar.load_state_dict(copy.deepcopy(state))
     standard.load_state_dict(copy.deepcopy(state))
+    _run_fused(standard)
     _train(model, sonar, 2, start=2)
     _train(reference, standard, 2, start=2)
     _assert_same(model, reference)
@@ -433,11 +451,14 @@ def _with(tensor_hyper):
 
 
 @pytest.mark.parametrize("tensor_hyper", TENSOR_HYPER)
-@pytest.mark.parametrize("flags", [{}, {"fused": True}], ids=["default", "fused"])
+@pytest.mark.parametrize(
+    "flags", [{}, {"fused": True}, {"fused": False}], ids=["default", "fused", "for-loop"]
+)
 def test_tensor_hyperparameters_give_torch_adamws_bits_on_the_torch_backend(tensor_hyper, flags):
     model, reference = Tiny(), Tiny()
     _train(model, sonar_kernels.SonarAdamW(model, **_with(tensor_hyper), **flags), 5)
-    _train(reference, torch.optim.AdamW(reference.parameters(), **_with(tensor_hyper), **flags), 5)
+    torch_flags = flags or FUSED  # the default: torch's fused AdamW
+    _train(reference, torch.optim.AdamW(reference.parameters(), **_with(tensor_hyper), **torch_flags), 5)
     _assert_same(model, reference)
 
 
@@ -446,7 +467,7 @@ def test_tensor_hyperparameters_of_a_gradient_reaching_grad_give_torch_adamws_bi
     # A penalty alone: the expert tensor's gradient reaches .grad, and its hook applies torch's AdamW.
     model, reference = Tiny(), Tiny()
     optimizer = sonar_kernels.SonarAdamW(model, **_with(tensor_hyper))
-    standard = torch.optim.AdamW(reference.parameters(), **_with(tensor_hyper))
+    standard = torch.optim.AdamW(reference.parameters(), **_with(tensor_hyper), **FUSED)
     for m, opt in ((model, optimizer), (reference, standard)):
         for _ in range(5):
             (m.experts.gate_up_proj.square().sum() + m.experts.down_proj.sin().sum()).backward()
@@ -462,3 +483,196 @@ def test_tensor_hyperparameters_on_the_triton_backend_stay_within_the_bound(tens
     _train(reference, torch.optim.AdamW(reference.parameters(), **_with(tensor_hyper)), 5)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert rel_err(p.cpu(), q) <= 1e-5, name
+
+
+# Issue 30: torch's fused AdamW by default, wherever torch has it for the device and dtype.
+
+MAX_NORM = 0.05  # below the gradients' norm: the clipping changes them
+
+
+def _dense_clipped_training(model, optimizer, steps=3, dtype=torch.float32, clip=True):
+    """Standard training with dense-only clipping (``clip``): the reference of
+    SonarAdamW(max_grad_norm=MAX_NORM), which clips in step() (``clip=False``)."""
+    dense = [p for name, p in model.named_parameters() if not name.startswith("experts.")]
+    norms = []
+    for step in range(steps):
+        model(_batch(step, dtype)).float().square().mean().backward()
+        if clip:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(dense, MAX_NORM)))
+        optimizer.step()
+        optimizer.zero_grad()
+    return norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_default_flags_train_as_torchs_fused_adamw_with_dense_clipping_bitwise(dtype):
+    model, reference, loop = (Tiny().to(dtype) for _ in range(3))
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=MAX_NORM)
+    # The groups keep torch's defaults (None: the path is chosen at each step, as torch chooses its own).
+    assert optimizer.param_groups[0]["fused"] is None and optimizer.param_groups[0]["foreach"] is None
+    standard = torch.optim.AdamW(reference.parameters(), **HYPER, fused=True)
+    norms = _dense_clipped_training(reference, standard, dtype=dtype)
+    _dense_clipped_training(model, optimizer, dtype=dtype, clip=False)
+    assert max(norms) > MAX_NORM
+    # Every tensor: the dense ones (step()), the expert ones (the torch backend's update in the backward,
+    # fed the same gradient as torch's fused AdamW in the reference).
+    _assert_same(model, reference)
+    for p in model.parameters():
+        assert optimizer.state[p]["step"].dtype == torch.float32 and float(optimizer.state[p]["step"]) == 3
+    # The for-loop AdamW (torch's own default on the CPU) gives other bits: the comparison tells them apart.
+    _dense_clipped_training(loop, torch.optim.AdamW(loop.parameters(), **HYPER, foreach=False), dtype=dtype)
+    assert any(not torch.equal(p, q) for p, q in zip(loop.parameters(), reference.parameters(), strict=True))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [{"foreach": True}, {"foreach": False}, {"fused": False}, {"fused": True}],
+    ids=["foreach", "foreach-false", "fused-false", "fused"],
+)
+def test_explicit_flags_train_as_torch_adamw_with_those_flags_bitwise(flags):
+    model, reference = Tiny(), Tiny()
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, **flags, max_grad_norm=MAX_NORM)
+    _dense_clipped_training(reference, torch.optim.AdamW(reference.parameters(), **HYPER, **flags))
+    _train(model, optimizer)
+    _assert_same(model, reference)
+    assert optimizer.param_groups[0]["foreach"] == flags.get("foreach")
+    assert optimizer.param_groups[0]["fused"] == flags.get("fused")
+
+
+def test_an_expert_gradient_reaching_grad_is_applied_by_torchs_fused_adamw_by_default():
+    # A penalty on the expert weights alone: their gradient reaches .grad, and the hook applies torch's AdamW.
+    model, reference = Tiny(), Tiny()
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+    standard = torch.optim.AdamW(reference.experts.parameters(), **HYPER, fused=True)
+    for m, opt in ((model, optimizer), (reference, standard)):
+        for _ in range(3):
+            (m.experts.gate_up_proj.square().sum() + m.experts.down_proj.sin().sum()).backward()
+            opt.step()
+            opt.zero_grad()
+    _assert_same(model, reference)
+
+
+def test_meta_device_init_then_to_empty_trains_with_torchs_fused_adamw_by_default():
+    with torch.device("meta"):
+        model = Tiny()
+    model.to_empty(device="cpu")
+    model.load_state_dict(Tiny().state_dict())
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=MAX_NORM)
+    reference = Tiny()
+    _dense_clipped_training(reference, torch.optim.AdamW(reference.parameters(), **HYPER, fused=True))
+    _train(model, optimizer)
+    assert len(optimizer.expert_tensors) == 2
+    _assert_same(model, reference)
+
+
+def test_a_checkpoint_of_a_non_fused_adamw_resumes_with_the_step_where_the_fused_kernel_reads_it():
+    # torch.optim.AdamW(fused=True) loads ``step`` as float32 on the parameter's device; SonarAdamW's default
+    # groups (fused=None, run fused) do the same, whatever the checkpoint held (float64 here).
+    source = Dense()
+    torch_default = torch.optim.AdamW(source.parameters(), **HYPER)
+    _train(source, torch_default, 2)
+    state = torch_default.state_dict()
+    for entry in state["state"].values():
+        entry["step"] = entry["step"].double()
+    model, reference = Dense(), Dense()
+    model.load_state_dict(source.state_dict())
+    reference.load_state_dict(source.state_dict())
+    sonar = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    standard = torch.optim.AdamW(reference.parameters(), **HYPER, fused=True)
+    sonar.load_state_dict(copy.deepcopy(state))
+    standard.load_state_dict(copy.deepcopy(state))
+    _run_fused(standard)
+    for p in model.parameters():
+        assert sonar.state[p]["step"].dtype == torch.float32 and float(sonar.state[p]["step"]) == 2
+    _train(model, sonar, 2, start=2)
+    _train(reference, standard, 2, start=2)
+    _assert_same(model, reference)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_grad_scaler_with_default_flags_trains_as_with_torchs_fused_adamw_bitwise(dtype):
+    # The default flags run torch's fused AdamW, so GradScaler hands step() its grad_scale and found_inf, as
+    # it does to torch.optim.AdamW(fused=True) (fp16 gradients included, which GradScaler.unscale_ refuses).
+    model, reference = Dense(dtype=dtype), Dense(dtype=dtype)
+    sonar = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    standard = torch.optim.AdamW(reference.parameters(), **HYPER, fused=True)
+    assert sonar._step_supports_amp_scaling is False  # no gradient yet: nothing that step() would update
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    _scaled_training(model, sonar, scalers[0], dtype=dtype)
+    _scaled_training(reference, standard, scalers[1], dtype=dtype)
+    _assert_same(model, reference)
+    assert scalers[0].get_scale() == scalers[1].get_scale() == 2.0**9
+    assert int(sonar.dense_skipped_steps) == 1
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert float(sonar.state[p]["step"]) == float(standard.state[q]["step"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("device", "dtype", "expected"),
+    [
+        ("cpu", torch.float32, True),
+        ("cpu", torch.bfloat16, True),
+        ("cpu", torch.float16, True),
+        ("cpu", torch.float64, True),
+        ("cuda", torch.bfloat16, True),
+        ("meta", torch.float32, False),
+        ("cpu", torch.int64, False),
+    ],
+)
+def test_torchs_fused_adamw_is_chosen_where_torch_has_it(device, dtype, expected):
+    from sonar_kernels.ops import has_torch_fused_adamw
+    from sonar_kernels.optim.in_backward import torch_adamw_flags
+
+    assert has_torch_fused_adamw(device, dtype) is expected
+    if device != "cuda":
+        p = torch.zeros(2, dtype=dtype, device=device)
+        assert torch_adamw_flags({"foreach": None, "fused": None}, [p]) == (
+            (None, True) if expected else (None, None)
+        )
+        # Explicit flags, and capturable or differentiable: torch's meaning, torch's choice.
+        for group in ({"foreach": False, "fused": None}, {"foreach": None, "fused": False}):
+            assert torch_adamw_flags(group, [p]) == (group["foreach"], group["fused"])
+        assert torch_adamw_flags({"foreach": None, "fused": None, "capturable": True}, [p]) == (None, None)
+
+
+def test_an_expert_group_with_its_own_flags_beside_a_default_dense_group_trains_as_torch_adamw():
+    # The dense group runs torch's fused AdamW (found_inf given); the expert group, with nothing for step(),
+    # asks for the for-loop, which refuses found_inf: step() must still run.
+    model, reference = Tiny(), Tiny()
+    optimizer = sonar_kernels.SonarAdamW(_groups(model, expert_options={"foreach": False}), **HYPER)
+    groups = _groups(reference, expert_options={"foreach": False}, dense_options=FUSED)
+    _train(model, optimizer)
+    _train(reference, torch.optim.AdamW(groups, **HYPER))
+    _assert_same(model, reference)
+    assert optimizer.param_groups[0]["foreach"] is False and optimizer.param_groups[1]["fused"] is None
+
+
+@pytest.mark.timeout(60)
+def test_dtensors_run_torchs_fused_adamw_unless_a_call_would_mix_them_with_tensors(one_rank_mesh):
+    from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+
+    from sonar_kernels.optim.in_backward import torch_adamw_flags
+
+    def params(mixed):
+        """A DTensor parameter, and a tensor one when ``mixed``, with gradients."""
+        generator = torch.Generator().manual_seed(3)
+        values = [torch.randn(4, 3, generator=generator) for _ in range(4)]
+        made = [torch.nn.Parameter(distribute_tensor(values[0], one_rank_mesh, [Replicate()]))]
+        made[0].grad = distribute_tensor(values[1], one_rank_mesh, [Replicate()])
+        if mixed:
+            made.append(torch.nn.Parameter(values[2]))
+            made[1].grad = values[3]
+        return made
+
+    group = {"foreach": None, "fused": None}
+    assert torch_adamw_flags(group, params(False)) == (None, True)
+    # torch's fused AdamW refuses a call that mixes DTensors and tensors: torch's own default for them.
+    assert torch_adamw_flags(group, params(True)) == (None, None)
+    sonar, standard = params(False), params(False)
+    for optimizer in (
+        sonar_kernels.SonarAdamW(sonar, **HYPER),
+        torch.optim.AdamW(standard, **HYPER, **FUSED),
+    ):
+        for _ in range(2):
+            optimizer.step()
+    assert isinstance(sonar[0], DTensor) and torch.equal(sonar[0].to_local(), standard[0].to_local())

@@ -329,14 +329,20 @@ def test_non_reentrant_checkpointing_updates_once_with_the_same_bits(device):
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
-def test_torch_backend_updates_in_backward_with_torchs_adamw(device):
+@pytest.mark.parametrize(
+    ("group_flags", "torch_flags"),
+    # By default torch's fused AdamW (on the CPU as on CUDA); a group's own flag keeps torch's meaning.
+    [({}, {"fused": True}), ({"fused": False}, {"fused": False}), ({"foreach": True}, {"foreach": True})],
+    ids=["default-fused", "for-loop", "foreach"],
+)
+def test_torch_backend_updates_in_backward_with_torchs_adamw(group_flags, torch_flags):
     # backend="torch": the gradient of the whole batched tensor is applied through torch's AdamW as soon
     # as it is accumulated, then released (the paper's method).
     experts = sonar_kernels.SonarExperts(E, H, I, backend="torch")
     twin = sonar_kernels.SonarExperts(E, H, I, backend="torch")
     twin.load_state_dict(experts.state_dict())
-    optimizer = sonar_kernels.ExpertAdamW(experts.parameters(), **HYPER)
-    reference_optimizer = torch.optim.AdamW(twin.parameters(), foreach=False, **HYPER)
+    optimizer = sonar_kernels.ExpertAdamW([{"params": list(experts.parameters()), **group_flags}], **HYPER)
+    reference_optimizer = torch.optim.AdamW(twin.parameters(), **torch_flags, **HYPER)
     for step in range(2):
         x, index, weights, grad_out = _batch(step, torch.float32, "cpu")
         experts(x, index, weights).backward(grad_out)

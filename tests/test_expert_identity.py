@@ -2,8 +2,9 @@
 model were built (docs/usage.md, "Ownership"), or an error or the documented warning says why not.
 
 References: SonarAdamW(model) on the same model built the plain way (the documented path, itself tested
-against torch.optim.AdamW with dense-only clipping in test_sonar_adamw.py), or torch.optim.AdamW with the
-same parameter groups and dense-only clipping.
+against torch.optim.AdamW(fused=True) with dense-only clipping in test_sonar_adamw.py), or
+torch.optim.AdamW(fused=True) (what SonarAdamW's default flags run on the CPU) with the same parameter
+groups and dense-only clipping.
 """
 
 import copy
@@ -118,8 +119,9 @@ def test_name_based_groups_of_a_transformers_model_equal_torch_adamw_with_dense_
     optimizer = sonar_kernels.SonarAdamW(_decay_groups(model), **HYPER, max_grad_norm=0.5)
     _train_lm(model, optimizer)
     assert len(optimizer.expert_tensors) == 4
-    # Standard training with the same groups, the dense parameters clipped in the groups' order.
-    reference = torch.optim.AdamW(_decay_groups(standard), **HYPER)
+    # Standard training with the same groups, the dense parameters clipped in the groups' order; fused, as
+    # SonarAdamW's default flags run torch's fused AdamW on the CPU.
+    reference = torch.optim.AdamW(_decay_groups(standard), **HYPER, fused=True)
     experts = {id(p) for p in _experts(standard)}
     for step in range(3):
         tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(step))

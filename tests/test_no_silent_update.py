@@ -284,6 +284,10 @@ def test_the_options_it_accepts_give_torch_adamws_update(group):
             {"params": list(model.experts.parameters()), **group},
             {"params": list(model.proj.parameters()), **dense_options},
         ]
+        if kind == "torch":
+            # What SonarAdamW runs each group with: a group's own foreach or fused, else torch's fused
+            # AdamW (SonarAdamW's default flags, on the CPU as on CUDA).
+            groups = [g if {"foreach", "fused"} & g.keys() else {**g, "fused": True} for g in groups]
         optimizer = (sonar_kernels.SonarAdamW if kind == "sonar" else torch.optim.AdamW)(groups, lr=3e-3)
         _train_one_step(model, optimizer)
         models.append(model)

@@ -180,6 +180,22 @@ def test_non_finite_micro_batch_skips_the_accumulated_update(device):
     optimizer.step()
 
 
+def _filled(gradient, value: float):
+    """The torch backend's gradient of an expert tensor, every entry of it replaced by ``value`` (whole or
+    chunk by chunk, as the update asks for it)."""
+
+    class Filled(ops.torch_backend.ExpertGradient):
+        def compute(self, first, last, out):
+            return super().compute(first, last, out).fill_(value)
+
+        def full(self):
+            return super().full().fill_(value)
+
+    filled = Filled.__new__(Filled)
+    filled.__dict__.update(gradient.__dict__)
+    return filled
+
+
 @pytest.mark.parametrize(
     "flags", [{"foreach": False}, {"foreach": True}, {"fused": True}], ids=["for-loop", "foreach", "fused"]
 )
@@ -203,8 +219,8 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
 
         def nan_down_proj_grad(*args, down_proj_update, **kwargs):
             # The update computes a NaN gradient in place of the wgrad's.
-            def update(compute):
-                down_proj_update(lambda: torch.full_like(compute(), NAN))
+            def update(gradient):
+                down_proj_update(_filled(gradient, NAN))
 
             return original(*args, down_proj_update=update, **kwargs)
 
@@ -231,8 +247,9 @@ def test_sonar_adamw_dense_skip_then_training_equals_torch_adamw_without_that_de
     torch_model.load_state_dict(sonar_model.state_dict())
     sonar = sonar_kernels.SonarAdamW(sonar_model, **SONAR_HYPER, max_grad_norm=0.5)
     dense = [p for name, p in torch_model.named_parameters() if not name.startswith("experts.")]
-    standard_dense = torch.optim.AdamW(dense, **SONAR_HYPER)
-    standard_experts = torch.optim.AdamW(torch_model.experts.parameters(), **SONAR_HYPER)
+    # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU.
+    standard_dense = torch.optim.AdamW(dense, **SONAR_HYPER, fused=True)
+    standard_experts = torch.optim.AdamW(torch_model.experts.parameters(), **SONAR_HYPER, fused=True)
     for step in range(4):
         x, y = _sonar_batch(step)
         torch.nn.functional.mse_loss(sonar_model(x), y).backward()
@@ -267,8 +284,8 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
 
     def inf_gate_up_proj_grad(*args, gate_up_proj_update, **kwargs):
         # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
-        def update(compute):
-            gate_up_proj_update(lambda: torch.full_like(compute(), float("inf")))
+        def update(gradient):
+            gate_up_proj_update(_filled(gradient, float("inf")))
 
         return original(*args, gate_up_proj_update=update, **kwargs)
 

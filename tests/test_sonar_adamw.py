@@ -13,6 +13,8 @@ import sonar_kernels
 H, I, E, TOP_K, T = 16, 8, 4, 2, 12
 HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 STEPS = 20
+# What SonarAdamW's default flags (foreach=None, fused=None) run on the CPU: torch's fused AdamW.
+FUSED = {"fused": True}
 
 
 class TinyMoE(nn.Module):
@@ -50,7 +52,7 @@ def _dense(model):
 
 
 def _standard(model):
-    optimizer = torch.optim.AdamW(model.parameters(), **HYPER)
+    optimizer = torch.optim.AdamW(model.parameters(), **HYPER, **FUSED)
     return optimizer, torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS)
 
 
@@ -145,6 +147,11 @@ def test_moving_between_torch_adamw_and_sonar_on_resume(direction):
     optimizer, scheduler = build_second(second)
     optimizer.load_state_dict(saved["opt"])
     scheduler.load_state_dict(saved["sched"])
+    if build_second is _standard:
+        # torch takes foreach and fused from the checkpoint: SonarAdamW's None (fused where torch has it, as
+        # chosen at each step), which torch.optim.AdamW reads as its own default (the for-loop on the CPU).
+        assert optimizer.param_groups[0]["fused"] is None
+        optimizer.param_groups[0]["fused"] = True
     _train(second, optimizer, scheduler, STEPS // 2, start=STEPS // 2, sonar=build_second is _sonar)
     _assert_same(second, straight)
 
@@ -206,7 +213,7 @@ def _accumulate(model, optimizer, steps, k, sonar, device="cpu"):
 def test_gradient_accumulation_equals_standard_accumulation():
     k = 4
     standard, sonar = _model("torch"), _model("torch")
-    _accumulate(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, k, sonar=False)
+    _accumulate(standard, torch.optim.AdamW(standard.parameters(), **HYPER, **FUSED), 3, k, sonar=False)
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5, accumulation_steps=k)
     _accumulate(sonar, optimizer, 3, k, sonar=True)
     _assert_same(sonar, standard)

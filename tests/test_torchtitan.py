@@ -337,7 +337,8 @@ def test_swap_keeps_the_parameters_and_their_names():
 def test_three_steps_with_sonar_adamw_equal_torch_adamw_with_dense_clipping_bitwise():
     sonar, standard = _models(2, backend="torch", compute_dtype="input")
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=MAX_NORM)
-    torch_adamw = torch.optim.AdamW(standard.parameters(), **HYPER)
+    # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU.
+    torch_adamw = torch.optim.AdamW(standard.parameters(), **HYPER, fused=True)
     for step in range(3):
         x, y = _batch(step)
         nn.functional.mse_loss(sonar(x), y).backward()

@@ -105,7 +105,11 @@ def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise
     assert sonar["train_losses"][0] != sonar["train_losses"][1]
     assert sonar["train_losses"][0] == control["train_losses"][0]
     assert sonar["heldout_losses"][0] == control["heldout_losses"][0]
-    assert sonar["peak_memory"]["gradients"] < control["peak_memory"]["gradients"]
+    # No expert gradient in sonar: its peak is below the control's. With torch's fused AdamW in every arm
+    # (no step temporaries) both peaks fall in the backward, at this size before the control's expert
+    # gradients reach .grad, so the gradients at the peaks are alike.
+    assert sonar["peak_memory_bytes"] < control["peak_memory_bytes"]
+    assert sonar["peak_memory"]["gradients"] <= control["peak_memory"]["gradients"]
     # The held-out statistics, recomputed here with torch from the per-seed losses.
     deltas = torch.tensor(sonar["heldout_losses"], dtype=torch.float64) - torch.tensor(
         standard["heldout_losses"], dtype=torch.float64

@@ -195,8 +195,10 @@ def test_matching_gradient_accumulation_equals_torch_adamw_with_dense_clipping_b
         assert float(optimizer.state[p]["step"]) == 2.0  # once per optimizer step, not per micro-batch
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UnownedExpertsWarning)  # the reference trains the experts as dense
+        # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU.
+        reference = torch.optim.AdamW(standard.parameters(), **HYPER, fused=True)
         _train(
-            standard, tmp_path / "standard", torch.optim.AdamW(standard.parameters(), **HYPER),
+            standard, tmp_path / "standard", reference,
             callbacks=[_DenseClip(standard)], gradient_accumulation_steps=2, max_grad_norm=0.0,
         )  # fmt: skip
     _assert_equal(model, standard)

@@ -1,6 +1,6 @@
 """transformers.Trainer launched by torchrun on 2 CPU processes (gloo) with SonarAdamW and a data-parallel
-group: the ranks' experts agree bit for bit, and equal Trainer with torch.optim.AdamW
-(examples/trainer_data_parallel.py)."""
+group: the ranks' experts agree bit for bit, and equal Trainer with torch.optim.AdamW(fused=True), what
+SonarAdamW's default flags run (examples/trainer_data_parallel.py)."""
 
 import os
 import subprocess

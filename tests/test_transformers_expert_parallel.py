@@ -1,6 +1,6 @@
 """transformers' own expert parallelism (its DTensor-sharded experts, sentinel ids for other ranks' experts)
 with experts_implementation "sonar" and SonarAdamW, on 2 CPU processes: bitwise equal to the same run with
-torch.optim.AdamW (tests/hf_expert_parallel_ranks.py)."""
+torch.optim.AdamW(fused=True), what SonarAdamW's default flags run (tests/hf_expert_parallel_ranks.py)."""
 
 import os
 import subprocess

@@ -314,7 +314,8 @@ def test_added_family_trains_like_dense_clip_adamw_bitwise_and_round_trips(famil
     sonar = copy.deepcopy(standard)
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
     assert optimizer.expert_tensors
-    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, clip_dense=True)
+    # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU.
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER, fused=True), 3, clip_dense=True)
     _train(sonar, optimizer, 3, clip_dense=False)
     for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
         assert torch.equal(p, q), f"{family}: {name}"

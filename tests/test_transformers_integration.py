@@ -14,6 +14,9 @@ transformers = pytest.importorskip("transformers", minversion="5.13")
 
 VOCAB, SEQ, BATCH = 64, 12, 2
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# The references' flags: SonarAdamW's default flags (foreach=None, fused=None) run torch's fused AdamW on
+# the CPU.
+FUSED = {"fused": True}
 
 
 @pytest.fixture
@@ -284,7 +287,7 @@ def test_sonar_adamw_finds_the_experts_and_equals_dense_clip_training_bitwise(ba
     # Built before the switch to "sonar", the optimizer warns that it treats the experts as dense.
     with pytest.warns(UserWarning, match='experts_implementation \\[.eager.\\], not "sonar"'):
         sonar_kernels.SonarAdamW(_model("olmoe"), **HYPER)
-    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 3, sonar=False)
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER, **FUSED), 3, sonar=False)
     _train(sonar, optimizer, 3, sonar=True)
     for (name, p), q in zip(sonar.named_parameters(), standard.parameters(), strict=True):
         assert torch.equal(p, q), name
@@ -293,16 +296,16 @@ def test_sonar_adamw_finds_the_experts_and_equals_dense_clip_training_bitwise(ba
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non-reentrant", "reentrant"])
 @pytest.mark.parametrize("backend", ["torch", "triton"], indirect=True)
 def test_transformers_gradient_checkpointing_updates_each_expert_tensor_once(use_reentrant, backend):
-    # Reference: standard training (torch.optim.AdamW, dense-only clipping) under the same checkpointing
-    # (transformers' reentrant mode does not carry the aux loss's gradient into the checkpointed layers,
-    # so it differs from no checkpointing with either optimizer).
+    # Reference: standard training (torch.optim.AdamW(fused=True), dense-only clipping) under the same
+    # checkpointing (transformers' reentrant mode does not carry the aux loss's gradient into the
+    # checkpointed layers, so it differs from no checkpointing with either optimizer).
     standard = _model("olmoe", implementation="sonar", backend=backend)
     sonar = copy.deepcopy(standard)
     for model in (standard, sonar):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
         model.train()
     optimizer = sonar_kernels.SonarAdamW(sonar, **HYPER, max_grad_norm=0.5)
-    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER), 2, sonar=False)
+    _train(standard, torch.optim.AdamW(standard.parameters(), **HYPER, **FUSED), 2, sonar=False)
     _train(sonar, optimizer, 2, sonar=True)
     assert len(optimizer.expert_tensors) == 4
     for p in optimizer.expert_tensors:
@@ -337,8 +340,8 @@ class _GradNorms(transformers.TrainerCallback):
 def test_hf_trainer_with_sonar_adamw_equals_dense_clip_training_bitwise(tmp_path):
     """The README's Trainer quick start: SonarAdamW through ``optimizers=(optimizer, scheduler)``, Trainer's own
     clipping (it sees the dense gradients only: the experts were updated in the backward) and its logged
-    grad_norm (the dense parameters' norm), against torch.optim.AdamW with dense-only clipping on the same
-    batches."""
+    grad_norm (the dense parameters' norm), against torch.optim.AdamW(fused=True) with dense-only clipping on
+    the same batches."""
     hf.register()
     model = _model("olmoe", implementation="sonar", backend="torch")
     standard = copy.deepcopy(model)
@@ -359,7 +362,7 @@ def test_hf_trainer_with_sonar_adamw_equals_dense_clip_training_bitwise(tmp_path
     trainer.train()
     logs = norms.values
     assert len(batches) == 2 and len(logs) == 2
-    reference = torch.optim.AdamW(standard.parameters(), **HYPER)
+    reference = torch.optim.AdamW(standard.parameters(), **HYPER, **FUSED)
     reference_scheduler = torch.optim.lr_scheduler.LambdaLR(reference, lambda step: 1.0 / (1 + step))
     dense = [p for name, p in standard.named_parameters() if not name.endswith(("gate_up_proj", "down_proj"))]
     for tokens, logged in zip(batches, logs, strict=True):

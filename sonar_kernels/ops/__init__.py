@@ -10,7 +10,13 @@
 """
 
 from sonar_kernels.ops import library
-from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, torch_adamw_, torch_fused_adamw_arithmetic
+from sonar_kernels.ops.adamw import (
+    adamw_arithmetic,
+    grad_limit,
+    has_torch_fused_adamw,
+    torch_adamw_,
+    torch_fused_adamw_arithmetic,
+)
 from sonar_kernels.ops.backward import AdamWUpdate, GradAccumulator, moe_mlp_bwd, overflow_possible
 from sonar_kernels.ops.common import is_dense, triton_interpreting, whole
 from sonar_kernels.ops.forward import moe_mlp_fwd, routing_block_config, routing_metadata
@@ -27,6 +33,7 @@ __all__ = [
     "check_hyperparameters",
     "check_moe_mlp_args",
     "grad_limit",
+    "has_torch_fused_adamw",
     "is_dense",
     "library",
     "moe_mlp_bwd",

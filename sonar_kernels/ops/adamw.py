@@ -58,6 +58,38 @@ def adamw_arithmetic(device: torch.device) -> str:
     return "fp64"
 
 
+def overflow_possible(
+    bound: tuple, grad_in: torch.Tensor | None, limit: float, operand_limit: float
+) -> torch.Tensor:
+    """0.0 (a 0-dim fp32 device tensor) when no entry of the wgrad, rounded, can exceed ``limit`` in
+    magnitude and no GEMM operand can overflow ``operand_limit`` when rounded to the GEMM dtype, else
+    1.0: the cheap test that spares the exact check pass (the Triton backend's in ``ops/backward.py``, the
+    torch backend's in :func:`torch_adamw_chunked_`).
+
+    An entry of sum_r P[r]^T Q[r] over at most n rows with |P| <= p, |Q| <= q is at most n * p * q in
+    magnitude; the fp32 accumulation adds at most a factor 1 + n * 2**-23 (2 n unit roundoffs), the
+    roundings to the GEMM and gradient dtypes (and of the sum with grad_in) under 1.03 together. A NaN
+    or inf anywhere makes the bound NaN or inf, so the check pass runs.
+    """
+    p_max, q_max, most_rows = bound
+    total = most_rows * p_max * q_max * (1.0 + most_rows * 2.0**-23)
+    if grad_in is not None:
+        total = total + inf_norm(grad_in)
+    safe = (total * 1.03 <= limit) & (p_max * 1.01 <= operand_limit)
+    return (~safe).float()
+
+
+def has_torch_fused_adamw(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether torch has a fused AdamW (``torch.optim.AdamW(fused=True)``) for tensors of ``device`` and
+    ``dtype``, by torch's own rule (``torch.optim.optimizer._device_dtype_check_for_fused``): a floating
+    dtype on a device type of ``torch.utils._foreach_utils._get_fused_kernels_supported_devices()`` (CPU and
+    CUDA among them; torch 2.13's CPU kernel takes float32, bfloat16, float16 and float64). Never the meta
+    device."""
+    from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
+
+    return dtype.is_floating_point and torch.device(device).type in _get_fused_kernels_supported_devices()
+
+
 def torch_adamw_(
     weight: torch.Tensor,
     grad: torch.Tensor,
@@ -86,27 +118,12 @@ def torch_adamw_(
             and step size computed in the tensor's dtype) as in torch.optim.AdamW.step.
         foreach, fused: torch.optim.AdamW's flags.
     """
-    lr, beta1, beta2, eps, weight_decay = hyperparameters
     with torch.no_grad():
         found = whole(~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype)))
         step_before = step.clone()
-        # Weight, gradient and moments of one dtype: torch's AdamW on them as they are (standard training's
-        # bits). Mixed dtypes (moments_dtype, grad_dtype): the rule of the Triton epilogue (docs/design.md,
-        # "Arithmetic"): all four as fp32, the arithmetic in fp32, each stored once in its own dtype.
-        tensors = (weight, grad, exp_avg, exp_avg_sq)
-        mixed = len({t.dtype for t in tensors}) > 1
-        p, g, m, v = (t.float() for t in tensors) if mixed else tensors
         try:
             if fused or not bool(found):
-                torch_adamw(
-                    [p], [g], [m], [v], [], [step],
-                    foreach=foreach, fused=fused, capturable=False, amsgrad=False, beta1=beta1, beta2=beta2,
-                    lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
-                    found_inf=found.float() if fused else None,
-                )  # fmt: skip
-                for stored, computed in ((weight, p), (exp_avg, m), (exp_avg_sq, v)):
-                    if computed is not stored:
-                        stored.copy_(computed)
+                _adamw(weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, foreach, fused, found)
         except BaseException:
             # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
             step.copy_(step_before)
@@ -114,3 +131,140 @@ def torch_adamw_(
         norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
         grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
         skipped.add_(found.long())
+
+
+def _adamw(weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, foreach, fused, found) -> None:
+    """One call of torch's AdamW on one tensor (``found``: the 0-dim bool given to the fused kernel as
+    ``found_inf``; the other paths are called only when it is False)."""
+    lr, beta1, beta2, eps, weight_decay = hyperparameters
+    # Weight, gradient and moments of one dtype: torch's AdamW on them as they are (standard training's
+    # bits). Mixed dtypes (moments_dtype, grad_dtype): the rule of the Triton epilogue (docs/design.md,
+    # "Arithmetic"): all four as fp32, the arithmetic in fp32, each stored once in its own dtype.
+    tensors = (weight, grad, exp_avg, exp_avg_sq)
+    mixed = len({t.dtype for t in tensors}) > 1
+    p, g, m, v = (t.float() for t in tensors) if mixed else tensors
+    if fused and not all(t.is_contiguous() for t in (p, g, m, v)):
+        # torch's fused CPU AdamW walks each tensor's storage as if it were contiguous (torch 2.13 does
+        # not check): a strided operand (a bias gradient sliced from its GEMM's output) goes in as a
+        # contiguous copy, and a strided weight or moment is written back from one.
+        p, g, m, v = (t.contiguous() for t in (p, g, m, v))
+    torch_adamw(
+        [p], [g], [m], [v], [], [step],
+        foreach=foreach, fused=fused, capturable=False, amsgrad=False, beta1=beta1, beta2=beta2,
+        lr=lr, weight_decay=weight_decay, eps=eps, maximize=False,
+        found_inf=found.float() if fused else None,
+    )  # fmt: skip
+    for stored, computed in ((weight, p), (exp_avg, m), (exp_avg_sq, v)):
+        if computed is not stored:
+            stored.copy_(computed)
+
+
+def torch_adamw_chunked_(
+    weight: torch.Tensor,
+    gradient,
+    grad_in: torch.Tensor | None,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyperparameters: tuple[float | torch.Tensor, ...],
+    grad_norm_sq: torch.Tensor,
+    skipped: torch.Tensor,
+    *,
+    grad_dtype: torch.dtype | None,
+    foreach: bool | None,
+    fused: bool | None,
+    chunk_bytes: int | None,
+) -> None:
+    """torch's AdamW on one expert tensor from its gradient computed a chunk of experts at a time: the
+    torch backend's in-backward update (docs/design.md, "Which AdamW runs where").
+
+    With ``fused`` (torch's fused AdamW) and a gradient that can be chunked
+    (:meth:`sonar_kernels.ops.torch_backend.ExpertGradient.chunks`), the gradient of each chunk of at
+    most ``chunk_bytes`` is computed into one reused buffer and that slice of the weight and its moments
+    is updated before the next chunk: the expert gradient alive at once is one chunk. Every chunk sees the
+    same ``step`` (incremented once for the tensor) and each element the same arithmetic as one call over
+    the whole tensor, so the result is bit for bit :func:`torch_adamw_` on the whole gradient. Otherwise
+    (foreach or the for-loop asked for, a GPU, a bias) the whole gradient at once through
+    :func:`torch_adamw_`.
+
+    The skip rule holds for the tensor as a whole: decided before the first chunk is updated. A bound of
+    the gradient's entries from its GEMM operands (:func:`overflow_possible`, no pass over the gradient)
+    clears it in the usual case; only when the bound cannot, a check pass computes every chunk's gradient
+    first. The decision is read on the host (chunks run on the CPU only, where that costs nothing).
+
+    Args:
+        gradient: an ``ExpertGradient`` of ``weight`` (ops/torch_backend.py).
+        grad_in: the gradient of earlier micro-batches (the weight's shape, ``grad_dtype``), or None; the
+            update uses round(grad_in + round(gradient)) as autograd sums them in ``.grad``.
+        grad_dtype: the gradient is rounded to it before the update (None: the weight's dtype).
+        hyperparameters, foreach, fused: as :func:`torch_adamw_`.
+        chunk_bytes: the budget of one chunk's gradient (None: the whole tensor).
+    """
+    chunks = (
+        gradient.chunks(chunk_bytes)
+        if fused and has_torch_fused_adamw(weight.device, weight.dtype)
+        else [(0, weight.shape[0])]
+    )
+
+    def total_of(grad: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        if grad_dtype is not None:
+            grad = grad.to(grad_dtype)
+        return grad if grad_in is None else grad_in[first:last] + grad.to(grad_in.dtype)
+
+    if len(chunks) == 1:
+        grad = total_of(gradient.full(), 0, weight.shape[0])
+        torch_adamw_(
+            weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
+        return
+    with torch.no_grad():
+        limit = grad_limit(exp_avg_sq.dtype)
+        stored = (grad_dtype or weight.dtype, weight.dtype, *(p.dtype for p, _, _ in gradient.parts()))
+        entry_limit = min([limit] + [torch.finfo(d).max for d in stored])
+        largest = max(last - first for first, last in chunks)
+        buffer = torch.empty_like(weight[:largest])
+
+        def chunk_gradient(first: int, last: int) -> torch.Tensor:
+            return total_of(gradient.compute(first, last, buffer[: last - first]), first, last)
+
+        found = bool(overflow_possible(gradient.bound(), grad_in, entry_limit, float("inf")))
+        if found:  # the bound cannot clear it: the check pass
+            found = any(not bool(inf_norm(chunk_gradient(*chunk)) <= limit) for chunk in chunks)
+        if found:
+            grad_norm_sq.fill_(float("inf"))
+            skipped.add_(1)
+            return
+        no = torch.zeros((), dtype=torch.bool, device=weight.device)
+        chunk_step = step.clone()
+        # torch's fused AdamW kernel called as torch.optim.adamw's fused path calls it, once the step is
+        # incremented (the same kernel, the same arguments, without its per-call grouping of the tensors):
+        # Python-float hyperparameters, one dtype, contiguous tensors. Otherwise through torch's AdamW.
+        direct = (
+            hasattr(torch, "_fused_adamw_")
+            and all(isinstance(h, float) for h in hyperparameters)
+            and len({weight.dtype, buffer.dtype, exp_avg.dtype, exp_avg_sq.dtype, grad_dtype or weight.dtype})
+            == 1
+            and all(t.is_contiguous() for t in (weight, buffer, exp_avg, exp_avg_sq))
+        )
+        if direct:
+            chunk_step.add_(1)
+        lr, beta1, beta2, eps, weight_decay = hyperparameters
+        norm_sq = torch.zeros((), dtype=torch.float32, device=weight.device)
+        for first, last in chunks:
+            grad = chunk_gradient(first, last)
+            norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            if direct:
+                torch._fused_adamw_(
+                    [weight[first:last]], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
+                    amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+                    maximize=False, grad_scale=None, found_inf=None,
+                )  # fmt: skip
+                continue
+            chunk_step.copy_(step)  # each chunk's call increments its own copy of the step
+            _adamw(
+                weight[first:last], grad, exp_avg[first:last], exp_avg_sq[first:last], chunk_step,
+                hyperparameters, foreach, fused, no,
+            )  # fmt: skip
+        step.copy_(chunk_step)
+        grad_norm_sq.copy_(norm_sq)

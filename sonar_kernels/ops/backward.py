@@ -26,7 +26,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     expert_mlp_grouped_mm_kernel,
 )
 from sonar_kernels.ops import common, configs
-from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit
+from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, overflow_possible
 from sonar_kernels.ops.bias import down_bias_weight_term, ones_rows
 from sonar_kernels.ops.common import (
     TL_DTYPES,
@@ -228,7 +228,7 @@ def _launch_bwd(
     need_grad_hpre = need_x or need_w1 or need_w3 or need_b1
     grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
     a = common.empty((num_rows, I), dtype, device) if need_w2 else None
-    # An update needs the largest |A| and |dHpre| to bound its gradient (_overflow_possible).
+    # An update needs the largest |A| and |dHpre| to bound its gradient (overflow_possible).
     has_update = any(
         u is not None
         for u in (
@@ -403,26 +403,6 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
         num_warps=cc["num_warps"],
     )  # fmt: skip
     return grad_x
-
-
-def overflow_possible(
-    bound: tuple, grad_in: torch.Tensor | None, limit: float, operand_limit: float
-) -> torch.Tensor:
-    """0.0 (a 0-dim fp32 device tensor) when no entry of the wgrad, rounded, can exceed ``limit`` in
-    magnitude and no GEMM operand can overflow ``operand_limit`` when rounded to the GEMM dtype, else
-    1.0: the cheap test that spares the exact check pass in :func:`_wgrad`.
-
-    An entry of sum_r P[r]^T Q[r] over at most n rows with |P| <= p, |Q| <= q is at most n * p * q in
-    magnitude; the fp32 accumulation adds at most a factor 1 + n * 2**-23 (2 n unit roundoffs), the
-    roundings to the GEMM and gradient dtypes (and of the sum with grad_in) under 1.03 together. A NaN
-    or inf anywhere makes the bound NaN or inf, so the check pass runs.
-    """
-    p_max, q_max, most_rows = bound
-    total = most_rows * p_max * q_max * (1.0 + most_rows * 2.0**-23)
-    if grad_in is not None:
-        total = total + inf_norm(grad_in)
-    safe = (total * 1.03 <= limit) & (p_max * 1.01 <= operand_limit)
-    return (~safe).float()
 
 
 def _wgrad(

@@ -89,10 +89,17 @@ def like(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def inf_norm(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a 0-dim float32 tensor (NaN when x holds a NaN; 0 for an empty x)."""
+    """max |x| as a 0-dim float32 tensor (NaN when x holds a NaN; 0 for an empty x).
+
+    From ``torch.aminmax`` (one vectorized pass, no temporary; torch's ``vector_norm(x, inf)`` is tens of
+    times slower on the CPU), except for a DTensor (a sharded gradient), whose ``vector_norm`` torch
+    reduces over the mesh."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x, float("inf")).float()
+    if callable(getattr(x, "full_tensor", None)):
+        return torch.linalg.vector_norm(x, float("inf")).float()
+    low, high = torch.aminmax(x)
+    return torch.maximum(high, -low).abs().float()  # abs: -0.0 for all-zero x
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:

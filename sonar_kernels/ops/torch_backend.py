@@ -14,12 +14,15 @@ with static shapes whichever path runs.
 from __future__ import annotations
 
 import functools
+import itertools
+import math
 
 import torch
 import torch.nn.functional as F
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
 from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term
+from sonar_kernels.ops.common import inf_norm
 from sonar_kernels.specs import (
     RoutingMetadata,
     down_view,
@@ -180,12 +183,47 @@ def _valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
 
 
 def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | None, T: int, top_k: int):
-    """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights)."""
-    kept = (meta.row_of_slot >= 0).reshape(T, top_k, 1)
-    gathered = rows[meta.row_of_slot.clamp(min=0).long()].reshape(T, top_k, rows.shape[-1]).float()
+    """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights).
+
+    Each step writes into the gathered rows (a tensor of its own; rows of the CPU's fp32 are gathered
+    once, not copied again), and the mask of dropped slots is applied only where a slot was dropped (read
+    on the host on the CPU, where it costs nothing; always on a GPU, without a host sync)."""
+    kept = meta.row_of_slot >= 0
+    gathered = torch.index_select(rows, 0, meta.row_of_slot.clamp(min=0).long()).reshape(
+        T, top_k, rows.shape[-1]
+    )
+    gathered = gathered.float()
     if weights is not None:
-        gathered = weights.float().unsqueeze(-1) * gathered
-    return torch.where(kept, gathered, 0.0).sum(dim=1)
+        gathered.mul_(weights.float().unsqueeze(-1))
+    if kept.device.type != "cpu" or not bool(kept.all()):
+        gathered.masked_fill_(~kept.reshape(T, top_k, 1), 0.0)
+    return gathered.sum(dim=1)
+
+
+def _activate(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """:func:`glu` with its last product written into its first temporary (a tensor of its own here, no
+    autograd: the ops' bodies), so SwiGLU allocates one [S, I] tensor, not two. The same bits as glu."""
+    if activation == "silu" and up is not None:
+        return F.silu(gate).mul_(up)
+    return glu(gate, up, activation)
+
+
+def _glu_bwd_into(gate, up, grad_a, activation, out: torch.Tensor) -> None:
+    """:func:`glu_bwd` written into ``out`` ([S, I] or [S, 2I] fp32: d gate, then d up), the same bits:
+    for SwiGLU in two [S, I] temporaries and the halves of ``out`` (glu_bwd's formulas, each product in its
+    order), else glu_bwd's results copied in."""
+    I = gate.shape[1]
+    if activation == "silu" and up is not None:
+        sig = torch.sigmoid(gate)
+        torch.mul(gate, sig, out=out[:, I:]).mul_(grad_a)  # d up = grad_a * (gate * sig)
+        act_grad = torch.rsub(sig, 1.0).mul_(gate).add_(1.0).mul_(sig)  # sig * (1 + gate * (1 - sig))
+        del sig
+        torch.mul(grad_a, up, out=out[:, :I]).mul_(act_grad)  # d gate = grad_a * up * act_grad
+        return
+    d_gate, d_up = glu_bwd(gate, up, grad_a, activation)
+    out[:, :I].copy_(d_gate)
+    if d_up is not None:
+        out[:, I:].copy_(d_up)
 
 
 def concatenated(
@@ -216,13 +254,13 @@ def moe_mlp_fwd(
     E, I = w1.shape[0], w2.shape[2]
     meta = routing_metadata(top_k_index, E)
     tokens = meta.token_of_row.long()
-    hpre = grouped_mm(hidden_states[tokens], w1.transpose(1, 2), meta.expert_offsets)
+    hpre = grouped_mm(torch.index_select(hidden_states, 0, tokens), w1.transpose(1, 2), meta.expert_offsets)
     experts = None if gate_up_proj_bias is None and down_proj_bias is None else _expert_of_row(meta)
     if gate_up_proj_bias is not None:
         bias = gate_up_bias_view(gate_up_proj_bias, layout).flatten(1, 2)  # [E, 2I], gate first
         hpre = (hpre.float() + bias.float()[experts]).to(dtype)
     up = hpre[:, I:].float() if hpre.shape[1] == 2 * I else None  # None: no gate
-    a = glu(hpre[:, :I].float(), up, activation).to(dtype)
+    a = _activate(hpre[:, :I].float(), up, activation).to(dtype)
     y = grouped_mm(a, w2.transpose(1, 2), meta.expert_offsets)
     if down_proj_bias is not None:
         y = (y.float() + down_proj_bias.float()[experts]).to(dtype)
@@ -241,11 +279,11 @@ def moe_mlp_bwd(
     gate_up_proj, down_proj[, up_proj]) or ``needs_bias_grad`` says no (or there is no bias or up_proj). Weight gradients in the weight's
     dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
 
-    ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update`` / the biases' updates: a callable that updates the weight in place, given a
-    function of no arguments that computes the weight's gradient; called where that gradient would be
-    computed (W2's after G, which reads W2, and before dX; W1's last). It computes the gradient then, or
-    later (a deferred update keeps the operands alive until then); None is returned for the weight, and
-    each gradient is released after its update, so one expert gradient is alive at a time."""
+    ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update`` / the biases' updates: a callable
+    that updates the weight in place, given the weight's :class:`ExpertGradient` (computed whole or by
+    chunks of experts when asked); called where that gradient would be computed (W2's after G, which
+    reads W2, and before dX; W1's last). It computes the gradient then, or later (a deferred update keeps
+    the operands alive until then); None is returned for the weight."""
     need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
     need_w3 = need_w3 and up_proj is not None
     need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
@@ -255,18 +293,21 @@ def moe_mlp_bwd(
     halves, I = (2 if is_gated(layout) else 1), down_view(down_proj, layout).shape[2]
     S = T * top_k
     dtype = hidden_states.dtype
+    # Rows past expert_offsets[E] (dropped slots) hold whatever the grouped GEMMs left there: no GEMM
+    # below reads them (each expert's rows end at its offset) and the combines mask them, so nothing here
+    # spends a pass masking them; their routing weight is 0.
     valid = _valid_rows(meta, S)
     tokens = meta.token_of_row.long()
     w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
-    grad_rows = grad_out[tokens]  # [S, H]
+    grad_rows = torch.index_select(grad_out, 0, tokens)  # [S, H]
     gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
-    a = glu(gate, up, activation).to(dtype)
+    a = _activate(gate, up, activation).to(dtype)
     grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
     need_g = need_x or need_w or need_w1 or need_w3 or need_b1
     grad_hpre = None
     if need_g:
         w2 = down_view(down_proj, layout).to(dtype)
-        g = torch.where(valid, grouped_mm(grad_rows, w2, meta.expert_offsets).float(), 0.0)
+        g = grouped_mm(grad_rows, w2, meta.expert_offsets).float()
         del w2
         if need_w:
             per_row = (g * a.float()).sum(dim=1)
@@ -276,30 +317,31 @@ def moe_mlp_bwd(
                 per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
         if need_x or need_w1 or need_w3 or need_b1:
-            d_gate, d_up = glu_bwd(gate, up, w_row[:, None] * g, activation)
-            d_hpre = d_gate if d_up is None else torch.cat((d_gate, d_up), dim=1)
-            grad_hpre = torch.where(valid, d_hpre, 0.0).to(dtype)
+            d_hpre = torch.empty(S, halves * I, dtype=torch.float32, device=grad_out.device)
+            _glu_bwd_into(gate, up, g.mul_(w_row[:, None]), activation, d_hpre)  # dA = w_r G_r
+            grad_hpre = d_hpre.to(dtype)
             del d_hpre
-            del d_gate, d_up
         del g
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-        compute = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
-        grad_b2 = compute() if down_proj_bias_update is None else down_proj_bias_update(compute)
-        del p, compute
+        whole = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
+        gradient = ExpertGradient(down_proj_bias, None, meta.expert_offsets, whole=whole)
+        grad_b2 = gradient.full() if down_proj_bias_update is None else down_proj_bias_update(gradient)
+        del p, whole, gradient
     if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
-        compute = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
-        grad_b1 = compute() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(compute)
-        del compute
+        whole = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
+        gradient = ExpertGradient(gate_up_proj_bias, None, meta.expert_offsets, whole=whole)
+        grad_b1 = gradient.full() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(gradient)
+        del whole, gradient
     del ones
     if need_w2:
-        compute = functools.partial(_grad_w2, valid, w_row, grad_rows, a, meta, dtype, down_proj, layout)
+        gradient = _down_gradient(w_row, grad_rows, a, meta, dtype, down_proj, layout)
         if down_proj_update is None:
-            grad_w2 = compute()
+            grad_w2 = gradient.full()
         else:
-            down_proj_update(compute)
-        del compute
+            down_proj_update(gradient)
+        del gradient
     if need_x:
         rows = grouped_mm(grad_hpre, concatenated(gate_up_proj, layout, dtype, up_proj), meta.expert_offsets)
         grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
@@ -313,12 +355,12 @@ def moe_mlp_bwd(
     for need, weight, update, p in parts:
         grad = None
         if need:
-            compute = functools.partial(_grad_w1, p, hidden_states, tokens, meta, weight, layout)
+            gradient = _gate_up_gradient(p, hidden_states, tokens, meta, weight, layout)
             if update is None:
-                grad = compute()
+                grad = gradient.full()
             else:
-                update(compute)
-            del compute
+                update(gradient)
+            del gradient
         grads_w1.append(grad)
         del p
     grad_w1, grad_w3 = (*grads_w1, None)[:2]
@@ -345,23 +387,151 @@ def _grad_b1(grad_hpre, ones, meta, bias, layout, halves, I):
     return grad
 
 
-def _grad_w2(valid, w_row, grad_rows, a, meta, dtype, weight, layout):
-    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype, shape and strides."""
-    p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-    wgrad = grouped_wgrad(p, a, meta.expert_offsets)  # [E, H, I]
-    if not layout.endswith("_transposed"):
-        return wgrad.to(weight.dtype)
-    grad = torch.empty_like(weight)
-    down_view(grad, layout).copy_(wgrad)
-    return grad
+# The expert gradient the torch backend's in-backward update holds at once, in bytes: a chunk of whole
+# experts (at least one) whose gradient is computed into one reused buffer and applied by torch's fused
+# AdamW before the next chunk (docs/design.md, "Which AdamW runs where"). On this project's 2-core CPUs a
+# chunk of 1 MiB or a few experts runs faster than the whole layer's gradient at once (no fresh,
+# page-faulted gradient tensor; the chunk is read back from the cache) and keeps the expert gradient
+# alive at once below a tenth of a layer's at sonar-train's shapes. ``None``: the whole layer at once.
+WGRAD_CHUNK_BYTES: int | None = 1 << 20
+# Chunk boundaries fall on multiples of this many elements of the weight: torch's fused CPU AdamW splits
+# its work at 64-byte cache lines and runs a scalar loop on what is left of a call, whose arithmetic
+# differs from its vector loop in the last bit; a chunk boundary on a multiple of 64 elements is a
+# multiple of every vector length (fp64 to fp16, 512-bit vectors), so a chunked update is bit for bit the
+# update of the whole tensor.
+CHUNK_ALIGN = 64
 
 
-def _grad_w1(grad_hpre, hidden_states, tokens, meta, weight, layout):
-    """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype, shape and strides."""
-    wgrad = grouped_wgrad(grad_hpre, hidden_states[tokens], meta.expert_offsets)  # [E, 2I, H] ([E, I, H])
-    if layout in ("concatenated", "ungated", "separate"):
-        return wgrad.to(weight.dtype)
-    grad = torch.empty_like(weight)  # the layout's gradient: one more copy of it, briefly
-    view = gate_up_view(grad, layout)
-    view.copy_(wgrad.unflatten(1, view.shape[1:3]))
-    return grad
+class ExpertGradient:
+    """The gradient of one expert tensor, computed for a range of experts on request: the torch
+    backend's counterpart of the Triton wgrad launch, which the in-backward update consumes chunk by
+    chunk (:func:`sonar_kernels.ops.adamw.torch_adamw_chunked_`) and the plain backward whole.
+
+    Each expert's gradient is one ``torch.mm`` per part over its rows (dW[e] = sum_r P[r]^T Q[r]),
+    computed in the operands' dtype and stored in the weight's dtype and layout; the same GEMMs whatever
+    the chunks, so a chunked gradient is bit for bit the whole one. Rows past ``expert_offsets[E]`` are
+    not read. The expert offsets are read on the host once (free on the CPU; on a GPU the whole-layer
+    path, :meth:`full`, uses torch's grouped GEMM without a host read).
+
+    Args:
+        weight: the expert tensor [E, ...] (its gradient has its shape, dtype and strides).
+        operands: a function of no arguments returning the parts, each (P [S, m], Q [S, n], dest) with
+            dest(t) mapping a tensor of the weight's shape (sliced along experts) to its [e, m, n] view
+            that receives sum_r P^T Q; called once, when a gradient is first asked for.
+        expert_offsets: [E + 1] int32, the routing metadata's.
+        whole: when given, a function of no arguments returning the whole gradient, used instead of the
+            parts (the biases: tiny, never chunked).
+    """
+
+    def __init__(self, weight, operands, expert_offsets, whole=None):
+        self.weight, self._operands, self._parts, self._whole = weight, operands, None, whole
+        self.expert_offsets = expert_offsets
+        self._bounds = None
+        self.num_experts = weight.shape[0]
+
+    def __call__(self) -> torch.Tensor:
+        return self.full()
+
+    @property
+    def chunkable(self) -> bool:
+        """Whether the gradient can be computed per range of experts (not for the biases, not on a GPU)."""
+        return (
+            self._whole is None
+            and self.weight.device.type == "cpu"
+            and not callable(getattr(self.weight, "full_tensor", None))  # not a DTensor's shard
+        )
+
+    def parts(self):
+        if self._parts is None:
+            self._parts = self._operands()
+            self._operands = None
+        return self._parts
+
+    def _row_bounds(self) -> list[int]:
+        if self._bounds is None:
+            self._bounds = self.expert_offsets.tolist()  # host read: the CPU only (see chunkable)
+        return self._bounds
+
+    def full(self) -> torch.Tensor:
+        """The whole gradient: the weight's shape, dtype and strides."""
+        if self._whole is not None:
+            return self._whole()
+        grad = torch.empty_like(self.weight)
+        if self.chunkable:
+            return self.compute(0, self.num_experts, grad)
+        for p, q, dest in self.parts():  # a GPU: one grouped GEMM per part, no host read
+            dest(grad).copy_(grouped_wgrad(p, q, self.expert_offsets))
+        return grad
+
+    def compute(self, first: int, last: int, out: torch.Tensor) -> torch.Tensor:
+        """The gradient of experts ``first`` to ``last - 1`` into ``out`` (the shape, dtype and strides
+        of ``weight[first:last]``); returns ``out``."""
+        bounds = self._row_bounds()
+        for p, q, dest in self.parts():
+            target = dest(out)
+            for j, e in enumerate(range(first, last)):
+                start, end = bounds[e], bounds[e + 1]
+                if end <= start:
+                    target[j].zero_()
+                elif target.dtype == p.dtype:
+                    torch.mm(p[start:end].t(), q[start:end], out=target[j])
+                else:  # rounded to the operands' dtype first, as the GEMM of the Triton kernels is
+                    target[j].copy_(torch.mm(p[start:end].t(), q[start:end]))
+        return out
+
+    def bound(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(largest |P|, largest |Q|, most rows of an expert): what
+        :func:`sonar_kernels.ops.adamw.overflow_possible` bounds the gradient's entries by."""
+        bounds = self._row_bounds()
+        most_rows = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
+        p_max = torch.stack([inf_norm(p[: bounds[-1]]) for p, _, _ in self.parts()]).amax()
+        q_max = torch.stack([inf_norm(q[: bounds[-1]]) for _, q, _ in self.parts()]).amax()
+        return p_max, q_max, most_rows
+
+    def chunks(self, budget_bytes: int | None) -> list[tuple[int, int]]:
+        """(first, last) expert ranges of at most ``budget_bytes`` of gradient each (at least one expert;
+        grown to the next boundary on a multiple of :data:`CHUNK_ALIGN` elements), in order; one range
+        over all experts when ``budget_bytes`` is None or the gradient is not chunkable."""
+        E = self.num_experts
+        if budget_bytes is None or not self.chunkable or E == 0:
+            return [(0, E)]
+        per_expert = self.weight[0].numel()
+        size = max(1, budget_bytes // max(per_expert * self.weight.element_size(), 1))
+        step = CHUNK_ALIGN // math.gcd(per_expert, CHUNK_ALIGN)  # experts per aligned boundary
+        size = -(-size // step) * step
+        return [(first, min(first + size, E)) for first in range(0, E, size)]
+
+
+def _down_gradient(w_row, grad_rows, a, meta, dtype, weight, layout) -> ExpertGradient:
+    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype, shape and strides (``grad_rows``,
+    dO[token_r], is the backward's own: an fp32 one is scaled in place)."""
+
+    def operands():
+        rows = grad_rows.float()
+        p = (rows.mul_(w_row[:, None]) if rows is grad_rows else w_row[:, None] * rows).to(dtype)
+        return [(p, a, lambda t: down_view(t, layout))]
+
+    return ExpertGradient(weight, operands, meta.expert_offsets)
+
+
+def _gate_up_gradient(grad_hpre, hidden_states, tokens, meta, weight, layout) -> ExpertGradient:
+    """dW1[e] = sum_r dHpre_r^T X[token_r] in the weight's dtype, shape and strides: one GEMM per expert
+    where the layout holds the gate and up rows of an expert as one [2I, H] matrix (or [I, H]), one per
+    half where it interleaves them."""
+
+    def operands():
+        x = torch.index_select(hidden_states, 0, tokens)
+        if layout.startswith("interleaved"):
+            I = grad_hpre.shape[1] // 2
+            return [
+                (grad_hpre[:, :I], x, lambda t: gate_up_view(t, layout)[:, 0]),
+                (grad_hpre[:, I:], x, lambda t: gate_up_view(t, layout)[:, 1]),
+            ]
+
+        def rows(t):
+            view = gate_up_view(t, layout)
+            return view.view(view.shape[0], -1, view.shape[-1])  # a view, never a copy (else it raises)
+
+        return [(grad_hpre, x, rows)]
+
+    return ExpertGradient(weight, operands, meta.expert_offsets)

@@ -20,6 +20,15 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
     were given to the optimizer), and released: the
     optimizer-in-backward of the Sonar-MoE paper, one tensor's gradient alive at a time.
 
+    That torch AdamW is its fused kernel (``torch.optim.AdamW(fused=True)``'s) wherever torch has one
+    for the tensor's device and dtype, the CPU and CUDA among them (the rule:
+    ``sonar_kernels.optim.in_backward.torch_adamw_flags``): one pass over the tensor, no temporaries, a
+    non-finite gradient skipped on the device (its ``found_inf`` input, no host sync), and on the CPU
+    several times faster than the for-loop AdamW torch picks there by default; the update is then
+    bitwise torch.optim.AdamW(fused=True)'s given the same gradient. Elsewhere torch's default. A
+    parameter group's own ``foreach`` or ``fused`` key (torch.optim.AdamW's flags, e.g.
+    ``{"params": [...], "fused": False}`` for the for-loop) keeps torch's meaning.
+
     The update is torch.optim.AdamW's (decoupled weight decay, bias correction, ``step`` incremented
     first). The fused kernels use the arithmetic of torch's fused AdamW on the device (on CUDA, that of
     the installed torch; see ``sonar_kernels/kernels/adamw.py``); by default the fp32 wgrad is first rounded to the parameter's

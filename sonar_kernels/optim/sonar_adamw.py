@@ -18,6 +18,7 @@ from sonar_kernels.optim.in_backward import (
     check_group_options,
     is_expert_tensor,
     mark_expert_tensors,
+    torch_adamw_flags,
 )
 
 
@@ -28,10 +29,27 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     :class:`sonar_kernels.SonarExperts` modules, and, when a model is given, those of transformers experts
     modules running experts_implementation "sonar") are updated in the backward, as :class:`ExpertAdamW`
     does it: in the wgrad epilogue on the Triton backend (no gradient tensor), through torch's AdamW with
-    this optimizer's foreach/fused flags as soon as their gradient is accumulated otherwise. ``step()``
+    their group's foreach/fused flags as soon as their gradient is accumulated otherwise. ``step()``
     clips the other (dense) parameters by their global norm when ``max_grad_norm`` is set, and applies
     torch.optim.AdamW to them. Expert gradients are not clipped: they never exist as a whole (the
     Sonar-MoE paper clips the dense parameters only).
+
+    Which torch AdamW runs: with the default flags (foreach=None, fused=None) torch's fused AdamW
+    (``torch.optim.AdamW(fused=True)``'s kernel), for the dense parameters and for the expert tensors that
+    torch's AdamW updates, wherever torch has one for their device and dtype (the CPU and CUDA; the rule:
+    ``sonar_kernels.optim.in_backward.torch_adamw_flags``): one pass over each tensor, no temporaries,
+    non-finite gradients skipped on the device, and on the CPU several times faster than the for-loop
+    AdamW torch picks there by default. The result is then bitwise torch.optim.AdamW(fused=True)'s, with
+    dense-only clipping. Flags set explicitly (foreach=True or False, fused=False or True) keep torch's
+    meaning and give torch.optim.AdamW's bits with those flags; with capturable or differentiable, torch
+    chooses as torch.optim.AdamW does. The choice is made at each step from the parameters as they are
+    then (parameters built on the meta device and made real by ``to_empty()`` get the fused kernel), and
+    the groups keep showing the flags as given (None), as torch.optim.AdamW's do: a ``state_dict()`` then
+    says None, which torch.optim.AdamW reads as its own default when it loads it (torch takes the flags
+    from the checkpoint); set ``fused=True`` in its groups after loading to continue bit for bit. Under
+    ``torch.compile(optimizer.step)`` dynamo traces the groups as capturable, so the compiled step runs
+    torch's capturable path, as a compiled torch.optim.AdamW with the same flags does; fused=True keeps
+    the fused kernel there.
 
     The parameter groups and their order are the user's, as given (no hidden group), so the state
     indices of ``state_dict()`` are torch.optim.AdamW's, and a torch.optim.AdamW state_dict of the same
@@ -51,16 +69,17 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     ``clip_norm_includes_experts`` that norm is inf as soon as one expert update was skipped: the dense
     gradients are then scaled to 0 or NaN by the clipping and the dense step is skipped, while the other
     expert tensors were updated in the backward); counted in
-    ``dense_skipped_steps`` (a 0-dim int64 tensor). With fused=True torch's fused AdamW skips it on the
-    device (its ``found_inf`` input, as torch.amp.GradScaler uses it); torch's foreach and single-tensor
-    AdamW have no such input, so ``step()`` reads the decision on the host there (one sync per step on
-    a GPU).
+    ``dense_skipped_steps`` (a 0-dim int64 tensor). Where torch's fused AdamW runs (fused=True, or the
+    default flags) it skips it on the device (its ``found_inf`` input, as torch.amp.GradScaler uses it);
+    torch's foreach and single-tensor AdamW have no such input, so ``step()`` reads the decision on the
+    host there (one sync per step on a GPU).
 
-    Loss scaling of dense-only models: with fused=True, ``step()`` takes the ``grad_scale`` and
-    ``found_inf`` attributes that ``torch.amp.GradScaler.step`` (or the caller) sets, as torch's fused
-    AdamW does: the step is skipped when the caller's ``found_inf`` is 1 or this optimizer finds a
-    non-finite gradient (measured on the unscaled gradient), the attributes are left as they were, and a
-    skipped step counts in ``dense_skipped_steps``. With ``max_grad_norm`` the gradients are unscaled
+    Loss scaling of dense-only models: where torch's fused AdamW runs, ``step()`` takes the
+    ``grad_scale`` and ``found_inf`` attributes that ``torch.amp.GradScaler.step`` (or the caller) sets, as
+    torch's fused AdamW does (``_step_supports_amp_scaling`` tells GradScaler so): the step is skipped
+    when the caller's ``found_inf`` is 1 or this optimizer finds a non-finite gradient (measured on the
+    unscaled gradient), the attributes are left as they were, and a skipped step counts in
+    ``dense_skipped_steps``. With ``max_grad_norm`` the gradients are unscaled
     first, as ``GradScaler.unscale_`` does, so that the clipping sees the true norm. The backward of a
     scaled loss through expert tensors stays refused (see ExpertAdamW).
 
@@ -74,7 +93,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             does not implement, with a ValueError naming the option (a group dict may set them off for
             the expert tensors while the constructor sets them for the others). A tensor lr or tensor
             betas get torch's arithmetic for tensors where torch's AdamW updates an expert tensor (torch
-            backend); the Triton kernels read their values.
+            backend); the Triton kernels read their values. foreach and fused also pick the torch AdamW
+            path of the expert tensors updated outside the Triton kernels; None and None (the defaults):
+            torch's fused AdamW wherever torch has it (above).
         max_grad_norm: clip the dense parameters' gradients to this global L2 norm in ``step()`` (as
             ``torch.nn.utils.clip_grad_norm_``); None: no clipping. The norm before clipping is kept in
             ``last_dense_grad_norm``.
@@ -82,8 +103,6 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
-            foreach and fused also pick the torch AdamW path of expert tensors updated outside the Triton
-            kernels.
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
             ExpertAdamW (with accumulation_steps=k, call ``step()`` once per k backward passes, as for
             standard accumulation).
@@ -223,9 +242,29 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         for p in tensors:
             specs.set_holder(p, self)
 
-    def _torch_adamw_flags(self, group: dict, p: torch.Tensor) -> tuple[bool | None, bool | None]:
-        # The flags torch.optim.AdamW.step would use for this group: the same arithmetic as standard training.
-        return group["foreach"], group["fused"]
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch.amp.GradScaler's question (torch.optim.AdamW answers it True for fused=True): whether
+        ``step()`` takes GradScaler's ``grad_scale`` and ``found_inf``. True when torch's fused AdamW updates
+        every group's dense parameters that have a gradient, by the group's flags or by default
+        (:func:`torch_adamw_flags`): the path ``step()`` takes."""
+        fused = [
+            torch_adamw_flags(group, dense)[1]
+            for group in getattr(self, "param_groups", [])
+            if (dense := self._dense_of(group))
+        ]
+        return bool(fused) and all(fused)
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        # torch.optim.AdamW.__init__ sets it from its fused argument; here it follows the groups (above).
+        pass
+
+    def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
+        """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
+        return [
+            p for p in group["params"] if p not in self._managed and (p.grad is not None or not with_grad)
+        ]
 
     def dense_parameters(self) -> list[torch.Tensor]:
         """The parameters updated by ``step()`` (not in the backward), in param_groups order."""
@@ -245,8 +284,22 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         owned = [(p, group) for group in self.param_groups for p in group["params"]]
         for param_id, (p, group) in zip(ids, owned, strict=True):
             if param_id not in saved["state"] and p.requires_grad and p not in self._managed:
-                saved["state"][param_id] = _initial_dense_state(p, group)
+                fused = torch_adamw_flags(group, self._dense_of(group, with_grad=False))[1]
+                saved["state"][param_id] = _initial_dense_state(p, {**group, "fused": fused})
         return saved
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As InBackwardAdamW.load_state_dict; a dense parameter whose group runs torch's fused AdamW by
+        default (``fused=None``, :func:`torch_adamw_flags`) gets its ``step`` as torch.optim.AdamW(fused=True)
+        loads it: float32 on the parameter's device (a checkpoint of a non-fused AdamW keeps it on the CPU)."""
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            dense = self._dense_of(group, with_grad=False)
+            if torch_adamw_flags(group, dense)[1]:
+                for p in dense:
+                    state = self.state.get(p)
+                    if state and isinstance(state.get("step"), torch.Tensor):
+                        state["step"] = state["step"].to(dtype=torch.float32, device=p.device)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -255,8 +308,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         The expert tensors were updated in the backward; a gradient found on one (it had
         requires_grad=False when the optimizer was built) is applied here, once, unclipped.
 
-        With fused=True the ``grad_scale`` and ``found_inf`` attributes that ``torch.amp.GradScaler.step``
-        sets are honoured as torch's fused AdamW honours them, and left in place (see the class docstring).
+        Where torch's fused AdamW runs (fused=True, or the default flags), the ``grad_scale`` and
+        ``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets are honoured as torch's fused AdamW
+        honours them, and left in place (see the class docstring).
 
         Compiles with ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe): the dense
         clipping and AdamW are traced, the expert tensors' bookkeeping (and a closure) runs eagerly.
@@ -309,20 +363,31 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         adamw_step = torch.optim.AdamW.step
         if getattr(adamw_step, "hooked", False):
             adamw_step = adamw_step.__wrapped__
-        if all(
-            group["fused"] for group in self.param_groups if any(p.grad is not None for p in group["params"])
-        ):
+        # Each group's flags for torch's AdamW: its own, or by default torch's fused AdamW where torch has it
+        # (torch_adamw_flags); the group keeps showing its own (None: chosen at each step, as torch chooses).
+        stepped = [self._dense_of(group) for group in self.param_groups]
+        flags = [
+            torch_adamw_flags(group, params) for group, params in zip(self.param_groups, stepped, strict=True)
+        ]
+        if all(fused for params, (_, fused) in zip(stepped, flags, strict=True) if params):
             # torch's fused AdamW skips every parameter (step included) when found_inf is 1: the caller's
-            # value, or 1 when this optimizer found a non-finite gradient.
+            # value, or 1 when this optimizer found a non-finite gradient. torch's step calls its AdamW for
+            # every group, also one with nothing to step (expert tensors only), where only the fused one
+            # takes found_inf (it returns at once): that one for them.
+            flags = [flag if params else (False, True) for params, flag in zip(stepped, flags, strict=True)]
             combined = found.float()
             if caller_found_inf is not None:
                 combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
-            with _attributes(self, found_inf=combined, grad_scale=grad_scale):
+            with (
+                _attributes(self, found_inf=combined, grad_scale=grad_scale),
+                _flags(self.param_groups, flags),
+            ):
                 adamw_step(self)
             skipped = (combined == 1).to(found.device)
         else:
             if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
-                adamw_step(self)
+                with _flags(self.param_groups, flags):
+                    adamw_step(self)
             skipped = found
         self.dense_skipped_steps += skipped.long()
         return loss
@@ -368,6 +433,20 @@ def _attributes(obj, **values):
                 delattr(obj, name)
             else:
                 setattr(obj, name, value)
+
+
+@contextlib.contextmanager
+def _flags(groups: list[dict], flags: list[tuple[bool | None, bool | None]]):
+    """Set each group's ``foreach`` and ``fused`` to ``flags`` for the block (torch.optim.AdamW.step reads
+    them there), then give the groups back their own."""
+    saved = [(group["foreach"], group["fused"]) for group in groups]
+    for group, (foreach, fused) in zip(groups, flags, strict=True):
+        group["foreach"], group["fused"] = foreach, fused
+    try:
+        yield
+    finally:
+        for group, (foreach, fused) in zip(groups, saved, strict=True):
+            group["foreach"], group["fused"] = foreach, fused
 
 
 def _unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_kernels.optim.in_backward import torch_adamw_flags
 from sonar_kernels.train import distributed
 from sonar_kernels.train.data import ByteData, Preset
 
@@ -84,15 +85,17 @@ def dense_parameters(model) -> list[torch.Tensor]:
 
 class AllInBackward:
     """Every parameter updated in the backward, no clipping anywhere (the paper's other comparison): the
-    expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend),
-    each other trainable parameter by its own torch.optim.AdamW from a post-accumulate-grad hook, its
-    gradient released right after (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
+    expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend;
+    torch's AdamW with ``flags`` on the torch backend), each other trainable parameter by its own
+    torch.optim.AdamW with ``flags`` from a post-accumulate-grad hook, its gradient released right after
+    (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
 
     def __init__(self, model, hyper: dict, flags: dict):
         import sonar_kernels
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        self.experts = sonar_kernels.ExpertAdamW([p for n, p in named if n.endswith(EXPERT_PARAMS)], **hyper)
+        experts = [p for n, p in named if n.endswith(EXPERT_PARAMS)]
+        self.experts = sonar_kernels.ExpertAdamW([{"params": experts, **flags}], **hyper)
         self.dense = {
             p: torch.optim.AdamW([p], **hyper, **flags) for n, p in named if not n.endswith(EXPERT_PARAMS)
         }
@@ -155,7 +158,10 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
         enable_checkpointing(model)
     model.train()
     hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
-    flags = {"foreach": args.foreach, "fused": args.fused}
+    # The same torch AdamW path in every arm: the flags given, else torch's fused AdamW wherever torch has it
+    # for the model's device and dtype (the one rule of SonarAdamW and ExpertAdamW; cli.py sets --fused so).
+    chosen = torch_adamw_flags({"foreach": args.foreach, "fused": args.fused}, list(model.parameters()))
+    flags = dict(zip(("foreach", "fused"), chosen, strict=True))
     clip = None
     if name == "sonar":
         optimizer = sonar_kernels.SonarAdamW(

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from sonar_kernels.ops import has_torch_fused_adamw
 from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 from sonar_kernels.train import checkpoint, distributed
@@ -124,8 +125,9 @@ def parse_args(argv):
     parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
     parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default: on for CUDA when neither --fused nor "
-                        "--foreach is given, else torch's choice)")  # fmt: skip
+                        help="torch.optim.AdamW's flag, the same in every arm (default, when neither --fused nor --foreach "
+                        "is given: on wherever torch has a fused AdamW for the device and dtype, the CPU and CUDA among "
+                        "them)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
     parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
@@ -258,8 +260,10 @@ def _run(args) -> int:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True, warn_only=True)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    if args.fused is None and args.foreach is None and device.type == "cuda":
-        # The Triton epilogue reproduces torch's fused CUDA AdamW: the flags every arm uses.
+    if args.fused is None and args.foreach is None and has_torch_fused_adamw(device, dtype):
+        # torch's fused AdamW in every arm, on the CPU as on CUDA (where the Triton epilogue reproduces it):
+        # one pass per tensor and no temporaries (on the CPU several times faster than torch's default
+        # for-loop). The same flags in every arm keep the comparison fair and the bitwise verdict valid.
         args.fused = True
     steps = args.steps or preset.steps
     sequence_length = args.seq_len or preset.sequence_length

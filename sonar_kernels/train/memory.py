@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from sonar_kernels.ops import has_torch_fused_adamw
 from sonar_kernels.train import distributed
 from sonar_kernels.train.arms import EXPERT_PARAMS, build_arm, sync, train_step
 from sonar_kernels.train.data import ByteData, UsageError
@@ -121,8 +122,10 @@ def estimate_training_memory(
 
     The arm being trained holds (on ``device``): ``parameters``; ``gradients`` (every parameter's when a
     standard arm runs, else the dense ones and one expert tensor's); ``optimizer_state`` (AdamW's
-    exp_avg and exp_avg_sq in the parameters' dtype); ``optimizer_step_temporaries`` (foreach AdamW: a copy
-    of every parameter; fused: none; the single-tensor loop: two of the largest tensor); ``activations``
+    exp_avg and exp_avg_sq in the parameters' dtype); ``optimizer_step_temporaries`` (torch's fused AdamW:
+    none, one pass per tensor; foreach: a copy of every parameter; the single-tensor loop: two of the
+    largest tensor; ``foreach`` and ``fused`` both None: fused wherever torch has it for ``device`` and
+    ``dtype``, sonar-train's default, else torch's default, foreach on CUDA); ``activations``
     (per layer its input under activation checkpointing, and one layer's working set: attention and
     norms about 12 T H, the routed rows T top_k (3 H + 6 I), the attention scores, the router's fp32
     logits; without checkpointing every layer's working set; the logits T V in the dtype, in fp32 for
@@ -155,10 +158,12 @@ def estimate_training_memory(
         + 2 * 4 * T * E
     )
     activations = (L * a * T * H + layer if checkpointing else L * layer) + T * V * (a + 8) + L * 4 * T * E
-    if foreach or (device.type == "cuda" and fused is False and foreach is None):
-        temporaries = n * a
-    elif fused or (device.type == "cuda" and foreach is None):
+    if fused is None and foreach is None:
+        fused = has_torch_fused_adamw(device, dtype)  # sonar-train's default (cli.py)
+    if fused:
         temporaries = 0
+    elif foreach or (foreach is None and device.type == "cuda"):  # torch's default on CUDA: foreach
+        temporaries = n * a
     else:
         temporaries = 2 * largest * a
     full = any(arm in FULL_GRADIENT_ARMS for arm in arms)
