@@ -183,21 +183,26 @@ def _valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
 
 
 def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | None, T: int, top_k: int):
-    """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights).
+    """out[t] = sum_j w[t, j] rows[row_of_slot(t, j)] in fp32 over the kept slots (w = 1 without weights),
+    summed in slot order.
 
-    Each step writes into the gathered rows (a tensor of its own; rows of the CPU's fp32 are gathered
-    once, not copied again), and the mask of dropped slots is applied only where a slot was dropped (read
-    on the host on the CPU, where it costs nothing; always on a GPU, without a host sync)."""
-    kept = meta.row_of_slot >= 0
-    gathered = torch.index_select(rows, 0, meta.row_of_slot.clamp(min=0).long()).reshape(
-        T, top_k, rows.shape[-1]
-    )
-    gathered = gathered.float()
-    if weights is not None:
-        gathered.mul_(weights.float().unsqueeze(-1))
-    if kept.device.type != "cpu" or not bool(kept.all()):
-        gathered.masked_fill_(~kept.reshape(T, top_k, 1), 0.0)
-    return gathered.sum(dim=1)
+    One slot at a time, each gathered [T, H] and written into (at most two [T, H] tensors beside ``rows``,
+    never a [T, top_k, H] one); the mask of dropped slots is applied only where a slot was dropped (read on
+    the host on the CPU, where it costs nothing; always on a GPU, without a host sync)."""
+    slots = meta.row_of_slot.reshape(T, top_k)
+    kept = slots >= 0
+    index = slots.clamp(min=0).long()
+    masked = kept.device.type != "cpu" or not bool(kept.all())
+    out = None
+    for j in range(top_k):
+        part = torch.index_select(rows, 0, index[:, j]).float()
+        if weights is not None:
+            part.mul_(weights[:, j : j + 1].float())
+        if masked:
+            part.masked_fill_(~kept[:, j : j + 1], 0.0)
+        out = part if out is None else out.add_(part)
+        del part
+    return out
 
 
 def _activate(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> torch.Tensor:
@@ -206,6 +211,37 @@ def _activate(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> t
     if activation == "silu" and up is not None:
         return F.silu(gate).mul_(up)
     return glu(gate, up, activation)
+
+
+# The torch backend's SwiGLU backward runs over blocks of rows of about this many bytes per [rows, I]
+# fp32 temporary: its temporaries stay in the cache and small (no fresh, page-faulted [S, I] tensors).
+ROW_BLOCK_BYTES = 1 << 18
+
+
+def _swiglu_bwd_by_blocks(hpre, g, w_row, dtype, per_row, d_hpre) -> torch.Tensor:
+    """The SwiGLU part of the backward over blocks of rows, written into the given tensors: returns A =
+    silu(gate) * up (the forward's formula, rounded to ``dtype``: the W2 wgrad's operand), fills
+    ``per_row`` (when given) with <G_r, A_r> and ``d_hpre`` ([S, 2I] fp32: d gate, then d up) with
+    :func:`glu_bwd`'s values for dA = w_r G_r, each product in glu_bwd's order; ``g`` (fp32) is scaled by
+    w_r in place. The same bits as the whole-tensor formulas, block by block."""
+    S, I = g.shape
+    a = torch.empty(S, I, dtype=dtype, device=g.device)
+    rows = max(1, ROW_BLOCK_BYTES // (4 * max(I, 1)))
+    for start in range(0, S, rows):
+        end = min(start + rows, S)
+        gate, up = hpre[start:end, :I].float(), hpre[start:end, I:].float()
+        block = torch.mul(F.silu(gate), up, out=a[start:end]) if dtype == torch.float32 else None
+        if block is None:
+            block = a[start:end].copy_(F.silu(gate).mul_(up))
+        grad = g[start:end]
+        if per_row is not None:
+            torch.sum(grad * block.float(), dim=1, out=per_row[start:end])
+        grad.mul_(w_row[start:end, None])  # dA = w_r G_r
+        sig = torch.sigmoid(gate)
+        torch.mul(gate, sig, out=d_hpre[start:end, I:]).mul_(grad)  # d up = dA * (gate * sig)
+        act_grad = torch.rsub(sig, 1.0).mul_(gate).add_(1.0).mul_(sig)  # sig * (1 + gate * (1 - sig))
+        torch.mul(grad, up, out=d_hpre[start:end, :I]).mul_(act_grad)  # d gate = dA * up * act_grad
+    return a
 
 
 def _glu_bwd_into(gate, up, grad_a, activation, out: torch.Tensor) -> None:
@@ -300,35 +336,48 @@ def moe_mlp_bwd(
     tokens = meta.token_of_row.long()
     w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
     grad_rows = torch.index_select(grad_out, 0, tokens)  # [S, H]
-    gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
-    a = _activate(gate, up, activation).to(dtype)
     grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
     need_g = need_x or need_w or need_w1 or need_w3 or need_b1
-    grad_hpre = None
+    need_d = need_x or need_w1 or need_w3 or need_b1  # dHpre
+    grad_hpre = a = None
     if need_g:
         w2 = down_view(down_proj, layout).to(dtype)
         g = grouped_mm(grad_rows, w2, meta.expert_offsets).float()
         del w2
+        per_row = torch.empty(S, dtype=torch.float32, device=g.device) if need_w else None
+        if need_d:
+            d_hpre = torch.empty(S, halves * I, dtype=torch.float32, device=g.device)
+        if need_d and activation == "silu" and halves == 2:  # SwiGLU: by blocks of rows
+            a = _swiglu_bwd_by_blocks(hpre, g, w_row, dtype, per_row, d_hpre)
+        else:
+            gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
+            a = _activate(gate, up, activation).to(dtype)
+            if need_w:
+                torch.sum(g * a.float(), dim=1, out=per_row)
+            if need_d:
+                _glu_bwd_into(gate, up, g.mul_(w_row[:, None]), activation, d_hpre)  # dA = w_r G_r
+            del gate, up
         if need_w:
-            per_row = (g * a.float()).sum(dim=1)
             kept = meta.row_of_slot >= 0
             per_slot = torch.where(kept, per_row[meta.row_of_slot.clamp(min=0).long()], 0.0)
             if down_proj_bias is not None:
                 per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
-        if need_x or need_w1 or need_w3 or need_b1:
-            d_hpre = torch.empty(S, halves * I, dtype=torch.float32, device=grad_out.device)
-            _glu_bwd_into(gate, up, g.mul_(w_row[:, None]), activation, d_hpre)  # dA = w_r G_r
+        if need_d:
             grad_hpre = d_hpre.to(dtype)
             del d_hpre
-        del g
+        del g, per_row
+    if a is None and need_w2:
+        a = _activate(hpre[:, :I].float(), hpre[:, I:].float() if halves == 2 else None, activation).to(dtype)
+    if not need_b2:
+        del grad_rows  # G is computed; dW2's rows are gathered again per expert
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
         whole = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
         gradient = ExpertGradient(down_proj_bias, None, meta.expert_offsets, whole=whole)
         grad_b2 = gradient.full() if down_proj_bias_update is None else down_proj_bias_update(gradient)
-        del p, whole, gradient
+        del p, whole, gradient, grad_rows
     if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
         whole = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
         gradient = ExpertGradient(gate_up_proj_bias, None, meta.expert_offsets, whole=whole)
@@ -336,7 +385,7 @@ def moe_mlp_bwd(
         del whole, gradient
     del ones
     if need_w2:
-        gradient = _down_gradient(w_row, grad_rows, a, meta, dtype, down_proj, layout)
+        gradient = _down_gradient(w_row, grad_out, tokens, a, meta, dtype, down_proj, layout)
         if down_proj_update is None:
             grad_w2 = gradient.full()
         else:
@@ -350,7 +399,7 @@ def moe_mlp_bwd(
     parts = [(need_w1, gate_up_proj, gate_up_proj_update, grad_hpre if up_proj is None else grad_hpre[:, :I])]
     if up_proj is not None:
         parts.append((need_w3, up_proj, up_proj_update, grad_hpre[:, I:]))
-    del grad_hpre, grad_rows, a
+    del grad_hpre, a
     grads_w1 = []
     for need, weight, update, p in parts:
         grad = None
@@ -402,6 +451,50 @@ WGRAD_CHUNK_BYTES: int | None = 1 << 20
 CHUNK_ALIGN = 64
 
 
+class Gathered:
+    """Rows of a GEMM operand gathered from tokens on request: row r is ``source[index[r]]``, times
+    ``scale[r]`` in fp32 when given, in ``dtype``. The wgrad reads a chunk's rows into a reused buffer (the
+    CPU), so no [S, H] operand outlives its chunk; :meth:`full` builds it where one grouped GEMM reads it
+    (a GPU)."""
+
+    def __init__(self, source, index, dtype, scale=None):
+        self.source, self.index, self.dtype, self.scale = source, index, dtype, scale
+        self.shape = (index.shape[0], source.shape[1])
+
+    def rows(self, start: int, end: int, buffer: torch.Tensor) -> torch.Tensor:
+        """Rows ``start`` to ``end - 1`` (``buffer``: at least that many rows, ``dtype``, contiguous)."""
+        index = self.index[start:end]
+        if self.source.dtype == self.dtype and (self.scale is None or self.dtype == torch.float32):
+            rows = torch.index_select(self.source, 0, index, out=buffer[: end - start])
+            return rows if self.scale is None else rows.mul_(self.scale[start:end, None])
+        rows = torch.index_select(self.source, 0, index).float()
+        if self.scale is not None:
+            rows.mul_(self.scale[start:end, None])
+        return buffer[: end - start].copy_(rows)
+
+    def full(self) -> torch.Tensor:
+        return self.rows(
+            0, self.shape[0], torch.empty(self.shape, dtype=self.dtype, device=self.source.device)
+        )
+
+    def inf_norm(self) -> torch.Tensor:
+        """An upper bound of the largest |row entry|: max |source| (times max |scale|)."""
+        bound = inf_norm(self.source)
+        return bound if self.scale is None else bound * inf_norm(self.scale)
+
+
+def _rows_of(operand, start: int, end: int, buffers: dict) -> torch.Tensor:
+    """Rows ``start`` to ``end - 1`` of a GEMM operand: a slice of a tensor, or a :class:`Gathered`
+    operand's rows in a buffer kept in ``buffers`` (one per operand, grown to the most rows asked for)."""
+    if isinstance(operand, torch.Tensor):
+        return operand[start:end]
+    buffer = buffers.get(id(operand))
+    if buffer is None or buffer.shape[0] < end - start:
+        buffer = torch.empty(end - start, operand.shape[1], dtype=operand.dtype, device=operand.source.device)
+        buffers[id(operand)] = buffer
+    return operand.rows(start, end, buffer)
+
+
 class ExpertGradient:
     """The gradient of one expert tensor, computed for a range of experts on request: the torch
     backend's counterpart of the Triton wgrad launch, which the in-backward update consumes chunk by
@@ -417,7 +510,8 @@ class ExpertGradient:
         weight: the expert tensor [E, ...] (its gradient has its shape, dtype and strides).
         operands: a function of no arguments returning the parts, each (P [S, m], Q [S, n], dest) with
             dest(t) mapping a tensor of the weight's shape (sliced along experts) to its [e, m, n] view
-            that receives sum_r P^T Q; called once, when a gradient is first asked for.
+            that receives sum_r P^T Q; P and Q each a tensor or a :class:`Gathered` operand; called once,
+            when a gradient is first asked for.
         expert_offsets: [E + 1] int32, the routing metadata's.
         whole: when given, a function of no arguments returning the whole gradient, used instead of the
             parts (the biases: tiny, never chunked).
@@ -427,6 +521,7 @@ class ExpertGradient:
         self.weight, self._operands, self._parts, self._whole = weight, operands, None, whole
         self.expert_offsets = expert_offsets
         self._bounds = None
+        self._buffers = {}  # the gathered operands' row buffers
         self.num_experts = weight.shape[0]
 
     def __call__(self) -> torch.Tensor:
@@ -460,6 +555,7 @@ class ExpertGradient:
         if self.chunkable:
             return self.compute(0, self.num_experts, grad)
         for p, q, dest in self.parts():  # a GPU: one grouped GEMM per part, no host read
+            p, q = (t if isinstance(t, torch.Tensor) else t.full() for t in (p, q))
             dest(grad).copy_(grouped_wgrad(p, q, self.expert_offsets))
         return grad
 
@@ -467,16 +563,20 @@ class ExpertGradient:
         """The gradient of experts ``first`` to ``last - 1`` into ``out`` (the shape, dtype and strides
         of ``weight[first:last]``); returns ``out``."""
         bounds = self._row_bounds()
+        base = bounds[first]
         for p, q, dest in self.parts():
             target = dest(out)
+            # The chunk's rows (its experts' rows are contiguous), gathered once per chunk and operand.
+            p_rows = _rows_of(p, base, bounds[last], self._buffers)
+            q_rows = _rows_of(q, base, bounds[last], self._buffers)
             for j, e in enumerate(range(first, last)):
-                start, end = bounds[e], bounds[e + 1]
+                start, end = bounds[e] - base, bounds[e + 1] - base
                 if end <= start:
                     target[j].zero_()
-                elif target.dtype == p.dtype:
-                    torch.mm(p[start:end].t(), q[start:end], out=target[j])
+                elif target.dtype == p_rows.dtype:
+                    torch.mm(p_rows[start:end].t(), q_rows[start:end], out=target[j])
                 else:  # rounded to the operands' dtype first, as the GEMM of the Triton kernels is
-                    target[j].copy_(torch.mm(p[start:end].t(), q[start:end]))
+                    target[j].copy_(torch.mm(p_rows[start:end].t(), q_rows[start:end]))
         return out
 
     def bound(self) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -484,8 +584,12 @@ class ExpertGradient:
         :func:`sonar_kernels.ops.adamw.overflow_possible` bounds the gradient's entries by."""
         bounds = self._row_bounds()
         most_rows = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
-        p_max = torch.stack([inf_norm(p[: bounds[-1]]) for p, _, _ in self.parts()]).amax()
-        q_max = torch.stack([inf_norm(q[: bounds[-1]]) for _, q, _ in self.parts()]).amax()
+
+        def largest(t):
+            return inf_norm(t[: bounds[-1]]) if isinstance(t, torch.Tensor) else t.inf_norm()
+
+        p_max = torch.stack([largest(p) for p, _, _ in self.parts()]).amax()
+        q_max = torch.stack([largest(q) for _, q, _ in self.parts()]).amax()
         return p_max, q_max, most_rows
 
     def chunks(self, budget_bytes: int | None) -> list[tuple[int, int]]:
@@ -502,14 +606,12 @@ class ExpertGradient:
         return [(first, min(first + size, E)) for first in range(0, E, size)]
 
 
-def _down_gradient(w_row, grad_rows, a, meta, dtype, weight, layout) -> ExpertGradient:
-    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype, shape and strides (``grad_rows``,
-    dO[token_r], is the backward's own: an fp32 one is scaled in place)."""
+def _down_gradient(w_row, grad_out, tokens, a, meta, dtype, weight, layout) -> ExpertGradient:
+    """dW2[e] = sum_r (w_r dO[token_r])^T A_r in the weight's dtype, shape and strides (the rows
+    w_r dO[token_r] gathered per expert)."""
 
     def operands():
-        rows = grad_rows.float()
-        p = (rows.mul_(w_row[:, None]) if rows is grad_rows else w_row[:, None] * rows).to(dtype)
-        return [(p, a, lambda t: down_view(t, layout))]
+        return [(Gathered(grad_out, tokens, dtype, scale=w_row), a, lambda t: down_view(t, layout))]
 
     return ExpertGradient(weight, operands, meta.expert_offsets)
 
@@ -520,7 +622,7 @@ def _gate_up_gradient(grad_hpre, hidden_states, tokens, meta, weight, layout) ->
     half where it interleaves them."""
 
     def operands():
-        x = torch.index_select(hidden_states, 0, tokens)
+        x = Gathered(hidden_states, tokens, hidden_states.dtype)  # X[token_r], gathered per expert
         if layout.startswith("interleaved"):
             I = grad_hpre.shape[1] // 2
             return [
