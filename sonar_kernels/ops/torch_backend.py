@@ -102,6 +102,75 @@ def grouped_mm(rows: torch.Tensor, weight: torch.Tensor, expert_offsets: torch.T
     return out
 
 
+def _expert_blocks(bounds: list[int], rows: int) -> list[tuple[int, int]]:
+    """Consecutive ranges of experts (first, last) of at most ``rows`` rows each (at least one expert)."""
+    blocks, first, E = [], 0, len(bounds) - 1
+    while first < E:
+        last = first + 1
+        while last < E and bounds[last + 1] - bounds[first] <= rows:
+            last += 1
+        blocks.append((first, last))
+        first = last
+    return blocks
+
+
+def _gathered_grouped_mm(source, index, weight, expert_offsets) -> torch.Tensor:
+    """out[r] = source[index[r]] @ weight[e(r)] ([S, K] rows of ``source`` [T, K], ``weight`` [E, K, N]
+    -> [S, N]); rows past ``expert_offsets[E]`` unspecified. On the CPU the rows are gathered a block of
+    experts at a time into one small buffer, each expert's GEMM a ``torch.mm`` (what torch's CPU grouped
+    GEMM runs per group: the same bits), so the gathered [S, K] tensor never exists; elsewhere the rows
+    are gathered whole and one grouped GEMM runs (no host read)."""
+    S, N = index.shape[0], weight.shape[2]
+    if source.device.type != "cpu":
+        return grouped_mm(torch.index_select(source, 0, index), weight, expert_offsets)
+    out = torch.empty(S, N, dtype=source.dtype, device=source.device)
+    bounds = expert_offsets.tolist()  # host read: the CPU
+    blocks = _expert_blocks(
+        bounds, max(1, ROW_BLOCK_BYTES // (source.element_size() * max(source.shape[1], 1)))
+    )
+    most = max(bounds[last] - bounds[first] for first, last in blocks)
+    buffer = torch.empty(most, source.shape[1], dtype=source.dtype, device=source.device)
+    for first, last in blocks:
+        start, end = bounds[first], bounds[last]
+        block = torch.index_select(source, 0, index[start:end], out=buffer[: end - start])
+        for e in range(first, last):
+            if bounds[e + 1] > bounds[e]:
+                torch.mm(
+                    block[bounds[e] - start : bounds[e + 1] - start],
+                    weight[e],
+                    out=out[bounds[e] : bounds[e + 1]],
+                )
+    return out
+
+
+def _grouped_mm_sum_to_tokens(rows, weight, meta: RoutingMetadata, T: int) -> torch.Tensor:
+    """out[t] = sum over the kept slots of token t of (rows[r] @ weight[e(r)]) rounded to the rows' dtype,
+    summed in fp32 -> [T, N] fp32: dX from dHpre on the CPU, a block of experts at a time (one small
+    buffer, no [S, N] tensor), each block added to its tokens by ``index_add_`` (deterministic on the CPU).
+    A token's rows are summed in expert order, which for top_k <= 2 is exactly the slot order of
+    :func:`_combine` (one addition to 0, then one more: IEEE addition commutes)."""
+    N = weight.shape[2]
+    out = torch.zeros(T, N, dtype=torch.float32, device=rows.device)
+    bounds = meta.expert_offsets.tolist()  # host read: the CPU
+    blocks = _expert_blocks(bounds, max(1, ROW_BLOCK_BYTES // (4 * max(N, 1))))
+    most = max(bounds[last] - bounds[first] for first, last in blocks)
+    buffer = torch.empty(most, N, dtype=rows.dtype, device=rows.device)
+    tokens = meta.token_of_row.long()
+    for first, last in blocks:
+        start, end = bounds[first], bounds[last]
+        if end <= start:
+            continue
+        for e in range(first, last):
+            if bounds[e + 1] > bounds[e]:
+                torch.mm(
+                    rows[bounds[e] : bounds[e + 1]],
+                    weight[e],
+                    out=buffer[bounds[e] - start : bounds[e + 1] - start],
+                )
+        out.index_add_(0, tokens[start:end], buffer[: end - start].float())
+    return out
+
+
 def grouped_wgrad(p: torch.Tensor, q: torch.Tensor, expert_offsets: torch.Tensor) -> torch.Tensor:
     """dW[e] = sum over the rows r of expert e of p[r]^T q[r]: [S, M] x [S, N] -> [E, M, N] in the dtype
     of ``p``; an expert without rows gets zeros. Rows past ``expert_offsets[E]`` are not read."""
@@ -335,14 +404,14 @@ def moe_mlp_bwd(
     valid = _valid_rows(meta, S)
     tokens = meta.token_of_row.long()
     w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
-    grad_rows = torch.index_select(grad_out, 0, tokens)  # [S, H]
     grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
     need_g = need_x or need_w or need_w1 or need_w3 or need_b1
     need_d = need_x or need_w1 or need_w3 or need_b1  # dHpre
     grad_hpre = a = None
     if need_g:
+        # G = dO[token_r] @ W2[e]: on the CPU from dO's rows gathered a block at a time (no [S, H] tensor).
         w2 = down_view(down_proj, layout).to(dtype)
-        g = grouped_mm(grad_rows, w2, meta.expert_offsets).float()
+        g = _gathered_grouped_mm(grad_out, tokens, w2, meta.expert_offsets).float()
         del w2
         per_row = torch.empty(S, dtype=torch.float32, device=g.device) if need_w else None
         if need_d:
@@ -369,10 +438,9 @@ def moe_mlp_bwd(
         del g, per_row
     if a is None and need_w2:
         a = _activate(hpre[:, :I].float(), hpre[:, I:].float() if halves == 2 else None, activation).to(dtype)
-    if not need_b2:
-        del grad_rows  # G is computed; dW2's rows are gathered again per expert
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
     if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
+        grad_rows = torch.index_select(grad_out, 0, tokens)  # [S, H]
         p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
         whole = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
         gradient = ExpertGradient(down_proj_bias, None, meta.expert_offsets, whole=whole)
@@ -392,9 +460,14 @@ def moe_mlp_bwd(
             down_proj_update(gradient)
         del gradient
     if need_x:
-        rows = grouped_mm(grad_hpre, concatenated(gate_up_proj, layout, dtype, up_proj), meta.expert_offsets)
-        grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
-        del rows
+        w1 = concatenated(gate_up_proj, layout, dtype, up_proj)
+        if grad_hpre.device.type == "cpu":
+            grad_x = _grouped_mm_sum_to_tokens(grad_hpre, w1, meta, T).to(dtype)
+        else:
+            rows = grouped_mm(grad_hpre, w1, meta.expert_offsets)
+            grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
+            del rows
+        del w1
     # W1's wgrad; in a separate layout the gate tensor's from dHpre's gate half, then the up tensor's.
     parts = [(need_w1, gate_up_proj, gate_up_proj_update, grad_hpre if up_proj is None else grad_hpre[:, :I])]
     if up_proj is not None:
