@@ -314,17 +314,9 @@ def _swiglu_bwd_by_blocks(hpre, g, w_row, dtype, per_row, d_hpre) -> torch.Tenso
 
 
 def _glu_bwd_into(gate, up, grad_a, activation, out: torch.Tensor) -> None:
-    """:func:`glu_bwd` written into ``out`` ([S, I] or [S, 2I] fp32: d gate, then d up), the same bits:
-    for SwiGLU in two [S, I] temporaries and the halves of ``out`` (glu_bwd's formulas, each product in its
-    order), else glu_bwd's results copied in."""
+    """:func:`glu_bwd`'s results written into ``out`` ([S, I] or [S, 2I] fp32: d gate, then d up); SwiGLU
+    takes :func:`_swiglu_bwd_by_blocks` instead."""
     I = gate.shape[1]
-    if activation == "silu" and up is not None:
-        sig = torch.sigmoid(gate)
-        torch.mul(gate, sig, out=out[:, I:]).mul_(grad_a)  # d up = grad_a * (gate * sig)
-        act_grad = torch.rsub(sig, 1.0).mul_(gate).add_(1.0).mul_(sig)  # sig * (1 + gate * (1 - sig))
-        del sig
-        torch.mul(grad_a, up, out=out[:, :I]).mul_(act_grad)  # d gate = grad_a * up * act_grad
-        return
     d_gate, d_up = glu_bwd(gate, up, grad_a, activation)
     out[:, :I].copy_(d_gate)
     if d_up is not None:
