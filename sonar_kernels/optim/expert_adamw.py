@@ -18,7 +18,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
     tensor (the torch backend, or a tensor used outside the expert MLP) is applied as soon as it is
     accumulated, through torch's own AdamW (``torch.optim.adamw.adamw``; for tensors that required grad when they
     were given to the optimizer), and released: the
-    optimizer-in-backward of the Sonar-MoE paper, one tensor's gradient alive at a time.
+    optimizer-in-backward of the Sonar-MoE paper, one tensor's gradient alive at a time (on the torch
+    backend with torch's fused AdamW, one chunk of experts' gradient: docs/design.md).
 
     That torch AdamW is its fused kernel (``torch.optim.AdamW(fused=True)``'s) wherever torch has one
     for the tensor's device and dtype, the CPU and CUDA among them (the rule:
