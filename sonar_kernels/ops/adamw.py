@@ -85,9 +85,15 @@ def has_torch_fused_adamw(device: torch.device | str, dtype: torch.dtype) -> boo
     dtype on a device type of ``torch.utils._foreach_utils._get_fused_kernels_supported_devices()`` (CPU and
     CUDA among them; torch 2.13's CPU kernel takes float32, bfloat16, float16 and float64). Never the meta
     device."""
+    return dtype.is_floating_point and torch.device(device).type in _fused_adamw_devices()
+
+
+@functools.cache
+def _fused_adamw_devices() -> frozenset[str]:
+    """torch's list of device types with a fused AdamW, read once (it is rebuilt at every call)."""
     from torch.utils._foreach_utils import _get_fused_kernels_supported_devices
 
-    return dtype.is_floating_point and torch.device(device).type in _get_fused_kernels_supported_devices()
+    return frozenset(_get_fused_kernels_supported_devices())
 
 
 def torch_adamw_(
