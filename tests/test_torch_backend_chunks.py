@@ -230,3 +230,31 @@ def test_a_layers_backward_holds_one_chunk_of_expert_gradient(experts_per_chunk,
     chunk = e * per_expert if budget is None else budget
     down_expert = h * i * 4  # the smallest gradient of one expert
     assert chunk <= peak[_MemRefType.TEMP] < chunk + down_expert
+
+
+@pytest.mark.filterwarnings("ignore:Expected a tensor or a traceable wrapper-subclass")
+def test_dhpre_is_written_over_hpre_only_when_the_graph_is_freed():
+    # The backward writes SwiGLU's dHpre over the saved Hpre when no one can read Hpre again (the graph is
+    # freed after it): the same bits as with retain_graph=True, where Hpre is kept and dHpre gets a tensor
+    # of its own, and one [S, 2I] tensor less at the peak. Activations dwarf the expert gradients here.
+    e, h, i, t = 4, 16, 64, 256
+    generator = torch.Generator().manual_seed(0)
+    x, grad_out = torch.randn(t, h, generator=generator), torch.randn(t, h, generator=generator)
+    index = torch.randint(0, e, (t, 2), generator=generator)
+    weights = torch.rand(t, 2, generator=generator)
+    results, peaks = [], []
+    for retain in (False, True):
+        torch.manual_seed(0)
+        experts = sonar_kernels.SonarExperts(e, h, i, backend="torch")
+        optimizer = sonar_kernels.ExpertAdamW(experts.parameters(), **HYPER)
+        out = experts(x, index, weights)
+        tracker = MemTracker()
+        tracker.track_external(experts, optimizer)
+        with tracker:
+            out.backward(grad_out, retain_graph=retain)
+        optimizer.step()
+        peaks.append(tracker.get_tracker_snapshot("peak")[torch.device("cpu")][_MemRefType.TEMP])
+        results.append(_state(list(experts.parameters()), optimizer))
+    _assert_same_state(*results)
+    dhpre_bytes = t * 2 * 2 * i * 4
+    assert peaks[1] - peaks[0] >= dhpre_bytes

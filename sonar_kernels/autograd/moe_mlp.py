@@ -64,6 +64,10 @@ def _setup_context(ctx, inputs, output) -> None:
     hypers = [inputs[hyper] for *_, hyper, _ in _EXPERT_INPUTS]
     fused_epilogue, foreach, torch_fused, activation, backend, layout = inputs[11:17]
     _, hpre, *meta = output
+    # Only the layer's output carries a gradient: hpre and the routing metadata are saved, never used
+    # downstream, so autograd would otherwise fill a zero gradient of each ([S, 2I] for hpre) for the
+    # backward to ignore.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(
         hidden_states, top_k_weights, *tensors, hpre, *meta, *hypers, *(t for state in states for t in state)
     )
@@ -162,6 +166,8 @@ def _backward(ctx, grad_out, *unused):
                 owner.untrack(ctx)
     count = len(_EXPERT_INPUTS)
     hidden_states, top_k_weights, *rest = ctx.saved_tensors
+    if grad_out is None:  # no gradient reached the output (grads are not materialized: _setup_context)
+        grad_out = torch.zeros_like(hidden_states)
     weights, (hpre, *meta) = list(rest[:count]), rest[count : count + 6]
     hypers, rest = list(rest[count + 6 : 2 * count + 6]), rest[2 * count + 6 :]
     states, start = [], 0
@@ -233,7 +239,12 @@ def _backward(ctx, grad_out, *unused):
             owner.hyperparameters() if owner is not None and mode == "update" and not triton else None
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
-        grads = library.run_moe_mlp_bwd(*args, on_done=done, defer=tuple(defer), values=values)
+        # hpre is read by no one after this backward unless the graph is kept (retain_graph=True): the torch
+        # backend then writes dHpre over it.
+        writable = not torch._C._autograd._get_current_graph_task_keep_graph()
+        grads = library.run_moe_mlp_bwd(
+            *args, on_done=done, defer=tuple(defer), values=values, hpre_writable=writable
+        )
         for accumulator, outer, owner, (mode, *_) in zip(
             accumulators, outer_tasks, ctx.owners, plans, strict=True
         ):

@@ -221,6 +221,7 @@ def run_moe_mlp_bwd(
     gate_up_proj_bias_grad_dtype=None, down_proj_bias_mode="grad", down_proj_bias_state=(),
     down_proj_bias_hyper=None, down_proj_bias_buffer=None, down_proj_bias_buffer_add=False,
     down_proj_bias_grad_dtype=None, on_done=(None,) * 5, defer=(None,) * 5, values=(None,) * 5,
+    hpre_writable=False,
 ):  # fmt: skip
     """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
     run right after the launch that updated it or added to its buffer (before any later launch, so that a
@@ -230,7 +231,9 @@ def run_moe_mlp_bwd(
     applies the update when it is called, later (see ``ops.AdamWUpdate.defer``); and ``values``: per
     weight, None or its hyperparameters as its owner's parameter group holds them
     (``specs.ExpertUpdate.hyperparameters``), which the torch backend's AdamW then takes in place of the
-    values of its ``hyper`` tensor (torch's arithmetic for tensor lr and betas). Mutated tensors'
+    values of its ``hyper`` tensor (torch's arithmetic for tensor lr and betas); and ``hpre_writable``:
+    the torch backend may write dHpre over ``hpre`` (the caller frees the graph after this backward;
+    ``torch_backend.moe_mlp_bwd``). Mutated tensors'
     version counters are the caller's to bump here (the op bumps them)."""
     meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
     # needs_input_grad: x, routing weights, gate_up_proj, down_proj, the two biases, up_proj.
@@ -286,6 +289,7 @@ def run_moe_mlp_bwd(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
             gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, up_proj=up_proj,
             up_proj_update=apply[2], gate_up_proj_bias_update=apply[3], down_proj_bias_update=apply[4], **biases,
+            hpre_writable=hpre_writable,
         )  # fmt: skip
     # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
     return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)

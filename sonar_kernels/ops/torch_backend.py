@@ -114,32 +114,46 @@ def _expert_blocks(bounds: list[int], rows: int) -> list[tuple[int, int]]:
     return blocks
 
 
-def _gathered_grouped_mm(source, index, weight, expert_offsets) -> torch.Tensor:
-    """out[r] = source[index[r]] @ weight[e(r)] ([S, K] rows of ``source`` [T, K], ``weight`` [E, K, N]
-    -> [S, N]); rows past ``expert_offsets[E]`` unspecified. On the CPU the rows are gathered a block of
-    experts at a time into one small buffer, each expert's GEMM a ``torch.mm`` (what torch's CPU grouped
-    GEMM runs per group: the same bits), so the gathered [S, K] tensor never exists; elsewhere the rows
-    are gathered whole and one grouped GEMM runs (no host read)."""
-    S, N = index.shape[0], weight.shape[2]
+def _gathered_blocks(source, index, weight, expert_offsets, row_bytes: int):
+    """Yield (start, end, rows): rows[r - start] = source[index[r]] @ weight[e(r)] for the rows ``start``
+    to ``end - 1`` ([end - start, N] in ``source``'s dtype; ``source`` [T, K], ``weight`` [E, K, N]).
+
+    On the CPU a block of whole experts at a time, of at most about ``row_bytes`` per row of the wider of
+    the gathered rows and the result (at least one expert): the rows are gathered into one small buffer
+    and each expert's GEMM is a ``torch.mm`` (what torch's CPU grouped GEMM runs per group: the same bits)
+    into another, reused by the next block (read a block before asking for the next). Rows past
+    ``expert_offsets[E]`` are in no block. Elsewhere one block of all S rows: the rows gathered whole and
+    one grouped GEMM (no host read)."""
+    S, K, N = index.shape[0], source.shape[1], weight.shape[2]
     if source.device.type != "cpu":
-        return grouped_mm(torch.index_select(source, 0, index), weight, expert_offsets)
-    out = torch.empty(S, N, dtype=source.dtype, device=source.device)
+        yield 0, S, grouped_mm(torch.index_select(source, 0, index), weight, expert_offsets)
+        return
     bounds = expert_offsets.tolist()  # host read: the CPU
-    blocks = _expert_blocks(
-        bounds, max(1, ROW_BLOCK_BYTES // (source.element_size() * max(source.shape[1], 1)))
-    )
+    blocks = _expert_blocks(bounds, max(1, row_bytes // (4 * max(K, N, 1))))
     most = max(bounds[last] - bounds[first] for first, last in blocks)
-    buffer = torch.empty(most, source.shape[1], dtype=source.dtype, device=source.device)
+    gathered = torch.empty(most, K, dtype=source.dtype, device=source.device)
+    out = torch.empty(most, N, dtype=source.dtype, device=source.device)
     for first, last in blocks:
         start, end = bounds[first], bounds[last]
-        block = torch.index_select(source, 0, index[start:end], out=buffer[: end - start])
+        if end <= start:
+            continue
+        block = torch.index_select(source, 0, index[start:end], out=gathered[: end - start])
         for e in range(first, last):
             if bounds[e + 1] > bounds[e]:
-                torch.mm(
-                    block[bounds[e] - start : bounds[e + 1] - start],
-                    weight[e],
-                    out=out[bounds[e] : bounds[e + 1]],
-                )
+                rows = slice(bounds[e] - start, bounds[e + 1] - start)
+                torch.mm(block[rows], weight[e], out=out[rows])
+        yield start, end, out[: end - start]
+
+
+def _gathered_grouped_mm(source, index, weight, expert_offsets) -> torch.Tensor:
+    """out[r] = source[index[r]] @ weight[e(r)] ([S, K] rows of ``source`` [T, K], ``weight`` [E, K, N]
+    -> [S, N]); rows past ``expert_offsets[E]`` unspecified. On the CPU by :func:`_gathered_blocks` (the
+    gathered [S, K] tensor never exists); elsewhere one grouped GEMM over the rows gathered whole."""
+    if source.device.type != "cpu":
+        return grouped_mm(torch.index_select(source, 0, index), weight, expert_offsets)
+    out = torch.empty(index.shape[0], weight.shape[2], dtype=source.dtype, device=source.device)
+    for start, end, rows in _gathered_blocks(source, index, weight, expert_offsets, ROW_BLOCK_BYTES):
+        out[start:end].copy_(rows)
     return out
 
 
@@ -287,35 +301,48 @@ def _activate(gate: torch.Tensor, up: torch.Tensor | None, activation: str) -> t
 ROW_BLOCK_BYTES = 1 << 18
 
 
-def _swiglu_bwd_by_blocks(hpre, g, w_row, dtype, per_row, d_hpre) -> torch.Tensor:
-    """The SwiGLU part of the backward over blocks of rows, written into the given tensors: returns A =
-    silu(gate) * up (the forward's formula, rounded to ``dtype``: the W2 wgrad's operand), fills
-    ``per_row`` (when given) with <G_r, A_r> and ``d_hpre`` ([S, 2I] fp32: d gate, then d up) with
-    :func:`glu_bwd`'s values for dA = w_r G_r, each product in glu_bwd's order; ``g`` (fp32) is scaled by
-    w_r in place. The same bits as the whole-tensor formulas, block by block."""
-    S, I = g.shape
-    a = torch.empty(S, I, dtype=dtype, device=g.device)
-    rows = max(1, ROW_BLOCK_BYTES // (4 * max(I, 1)))
-    for start in range(0, S, rows):
-        end = min(start + rows, S)
-        gate, up = hpre[start:end, :I].float(), hpre[start:end, I:].float()
-        block = torch.mul(F.silu(gate), up, out=a[start:end]) if dtype == torch.float32 else None
-        if block is None:
-            block = a[start:end].copy_(F.silu(gate).mul_(up))
-        grad = g[start:end]
-        if per_row is not None:
-            torch.sum(grad * block.float(), dim=1, out=per_row[start:end])
-        grad.mul_(w_row[start:end, None])  # dA = w_r G_r
-        sig = torch.sigmoid(gate)
-        torch.mul(gate, sig, out=d_hpre[start:end, I:]).mul_(grad)  # d up = dA * (gate * sig)
-        act_grad = torch.rsub(sig, 1.0).mul_(gate).add_(1.0).mul_(sig)  # sig * (1 + gate * (1 - sig))
-        torch.mul(grad, up, out=d_hpre[start:end, :I]).mul_(act_grad)  # d gate = dA * up * act_grad
+def _swiglu_bwd(grad_out, tokens, w2, meta, hpre, w_row, dtype, per_row, grad_hpre) -> torch.Tensor:
+    """The SwiGLU part of the backward, a block of rows at a time from G = dO[token_r] @ W2[e] (computed
+    per block of experts by :func:`_gathered_blocks`, so no [S, I] G exists): returns A = silu(gate) * up
+    (the forward's formula, rounded to ``dtype``: the W2 wgrad's operand); fills ``per_row`` (when given)
+    with <G_r, A_r> and ``grad_hpre`` (when given; [S, 2I] in ``dtype``: d gate, then d up) with
+    :func:`glu_bwd`'s values for dA = w_r G_r, each product in glu_bwd's order, rounded to ``dtype``.
+    ``grad_hpre`` may be ``hpre`` itself: each block of Hpre is read before its block of dHpre is written
+    over it. The same bits as the whole-tensor formulas, block by block. Rows past ``expert_offsets[E]``
+    are left unspecified."""
+    S, I = hpre.shape[0], w2.shape[2]
+    a = torch.empty(S, I, dtype=dtype, device=hpre.device)
+    sub = max(1, ROW_BLOCK_BYTES // (4 * max(I, 1)))  # rows per elementwise block
+    for start, end, g_rows in _gathered_blocks(grad_out, tokens, w2, meta.expert_offsets, ROW_BLOCK_BYTES):
+        g_rows = g_rows.float()
+        for r0 in range(start, end, sub):
+            r1 = min(r0 + sub, end)
+            g = g_rows[r0 - start : r1 - start]
+            gate, up = hpre[r0:r1, :I].float(), hpre[r0:r1, I:].float()
+            if dtype == torch.float32:
+                block = torch.mul(F.silu(gate), up, out=a[r0:r1])
+            else:
+                block = a[r0:r1].copy_(F.silu(gate).mul_(up)).float()
+            if per_row is not None:
+                torch.sum(g * block, dim=1, out=per_row[r0:r1])
+            if grad_hpre is None:
+                continue
+            grad = g.mul_(w_row[r0:r1, None])  # dA = w_r G_r
+            sig = torch.sigmoid(gate)
+            act_grad = torch.rsub(sig, 1.0).mul_(gate).add_(1.0).mul_(sig)  # sig * (1 + gate * (1 - sig))
+            d_gate = torch.mul(grad, up).mul_(act_grad)  # dA * up * act_grad (reads up: before d up)
+            d_up = grad_hpre[r0:r1, I:]
+            if dtype == torch.float32:
+                torch.mul(gate, sig, out=d_up).mul_(grad)  # dA * (gate * sig) (reads gate: before d gate)
+            else:
+                d_up.copy_(torch.mul(gate, sig).mul_(grad))
+            grad_hpre[r0:r1, :I].copy_(d_gate)
     return a
 
 
 def _glu_bwd_into(gate, up, grad_a, activation, out: torch.Tensor) -> None:
     """:func:`glu_bwd`'s results written into ``out`` ([S, I] or [S, 2I] fp32: d gate, then d up); SwiGLU
-    takes :func:`_swiglu_bwd_by_blocks` instead."""
+    takes :func:`_swiglu_bwd` instead."""
     I = gate.shape[1]
     d_gate, d_up = glu_bwd(gate, up, grad_a, activation)
     out[:, :I].copy_(d_gate)
@@ -369,7 +396,7 @@ def moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs_input_grad,
     *, gate_up_proj_update=None, down_proj_update=None, layout="concatenated", gate_up_proj_bias=None,
     down_proj_bias=None, needs_bias_grad=(False, False), up_proj=None, up_proj_update=None,
-    gate_up_proj_bias_update=None, down_proj_bias_update=None,
+    gate_up_proj_bias_update=None, down_proj_bias_update=None, hpre_writable=False,
 ):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj, d
     gate_up_proj_bias, d down_proj_bias, d up_proj), None where ``needs_input_grad`` (x, weights,
@@ -380,7 +407,10 @@ def moe_mlp_bwd(
     that updates the weight in place, given the weight's :class:`ExpertGradient` (computed whole or by
     chunks of experts when asked); called where that gradient would be computed (W2's after G, which
     reads W2, and before dX; W1's last). It computes the gradient then, or later (a deferred update keeps
-    the operands alive until then); None is returned for the weight."""
+    the operands alive until then); None is returned for the weight.
+
+    ``hpre_writable``: the caller will not read ``hpre`` again (the graph is freed after this backward),
+    so SwiGLU's dHpre is written over it instead of into a tensor of its own (one [S, 2I] tensor fewer)."""
     need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
     need_w3 = need_w3 and up_proj is not None
     need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
@@ -399,35 +429,35 @@ def moe_mlp_bwd(
     grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
     need_g = need_x or need_w or need_w1 or need_w3 or need_b1
     need_d = need_x or need_w1 or need_w3 or need_b1  # dHpre
-    grad_hpre = a = None
+    grad_hpre = a = g = None
     if need_g:
-        # G = dO[token_r] @ W2[e]: on the CPU from dO's rows gathered a block at a time (no [S, H] tensor).
         w2 = down_view(down_proj, layout).to(dtype)
-        g = _gathered_grouped_mm(grad_out, tokens, w2, meta.expert_offsets).float()
-        del w2
-        per_row = torch.empty(S, dtype=torch.float32, device=g.device) if need_w else None
-        if need_d:
-            d_hpre = torch.empty(S, halves * I, dtype=torch.float32, device=g.device)
-        if need_d and activation == "silu" and halves == 2:  # SwiGLU: by blocks of rows
-            a = _swiglu_bwd_by_blocks(hpre, g, w_row, dtype, per_row, d_hpre)
+        per_row = torch.empty(S, dtype=torch.float32, device=grad_out.device) if need_w else None
+        if activation == "silu" and halves == 2:  # SwiGLU: G, A and dHpre by blocks of rows
+            if need_d:
+                grad_hpre = hpre if hpre_writable else torch.empty_like(hpre)
+            a = _swiglu_bwd(grad_out, tokens, w2, meta, hpre, w_row, dtype, per_row, grad_hpre)
         else:
+            # G = dO[token_r] @ W2[e]: on the CPU from dO's rows gathered a block at a time.
+            g = _gathered_grouped_mm(grad_out, tokens, w2, meta.expert_offsets).float()
             gate, up = hpre[:, :I].float(), (hpre[:, I:].float() if halves == 2 else None)
             a = _activate(gate, up, activation).to(dtype)
             if need_w:
                 torch.sum(g * a.float(), dim=1, out=per_row)
             if need_d:
+                d_hpre = torch.empty(S, halves * I, dtype=torch.float32, device=g.device)
                 _glu_bwd_into(gate, up, g.mul_(w_row[:, None]), activation, d_hpre)  # dA = w_r G_r
-            del gate, up
+                grad_hpre = d_hpre.to(dtype)
+                del d_hpre
+            del g, gate, up
+        del w2
         if need_w:
             kept = meta.row_of_slot >= 0
             per_slot = torch.where(kept, per_row[meta.row_of_slot.clamp(min=0).long()], 0.0)
             if down_proj_bias is not None:
                 per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
-        if need_d:
-            grad_hpre = d_hpre.to(dtype)
-            del d_hpre
-        del g, per_row
+        del per_row
     if a is None and need_w2:
         a = _activate(hpre[:, :I].float(), hpre[:, I:].float() if halves == 2 else None, activation).to(dtype)
     ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
@@ -438,19 +468,20 @@ def moe_mlp_bwd(
         gradient = ExpertGradient(down_proj_bias, None, meta.expert_offsets, whole=whole)
         grad_b2 = gradient.full() if down_proj_bias_update is None else down_proj_bias_update(gradient)
         del p, whole, gradient, grad_rows
-    if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
-        whole = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
-        gradient = ExpertGradient(gate_up_proj_bias, None, meta.expert_offsets, whole=whole)
-        grad_b1 = gradient.full() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(gradient)
-        del whole, gradient
-    del ones
-    if need_w2:
+    if need_w2:  # after G, which reads W2
         gradient = _down_gradient(w_row, grad_out, tokens, a, meta, dtype, down_proj, layout)
         if down_proj_update is None:
             grad_w2 = gradient.full()
         else:
             down_proj_update(gradient)
         del gradient
+    a = None
+    if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
+        whole = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
+        gradient = ExpertGradient(gate_up_proj_bias, None, meta.expert_offsets, whole=whole)
+        grad_b1 = gradient.full() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(gradient)
+        del whole, gradient
+    del ones
     if need_x:
         w1 = concatenated(gate_up_proj, layout, dtype, up_proj)
         if grad_hpre.device.type == "cpu":
@@ -464,7 +495,7 @@ def moe_mlp_bwd(
     parts = [(need_w1, gate_up_proj, gate_up_proj_update, grad_hpre if up_proj is None else grad_hpre[:, :I])]
     if up_proj is not None:
         parts.append((need_w3, up_proj, up_proj_update, grad_hpre[:, I:]))
-    del grad_hpre, a
+    del grad_hpre
     grads_w1 = []
     for need, weight, update, p in parts:
         grad = None
