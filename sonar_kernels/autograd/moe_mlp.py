@@ -251,11 +251,17 @@ def _backward(ctx, grad_out, *unused):
             if mode == "accumulate" and accumulator is not None:
                 _on_accumulator(accumulator, owner.add_to_buffer, outer)
     elif all(mode == "grad" for mode, *_ in plans):
-        # Nothing updated: the op that mutates nothing (the weights' versions stay as they are).
-        grads = library.moe_mlp_bwd_grads(
+        # Nothing updated: the op that mutates nothing (the weights' versions stay as they are); after a
+        # plain eager forward (_EagerMoeMlp), its body, without the op's dispatch.
+        plain = (
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
             grad_needs, ctx.activation, ctx.backend, ctx.layout, gate_up_proj_bias, down_proj_bias, up_proj,
         )  # fmt: skip
+        if getattr(ctx, "eager", False) and not torch.compiler.is_compiling():
+            writable = not torch._C._autograd._get_current_graph_task_keep_graph()
+            grads = library.run_moe_mlp_bwd_grads(*plain, hpre_writable=writable)
+        else:
+            grads = library.moe_mlp_bwd_grads(*plain)
     else:
         grads = library.moe_mlp_bwd(*args)
     # An expert tensor updated in this backward (or whose gradient went to a buffer) gets no gradient.
@@ -327,6 +333,45 @@ def _on_accumulator(accumulator, fn, outer_task: int | None = None) -> None:
 
 
 torch.library.register_autograd("sonar_kernels::moe_mlp_fwd", _backward, setup_context=_setup_context)
+
+
+def _plain_eager(inputs) -> bool:
+    """Whether this forward runs in plain eager mode: not traced by torch.compile, no torch function or
+    dispatch mode active (FakeTensorMode, MemTracker, FlopCounterMode, ...), every tensor a plain
+    ``torch.Tensor`` or ``nn.Parameter`` (no DTensor, no other subclass) on the CPU or a GPU. There the
+    autograd formula runs as :class:`_EagerMoeMlp`, without the custom op's dispatch (about 1 ms per
+    call on a CPU: its argument handling grows with the op's 29 inputs); elsewhere the op, which every
+    mode, subclass and tracer understands."""
+    if (
+        torch.compiler.is_compiling()
+        or torch._C._len_torch_dispatch_stack() > 0
+        or torch._C._len_torch_function_stack() > 0
+        or inputs[0].device.type not in ("cpu", "cuda")
+    ):
+        return False
+    for value in inputs:
+        for t in value if isinstance(value, list) else (value,):
+            if isinstance(t, torch.Tensor) and type(t) not in (torch.Tensor, torch.nn.Parameter):
+                return False
+    return True
+
+
+class _EagerMoeMlp(torch.autograd.Function):
+    """The op ``sonar_kernels::moe_mlp_fwd`` and its registered autograd formula as a plain
+    autograd.Function, for plain eager mode (:func:`_plain_eager`): the same body, the same
+    ``_setup_context`` and ``_backward``, so the same bits and the same in-backward updates."""
+
+    @staticmethod
+    def forward(ctx, *inputs):
+        ctx.eager = True
+        output = library.moe_mlp_fwd_body(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        # A list input (an update's state) is no autograd input of a Function: its gradient is None.
+        return tuple(None if isinstance(g, list) else g for g in _backward(ctx, *grads))
 
 
 def moe_mlp(
@@ -453,7 +498,7 @@ def moe_mlp(
     states = [u.state() if u is not None else [] for u in updates]
     hypers = [u.hyper if u is not None else None for u in updates]
     grad_dtypes = [u.grad_dtype if u is not None else None for u in updates]
-    outputs = library.moe_mlp_fwd(
+    inputs = (
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
         *states[:2], *hypers[:2], *grad_dtypes[:2],
         all(u.fused for u in given),
@@ -463,6 +508,7 @@ def moe_mlp(
         up_proj, states[2], hypers[2], grad_dtypes[2],
         *states[3:], *hypers[3:], *grad_dtypes[3:],
     )  # fmt: skip
+    outputs = _EagerMoeMlp.apply(*inputs) if _plain_eager(inputs) else library.moe_mlp_fwd(*inputs)
     out = outputs[0]
     if (
         not torch.compiler.is_compiling()

@@ -69,6 +69,20 @@ def moe_mlp_fwd(
     (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None; ``up_proj`` (with its
     update's state, hyperparameters and gradient dtype): the up tensor of a separate layout, or None; then
     the biases' updates (state, hyperparameters, gradient dtype; empty or None without one)."""
+    return moe_mlp_fwd_body(
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
+        gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue,
+        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj,
+    )  # fmt: skip
+
+
+def moe_mlp_fwd_body(
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
+    gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
+    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, *update_inputs,
+):  # fmt: skip
+    """:func:`moe_mlp_fwd` as a plain function of the op's inputs (the autograd layer's eager path calls it
+    without the op's dispatch)."""
     return run_moe_mlp_fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, backend, layout,
         gate_up_proj_bias, down_proj_bias, up_proj,
@@ -352,6 +366,12 @@ def moe_mlp_bwd_grads(
         row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout, gate_up_proj_bias,
         down_proj_bias, up_proj,
     ))  # fmt: skip
+
+
+def run_moe_mlp_bwd_grads(*args, hpre_writable: bool = False) -> tuple:
+    """The body of :func:`moe_mlp_bwd_grads` (the same arguments), callable without the op's dispatch in
+    eager mode; ``hpre_writable`` as for :func:`run_moe_mlp_bwd`."""
+    return run_moe_mlp_bwd(*_with_plain_gradients(*args), hpre_writable=hpre_writable)
 
 
 @moe_mlp_bwd_grads.register_fake
