@@ -136,3 +136,45 @@ def test_backward_runs_no_torch_matmul_and_no_host_sync(with_optimizer, device):
     assert not seen & MATMULS, sorted(seen & MATMULS)
     assert not seen & HOST_SYNCS, sorted(seen & HOST_SYNCS)
     assert (w1.grad is None) == with_optimizer
+
+
+class _NoOpFunctionMode(torch.overrides.TorchFunctionMode):
+    """A torch function mode that changes nothing: under any mode moe_mlp runs its custom ops."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("with_optimizer", [False, True], ids=["plain", "expert-adamw"])
+def test_eager_function_and_custom_ops_give_the_same_bits(backend, with_optimizer, device):
+    # Plain eager mode runs moe_mlp's autograd formula as an autograd.Function without the custom ops'
+    # dispatch; under a torch function mode (as under any mode or tensor subclass) the ops run. The same
+    # gradients, or the same in-backward updates, bit for bit, over two steps.
+    case = CASES[2].values[0]
+    inputs = case.make(torch.float32, device=device if backend == "triton" else "cpu")
+    grad_out = torch.randn(case.T, case.H, generator=torch.Generator().manual_seed(1)).to(inputs[0].device)
+    results = []
+    for mode in (None, _NoOpFunctionMode()):
+        x, index, weights, w1, w2 = (t.detach().clone() for t in inputs)
+        x.requires_grad_(True)
+        weights.requires_grad_(True)
+        params = [torch.nn.Parameter(w1), torch.nn.Parameter(w2)]
+        optimizer = sonar_kernels.ExpertAdamW(params, lr=1e-2) if with_optimizer else None
+        grads = []
+        for _ in range(2):
+            with mode if mode is not None else torch.enable_grad():
+                out = sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend)
+                assert (type(out.grad_fn).__name__ == "_EagerMoeMlpBackward") == (mode is None)
+                out.backward(grad_out)
+            grads += [x.grad.clone(), weights.grad.clone()]
+            if optimizer is not None:
+                optimizer.step()
+                assert all(p.grad is None for p in params)
+            else:
+                grads += [p.grad.clone() for p in params]
+            for t in (x, weights, *params):
+                t.grad = None
+        results.append(grads + [p.detach().clone() for p in params])
+    for got, expected in zip(*results, strict=True):
+        assert torch.equal(got, expected)
