@@ -259,7 +259,11 @@ def torch_adamw_chunked_(
         norm_sq = torch.zeros((), dtype=torch.float32, device=weight.device)
         for first, last in chunks:
             grad = chunk_gradient(first, last)
-            norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            if grad.dtype == torch.float32 and grad.is_contiguous():  # BLAS's dot: about twice as fast here
+                flat = grad.view(-1)
+                norm_sq += torch.dot(flat, flat)
+            else:
+                norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
             if direct:
                 torch._fused_adamw_(
                     [weight[first:last]], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
