@@ -2,7 +2,9 @@
 point :func:`moe_mlp`.
 
 The forward is the op ``sonar_kernels::moe_mlp_fwd``; its registered backward calls
-``sonar_kernels::moe_mlp_bwd`` and, on the torch backend, ``sonar_kernels::expert_adamw_``. A weight
+``sonar_kernels::moe_mlp_bwd`` and, on the torch backend, ``sonar_kernels::expert_adamw_``. In plain eager
+mode (:func:`_plain_eager`) the same body and formula run as the autograd.Function :class:`_EagerMoeMlp`,
+without the ops' dispatch. A weight
 whose tensor carries an in-backward update (:func:`sonar_kernels.specs.update_of`, attached by the
 optimizer that owns it) is updated inside that backward and gets no gradient; in eager mode the update
 of a leaf weight waits in the pre-hook of its AccumulateGrad node until the engine has every part of its
@@ -446,7 +448,8 @@ def moe_mlp(
         :class:`sonar_kernels.ExpertAdamW` or :class:`sonar_kernels.SonarAdamW`) is updated inside that
         backward and gets no gradient (see ExpertAdamW for the rules: one backward per step, one live
         graph over the weights when it runs). One ``sonar_kernels::moe_mlp_fwd`` op: torch.compile
-        traces it without a graph break, ``fullgraph=True`` included.
+        traces it without a graph break, ``fullgraph=True`` included (in plain eager mode the same body
+        and formula run as an autograd.Function, without the op's dispatch: docs/design.md, "Forward").
     Raises:
         TypeError: a non-tensor argument or an unsupported dtype (e.g. a floating-point top_k_index), a
             layout flag that is not a bool, a bias or up_proj not of its weight's dtype.
