@@ -73,9 +73,38 @@ def test_data_sources(tmp_path):
     assert all(b.shape[1] == 16 for b in data.heldout_batches(8))
 
 
+def test_the_timing_pass_times_the_arms_side_by_side_in_rotated_order(tmp_path, capsys, monkeypatch):
+    from sonar_kernels.train import arms as arms_module
+
+    order = []
+    step = arms_module.train_step
+
+    def recording(arm, tokens, max_grad_norm):
+        order.append(arm.name)
+        return step(arm, tokens, max_grad_norm)
+
+    monkeypatch.setattr(arms_module, "train_step", recording)
+    argv = ["--steps", "2", "--seeds", "1", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+            "--heldout-batches", "1", "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch",
+            "--no-memory", "--timing-rounds", "10"]  # fmt: skip
+    assert train.main(argv) == 0
+    out = capsys.readouterr().out
+    names = ["standard", "sonar", "standard-dense-clip"]
+    rounds = [order[-45:][3 * r : 3 * r + 3] for r in range(15)]  # 5 warm-up rounds, then 10
+    assert order[:-45] == ["standard"] * 2 + ["sonar"] * 2 + ["standard-dense-clip"] * 2  # the training runs
+    assert rounds == [names[r % 3 :] + names[: r % 3] for r in range(15)]
+    report = json.loads((tmp_path / "t" / "report.json").read_text())
+    for arm in report["arms"].values():
+        assert arm["step_time"]["samples"] == 10 and arm["training_step_time"]["samples"] == 0
+    standard, sonar = (report["arms"][n]["step_time"]["median_s"] for n in ("standard", "sonar"))
+    assert report["speedup"] == pytest.approx(standard / sonar, rel=1e-12)
+    assert "10 rounds side by side" in report["timing"] and "10 rounds side by side" in out
+
+
 def test_tiny_run_writes_the_report_and_the_sonar_arm_equals_its_control_bitwise(tmp_path, capfd):
     argv = ["--steps", "4", "--seeds", "2", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
-            "--heldout-batches", "2", "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch"]  # fmt: skip
+            "--heldout-batches", "2", "--out", str(tmp_path), "--name", "t", "--quiet", "--backend", "torch",
+            "--timing-rounds", "0"]  # fmt: skip
     assert train.main(argv) == 0
     out, err = capfd.readouterr()  # file descriptors: transformers' logger writes to the real stderr
     assert "use_cache" not in err and err == "", err  # --quiet: nothing on stderr

@@ -79,7 +79,8 @@ def test_model_and_save_fine_tune_a_checkpoint_that_loads_in_plain_transformers(
     monkeypatch.setattr(cli, "build_arm", build_arm)
     argv = ["--model", str(tmp_path / "ckpt"), "--save", str(tmp_path / "saved"), "--steps", "3", "--seeds", "1",
             "--batch-size", "2", "--seq-len", "32", "--heldout-batches", "2", "--backend", "torch",
-            "--out", str(tmp_path / "runs"), "--quiet", *([] if memory else ["--no-memory"])]  # fmt: skip
+            "--out", str(tmp_path / "runs"), "--quiet", "--timing-rounds", "0",
+            *([] if memory else ["--no-memory"])]  # fmt: skip
     assert train.main(argv) == 0
     run = tmp_path / "runs" / "ckpt"  # the run's name: the checkpoint folder's
     report = json.loads((run / "report.json").read_text())

@@ -289,3 +289,21 @@ def run_arm(
         "grad_norms": norms,
         "step_times_s": times,
     }
+
+
+def time_interleaved(arms: list[Arm], data: ByteData, warmup: int, rounds: int, args, device) -> dict:
+    """Step times of ``arms`` measured side by side: ``warmup`` + ``rounds`` rounds, each one training step
+    of every arm on the same batch, the arms' order rotated from round to round, so that a machine that
+    slows down or speeds up for a while (other tenants of a virtual machine, clocks) weighs on every arm
+    alike. Returns {arm name: its step times in seconds, the warm-up rounds first}."""
+    times = {arm.name: [] for arm in arms}
+    for step in range(warmup + rounds):
+        tokens = data.batch(step).to(device)
+        shift = step % len(arms)
+        for arm in arms[shift:] + arms[:shift]:
+            sync(device)
+            start = time.perf_counter()
+            train_step(arm, tokens, args.max_grad_norm)
+            sync(device)
+            times[arm.name].append(time.perf_counter() - start)
+    return times

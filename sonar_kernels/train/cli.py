@@ -20,7 +20,15 @@ from sonar_kernels.ops import has_torch_fused_adamw
 from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 from sonar_kernels.train import checkpoint, distributed
-from sonar_kernels.train.arms import ARMS, EXPERT_PARAMS, OTHER_ARMS, build_arm, build_model, run_arm
+from sonar_kernels.train.arms import (
+    ARMS,
+    EXPERT_PARAMS,
+    OTHER_ARMS,
+    build_arm,
+    build_model,
+    run_arm,
+    time_interleaved,
+)
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
 from sonar_kernels.train.memory import (
     LABELS,
@@ -31,7 +39,14 @@ from sonar_kernels.train.memory import (
     local_processes,
     measure_memory,
 )
-from sonar_kernels.train.report import heldout_statistics, plot, speedup, step_time_summary, summary_table
+from sonar_kernels.train.report import (
+    TIMING_WARMUP,
+    heldout_statistics,
+    plot,
+    speedup,
+    step_time_summary,
+    summary_table,
+)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -130,6 +145,12 @@ def parse_args(argv):
                         "them)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
+    parser.add_argument("--timing-rounds", type=int, default=40, metavar="N",
+                        help="after training, time the arms side by side on the first seed's model: "
+                        f"{TIMING_WARMUP} + N rounds of one step of every arm (order rotated per round), the "
+                        "reported step times and their ratio then come from these N rounds (a machine that "
+                        "slows down for a while weighs on every arm alike); 0: the step times of the training "
+                        "runs. Single-process runs whose arms fit in memory together")  # fmt: skip
     parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
                         help="start even when the estimate of the training memory (parameters, gradients, AdamW "
                         "state, activations, from the model's shapes before it is built) exceeds the memory "
@@ -146,6 +167,8 @@ def parse_args(argv):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.timing_rounds < 0:
+        parser.error(f"--timing-rounds must be >= 0, got {args.timing_rounds}")
     steps = args.steps or PRESETS[args.preset].steps
     if args.warmup_steps is not None and args.warmup_steps > steps:
         parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
@@ -422,9 +445,15 @@ def _run(args) -> int:
             del arm
         if i == 0:
             memory = _memory_pass(args, initial, data, device)
+            timing, report["timing"] = _timing_pass(args, initial, data, device, ranks, estimate, available)
     for name in args.arms:
         report["arms"][name] = _aggregate(results[name])
         report["arms"][name].update(memory[name])
+        if timing is not None:  # the side-by-side rounds replace the training runs' times
+            arm = report["arms"][name]
+            arm["training_step_time"] = arm["step_time"]
+            arm["step_time"] = step_time_summary([timing[name]])
+            arm["step_time_s"] = arm["step_time"]["median_s"]
     if "sonar" in args.arms:
         report["sonar_expert_updates_in_backward"] = updates["backward"]
         report["sonar_expert_updates_in_step"] = updates["step"]
@@ -472,6 +501,33 @@ def _memory_pass(args, initial, data, device) -> dict:
     names = tqdm(args.arms, desc="memory pass (3 steps per arm)", unit="arm", file=sys.stderr,
                  disable=args.quiet, leave=False)  # fmt: skip
     return {name: measure_memory(name, initial, data, args, device) for name in names}
+
+
+def _timing_pass(args, initial, data, device, ranks, estimate, available) -> tuple[dict | None, str]:
+    """The arms' step times side by side (``arms.time_interleaved``) on the first seed's model, with a
+    note saying how the step times were measured; (None, the note) when the pass does not run: asked off,
+    several processes, or the arms' models and state not fitting in memory together."""
+    from tqdm import tqdm
+
+    training = "the training runs' steps (each arm's runs one after another)"
+    if args.timing_rounds <= 0:
+        return None, training
+    if ranks > 1:
+        return None, f"{training}: the side-by-side rounds run in single-process runs only"
+    need = len(args.arms) * estimate["host_bytes"], len(args.arms) * estimate["device_bytes"]
+    if need[0] > available["host"] or (device.type == "cuda" and need[1] > available["device"]):
+        return None, f"{training}: the {len(args.arms)} arms do not fit in memory together"
+    arms = [build_arm(name, initial, args, TIMING_WARMUP + args.timing_rounds) for name in args.arms]
+    progress = tqdm(total=1, desc=f"timing pass ({args.timing_rounds} rounds)", file=sys.stderr,
+                    disable=args.quiet, leave=False)  # fmt: skip
+    times = time_interleaved(arms, data, TIMING_WARMUP, args.timing_rounds, args, device)
+    progress.update()
+    progress.close()
+    note = (
+        f"{args.timing_rounds} rounds side by side after training (first seed's model; each round one step of "
+        f"every arm, the order rotated; {TIMING_WARMUP} warm-up rounds first)"
+    )
+    return times, note
 
 
 def _aggregate(runs: list[dict]) -> dict:

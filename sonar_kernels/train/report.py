@@ -151,6 +151,8 @@ def summary_table(report: dict) -> str:
             if ratio is not None
             else f"step time sonar / standard: {report['speedup_note']}"
         )
+    if "timing" in report:
+        lines.append(f"step times from {report['timing']}")
     if measured:
         lines.append("")
         lines.append("peak memory by category (MiB, first seed): " + ", ".join(LABELS))
