@@ -37,8 +37,10 @@ Output, under ``runs/<name>/`` (``<name>-2``, ... when that exists; created when
 (per arm and seed: ``heldout_losses``, ``train_losses``, step times; per arm: ``peak_memory_bytes``,
 ``peak_memory``, ``step_time``; top level: ``heldout``, ``sonar_equals_control_bitwise``, the counted
 expert updates), ``report.png`` (title with what ran and the verdicts; loss curves, the held-out loss
-per seed, memory bars) and the printed summary. Step times leave out each run's first 5 steps; no time
-ratio is given below 10 timed steps per arm. Peak memory is measured in a separate short pass per arm
+per seed, memory bars) and the printed summary. Step times come from a timing pass after training (the
+arms side by side on the first seed's model, one step of each per round, order rotated; ``--timing-rounds``,
+docs/sonar-train.md), else from the training runs, each run's first 5 steps left out; no time ratio is
+given below 10 timed steps per arm. Peak memory is measured in a separate short pass per arm
 (first seed, after two warm-up steps, so that the optimizer state exists), with torch's MemTracker, which
 splits it into parameters, gradients, optimizer state and activations and tells whether the peak falls
 in the forward, the backward or the optimizer step; on CUDA the allocator's peak is reported as well.
