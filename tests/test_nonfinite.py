@@ -184,7 +184,7 @@ def _filled(gradient, value: float):
     """The torch backend's gradient of an expert tensor, every entry of it replaced by ``value`` (whole or
     chunk by chunk, as the update asks for it)."""
 
-    class Filled(ops.torch_backend.ExpertGradient):
+    class Filled(ops.expert_gradient.ExpertGradient):
         def compute(self, first, last, out):
             return super().compute(first, last, out).fill_(value)
 

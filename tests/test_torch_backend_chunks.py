@@ -1,4 +1,4 @@
-"""The torch backend's in-backward update by chunks of experts (ops/torch_backend.py ``ExpertGradient``,
+"""The torch backend's in-backward update by chunks of experts (ops/expert_gradient.py ``ExpertGradient``,
 ops/adamw.py ``torch_adamw_chunked_``): bit for bit the update of the whole tensor whatever the chunks,
 bit for bit torch.optim.AdamW(fused=True) with dense-only clipping, the skip rule for the tensor as a
 whole, and at most one chunk of expert gradient alive (torch's MemTracker)."""
@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 import sonar_kernels
 from sonar_kernels import ops
-from sonar_kernels.ops import torch_backend
+from sonar_kernels.ops import expert_gradient, torch_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 
 # 12 experts; one expert's W1 gradient is 2 * 16 * 32 = 1024 elements, its W2's 512: multiples of the
@@ -23,7 +23,7 @@ W1_EXPERT_BYTES = 2 * I * H * 4
 # Chunk budgets by experts of W1 per chunk: one, a prime number, every expert at once (None: the whole
 # tensor, no chunks).
 CHUNKS = {"1-expert": W1_EXPERT_BYTES, "5-experts": 5 * W1_EXPERT_BYTES, "all": None}
-COMPUTE = torch_backend.ExpertGradient.compute
+COMPUTE = expert_gradient.ExpertGradient.compute
 
 
 def _batch(step, top_k=TOP_K):
@@ -56,7 +56,7 @@ def _train(layout, chunk_bytes, monkeypatch, steps=2, accumulation_steps=1):
         ranges.append((tuple(self.weight.shape), first, last))
         return COMPUTE(self, first, last, out)
 
-    monkeypatch.setattr(torch_backend.ExpertGradient, "compute", recording)
+    monkeypatch.setattr(expert_gradient.ExpertGradient, "compute", recording)
     params = _layer_weights(layout)
     optimizer = sonar_kernels.ExpertAdamW(params, **HYPER, accumulation_steps=accumulation_steps)
     flags = {"transposed": layout.endswith("_transposed"), "interleaved": layout.startswith("interleaved")}

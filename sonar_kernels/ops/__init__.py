@@ -5,7 +5,9 @@
 - ``forward``, ``backward``: the Triton launchers (routing metadata and forward; dHpre, wgrad with the
   fused AdamW epilogue, dX);
 - ``adamw``: torch's AdamW on one tensor, and the arithmetic the epilogue follows on each device;
-- ``torch_backend``: the expert MLP on torch's grouped GEMM;
+- ``torch_backend``: the expert MLP on torch's GEMMs, with ``grouped_gemm`` (torch's grouped GEMM or an mm
+  per expert), ``expert_gradient`` (the wgrad whole or by chunks of experts) and ``glu`` (the gated
+  activations and their derivatives);
 - ``library``: the custom ops over both backends.
 """
 

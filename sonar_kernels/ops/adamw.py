@@ -185,7 +185,7 @@ def torch_adamw_chunked_(
     torch backend's in-backward update (docs/design.md, "Which AdamW runs where").
 
     With ``fused`` (torch's fused AdamW) and a gradient that can be chunked
-    (:meth:`sonar_kernels.ops.torch_backend.ExpertGradient.chunks`), the gradient of each chunk of at
+    (:meth:`sonar_kernels.ops.expert_gradient.ExpertGradient.chunks`), the gradient of each chunk of at
     most ``chunk_bytes`` is computed into one reused buffer and that slice of the weight and its moments
     is updated before the next chunk: the expert gradient alive at once is one chunk. Every chunk sees the
     same ``step`` (incremented once for the tensor) and each element the same arithmetic as one call over
@@ -199,7 +199,7 @@ def torch_adamw_chunked_(
     first. The decision is read on the host (chunks run on the CPU only, where that costs nothing).
 
     Args:
-        gradient: an ``ExpertGradient`` of ``weight`` (ops/torch_backend.py).
+        gradient: an ``ExpertGradient`` of ``weight`` (ops/expert_gradient.py).
         grad_in: the gradient of earlier micro-batches (the weight's shape, ``grad_dtype``), or None; the
             update uses round(grad_in + round(gradient)) as autograd sums them in ``.grad``.
         grad_dtype: the gradient is rounded to it before the update (None: the weight's dtype).

@@ -21,6 +21,7 @@ from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
+from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.specs import RoutingMetadata
 
 # The tensors of an in-backward update, in the order the ops take them.
@@ -413,7 +414,7 @@ def expert_adamw_(
 def _torch_update_of(
     weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient
 ) -> None:
-    """The torch backend's update of one weight, given its ``torch_backend.ExpertGradient``: now, or
+    """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
     through ``defer`` (see :func:`run_moe_mlp_bwd`)."""
     if defer is None:
         _torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype)
@@ -427,7 +428,7 @@ def _torch_update_of(
 
 def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
     """The body of :func:`expert_adamw_` (``grad`` a tensor) and of the torch backend's in-backward update
-    (``grad`` a ``torch_backend.ExpertGradient``, applied by chunks of experts of at most
+    (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
     ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then
     ``done()`` when given. ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
     weight_decay) as it holds them (see :func:`run_moe_mlp_bwd`). ``grad_dtype``: the gradient is rounded
@@ -435,7 +436,7 @@ def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, gra
     ``grad_in`` (already in that dtype) is rounded once more."""
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
     hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
-    if isinstance(grad, torch_backend.ExpertGradient):
+    if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
