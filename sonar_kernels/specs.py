@@ -58,6 +58,10 @@ LAYOUTS = (
 INDEX_DTYPES = (torch.int32, torch.int64)
 # The routing metadata's expert axis is one register tile.
 MAX_EXPERTS = 1024
+# The expert tensors of a layer (the weights, a separate layout's up tensor, the biases), in the order the
+# ops take them; the backward computes each one's gradient in a job of its own
+# (``sonar_kernels.ops.library.expert_wgrad_``).
+EXPERT_TENSORS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias")
 # The order of the AdamW hyperparameters in the float64 tensor the update kernels read.
 HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
 

@@ -210,11 +210,12 @@ def test_kernel_timing_labels_each_launch_by_what_it_computes():
         return _labels(run, w1, w2)
 
     backward_middle = ["routing-weight grad", "dgrad dX", "combine dX"]
-    # Both fused; only W1 fused (W2's gradient plain); both on the split path. An updated weight's wgrad
-    # runs once its whole gradient is known, in the pre-hook of its AccumulateGrad node, after dX.
+    # Both fused; only W1 fused (W2's gradient plain); both on the split path. The layer's core (dHpre,
+    # the routing-weight gradient, dX) runs first, then each weight's wgrad job; an updated weight's wgrad
+    # runs once its whole gradient is known, in the pre-hook of its AccumulateGrad node.
     assert step(True, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "adamw scalars",
                                   "wgrad dW1 adamw", "wgrad dW2 check", "adamw scalars", "wgrad dW2 adamw"]  # fmt: skip
-    assert step(True, (0,)) == [*forward, "dgrad G", "wgrad dW2 store", *backward_middle, "wgrad dW1 check",
+    assert step(True, (0,)) == [*forward, "dgrad G", *backward_middle, "wgrad dW2 store", "wgrad dW1 check",
                                 "adamw scalars", "wgrad dW1 adamw"]  # fmt: skip
     assert step(False, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 store", "adamw scalars",
                                    "adamw dW1", "wgrad dW2 store", "adamw scalars", "adamw dW2"]  # fmt: skip

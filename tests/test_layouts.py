@@ -279,14 +279,15 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend, monkeypatc
     # A bias is an expert tensor too: updated inside the backward op (the Triton wgrad's epilogue), never
     # given a gradient that an optimizer hook would apply afterwards.
     returned = []
-    run_moe_mlp_bwd = library.run_moe_mlp_bwd
+    run_expert_wgrad = library.run_expert_wgrad
 
-    def recording(*args, **kwargs):
-        grads = run_moe_mlp_bwd(*args, **kwargs)
-        returned.append([g.numel() for g in grads[4:6]])
-        return grads
+    def recording(name, *args, **kwargs):
+        grad = run_expert_wgrad(name, *args, **kwargs)
+        if name.endswith("_bias"):
+            returned.append((name, args[6], grad))  # the tensor's mode, what its job returned
+        return grad
 
-    monkeypatch.setattr(library, "run_moe_mlp_bwd", recording)
+    monkeypatch.setattr(library, "run_expert_wgrad", recording)
     hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     layout = "interleaved_transposed"
     x, index, weights, w1, w2 = _inputs(torch.float32)
@@ -316,7 +317,10 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend, monkeypatc
         ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"), params, exact, strict=True
     ):
         assert_close(p, ref, torch.float32, what=name)
-    assert returned == [[0, 0], [0, 0]]  # the backward op returned no bias gradient
+    # Each bias's job updated it and returned no gradient, in each of the two backwards.
+    assert sorted(returned) == [
+        (name, "update", None) for name in ("down_proj_bias", "gate_up_proj_bias") for _ in range(2)
+    ]
 
 
 @pytest.mark.parametrize("transposed", [False, True])

@@ -30,51 +30,63 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
     return state, torch.tensor([lr, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=w.device)
 
 
-def _forward_args(x, index, weights, w1, w2, backend):
-    """The forward op's arguments without updates: no states, hyperparameters or gradient dtypes; the
-    fused epilogue, torch AdamW's flags unset, SwiGLU, the concatenated layout, no biases, no separate up
-    tensor, no bias updates."""
-    return (x, index, weights, w1, w2, [], [], None, None, None, None, True, None, None, "silu", backend,
-            "concatenated", None, None, None, [], None, None, [], [], None, None, None, None)  # fmt: skip
+def _forward_args(x, index, weights, w1, w2, backend, layout="concatenated", up=None, b1=None, b2=None):
+    """The forward op's arguments without updates (no states, hyperparameters or gradient dtypes; the
+    fused epilogue, torch AdamW's flags unset) and SwiGLU."""
+    return (x, index, weights, w1, w2, up, b1, b2, "silu", backend, layout, [], [0] * 5, [None] * 5, [-1] * 5,
+            True, None, None)  # fmt: skip
 
 
-# A weight's arguments of the backward op in mode "grad": mode, state, hyperparameters, buffer, buffer_add,
-# gradient dtype.
-PLAIN = ("grad", [], None, None, False, None)
+def _core_args(
+    grad_out, x, weights, w1, w2, hpre, meta, backend, needs, layout="concatenated", up=None, b2=None
+):
+    """The arguments of the backward's core op (library.CORE_NEEDS order for ``needs``)."""
+    return (grad_out, x, weights, w1, w2, up, b2, hpre, list(meta), list(needs), "silu", backend, layout)
+
+
+def _opcheck(op, args):
+    torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+
+
+def test_no_op_takes_more_than_twenty_arguments():
+    ops = [v for v in vars(library).values() if isinstance(v, torch._library.custom_ops.CustomOpDef)]
+    assert {op._name for op in ops} >= {"moe_mlp_fwd", "moe_mlp_bwd", "expert_wgrad", "expert_wgrad_"}
+    for op in ops:
+        assert len(op._opoverload._schema.arguments) <= 20, op._name
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_forward_op_passes_opcheck_and_matches_the_reference(backend, device):
     x, index, weights, w1, w2 = _inputs(device=device)
     args = _forward_args(x, index, weights, w1, w2, backend)
-    torch.library.opcheck(library.moe_mlp_fwd, args, test_utils=("test_schema", "test_faketensor"))
+    _opcheck(library.moe_mlp_fwd, args)
     out = library.moe_mlp_fwd(*args)[0]
     expected = reference.moe_mlp(*to_double(x, index, weights, w1, w2))
     assert rel_err(out, expected) <= 1e-5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", ["moe_mlp_bwd", "moe_mlp_bwd_grads"])
-def test_backward_op_passes_opcheck_and_matches_the_reference(backend, op, device):
+def test_backward_ops_pass_opcheck_and_match_the_reference(backend, device):
+    # The core op, then the gradient op of each weight: nothing is mutated (a weight saved by another node
+    # stays usable).
     x, index, weights, w1, w2 = _inputs(device=device)
     out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
     grad_out = torch.randn_like(out)
-    args = (grad_out, x, weights, w1, w2, hpre, *meta, [True, True, True, True])
-    if op == "moe_mlp_bwd":
-        args += (*PLAIN, *PLAIN, True, None, None)
-    args += ("silu", backend, "concatenated", None, None, None)
-    if op == "moe_mlp_bwd":
-        args += PLAIN * 3  # the up tensor, the biases
-    torch.library.opcheck(getattr(library, op), args, test_utils=("test_schema", "test_faketensor"))
-    versions = (w1._version, w2._version)
-    grads = getattr(library, op)(*args)
-    if op == "moe_mlp_bwd_grads":  # it mutates nothing: a weight saved by another node stays usable
-        assert (w1._version, w2._version) == versions
+    core = _core_args(grad_out, x, weights, w1, w2, hpre, meta, backend, [True, True, True, True, False])
+    _opcheck(library.moe_mlp_bwd, core)
+    versions = (w1._version, w2._version, hpre._version)
+    grad_x, grad_w, grad_hpre, a, magnitudes = library.moe_mlp_bwd(*core)
+    assert magnitudes.numel() == 0
+    wgrads = []
+    for name, weight, p, q in (("gate_up_proj", w1, grad_hpre, x), ("down_proj", w2, grad_out, a)):
+        args = (name, weight, p, q, weights, list(meta), backend, "concatenated")
+        _opcheck(library.expert_wgrad, args)
+        wgrads.append(library.expert_wgrad(*args))
+    assert (w1._version, w2._version, hpre._version) == versions
     leaves = [t.requires_grad_() for t in to_double(x, weights, w1, w2)]
     reference.moe_mlp(leaves[0], index, *leaves[1:]).backward(*to_double(grad_out))
-    for got, leaf in zip(grads[:4], leaves, strict=True):
+    for got, leaf in zip((grad_x, grad_w, *wgrads), leaves, strict=True):
         assert rel_err(got, leaf.grad) <= 1e-5
-    assert grads[4].numel() == grads[5].numel() == grads[6].numel() == 0  # no biases, no up tensor
 
 
 def test_update_op_passes_opcheck_and_equals_torch_adamw():
@@ -112,69 +124,86 @@ def test_a_new_learning_rate_in_the_hyperparameter_tensor_reaches_the_update():
 @pytest.mark.parametrize(
     ("backend", "mode"), [("triton", "update"), ("triton", "accumulate"), ("torch", "update")]
 )
-def test_backward_op_with_an_in_backward_update_passes_opcheck(backend, mode, device):
+def test_wgrad_op_with_an_in_backward_update_passes_opcheck(backend, mode, device):
     # The update (or the addition to a buffer) happens inside the op: the schema must declare every
-    # tensor it writes, and the fake must return an empty weight gradient.
+    # tensor it writes.
     x, index, weights, w1, w2 = _inputs(device=device)
     out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
+    core = _core_args(
+        torch.randn_like(out), x, weights, w1, w2, hpre, meta, backend, [False, False, False, True, True]
+    )
+    _, _, _, a, magnitudes = library.moe_mlp_bwd(*core)
     state, hyper = _state(w2)
     buffer = torch.zeros_like(w2) if mode == "accumulate" else None
     args = (
-        torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True],
-        "grad", [], None, None, False, None, mode, state if mode == "update" else [], hyper, buffer, False,
-        torch.float32, True, False, False, "silu", backend, "concatenated", None, None, None, *PLAIN * 3,
+        "down_proj", w2, core[0], a, weights, list(meta), magnitudes if backend == "triton" else None, mode,
+        state if mode == "update" else [], hyper, buffer, False, torch.float32, True, False, False, backend,
+        "concatenated",
     )  # fmt: skip
-    torch.library.opcheck(library.moe_mlp_bwd, args, test_utils=("test_schema", "test_faketensor"))
-    if mode == "update":  # the update really ran: the weight moved, the step advanced, no gradient
+    _opcheck(library.expert_wgrad_, args)
+    if mode == "update":  # the update really ran: the weight moved, the step advanced
         before = w2.clone()
-        grads = library.moe_mlp_bwd(*args)
-        assert grads[3].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(w2, before)
+        library.expert_wgrad_(*args)
+        assert float(state[2]) == 1.0 and not torch.equal(w2, before)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_with_a_separate_up_tensor_pass_opcheck_and_update_it(backend, device):
-    # torchtitan's w1, w2, w3: the up tensor is an input of its own, declared mutated with its state.
+    # torchtitan's w1, w2, w3: the up tensor is an input of its own, updated by its own op.
     x, index, weights, w1, w2 = _inputs(device=device)
     I = w2.shape[2]
     gate, up = w1[:, :I].clone(), w1[:, I:].clone()
-    args = list(_forward_args(x, index, weights, gate, w2, backend))
-    args[16], args[19] = "separate", up
-    torch.library.opcheck(library.moe_mlp_fwd, tuple(args), test_utils=("test_schema", "test_faketensor"))
+    args = _forward_args(x, index, weights, gate, w2, backend, layout="separate", up=up)
+    _opcheck(library.moe_mlp_fwd, args)
     out, hpre, *meta = library.moe_mlp_fwd(*args)
     assert rel_err(out, reference.moe_mlp(*to_double(x, index, weights, w1, w2))) <= 1e-5
-    state, hyper = _state(up)
-    bwd = (
-        torch.randn_like(out), x, weights, gate, w2, hpre, *meta, [True, True, True, True, False, False, True],
-        *PLAIN, *PLAIN, True, False, False, "silu", backend, "separate", None, None,
-        up, "update", state, hyper, None, False, torch.float32, *PLAIN * 2,
+    core = _core_args(
+        torch.randn_like(out), x, weights, gate, w2, hpre, meta, backend, [True, True, True, False, True],
+        layout="separate", up=up,
     )  # fmt: skip
-    torch.library.opcheck(library.moe_mlp_bwd, bwd, test_utils=("test_schema", "test_faketensor"))
+    _opcheck(library.moe_mlp_bwd, core)
+    _, _, grad_hpre, _, magnitudes = library.moe_mlp_bwd(*core)
+    state, hyper = _state(up)
+    update = (
+        "up_proj", up, grad_hpre[:, I:], x, weights, list(meta), magnitudes if backend == "triton" else None,
+        "update", state, hyper, None, False, torch.float32, True, False, False, backend, "separate",
+    )  # fmt: skip
+    _opcheck(library.expert_wgrad_, update)
     before = up.clone()
-    grads = library.moe_mlp_bwd(*bwd)
-    assert grads[6].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(up, before)
-    assert grads[2].shape == gate.shape  # the gate's ordinary gradient
+    library.expert_wgrad_(*update)
+    assert float(state[2]) == 1.0 and not torch.equal(up, before)
+    grad_gate = library.expert_wgrad(
+        "gate_up_proj", gate, grad_hpre[:, :I], x, weights, list(meta), backend, "separate"
+    )
+    assert grad_gate.shape == gate.shape  # the gate's ordinary gradient
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_backward_op_updates_a_bias_in_place(backend, device):
-    # The biases are expert tensors with updates of their own: declared mutated with their state.
+def test_wgrad_op_updates_a_bias_in_place(backend, device):
+    # The biases are expert tensors with updates of their own: their op declares them mutated with their state.
     x, index, weights, w1, w2 = _inputs(device=device)
     b1 = torch.randn(w1.shape[0], w1.shape[1], device=device) * 0.1
     b2 = torch.randn(w2.shape[0], w2.shape[1], device=device) * 0.1
-    args = list(_forward_args(x, index, weights, w1, w2, backend))
-    args[17], args[18] = b1, b2
-    out, hpre, *meta = library.moe_mlp_fwd(*args)
+    out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend, b1=b1, b2=b2))
+    grad_out = torch.randn_like(out)
+    core = _core_args(
+        grad_out, x, weights, w1, w2, hpre, meta, backend, [False, True, True, False, True], b2=b2
+    )
+    _opcheck(library.moe_mlp_bwd, core)
+    _, _, grad_hpre, _, magnitudes = library.moe_mlp_bwd(*core)
     state, hyper = _state(b2)
-    bwd = (
-        torch.randn_like(out), x, weights, w1, w2, hpre, *meta, [True, True, True, True, True, True, False],
-        *PLAIN, *PLAIN, True, False, False, "silu", backend, "concatenated", b1, b2, None, *PLAIN,
-        *PLAIN, "update", state, hyper, None, False, torch.float32,
+    update = (
+        "down_proj_bias", b2, grad_out, None, weights, list(meta), magnitudes if backend == "triton" else None,
+        "update", state, hyper, None, False, torch.float32, True, False, False, backend, "concatenated",
     )  # fmt: skip
-    torch.library.opcheck(library.moe_mlp_bwd, bwd, test_utils=("test_schema", "test_faketensor"))
+    _opcheck(library.expert_wgrad_, update)
     before = b2.clone()
-    grads = library.moe_mlp_bwd(*bwd)
-    assert grads[5].numel() == 0 and float(state[2]) == 1.0 and not torch.equal(b2, before)
-    assert grads[4].shape == b1.shape  # the other bias's ordinary gradient
+    library.expert_wgrad_(*update)
+    assert float(state[2]) == 1.0 and not torch.equal(b2, before)
+    grad_b1 = library.expert_wgrad(
+        "gate_up_proj_bias", b1, grad_hpre, None, weights, list(meta), backend, "concatenated"
+    )
+    assert grad_b1.shape == b1.shape  # the other bias's ordinary gradient
 
 
 def test_check_op_passes_opcheck_and_raises_unless_the_backward_accumulates_the_weights_gradient():

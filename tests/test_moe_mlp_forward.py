@@ -143,9 +143,9 @@ class _RecordOps(TorchDispatchMode):
         return out
 
 
-# The forward op's body: (hidden_states, index, weights, W1, W2, ..., activation, backend, layout, biases,
-# up_proj).
-BODIES = {"moe_mlp_fwd": lambda *a: library.run_moe_mlp_fwd(*a[:5], *a[14:20])}
+# The forward op's body, from the op's inputs (hidden_states, index, weights, W1, W2, up_proj, biases,
+# activation, backend, layout, ...).
+BODIES = {"moe_mlp_fwd": library.moe_mlp_fwd_body}
 MATMULS = {"mm", "bmm", "addmm", "baddbmm", "matmul", "linear", "_grouped_mm", "grouped_mm"}
 HOST_SYNCS = {"_local_scalar_dense", "nonzero", "item", "cross_device_copy"}
 

@@ -215,17 +215,15 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
     x, y = _sonar_batch(1)
     if where == "experts":
         # A NaN gradient of down_proj only (the torch backend's wgrad): the other updates still run.
-        original = ops.torch_backend.moe_mlp_bwd
+        original = ops.torch_backend.expert_gradient
 
-        def nan_down_proj_grad(*args, down_proj_update, **kwargs):
+        def nan_down_proj_grad(name, *args, **kwargs):
             # The update computes a NaN gradient in place of the wgrad's.
-            def update(gradient):
-                down_proj_update(_filled(gradient, NAN))
-
-            return original(*args, down_proj_update=update, **kwargs)
+            gradient = original(name, *args, **kwargs)
+            return _filled(gradient, NAN) if name == "down_proj" else gradient
 
         with monkeypatch.context() as patch:
-            patch.setattr(ops.torch_backend, "moe_mlp_bwd", nan_down_proj_grad)
+            patch.setattr(ops.torch_backend, "expert_gradient", nan_down_proj_grad)
             torch.nn.functional.mse_loss(model(x), y).backward()
     else:
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -280,16 +278,14 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
         model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    original = ops.torch_backend.moe_mlp_bwd
+    original = ops.torch_backend.expert_gradient
 
-    def inf_gate_up_proj_grad(*args, gate_up_proj_update, **kwargs):
+    def inf_gate_up_proj_grad(name, *args, **kwargs):
         # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
-        def update(gradient):
-            gate_up_proj_update(_filled(gradient, float("inf")))
+        gradient = original(name, *args, **kwargs)
+        return _filled(gradient, float("inf")) if name == "gate_up_proj" else gradient
 
-        return original(*args, gate_up_proj_update=update, **kwargs)
-
-    monkeypatch.setattr(ops.torch_backend, "moe_mlp_bwd", inf_gate_up_proj_grad)
+    monkeypatch.setattr(ops.torch_backend, "expert_gradient", inf_gate_up_proj_grad)
     x, y = _sonar_batch(0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     monkeypatch.undo()
@@ -348,20 +344,31 @@ def test_non_finite_micro_batch_in_a_float32_buffer_skips_the_update(device):
     assert not optimizer._buffers
 
 
-def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(device, monkeypatch):
+@pytest.mark.parametrize("where", ["dX", "dW1"])
+def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(where, device, monkeypatch):
     w1, w2 = _weights(torch.bfloat16, device)
     optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, grad_dtype=torch.float32, accumulation_steps=2)
+    if where == "dX":  # the layer's core, before any wgrad
 
-    def failing_dx(*args):
-        raise RuntimeError("dX failed")
+        def failing(*args):
+            raise RuntimeError("dX failed")
 
-    monkeypatch.setattr(ops.backward, "_dx", failing_dx)  # after dW2's launch, before dW1's
+        monkeypatch.setattr(ops.backward, "_dx", failing)
+    else:  # after dW2's launch, before dW1's
+        original = ops.backward.expert_wgrad
+
+        def failing(name, *args, **kwargs):
+            if name == "gate_up_proj":
+                raise RuntimeError("dW1 failed")
+            return original(name, *args, **kwargs)
+
+        monkeypatch.setattr(ops.backward, "expert_wgrad", failing)
     x, index, weights, grad_out = _batch(0, torch.bfloat16, device)
     x.requires_grad_()  # so that dX is computed
-    with pytest.raises(RuntimeError, match="dX failed"):
+    with pytest.raises(RuntimeError, match=f"{where} failed"):
         sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
-    assert w1 not in optimizer._buffers and w2 in optimizer._buffers
+    assert w1 not in optimizer._buffers and (w2 in optimizer._buffers) == (where == "dW1")
     before = w1.detach().clone()
-    optimizer.step()  # applies W2's window cut short; W1 has nothing to apply
+    optimizer.step()  # applies W2's window cut short, if it was written; W1 has nothing to apply
     assert torch.equal(w1.detach(), before) and float(optimizer.state[w1]["step"]) == 0.0
-    assert float(optimizer.state[w2]["step"]) == 1.0
+    assert float(optimizer.state[w2]["step"]) == (1.0 if where == "dW1" else 0.0)

@@ -2,7 +2,9 @@
 point :func:`moe_mlp`.
 
 The forward is the op ``sonar_kernels::moe_mlp_fwd``; its registered backward calls
-``sonar_kernels::moe_mlp_bwd`` and, on the torch backend, ``sonar_kernels::expert_adamw_``. In plain eager
+``sonar_kernels::moe_mlp_bwd`` (what the layer computes once) and, per expert tensor,
+``sonar_kernels::expert_wgrad`` (its gradient) or ``sonar_kernels::expert_wgrad_`` (its in-backward
+update, or its gradient added to a buffer). In plain eager
 mode (:func:`_plain_eager`) the same body and formula run as the autograd.Function :class:`_EagerMoeMlp`,
 without the ops' dispatch. A weight
 whose tensor carries an in-backward update (:func:`sonar_kernels.specs.update_of`, attached by the
@@ -26,18 +28,16 @@ from sonar_kernels.ops import library
 from sonar_kernels.ops.validation import check_biases, check_layout, check_moe_mlp_args
 from sonar_kernels.specs import SUPPORTED_DTYPES
 
-# The forward op's inputs per expert tensor (the weights, a separate layout's up tensor, the biases), in the
-# order the backward op returns their gradients in: (name, the tensor's position, its update's state,
-# hyperparameters and gradient dtype).
-_EXPERT_INPUTS = (
-    ("gate_up_proj", 3, 5, 7, 9),
-    ("down_proj", 4, 6, 8, 10),
-    ("up_proj", 19, 20, 21, 22),
-    ("gate_up_proj_bias", 17, 23, 25, 27),
-    ("down_proj_bias", 18, 24, 26, 28),
-)
-_WEIGHTS = tuple((index, name) for name, index, *_ in _EXPERT_INPUTS)
-_NUM_INPUTS = 29
+# The forward op's inputs (library.moe_mlp_fwd): the expert tensors (specs.EXPERT_TENSORS order) are
+# inputs 3 to 7; then the options and, per expert tensor, its update's state, hyperparameters and gradient
+# dtype.
+_FIRST_EXPERT = 3
+_WEIGHTS = tuple((_FIRST_EXPERT + i, name) for i, name in enumerate(specs.EXPERT_TENSORS))
+_STATES, _STATE_SIZES, _HYPERS, _GRAD_DTYPES = 11, 12, 13, 14
+_NUM_INPUTS = 18
+# The order of the expert tensors' gradient jobs in the backward: the down projection's first (its
+# operand A is released then), the gate/up projection's last.
+_JOB_ORDER = ("down_proj_bias", "down_proj", "gate_up_proj_bias", "gate_up_proj", "up_proj")
 
 
 def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
@@ -61,26 +61,23 @@ def _update_for(weight: torch.Tensor) -> specs.ExpertUpdate | None:
 
 def _setup_context(ctx, inputs, output) -> None:
     hidden_states, top_k_weights = inputs[0], inputs[2]
-    tensors = [inputs[index] for _, index, *_ in _EXPERT_INPUTS]
-    states = [inputs[state] for _, _, state, _, _ in _EXPERT_INPUTS]
-    hypers = [inputs[hyper] for *_, hyper, _ in _EXPERT_INPUTS]
-    fused_epilogue, foreach, torch_fused, activation, backend, layout = inputs[11:17]
+    tensors = list(inputs[_FIRST_EXPERT : _FIRST_EXPERT + len(_WEIGHTS)])
+    flat, sizes, hypers = inputs[_STATES], inputs[_STATE_SIZES], inputs[_HYPERS]
+    states = _split(flat, sizes)
+    ctx.activation, ctx.backend, ctx.layout = inputs[8:11]
     _, hpre, *meta = output
     # Only the layer's output carries a gradient: hpre and the routing metadata are saved, never used
     # downstream, so autograd would otherwise fill a zero gradient of each ([S, 2I] for hpre) for the
     # backward to ignore.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(
-        hidden_states, top_k_weights, *tensors, hpre, *meta, *hypers, *(t for state in states for t in state)
-    )
-    ctx.state_sizes = tuple(len(state) for state in states)
-    ctx.grad_dtypes = tuple(inputs[grad_dtype] for *_, grad_dtype in _EXPERT_INPUTS)
-    ctx.options = (fused_epilogue, foreach, torch_fused)
-    ctx.activation, ctx.backend, ctx.layout = activation, backend, layout
+    ctx.save_for_backward(hidden_states, top_k_weights, *tensors, hpre, *meta, *hypers, *flat)
+    ctx.state_sizes = tuple(sizes)
+    ctx.grad_dtypes = tuple(library.grad_dtype_of(code) for code in inputs[_GRAD_DTYPES])
+    ctx.options = tuple(inputs[_GRAD_DTYPES + 1 :])  # fused_epilogue, foreach, torch_fused
     # The owners' bookkeeping, in eager mode (under torch.compile the inputs are functional tensors,
     # without attributes): read from the tensors passed in now (saved tensors may come back as other
     # objects, e.g. under activation checkpointing).
-    ctx.owners = ctx.watched = (None,) * len(_EXPERT_INPUTS)
+    ctx.owners = ctx.watched = (None,) * len(_WEIGHTS)
     if not torch.compiler.is_compiling():
         ctx.owners = tuple(
             specs.update_of(t) if state else None for t, state in zip(tensors, states, strict=True)
@@ -94,6 +91,15 @@ def _setup_context(ctx, inputs, output) -> None:
         for owner in ctx.owners:
             if owner is not None:
                 owner.track(ctx)
+
+
+def _split(flat, sizes) -> list:
+    """``flat`` cut into consecutive pieces of ``sizes`` (the forward's per-tensor update states)."""
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(list(flat[start : start + size]))
+        start += size
+    return pieces
 
 
 class _Watched:
@@ -166,44 +172,42 @@ def _backward(ctx, grad_out, *unused):
             captured[i] = request == "capture"
             if request != "accumulate":
                 owner.untrack(ctx)
-    count = len(_EXPERT_INPUTS)
+    count = len(_WEIGHTS)
     hidden_states, top_k_weights, *rest = ctx.saved_tensors
     if grad_out is None:  # no gradient reached the output (grads are not materialized: _setup_context)
         grad_out = torch.zeros_like(hidden_states)
     weights, (hpre, *meta) = list(rest[:count]), rest[count : count + 6]
-    hypers, rest = list(rest[count + 6 : 2 * count + 6]), rest[2 * count + 6 :]
-    states, start = [], 0
-    for size in ctx.state_sizes:
-        states.append(rest[start : start + size])
-        start += size
+    hypers, states = list(rest[count + 6 : 2 * count + 6]), _split(rest[2 * count + 6 :], ctx.state_sizes)
     # Eager mode with owners: the update writes the parameter and its owner's state and reads the owner's
     # hyperparameters (rewritten by begin_backward below), never what saved-tensor hooks gave back
     # (torch.autograd.graph.save_on_cpu returns copies on CUDA).
     for i, (watched, owner) in enumerate(zip(ctx.watched, ctx.owners, strict=True)):
         if owner is not None and watched.weight() is not None:
             weights[i], states[i], hypers[i] = watched.weight(), owner.state(), owner.hyper
-    gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias = weights
     fused_epilogue, foreach, torch_fused = ctx.options
-    triton = ctx.backend == "triton"
-    # Per weight: what the backward does with its gradient, and the buffer it reads or adds to.
+    backend, layout = ctx.backend, ctx.layout
+    triton = backend == "triton"
+    # Per expert tensor: whether its gradient is computed, what the backward does with it, and the buffer
+    # it reads or adds to.
     # Eager mode with owners: a leaf weight's update waits for its whole gradient. It runs in the pre-hook
     # of the weight's AccumulateGrad node, which the engine runs once every other producer of that
     # gradient (a penalty on the weights, another use of the tensor) has delivered its part, with those
     # parts added to the update's grad_in; nothing reaches .grad. A gradient added to a buffer (mode
     # "accumulate") gets those parts added to the buffer in the same pre-hook.
-    plans, defer = [], [None] * len(_WEIGHTS)
-    for i, ((index, _), state, hyper, owner, grad_dtype) in enumerate(
+    wanted = [needs[index] and weights[i] is not None for i, (index, _) in enumerate(_WEIGHTS)]
+    plans, defer = [], [None] * count
+    for i, ((_, name), state, hyper, owner, grad_dtype) in enumerate(
         zip(_WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True)
     ):
         mode, buffer, add = "grad", None, False
-        if state and needs[index] and not captured[i]:
+        if state and wanted[i] and not captured[i]:
             if owner is None:  # compiled: the update, nothing accumulated
                 mode = "update"
                 # Raises, before any update of this backward, when the backward does not ask for the
                 # weight's gradient (torch.autograd.grad of other inputs).
-                library.check_update_requested(weights[i], state[2], _WEIGHTS[i][1])
+                library.check_update_requested(weights[i], state[2], name)
                 if weights[i].requires_grad:  # tracing: refuse other producers at compile time
-                    weights[i].register_hook(functools.partial(_refuse_other_producers, _WEIGHTS[i][1]))
+                    weights[i].register_hook(functools.partial(_refuse_other_producers, name))
             else:
                 # Raises before anything is written (a second update before step(), another live graph).
                 owner.begin_backward(ctx)
@@ -217,20 +221,58 @@ def _backward(ctx, grad_out, *unused):
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
-    (mode1, *plan1), (mode2, *plan2), (mode3, *plan3), (mode4, *plan4), (mode5, *plan5) = plans
-    # The backward op's gradients: x, routing weights, W1, W2, the biases, the up tensor.
-    grad_needs = [needs[0], needs[2], *(needs[_WEIGHTS[i][0]] for i in (0, 1, 3, 4, 2))]
-    args = (
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-        grad_needs,
-        mode1, *plan1,
-        mode2, *plan2,
-        fused_epilogue, foreach, torch_fused, ctx.activation, ctx.backend, ctx.layout, gate_up_proj_bias,
-        down_proj_bias, up_proj, mode3, *plan3, mode4, *plan4, mode5, *plan5,
+    # Every plan is checked before the first job runs (a refused update changes nothing).
+    for i, (mode, state, hyper, buffer, add, grad_dtype) in enumerate(plans):
+        if wanted[i] and mode != "grad":
+            library.check_expert_wgrad(
+                _WEIGHTS[i][1],
+                weights[i],
+                mode,
+                state,
+                hyper,
+                buffer,
+                add,
+                grad_dtype,
+                fused_epilogue,
+                backend,
+            )
+    owned = any(owner is not None for owner in ctx.owners)
+    # Eager mode: the jobs' bodies without the ops' dispatch (with owners, the updates report to them as
+    # they are applied and may be deferred: closures the ops cannot take); under torch.compile, a
+    # dispatch mode or a tensor subclass, the ops.
+    direct = owned or (getattr(ctx, "eager", False) and not torch.compiler.is_compiling())
+    updates = [wanted[i] and mode == "update" for i, (mode, *_) in enumerate(plans)]
+    down_proj, up_proj = weights[1], weights[2]
+    core_needs = [
+        needs[0], needs[2], wanted[0] or wanted[2] or wanted[3], wanted[1], triton and any(updates),
+    ]  # fmt: skip
+    core = (
+        grad_out, hidden_states, top_k_weights, weights[0], down_proj, up_proj, weights[4], hpre, meta, core_needs,
+        ctx.activation, backend, layout,
     )  # fmt: skip
-    if any(owner is not None for owner in ctx.owners):
-        # Eager mode with owners: the backward reports each weight's update (or accumulation) as soon as
-        # it is applied, so that a failure further on cannot leave it unrecorded.
+    if direct:
+        # hpre is read by no one after this backward unless the graph is kept (retain_graph=True): the torch
+        # backend then writes dHpre over it.
+        writable = not torch._C._autograd._get_current_graph_task_keep_graph()
+        grad_x, grad_w, grad_hpre, a, magnitudes = library.run_moe_mlp_bwd(*core, hpre_writable=writable)
+    else:
+        outputs = library.moe_mlp_bwd(*core)
+        grad_x, grad_w, grad_hpre, a, magnitudes = (
+            t if need else None for t, need in zip(outputs, core_needs, strict=True)
+        )
+    del core
+    I = specs.down_view(down_proj, layout).shape[2]
+    gate, up = (
+        (grad_hpre, None) if up_proj is None or grad_hpre is None else (grad_hpre[:, :I], grad_hpre[:, I:])
+    )
+    operands = {
+        "gate_up_proj": (gate, hidden_states), "down_proj": (grad_out, a), "up_proj": (up, hidden_states),
+        "gate_up_proj_bias": (grad_hpre, None), "down_proj_bias": (grad_out, None),
+    }  # fmt: skip
+    del a, grad_hpre, gate, up
+    if owned:
+        # The backward reports each weight's update (or accumulation) as soon as it is applied, so that a
+        # failure further on cannot leave it unrecorded.
         done = tuple(
             functools.partial(owner.finish, mode == "update") if owner is not None and mode != "grad" else None
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
@@ -241,45 +283,45 @@ def _backward(ctx, grad_out, *unused):
             owner.hyperparameters() if owner is not None and mode == "update" and not triton else None
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
-        # hpre is read by no one after this backward unless the graph is kept (retain_graph=True): the torch
-        # backend then writes dHpre over it.
-        writable = not torch._C._autograd._get_current_graph_task_keep_graph()
-        grads = library.run_moe_mlp_bwd(
-            *args, on_done=done, defer=tuple(defer), values=values, hpre_writable=writable
-        )
-        for accumulator, outer, owner, (mode, *_) in zip(
-            accumulators, outer_tasks, ctx.owners, plans, strict=True
-        ):
-            if mode == "accumulate" and accumulator is not None:
-                _on_accumulator(accumulator, owner.add_to_buffer, outer)
-    elif all(mode == "grad" for mode, *_ in plans):
-        # Nothing updated: the op that mutates nothing (the weights' versions stay as they are); after a
-        # plain eager forward (_EagerMoeMlp), its body, without the op's dispatch.
-        plain = (
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, *meta,
-            grad_needs, ctx.activation, ctx.backend, ctx.layout, gate_up_proj_bias, down_proj_bias, up_proj,
-        )  # fmt: skip
-        if getattr(ctx, "eager", False) and not torch.compiler.is_compiling():
-            writable = not torch._C._autograd._get_current_graph_task_keep_graph()
-            grads = library.run_moe_mlp_bwd_grads(*plain, hpre_writable=writable)
-        else:
-            grads = library.moe_mlp_bwd_grads(*plain)
     else:
-        grads = library.moe_mlp_bwd(*args)
-    # An expert tensor updated in this backward (or whose gradient went to a buffer) gets no gradient.
-    grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3 = (
-        g if need and mode in (None, "grad") else None
-        for g, need, mode in zip(
-            grads, grad_needs, (None, None, mode1, mode2, mode4, mode5, mode3), strict=True
-        )
-    )
-    # One entry per input of the forward op; a list input (an update's state) gets a list of Nones.
+        done = values = (None,) * count
+    grads = [None] * count
+    for name in _JOB_ORDER:
+        i = specs.EXPERT_TENSORS.index(name)
+        p, q = operands.pop(name)
+        if not wanted[i]:
+            continue
+        mode, state, hyper, buffer, add, grad_dtype = plans[i]
+        job = (name, weights[i], p, q, top_k_weights, meta)
+        del p, q
+        if mode == "grad":
+            if direct:
+                grads[i] = library.run_expert_wgrad(
+                    *job, None, "grad", [], None, None, False, None, True, None, None, backend, layout
+                )
+            else:
+                grads[i] = library.expert_wgrad(*job, backend, layout)
+            continue
+        plan = (magnitudes, mode, state, hyper, buffer, add, grad_dtype, fused_epilogue, foreach, torch_fused)
+        if direct:
+            library.run_expert_wgrad(
+                *job, *plan, backend, layout, on_done=done[i], defer=defer[i], value=values[i]
+            )
+        else:
+            library.expert_wgrad_(*job, *plan, backend, layout)
+        del job
+    for accumulator, outer, owner, (mode, *_) in zip(
+        accumulators, outer_tasks, ctx.owners, plans, strict=True
+    ):
+        if mode == "accumulate" and accumulator is not None:
+            _on_accumulator(accumulator, owner.add_to_buffer, outer)
+    # One entry per input of the forward op; a list input gets a list of Nones.
     result = [None] * _NUM_INPUTS
     result[0], result[2] = grad_x, grad_w
-    for (_, index, state, *_), grad, size in zip(
-        _EXPERT_INPUTS, (grad_w1, grad_w2, grad_w3, grad_b1, grad_b2), ctx.state_sizes, strict=True
-    ):
-        result[index], result[state] = grad, [None] * size
+    for (index, _), grad in zip(_WEIGHTS, grads, strict=True):
+        result[index] = grad
+    result[_STATES] = [None] * sum(ctx.state_sizes)
+    result[_HYPERS] = None  # a list of optional tensors is one leaf of the inputs' structure
     return tuple(result)
 
 
@@ -342,7 +384,7 @@ def _plain_eager(inputs) -> bool:
     dispatch mode active (FakeTensorMode, MemTracker, FlopCounterMode, ...), every tensor a plain
     ``torch.Tensor`` or ``nn.Parameter`` (no DTensor, no other subclass) on the CPU or a GPU. There the
     autograd formula runs as :class:`_EagerMoeMlp`, without the custom op's dispatch (about 1 ms per
-    call on a CPU: its argument handling grows with the op's 29 inputs); elsewhere the op, which every
+    call on a CPU: its argument handling grows with the op's inputs); elsewhere the op, which every
     mode, subclass and tracer understands."""
     if (
         torch.compiler.is_compiling()
@@ -493,23 +535,21 @@ def moe_mlp(
         up_proj,
     )
     check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout)
-    # The update of each expert tensor (the weights, a separate up tensor, the biases), in _EXPERT_INPUTS order.
+    # The update of each expert tensor (the weights, a separate up tensor, the biases), in
+    # specs.EXPERT_TENSORS order.
     tensors = (gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias)
     updates = tuple(None if t is None else _update_for(t) for t in tensors)
     given = [u for u in updates if u is not None]
     first = given[0] if given else None
     states = [u.state() if u is not None else [] for u in updates]
-    hypers = [u.hyper if u is not None else None for u in updates]
-    grad_dtypes = [u.grad_dtype if u is not None else None for u in updates]
     inputs = (
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj,
-        *states[:2], *hypers[:2], *grad_dtypes[:2],
+        hidden_states, top_k_index, top_k_weights, *tensors, activation, backend, layout,
+        [t for state in states for t in state], [len(state) for state in states],
+        [u.hyper if u is not None else None for u in updates],
+        [library.grad_dtype_code(u.grad_dtype if u is not None else None) for u in updates],
         all(u.fused for u in given),
         first.foreach if first is not None else None,
         first.torch_fused if first is not None else None,
-        activation, backend, layout, gate_up_proj_bias, down_proj_bias,
-        up_proj, states[2], hypers[2], grad_dtypes[2],
-        *states[3:], *hypers[3:], *grad_dtypes[3:],
     )  # fmt: skip
     outputs = _EagerMoeMlp.apply(*inputs) if _plain_eager(inputs) else library.moe_mlp_fwd(*inputs)
     out = outputs[0]

@@ -1,12 +1,16 @@
 """Triton launchers of the backward: dHpre and the routing-weight gradient, the wgrad of each expert
 weight with the AdamW update in its epilogue (or its split path), dX. No host sync on any path here.
 
-(About 430 lines, on purpose: the launch order of one backward, with the update's and the accumulator's
-specs it reads, is one sequence; split, the order would be spread over modules.)"""
+The backward is two jobs (docs/design.md, "Backward"): :func:`moe_mlp_bwd_core`, what a layer computes
+once (dHpre, A, the routing-weight gradient, dX), and :func:`expert_wgrad`, one expert tensor's gradient
+with what happens to it (returned, updated in the epilogue, or added to a buffer); :func:`moe_mlp_bwd`
+runs both for a layer. (About 550 lines, on purpose: the launches of one backward, with the update's and
+the accumulator's specs they read, are one sequence; split, the order would be spread over modules.)"""
 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -134,12 +138,13 @@ def moe_mlp_bwd(
 ) -> tuple[torch.Tensor | None, ...]:
     """Triton backward of the gated expert MLP, with the optional AdamW update of the expert weights.
 
-    Launch order (docs/design.md): dHpre and the routing-weight partial sums (reads W2), dW2 (updates W2
-    when ``down_proj_update`` is given), routing-weight reduction, dX rows and their sum over top_k
-    (reads W1), dW1 (updates W1 when ``gate_up_proj_update`` is given; in a separate layout the gate
-    tensor's and the up tensor's wgrad, each with its own update), then the biases' (db1, db2, each
-    with its update when given). Each wgrad launch covers every expert. An update with ``defer`` set is launched later by its caller (after dX). No host sync; no
-    atomics.
+    :func:`moe_mlp_bwd_core` (dHpre, A and the routing-weight gradient, which read W2; dX, which reads W1),
+    then one :func:`expert_wgrad` launch per expert tensor, covering every expert: dW2 (updates W2 when
+    ``down_proj_update`` is given), dW1 (updates W1 when ``gate_up_proj_update`` is given; in a separate
+    layout the gate tensor's and the up tensor's wgrad, each with its own update), then the biases'
+    (db1, db2, each with its update when given) (docs/design.md). An update with ``defer`` set is
+    launched later by its caller. Every update and accumulator is validated before the first launch. No
+    host sync; no atomics.
 
     Args:
         grad_out: [T, H] dtype of hidden_states; any strides, 0 included.
@@ -166,53 +171,101 @@ def moe_mlp_bwd(
             the weight's shape, strides and device or a supported dtype, or a weight with both an
             update and an accumulator.
     """
-    for name, weight, update, accumulator in (
-        ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
+    jobs = (
         ("down_proj", down_proj, down_proj_update, down_proj_accumulator),
+        ("gate_up_proj", gate_up_proj, gate_up_proj_update, gate_up_proj_accumulator),
         ("up_proj", up_proj, up_proj_update, up_proj_accumulator),
         ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj_bias_update, gate_up_proj_bias_accumulator),
         ("down_proj_bias", down_proj_bias, down_proj_bias_update, down_proj_bias_accumulator),
-    ):
-        if weight is None:
-            if update is not None or accumulator is not None:
-                raise ValueError(f"{name}: an update or an accumulator without the tensor")
-            continue
+    )
+    for name, weight, update, accumulator in jobs:
+        check_wgrad(name, weight, update, accumulator)
+    need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
+    needs = {
+        "gate_up_proj": need_w1,
+        "down_proj": need_w2,
+        "up_proj": need_w3 and up_proj is not None,
+        "gate_up_proj_bias": needs_bias_grad[0] and gate_up_proj_bias is not None,
+        "down_proj_bias": needs_bias_grad[1] and down_proj_bias is not None,
+    }
+    has_update = any(update is not None for _, _, update, _ in jobs)
+    need_dhpre = needs["gate_up_proj"] or needs["up_proj"] or needs["gate_up_proj_bias"]
+    grad_x, grad_w, grad_hpre, a, largest = moe_mlp_bwd_core(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+        (need_x, need_w, need_dhpre, needs["down_proj"], has_update), layout, down_proj_bias, up_proj,
+    )  # fmt: skip
+    I = a.shape[1] if a is not None else down_view(down_proj, layout).shape[2]
+    operands = {
+        "down_proj": (grad_out, a),
+        "gate_up_proj": (
+            grad_hpre if up_proj is None or grad_hpre is None else grad_hpre[:, :I],
+            hidden_states,
+        ),
+        "up_proj": (None if grad_hpre is None else grad_hpre[:, I:], hidden_states),
+        "gate_up_proj_bias": (grad_hpre, None),
+        "down_proj_bias": (grad_out, None),
+    }
+    del a, grad_hpre
+    grads = {}
+    for name, weight, update, accumulator in jobs:
+        if needs[name]:
+            p, q = operands.pop(name)
+            grads[name] = expert_wgrad(
+                name, weight, p, q, top_k_weights, meta, layout, largest, update, accumulator, checked=True
+            )
+            del p, q
+        else:
+            operands.pop(name)
+    return (
+        grad_x, grad_w, grads.get("gate_up_proj"), grads.get("down_proj"), grads.get("gate_up_proj_bias"),
+        grads.get("down_proj_bias"), grads.get("up_proj"),
+    )  # fmt: skip
+
+
+def check_wgrad(name: str, weight, update: AdamWUpdate | None, accumulator: GradAccumulator | None) -> None:
+    """Raise TypeError or ValueError (before any launch) when ``update`` or ``accumulator`` cannot apply to
+    the expert tensor ``weight`` (see :func:`moe_mlp_bwd`)."""
+    if weight is None:
+        if update is not None or accumulator is not None:
+            raise ValueError(f"{name}: an update or an accumulator without the tensor")
+        return
+    if update is not None:
+        check_update(name, weight, update)
+    if accumulator is not None:
         if update is not None:
-            check_update(name, weight, update)
-        if accumulator is not None:
-            if update is not None:
-                raise ValueError(f"{name}: an update and an accumulator are exclusive")
-            check_buffer(name, weight, accumulator.buffer)
+            raise ValueError(f"{name}: an update and an accumulator are exclusive")
+        check_buffer(name, weight, accumulator.buffer)
+
+
+def moe_mlp_bwd_core(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
+    layout="concatenated", down_proj_bias=None, up_proj=None,
+):  # fmt: skip
+    """What the backward computes once per layer, before the expert tensors' wgrads: (dX [T, H], d
+    top_k_weights [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [2] float32 (largest |A|, largest
+    |dHpre|) that bound the updated tensors' gradients), each None where ``needs`` (the same five) says no.
+
+    Launch order: dHpre with A, the routing-weight partial sums and the magnitudes (reads W2), the
+    routing-weight reduction, dX rows and their sum over top_k (reads W1: ``gate_up_proj`` and
+    ``up_proj`` in ``layout``). dHpre and A have max(S, 1) rows (the rows past the kept ones are
+    never written or read). No host sync; no atomics."""
     with on_device(hidden_states.device):
-        return _launch_bwd(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
-            needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator,
-            down_proj_accumulator, layout, gate_up_proj_bias, down_proj_bias, needs_bias_grad, up_proj,
-            up_proj_update, up_proj_accumulator, gate_up_proj_bias_update, down_proj_bias_update,
-            gate_up_proj_bias_accumulator, down_proj_bias_accumulator,
+        return _launch_core(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
+            layout, down_proj_bias, up_proj,
         )  # fmt: skip
 
 
-def _launch_bwd(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
-    needs_input_grad, gate_up_proj_update, down_proj_update, gate_up_proj_accumulator=None,
-    down_proj_accumulator=None, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
-    needs_bias_grad=(False, False), up_proj=None, up_proj_update=None, up_proj_accumulator=None,
-    gate_up_proj_bias_update=None, down_proj_bias_update=None, gate_up_proj_bias_accumulator=None,
-    down_proj_bias_accumulator=None,
+def _launch_core(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs, layout,
+    down_proj_bias, up_proj,
 ):  # fmt: skip
-    need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
-    need_w3 = need_w3 and up_proj is not None
-    need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
-    need_b2 = needs_bias_grad[1] and down_proj_bias is not None
+    need_x, need_w, need_dhpre, need_a, need_magnitudes = needs
     T, H = hidden_states.shape
     top_k = top_k_weights.shape[1]
-    # The kernels read the weights (and write the updated ones, their moments and gradients) through
-    # these views: W1 [E, 2, I, H] (a separate layout's gate or up tensor: [E, 1, I, H]), W2 [E, H, I],
-    # whatever the layout.
-    w1_view = functools.partial(gate_up_view, layout=layout)
-    w2_view = functools.partial(down_view, layout=layout)
-    w2 = w2_view(down_proj)
+    # The kernels read the weights through these views: W1 [E, 2, I, H] (a separate layout's gate or up
+    # tensor: [E, 1, I, H]), W2 [E, H, I], whatever the layout.
+    w2 = down_view(down_proj, layout)
     w1 = gate_up_operand(gate_up_proj, layout, up_proj)
     E, halves, I = w1.base.shape[0], w1.halves, w1.I
     two_I = halves * I  # Hpre's width (I without a gate)
@@ -225,22 +278,11 @@ def _launch_bwd(
     # row so that no kernel gets a null pointer.
     num_rows = max(S, 1)
 
-    need_grad_hpre = need_x or need_w1 or need_w3 or need_b1
+    need_grad_hpre = need_x or need_dhpre
     grad_hpre = common.empty((num_rows, two_I), dtype, device) if need_grad_hpre else None
-    a = common.empty((num_rows, I), dtype, device) if need_w2 else None
-    # An update needs the largest |A| and |dHpre| to bound its gradient (overflow_possible).
-    has_update = any(
-        u is not None
-        for u in (
-            gate_up_proj_update,
-            down_proj_update,
-            up_proj_update,
-            gate_up_proj_bias_update,
-            down_proj_bias_update,
-        )
-    )
+    a = common.empty((num_rows, I), dtype, device) if need_a else None
     kind, alpha, limit = parse_activation(activation)
-    run_dhpre = S > 0 and (need_grad_hpre or need_w or need_w2)
+    run_dhpre = S > 0 and (need_grad_hpre or need_w or need_a)
 
     def dhpre(cfg):
         """dHpre (and A, the routing-weight partial sums, the magnitudes) with tile configuration ``cfg``;
@@ -250,7 +292,9 @@ def _launch_bwd(
         if not run_dhpre:
             return dw_partial, None
         num_row_tiles = max_row_tiles(S, E, cfg.BLOCK_M)
-        absmax = common.empty((num_row_tiles * num_pid_n, 2), torch.float32, device) if has_update else None
+        absmax = (
+            common.empty((num_row_tiles * num_pid_n, 2), torch.float32, device) if need_magnitudes else None
+        )
         any_buffer = next(t for t in (grad_hpre, a, dw_partial) if t is not None)
         grad_hpre_arg = grad_hpre if grad_hpre is not None else any_buffer
         a_arg = a if a is not None else any_buffer
@@ -266,44 +310,18 @@ def _launch_bwd(
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0), alpha, limit,
             ACTIVATION=kind, GATED=halves == 2, **cfg.blocks(),
-            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_w2, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
+            STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_a, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
         return dw_partial, absmax
 
     # The tile configuration: tuned per layer shape on a GPU (ops/configs.py), never per token count.
-    key = (E, H, I, layout, str(w2.dtype), kind, need_w, need_w2, need_grad_hpre)
+    key = (E, H, I, layout, str(w2.dtype), kind, need_w, need_a, need_grad_hpre)
     dw_partial, absmax = dhpre(configs.choose("dhpre", key, dtype, device, dhpre if run_dhpre else None))
-
-    # The magnitudes that bound each updated weight's gradient: (largest |P|, largest |Q|, most rows).
-    bounds = {}
-    if has_update:
+    largest = None
+    if need_magnitudes:
         largest = absmax.amax(0) if absmax is not None else torch.zeros(2, dtype=torch.float32, device=device)
-        most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
-        one = torch.ones((), dtype=torch.float32, device=device)
-        if down_proj_update is not None or down_proj_bias_update is not None:
-            # P = w * dO[token] (rounded), Q = A (a column of ones for the bias).
-            p_max = inf_norm(top_k_weights) * inf_norm(grad_out)
-            bounds["down_proj"] = (p_max, largest[0], most_rows)
-            bounds["down_proj_bias"] = (p_max, one, most_rows)
-        if (
-            gate_up_proj_update is not None
-            or up_proj_update is not None
-            or gate_up_proj_bias_update is not None
-        ):
-            # P = dHpre, Q = X[token] (a column of ones for the bias).
-            bounds["gate_up_proj"] = (largest[1], inf_norm(hidden_states), most_rows)
-            bounds["gate_up_proj_bias"] = (largest[1], one, most_rows)
     del absmax
-
-    grad_w2 = None
-    if need_w2:
-        # dW2[e] = sum_r (w_r dO[token_r])^T A_r: M -> H, N -> I.
-        grad_w2 = _wgrad(
-            grad_out, True, a, False, top_k_weights, meta, down_proj, down_proj_update, H, I, top_k,
-            dtype, interpret, bounds.get("down_proj"), down_proj_accumulator, name="down_proj", view=w2_view,
-        )  # fmt: skip
-    a = None  # freed before dX (the dHpre closure holds its cell, not the tensor)
 
     grad_w = None
     if need_w:
@@ -330,46 +348,60 @@ def _launch_bwd(
             grad_x.zero_()
         else:
             grad_x = _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key[:5])
+    return grad_x, grad_w, grad_hpre if need_dhpre else None, a, largest
 
-    grad_w1 = grad_w3 = None
-    if up_proj is None and need_w1:
-        # dW1[e] = sum_r dHpre_r^T X[token_r]: M -> 2I, N -> H.
-        grad_w1 = _wgrad(
-            grad_hpre, False, hidden_states, True, top_k_weights, meta, gate_up_proj, gate_up_proj_update,
-            two_I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), gate_up_proj_accumulator,
-            name="gate_up_proj", view=w1_view,
+
+def expert_wgrad(
+    name, weight, p, q, top_k_weights, meta, layout="concatenated", largest=None, update=None, accumulator=None,
+    *, checked=False,
+):  # fmt: skip
+    """The wgrad of the expert tensor ``name`` (``weight``, one of :data:`sonar_kernels.specs.EXPERT_TENSORS`)
+    over all experts in one launch: returns its gradient (the weight's shape and dtype), or None when
+    ``update`` was applied in the epilogue (or its split path), deferred, or when the gradient went to
+    ``accumulator`` (see :func:`_wgrad`).
+
+    ``p``, ``q``: the GEMM operands :func:`moe_mlp_bwd_core` gave: ``p`` dO [T, H] (the down projection
+    and its bias; rows gathered by token, scaled by the routing weight) or dHpre [S, 2I] (the gate/up
+    projection and its bias; a separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down
+    projection), X [T, H] (the gate/up projection; rows gathered by token) or None (a bias: a column of
+    ones). ``largest``: the core's magnitudes, needed by a fused update. ``checked``: the caller ran
+    :func:`check_wgrad` already."""
+    if not checked:
+        check_wgrad(name, weight, update, accumulator)
+    down = name in ("down_proj", "down_proj_bias")
+    if name == "down_proj":
+        view = functools.partial(down_view, layout=layout)
+    elif name == "down_proj_bias":
+        view = lambda t: t.unsqueeze(-1)  # noqa: E731
+    elif name == "gate_up_proj_bias":
+        view = lambda t: gate_up_bias_view(t, layout).unsqueeze(-1)  # noqa: E731
+    else:
+        view = functools.partial(gate_up_view, layout=layout)
+    shape = view(weight).shape
+    M, N = math.prod(shape[1:-1]), shape[-1]
+    dtype = p.dtype
+    with on_device(weight.device):
+        if q is None:  # a bias: the wgrad kernel with a column of ones for X (db1) or A (db2), N = 1
+            q = ones_rows(top_k_weights.numel(), dtype, weight.device)
+        bound = None
+        if update is not None and update.fused:
+            # The magnitudes that bound the gradient: (largest |P|, largest |Q|, most rows of an expert).
+            one = torch.ones((), dtype=torch.float32, device=weight.device)
+            most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
+            # P = w * dO[token] (rounded) or dHpre; Q = A, X[token] or ones.
+            p_max = inf_norm(top_k_weights) * inf_norm(p) if down else largest[1]
+            q_max = (
+                largest[0]
+                if name == "down_proj"
+                else inf_norm(q)
+                if name in ("gate_up_proj", "up_proj")
+                else one
+            )
+            bound = (p_max, q_max, most_rows)
+        return _wgrad(
+            p, down, q, name in ("gate_up_proj", "up_proj"), top_k_weights, meta, weight, update, M, N,
+            top_k_weights.shape[1], dtype, triton_interpreting(), bound, accumulator, name=name, view=view,
         )  # fmt: skip
-    elif up_proj is not None:
-        # A separate layout: the gate's and the up projection's wgrad, M -> I each, from dHpre's halves.
-        if need_w1:
-            grad_w1 = _wgrad(
-                grad_hpre[:, :I], False, hidden_states, True, top_k_weights, meta, gate_up_proj,
-                gate_up_proj_update, I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"),
-                gate_up_proj_accumulator, name="gate_up_proj", view=w1_view,
-            )  # fmt: skip
-        if need_w3:
-            grad_w3 = _wgrad(
-                grad_hpre[:, I:], False, hidden_states, True, top_k_weights, meta, up_proj, up_proj_update,
-                I, H, top_k, dtype, interpret, bounds.get("gate_up_proj"), up_proj_accumulator, name="up_proj",
-                view=w1_view,
-            )  # fmt: skip
-    # The biases' gradients (and updates): the wgrad kernel with a column of ones for X (db1) or A (db2),
-    # N = 1 (the bias seen as [E, M, 1]; the ones' other columns are masked off).
-    ones = ones_rows(S, dtype, device) if need_b1 or need_b2 else None
-    grad_b1 = grad_b2 = None
-    if need_b1:
-        grad_b1 = _wgrad(
-            grad_hpre, False, ones, False, top_k_weights, meta, gate_up_proj_bias, gate_up_proj_bias_update,
-            two_I, 1, top_k, dtype, interpret, bounds.get("gate_up_proj_bias"), gate_up_proj_bias_accumulator,
-            name="gate_up_proj_bias", view=lambda t: gate_up_bias_view(t, layout).unsqueeze(-1),
-        )  # fmt: skip
-    if need_b2:
-        grad_b2 = _wgrad(
-            grad_out, True, ones, False, top_k_weights, meta, down_proj_bias, down_proj_bias_update, H, 1, top_k,
-            dtype, interpret, bounds.get("down_proj_bias"), down_proj_bias_accumulator, name="down_proj_bias",
-            view=lambda t: t.unsqueeze(-1),
-        )  # fmt: skip
-    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
 
 
 def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):

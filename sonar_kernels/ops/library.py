@@ -1,7 +1,9 @@
-"""The ``sonar_kernels::`` custom ops (torch.library): the forward, the backward with the in-backward
-AdamW update fused into it, and the standalone AdamW update of one expert tensor. Each has a fake
-(meta) implementation beside it, so torch.compile traces them as single ops with static shapes; the
-forward's autograd formula is registered by ``sonar_kernels.autograd``.
+"""The ``sonar_kernels::`` custom ops (torch.library): the forward; the backward as its jobs, what a layer
+computes once (``moe_mlp_bwd``: dHpre, A, the routing-weight gradient, dX) and one op per expert tensor
+for its gradient and what happens to it (``expert_wgrad``: returned; ``expert_wgrad_``: the in-backward
+AdamW update, or added to a buffer); and the standalone AdamW update of one expert tensor. Each has a
+fake (meta) implementation beside it, so torch.compile traces them as single ops with static shapes;
+the forward's autograd formula is registered by ``sonar_kernels.autograd``.
 
 Both backends run behind the same ops ("triton": the Triton launchers; "torch": ``torch_backend``).
 An update's mutable tensors travel as one list in the order of :data:`STATE_FIELDS` (an empty list
@@ -10,8 +12,6 @@ parameter group shares, travels apart, so that an update does not bump its versi
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import Tensor
@@ -31,6 +31,19 @@ STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
 MODES = ("grad", "update", "accumulate")
 
 
+# The gradient dtypes of the forward's ``grad_dtypes``, by code (-1: None, the weight's dtype).
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def grad_dtype_code(dtype: torch.dtype | None) -> int:
+    """The code of ``dtype`` in the forward's ``grad_dtypes`` (:data:`GRAD_DTYPES`; -1 for None)."""
+    return -1 if dtype is None else GRAD_DTYPES.index(dtype)
+
+
+def grad_dtype_of(code: int) -> torch.dtype | None:
+    return None if code < 0 else GRAD_DTYPES[code]
+
+
 @torch.library.custom_op("sonar_kernels::moe_mlp_fwd", mutates_args=())
 def moe_mlp_fwd(
     hidden_states: Tensor,
@@ -38,49 +51,38 @@ def moe_mlp_fwd(
     top_k_weights: Tensor,
     gate_up_proj: Tensor,
     down_proj: Tensor,
-    gate_up_proj_state: list[Tensor],
-    down_proj_state: list[Tensor],
-    gate_up_proj_hyper: Tensor | None,
-    down_proj_hyper: Tensor | None,
-    gate_up_proj_grad_dtype: torch.dtype | None,
-    down_proj_grad_dtype: torch.dtype | None,
-    fused_epilogue: bool,
-    foreach: bool | None,
-    torch_fused: bool | None,
+    up_proj: Tensor | None,
+    gate_up_proj_bias: Tensor | None,
+    down_proj_bias: Tensor | None,
     activation: str,
     backend: str,
     layout: str,
-    gate_up_proj_bias: Tensor | None,
-    down_proj_bias: Tensor | None,
-    up_proj: Tensor | None,
-    up_proj_state: list[Tensor],
-    up_proj_hyper: Tensor | None,
-    up_proj_grad_dtype: torch.dtype | None,
-    gate_up_proj_bias_state: list[Tensor],
-    down_proj_bias_state: list[Tensor],
-    gate_up_proj_bias_hyper: Tensor | None,
-    down_proj_bias_hyper: Tensor | None,
-    gate_up_proj_bias_grad_dtype: torch.dtype | None,
-    down_proj_bias_grad_dtype: torch.dtype | None,
+    states: list[Tensor],
+    state_sizes: list[int],
+    hypers: list[Tensor | None],
+    grad_dtypes: list[int],
+    fused_epilogue: bool,
+    foreach: bool | None,
+    torch_fused: bool | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The gated expert MLP's forward: (out [T, H], Hpre [S, 2I], then the five tensors of
-    :class:`RoutingMetadata`). The update states (:data:`STATE_FIELDS`, or empty: no update), their
-    hyperparameter tensors and the update options (the gradient dtypes, the fused epilogue or its split path, torch AdamW's foreach and
-    fused flags) are inputs only so that the registered backward receives them. ``layout``: the weights'
-    (:data:`sonar_kernels.specs.LAYOUTS`); the biases: [E, 2I] and [E, H], or None; ``up_proj`` (with its
-    update's state, hyperparameters and gradient dtype): the up tensor of a separate layout, or None; then
-    the biases' updates (state, hyperparameters, gradient dtype; empty or None without one)."""
+    :class:`RoutingMetadata`). ``layout``: the weights' (:data:`sonar_kernels.specs.LAYOUTS`);
+    ``up_proj``: the up tensor of a separate layout, or None; the biases: [E, 2I] and [E, H], or None.
+
+    The rest are inputs only so that the registered backward receives them, per expert tensor in the
+    order of :data:`sonar_kernels.specs.EXPERT_TENSORS`: its in-backward update's state (``state_sizes``
+    tensors of ``states`` each, in :data:`STATE_FIELDS` order; none: no update), its hyperparameter tensor
+    (or None) and its gradient dtype (:func:`grad_dtype_code`); and the update options of the layer (the
+    fused epilogue or its split path, torch AdamW's foreach and fused flags)."""
     return moe_mlp_fwd_body(
-        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
-        gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue,
-        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj,
+        hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, up_proj, gate_up_proj_bias,
+        down_proj_bias, activation, backend, layout,
     )  # fmt: skip
 
 
 def moe_mlp_fwd_body(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
-    gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, *update_inputs,
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias,
+    activation, backend, layout, *update_inputs,
 ):  # fmt: skip
     """:func:`moe_mlp_fwd` as a plain function of the op's inputs (the autograd layer's eager path calls it
     without the op's dispatch)."""
@@ -105,10 +107,8 @@ def run_moe_mlp_fwd(
 
 @moe_mlp_fwd.register_fake
 def _moe_mlp_fwd_fake(
-    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_proj_state, down_proj_state,
-    gate_up_proj_hyper, down_proj_hyper, gate_up_proj_grad_dtype, down_proj_grad_dtype, fused_epilogue, foreach,
-    torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_state,
-    up_proj_hyper, up_proj_grad_dtype, *bias_updates,
+    hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias,
+    activation, backend, layout, *update_inputs,
 ):  # fmt: skip
     T, H = hidden_states.shape
     S = T * top_k_index.shape[1]
@@ -126,6 +126,148 @@ def _moe_mlp_fwd_fake(
     )
 
 
+# moe_mlp_bwd's needs, in order.
+CORE_NEEDS = ("hidden_states", "top_k_weights", "grad_hpre", "a", "magnitudes")
+
+
+@torch.library.custom_op("sonar_kernels::moe_mlp_bwd", mutates_args=())
+def moe_mlp_bwd(
+    grad_out: Tensor,
+    hidden_states: Tensor,
+    top_k_weights: Tensor,
+    gate_up_proj: Tensor,
+    down_proj: Tensor,
+    up_proj: Tensor | None,
+    down_proj_bias: Tensor | None,
+    hpre: Tensor,
+    meta: list[Tensor],
+    needs: list[bool],
+    activation: str,
+    backend: str,
+    layout: str,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """What the layer's backward computes once, before the expert tensors' gradients
+    (:func:`expert_wgrad`, :func:`expert_wgrad_`): (grad hidden_states [T, H], grad top_k_weights
+    [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [2] float32 that bound an updated tensor's
+    gradient on the Triton backend), each an empty tensor where ``needs`` (in :data:`CORE_NEEDS` order)
+    says no (the magnitudes are always empty on the torch backend). ``meta``: the five tensors of
+    :class:`RoutingMetadata`. Reads W2 (dHpre, A and the routing-weight gradient, with G = dO[token] @
+    W2[e]) and W1 (dX); writes no input."""
+    grads = run_moe_mlp_bwd(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, down_proj_bias, hpre, meta, needs,
+        activation, backend, layout,
+    )  # fmt: skip
+    # A distinct empty tensor per missing output: a custom op's outputs may not alias each other.
+    return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
+
+
+def run_moe_mlp_bwd(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, down_proj_bias, hpre, meta, needs,
+    activation, backend, layout, hpre_writable=False,
+):  # fmt: skip
+    """The body of :func:`moe_mlp_bwd`, None for each output not needed; ``hpre_writable`` (eager mode,
+    the torch backend): dHpre may be written over ``hpre``, which the caller will not read again (the
+    graph is freed after this backward; ``torch_backend.moe_mlp_bwd_core``)."""
+    meta = RoutingMetadata(*meta)
+    if backend == "triton":
+        return triton_bwd.moe_mlp_bwd_core(
+            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs),
+            layout, down_proj_bias, up_proj,
+        )  # fmt: skip
+    grads = torch_backend.moe_mlp_bwd_core(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs[:4]),
+        layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
+    )  # fmt: skip
+    return (*grads, None)
+
+
+@moe_mlp_bwd.register_fake
+def _moe_mlp_bwd_fake(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, down_proj_bias, hpre, meta, needs,
+    activation, backend, layout,
+):  # fmt: skip
+    need_x, need_w, need_dhpre, need_a, need_magnitudes = needs
+    rows = max(hpre.shape[0], 1) if backend == "triton" else hpre.shape[0]  # the Triton buffers: >= 1 row
+    I = specs.down_view(down_proj, layout).shape[2]
+    shapes = (
+        (need_x, hidden_states.shape, hidden_states.dtype),
+        (need_w, top_k_weights.shape, top_k_weights.dtype),
+        (need_dhpre, (rows, hpre.shape[1]), hpre.dtype),
+        (need_a, (rows, I), hpre.dtype),
+        (need_magnitudes and backend == "triton", (2,), torch.float32),
+    )
+    return tuple(
+        hidden_states.new_empty(shape, dtype=dtype) if need else hidden_states.new_empty(0)
+        for need, shape, dtype in shapes
+    )
+
+
+@torch.library.custom_op("sonar_kernels::expert_wgrad", mutates_args=())
+def expert_wgrad(
+    name: str,
+    weight: Tensor,
+    p: Tensor,
+    q: Tensor | None,
+    top_k_weights: Tensor,
+    meta: list[Tensor],
+    backend: str,
+    layout: str,
+) -> Tensor:
+    """The gradient of the expert tensor ``name`` (``weight``; one of
+    :data:`sonar_kernels.specs.EXPERT_TENSORS`), the weight's shape and dtype, from the operands of
+    :func:`moe_mlp_bwd` (``p``: dO, or dHpre or its gate or up half; ``q``: A, X, or None for a bias; see
+    ``torch_backend.expert_gradient``). Mutates nothing, so another saved use of the weight (a penalty
+    computed before the MLP) still runs after this backward."""
+    return run_expert_wgrad(name, weight, p, q, top_k_weights, meta, None, "grad", [], None, None, False, None,
+                            True, None, None, backend, layout)  # fmt: skip
+
+
+@expert_wgrad.register_fake
+def _expert_wgrad_fake(name, weight, p, q, top_k_weights, meta, backend, layout):
+    return torch.empty_like(weight)
+
+
+@torch.library.custom_op("sonar_kernels::expert_wgrad_", mutates_args=("weight", "state", "buffer"))
+def expert_wgrad_(
+    name: str,
+    weight: Tensor,
+    p: Tensor,
+    q: Tensor | None,
+    top_k_weights: Tensor,
+    meta: list[Tensor],
+    magnitudes: Tensor | None,
+    wgrad_mode: str,
+    state: list[Tensor],
+    hyper: Tensor | None,
+    buffer: Tensor | None,
+    buffer_add: bool,
+    grad_dtype: torch.dtype | None,
+    fused_epilogue: bool,
+    foreach: bool | None,
+    torch_fused: bool | None,
+    backend: str,
+    layout: str,
+) -> None:
+    """The gradient of the expert tensor ``name`` (operands as for :func:`expert_wgrad`) applied in place:
+    ``wgrad_mode`` (not ``mode``, a keyword of torch's auto-functionalization) "update": AdamW on ``weight`` and its ``state`` (:data:`STATE_FIELDS`; ``hyper`` its [5]
+    float64 hyperparameters), with ``buffer`` (the gradient of earlier micro-batches, or None) added to
+    this backward's gradient first: on the Triton backend in the wgrad epilogue (or its split path with
+    ``fused_epilogue=False``; ``magnitudes`` from :func:`moe_mlp_bwd` bound the gradient), on the torch
+    backend by torch's AdamW (``foreach``, ``torch_fused``: its flags; the body of :func:`expert_adamw_`),
+    the gradient computed and applied by chunks of experts. "accumulate" (Triton backend only): the
+    gradient added to ``buffer`` (``buffer_add``) or written into it. ``grad_dtype``: the gradient is
+    rounded to it before the update (None: the weight's dtype)."""
+    run_expert_wgrad(
+        name, weight, p, q, top_k_weights, meta, magnitudes, wgrad_mode, state, hyper, buffer, buffer_add, grad_dtype,
+        fused_epilogue, foreach, torch_fused, backend, layout,
+    )  # fmt: skip
+
+
+@expert_wgrad_.register_fake
+def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
+    return None
+
+
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_bwd.AdamWUpdate:
@@ -136,259 +278,61 @@ def _update(
     )  # fmt: skip
 
 
-@torch.library.custom_op(
-    "sonar_kernels::moe_mlp_bwd",
-    mutates_args=("gate_up_proj", "down_proj", "gate_up_proj_state", "down_proj_state", "gate_up_proj_buffer",
-                  "down_proj_buffer", "up_proj", "up_proj_state", "up_proj_buffer", "gate_up_proj_bias",
-                  "gate_up_proj_bias_state", "gate_up_proj_bias_buffer", "down_proj_bias", "down_proj_bias_state",
-                  "down_proj_bias_buffer"),
-)  # fmt: skip
-def moe_mlp_bwd(
-    grad_out: Tensor,
-    hidden_states: Tensor,
-    top_k_weights: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    hpre: Tensor,
-    expert_offsets: Tensor,
-    tile_offsets: Tensor,
-    row_of_slot: Tensor,
-    token_of_row: Tensor,
-    slot_of_row: Tensor,
-    needs_input_grad: list[bool],
-    gate_up_proj_mode: str,
-    gate_up_proj_state: list[Tensor],
-    gate_up_proj_hyper: Tensor | None,
-    gate_up_proj_buffer: Tensor | None,
-    gate_up_proj_buffer_add: bool,
-    gate_up_proj_grad_dtype: torch.dtype | None,
-    down_proj_mode: str,
-    down_proj_state: list[Tensor],
-    down_proj_hyper: Tensor | None,
-    down_proj_buffer: Tensor | None,
-    down_proj_buffer_add: bool,
-    down_proj_grad_dtype: torch.dtype | None,
-    fused_epilogue: bool,
-    foreach: bool | None,
-    torch_fused: bool | None,
-    activation: str,
-    backend: str,
-    layout: str,
-    gate_up_proj_bias: Tensor | None,
-    down_proj_bias: Tensor | None,
-    up_proj: Tensor | None,
-    up_proj_mode: str,
-    up_proj_state: list[Tensor],
-    up_proj_hyper: Tensor | None,
-    up_proj_buffer: Tensor | None,
-    up_proj_buffer_add: bool,
-    up_proj_grad_dtype: torch.dtype | None,
-    gate_up_proj_bias_mode: str,
-    gate_up_proj_bias_state: list[Tensor],
-    gate_up_proj_bias_hyper: Tensor | None,
-    gate_up_proj_bias_buffer: Tensor | None,
-    gate_up_proj_bias_buffer_add: bool,
-    gate_up_proj_bias_grad_dtype: torch.dtype | None,
-    down_proj_bias_mode: str,
-    down_proj_bias_state: list[Tensor],
-    down_proj_bias_hyper: Tensor | None,
-    down_proj_bias_buffer: Tensor | None,
-    down_proj_bias_buffer_add: bool,
-    down_proj_bias_grad_dtype: torch.dtype | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward: (grad hidden_states, grad top_k_weights, grad gate_up_proj, grad down_proj, grad
-    gate_up_proj_bias, grad down_proj_bias, grad up_proj), each an empty tensor where
-    ``needs_input_grad`` (x, weights, gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias,
-    up_proj) says no, the weight's mode is not "grad", or there is no bias or up_proj (the up tensor of a
-    separate layout). The biases (``ops/bias.py``) are expert tensors as the weights are, with a mode of
-    their own.
-
-    Per weight, ``mode`` "update": AdamW applied in place to the weight and its state, with ``buffer``
-    (the gradient of earlier micro-batches, or None) added to this backward's gradient first: on the
-    Triton backend in the wgrad epilogue (or its split path with ``fused_epilogue=False``); on the torch
-    backend by torch's AdamW (``foreach``, ``torch_fused``: its flags; the body of
-    :func:`expert_adamw_`) right after that weight's wgrad, whose gradient is then released before the
-    next one is computed (one expert gradient alive at a time). "accumulate" (Triton backend only): this
-    backward's gradient added to ``buffer`` (``buffer_add``) or written into it.
-    """
-    return run_moe_mlp_bwd(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
-        gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
-        down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-        foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
-        up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype, gate_up_proj_bias_mode,
-        gate_up_proj_bias_state, gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add,
-        gate_up_proj_bias_grad_dtype, down_proj_bias_mode, down_proj_bias_state, down_proj_bias_hyper,
-        down_proj_bias_buffer, down_proj_bias_buffer_add, down_proj_bias_grad_dtype,
-    )  # fmt: skip
+def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, on_done, defer):
+    """(the ``ops.AdamWUpdate`` or None, the ``ops.GradAccumulator`` or None) of a Triton wgrad."""
+    if mode == "update":
+        grad_dtype = weight.dtype if grad_dtype is None else grad_dtype
+        return _update(state, hyper, grad_dtype, fused_epilogue, buffer, on_done, defer), None
+    if mode == "accumulate":
+        return None, triton_bwd.GradAccumulator(buffer, buffer_add, on_done)
+    return None, None
 
 
-def run_moe_mlp_bwd(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-    row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
-    gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
-    down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend, layout="concatenated", gate_up_proj_bias=None, down_proj_bias=None,
-    up_proj=None, up_proj_mode="grad", up_proj_state=(), up_proj_hyper=None, up_proj_buffer=None,
-    up_proj_buffer_add=False, up_proj_grad_dtype=None, gate_up_proj_bias_mode="grad", gate_up_proj_bias_state=(),
-    gate_up_proj_bias_hyper=None, gate_up_proj_bias_buffer=None, gate_up_proj_bias_buffer_add=False,
-    gate_up_proj_bias_grad_dtype=None, down_proj_bias_mode="grad", down_proj_bias_state=(),
-    down_proj_bias_hyper=None, down_proj_bias_buffer=None, down_proj_bias_buffer_add=False,
-    down_proj_bias_grad_dtype=None, on_done=(None,) * 5, defer=(None,) * 5, values=(None,) * 5,
-    hpre_writable=False,
-):  # fmt: skip
-    """The body of :func:`moe_mlp_bwd`, callable in eager mode with ``on_done``: per weight, a callable
-    run right after the launch that updated it or added to its buffer (before any later launch, so that a
-    failure further on cannot leave an applied update unrecorded); and ``defer``: per weight in mode
-    "update", None (the update runs in this backward) or a callable given ``run``, a function of the
-    gradient of earlier micro-batches (``grad_in``, or None) that computes the weight's gradient and
-    applies the update when it is called, later (see ``ops.AdamWUpdate.defer``); and ``values``: per
-    weight, None or its hyperparameters as its owner's parameter group holds them
-    (``specs.ExpertUpdate.hyperparameters``), which the torch backend's AdamW then takes in place of the
-    values of its ``hyper`` tensor (torch's arithmetic for tensor lr and betas); and ``hpre_writable``:
-    the torch backend may write dHpre over ``hpre`` (the caller frees the graph after this backward;
-    ``torch_backend.moe_mlp_bwd``). Mutated tensors'
-    version counters are the caller's to bump here (the op bumps them)."""
-    meta = RoutingMetadata(expert_offsets, tile_offsets, row_of_slot, token_of_row, slot_of_row)
-    # needs_input_grad: x, routing weights, gate_up_proj, down_proj, the two biases, up_proj.
-    flags = (*needs_input_grad, False, False, False)[:7]
-    needs = (*flags[:4], flags[6])
-    biases = {
-        "gate_up_proj_bias": gate_up_proj_bias, "down_proj_bias": down_proj_bias, "needs_bias_grad": flags[4:6],
-    }  # fmt: skip
-    # Per weight: (name, tensor, mode, state, hyperparameters, buffer, buffer_add, grad dtype, on_done, defer).
-    weights = (
-        ("gate_up_proj", gate_up_proj, gate_up_proj_mode, gate_up_proj_state, gate_up_proj_hyper, gate_up_proj_buffer,
-         gate_up_proj_buffer_add, gate_up_proj_grad_dtype, on_done[0], defer[0]),
-        ("down_proj", down_proj, down_proj_mode, down_proj_state, down_proj_hyper, down_proj_buffer,
-         down_proj_buffer_add, down_proj_grad_dtype, on_done[1], defer[1]),
-        ("up_proj", up_proj, up_proj_mode, up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add,
-         up_proj_grad_dtype, on_done[2], defer[2]),
-        ("gate_up_proj_bias", gate_up_proj_bias, gate_up_proj_bias_mode, gate_up_proj_bias_state,
-         gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add, gate_up_proj_bias_grad_dtype,
-         on_done[3], defer[3]),
-        ("down_proj_bias", down_proj_bias, down_proj_bias_mode, down_proj_bias_state, down_proj_bias_hyper,
-         down_proj_bias_buffer, down_proj_bias_buffer_add, down_proj_bias_grad_dtype, on_done[4], defer[4]),
-    )  # fmt: skip
+def check_expert_wgrad(
+    name, weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, backend
+):
+    """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
+    (the Triton backend's checks, ``ops.backward.check_wgrad``); the autograd layer checks every expert
+    tensor's plan before the first one runs."""
     if backend == "triton":
-        updates, accumulators = {}, {}
-        for name, _, mode, state, hyper, buffer, add, grad_dtype, done, later in weights:
-            if mode == "update":
-                updates[name] = _update(state, hyper, grad_dtype, fused_epilogue, buffer, done, later)
-            elif mode == "accumulate":
-                accumulators[name] = triton_bwd.GradAccumulator(buffer, add, done)
-        grads = triton_bwd.moe_mlp_bwd(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-            gate_up_proj_update=updates.get("gate_up_proj"), down_proj_update=updates.get("down_proj"),
-            gate_up_proj_accumulator=accumulators.get("gate_up_proj"),
-            down_proj_accumulator=accumulators.get("down_proj"), layout=layout, up_proj=up_proj,
-            up_proj_update=updates.get("up_proj"), up_proj_accumulator=accumulators.get("up_proj"),
-            gate_up_proj_bias_update=updates.get("gate_up_proj_bias"),
-            down_proj_bias_update=updates.get("down_proj_bias"),
-            gate_up_proj_bias_accumulator=accumulators.get("gate_up_proj_bias"),
-            down_proj_bias_accumulator=accumulators.get("down_proj_bias"), **biases,
-        )  # fmt: skip
-    else:
-        apply = [
-            functools.partial(
-                _torch_update_of, weight, state, hyper if value is None else value, buffer, foreach, torch_fused,
-                done, grad_dtype, later,
-            )
-            if mode == "update" else None
-            for (_, weight, mode, state, hyper, buffer, _, grad_dtype, done, later), value in zip(
-                weights, values, strict=True
-            )
-        ]  # fmt: skip
-        grads = torch_backend.moe_mlp_bwd(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-            gate_up_proj_update=apply[0], down_proj_update=apply[1], layout=layout, up_proj=up_proj,
-            up_proj_update=apply[2], gate_up_proj_bias_update=apply[3], down_proj_bias_update=apply[4], **biases,
-            hpre_writable=hpre_writable,
-        )  # fmt: skip
-    # A distinct empty tensor per missing gradient: a custom op's outputs may not alias each other.
-    return tuple(hidden_states.new_empty(0) if g is None else g for g in grads)
-
-
-@moe_mlp_bwd.register_fake
-def _moe_mlp_bwd_fake(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-    row_of_slot, token_of_row, slot_of_row, needs_input_grad, gate_up_proj_mode, gate_up_proj_state,
-    gate_up_proj_hyper, gate_up_proj_buffer, gate_up_proj_buffer_add, gate_up_proj_grad_dtype, down_proj_mode,
-    down_proj_state, down_proj_hyper, down_proj_buffer, down_proj_buffer_add, down_proj_grad_dtype, fused_epilogue,
-    foreach, torch_fused, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj, up_proj_mode,
-    up_proj_state, up_proj_hyper, up_proj_buffer, up_proj_buffer_add, up_proj_grad_dtype, gate_up_proj_bias_mode,
-    gate_up_proj_bias_state, gate_up_proj_bias_hyper, gate_up_proj_bias_buffer, gate_up_proj_bias_buffer_add,
-    gate_up_proj_bias_grad_dtype, down_proj_bias_mode, *down_proj_bias_update,
-):  # fmt: skip
-    need_x, need_w, need_w1, need_w2, need_b1, need_b2, need_w3 = (*needs_input_grad, False, False, False)[:7]
-    need_w1 = need_w1 and gate_up_proj_mode == "grad"
-    need_w2 = need_w2 and down_proj_mode == "grad"
-    need_b1 = need_b1 and gate_up_proj_bias is not None and gate_up_proj_bias_mode == "grad"
-    need_b2 = need_b2 and down_proj_bias is not None and down_proj_bias_mode == "grad"
-    need_w3 = need_w3 and up_proj is not None and up_proj_mode == "grad"
-    # A distinct empty tensor per missing gradient, as the real op returns (outputs may not alias).
-    return tuple(
-        torch.empty_like(t) if need else hidden_states.new_empty(0)
-        for t, need in (
-            (hidden_states, need_x), (top_k_weights, need_w), (gate_up_proj, need_w1), (down_proj, need_w2),
-            (gate_up_proj_bias, need_b1), (down_proj_bias, need_b2), (up_proj, need_w3),
+        update, accumulator = _triton_plan(
+            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, None, None
         )
+        triton_bwd.check_wgrad(name, weight, update, accumulator)
+
+
+def run_expert_wgrad(
+    name, weight, p, q, top_k_weights, meta, magnitudes, mode, state, hyper, buffer, buffer_add, grad_dtype,
+    fused_epilogue, foreach, torch_fused, backend, layout, on_done=None, defer=None, value=None,
+):  # fmt: skip
+    """The body of :func:`expert_wgrad_` (and, with ``mode`` "grad", of :func:`expert_wgrad`: returns the
+    gradient; else None), callable in eager mode with ``on_done``: a callable run right after the launch
+    that updated the tensor or added to its buffer (before any later launch, so that a failure further on
+    cannot leave an applied update unrecorded); ``defer``: None (the update runs now) or a callable given
+    ``run``, a function of the gradient of earlier micro-batches (``grad_in``, or None) that computes the
+    gradient and applies the update when it is called, later (see ``ops.AdamWUpdate.defer``); and
+    ``value``: None or the hyperparameters as the owner's parameter group holds them
+    (``specs.ExpertUpdate.hyperparameters``), which the torch backend's AdamW then takes in place of the
+    values of ``hyper`` (torch's arithmetic for tensor lr and betas). Mutated tensors' version counters
+    are the caller's to bump here (the op bumps them)."""
+    meta = RoutingMetadata(*meta)
+    if backend == "triton":
+        update, accumulator = _triton_plan(
+            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, on_done, defer
+        )
+        return triton_bwd.expert_wgrad(
+            name, weight, p, q, top_k_weights, meta, layout, magnitudes, update, accumulator
+        )
+    gradient = torch_backend.expert_gradient(name, weight, p, q, top_k_weights, meta, layout)
+    if mode == "grad":
+        return gradient.full()
+    if mode != "update":
+        raise ValueError(f"{name}: mode {mode!r} is not supported by the torch backend (grad or update)")
+    _torch_update_of(
+        weight, state, hyper if value is None else value, buffer, foreach, torch_fused, on_done, grad_dtype, defer,
+        gradient,
     )  # fmt: skip
-
-
-@torch.library.custom_op("sonar_kernels::moe_mlp_bwd_grads", mutates_args=())
-def moe_mlp_bwd_grads(
-    grad_out: Tensor,
-    hidden_states: Tensor,
-    top_k_weights: Tensor,
-    gate_up_proj: Tensor,
-    down_proj: Tensor,
-    hpre: Tensor,
-    expert_offsets: Tensor,
-    tile_offsets: Tensor,
-    row_of_slot: Tensor,
-    token_of_row: Tensor,
-    slot_of_row: Tensor,
-    needs_input_grad: list[bool],
-    activation: str,
-    backend: str,
-    layout: str,
-    gate_up_proj_bias: Tensor | None,
-    down_proj_bias: Tensor | None,
-    up_proj: Tensor | None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward with ordinary gradients only (no weight updated or accumulated): as
-    :func:`moe_mlp_bwd` with both modes "grad", but it mutates nothing, so the weights' version counters
-    stay as they are and another saved use of a weight (a penalty computed before the MLP) still runs
-    after this backward."""
-    return run_moe_mlp_bwd(*_with_plain_gradients(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, expert_offsets, tile_offsets,
-        row_of_slot, token_of_row, slot_of_row, needs_input_grad, activation, backend, layout, gate_up_proj_bias,
-        down_proj_bias, up_proj,
-    ))  # fmt: skip
-
-
-def run_moe_mlp_bwd_grads(*args, hpre_writable: bool = False) -> tuple:
-    """The body of :func:`moe_mlp_bwd_grads` (the same arguments), callable without the op's dispatch in
-    eager mode; ``hpre_writable`` as for :func:`run_moe_mlp_bwd`."""
-    return run_moe_mlp_bwd(*_with_plain_gradients(*args), hpre_writable=hpre_writable)
-
-
-@moe_mlp_bwd_grads.register_fake
-def _moe_mlp_bwd_grads_fake(*args):
-    return _moe_mlp_bwd_fake(*_with_plain_gradients(*args))
-
-
-def _with_plain_gradients(*args) -> tuple:
-    """The arguments of :func:`moe_mlp_bwd_grads` as :func:`moe_mlp_bwd` takes them: every weight in mode
-    "grad" (no state, no buffer)."""
-    *tensors, activation, backend, layout, gate_up_proj_bias, down_proj_bias, up_proj = args
-    plain = ("grad", [], None, None, False, None)
-    return (
-        *tensors, *plain, *plain, True, None, None, activation, backend, layout, gate_up_proj_bias, down_proj_bias,
-        up_proj, *plain, *plain, *plain,
-    )  # fmt: skip
+    return None
 
 
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))

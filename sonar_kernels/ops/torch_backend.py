@@ -279,21 +279,61 @@ def moe_mlp_bwd(
 ):  # fmt: skip
     """Backward of :func:`moe_mlp_fwd`: (dX, d top_k_weights, d gate_up_proj, d down_proj, d
     gate_up_proj_bias, d down_proj_bias, d up_proj), None where ``needs_input_grad`` (x, weights,
-    gate_up_proj, down_proj[, up_proj]) or ``needs_bias_grad`` says no (or there is no bias or up_proj). Weight gradients in the weight's
-    dtype and layout; routing-weight gradients by <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e].
+    gate_up_proj, down_proj[, up_proj]) or ``needs_bias_grad`` says no (or there is no bias or up_proj).
+    :func:`moe_mlp_bwd_core`, then each expert tensor's gradient (:func:`expert_gradient`): the down
+    projection's first (its operand A is released then), the gate/up projection's last.
 
     ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update`` / the biases' updates: a callable
-    that updates the weight in place, given the weight's :class:`ExpertGradient` (computed whole or by
-    chunks of experts when asked); called where that gradient would be computed (W2's after G, which
-    reads W2, and before dX; W1's last). It computes the gradient then, or later (a deferred update keeps
-    the operands alive until then); None is returned for the weight.
-
-    ``hpre_writable``: the caller will not read ``hpre`` again (the graph is freed after this backward),
-    so SwiGLU's dHpre is written over it instead of into a tensor of its own (one [S, 2I] tensor fewer)."""
+    that updates the tensor in place, given its :class:`ExpertGradient` (computed whole or by chunks of
+    experts when asked); it computes the gradient then, or later (a deferred update keeps the operands
+    alive until then); None is returned for that tensor. ``hpre_writable``: as for
+    :func:`moe_mlp_bwd_core`."""
     need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
     need_w3 = need_w3 and up_proj is not None
     need_b1 = needs_bias_grad[0] and gate_up_proj_bias is not None
     need_b2 = needs_bias_grad[1] and down_proj_bias is not None
+    grad_x, grad_w, grad_hpre, a = moe_mlp_bwd_core(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation,
+        (need_x, need_w, need_w1 or need_w3 or need_b1, need_w2), layout=layout, down_proj_bias=down_proj_bias,
+        up_proj=up_proj, hpre_writable=hpre_writable,
+    )  # fmt: skip
+    I = down_view(down_proj, layout).shape[2]
+    # (name, needed, tensor, update, P, Q): in the order the gradients are computed.
+    jobs = (
+        ("down_proj_bias", need_b2, down_proj_bias, down_proj_bias_update, grad_out, None),
+        ("down_proj", need_w2, down_proj, down_proj_update, grad_out, a),
+        ("gate_up_proj_bias", need_b1, gate_up_proj_bias, gate_up_proj_bias_update, grad_hpre, None),
+        ("gate_up_proj", need_w1, gate_up_proj, gate_up_proj_update,
+         grad_hpre if up_proj is None or grad_hpre is None else grad_hpre[:, :I], hidden_states),
+        ("up_proj", need_w3, up_proj, up_proj_update, None if grad_hpre is None else grad_hpre[:, I:], hidden_states),
+    )  # fmt: skip
+    del a, grad_hpre
+    grads = {}
+    for name, need, weight, update, p, q in jobs:
+        if need:
+            gradient = expert_gradient(name, weight, p, q, top_k_weights, meta, layout)
+            grads[name] = gradient.full() if update is None else update(gradient)
+            del gradient
+    jobs = None
+    return (
+        grad_x, grad_w, grads.get("gate_up_proj"), grads.get("down_proj"), grads.get("gate_up_proj_bias"),
+        grads.get("down_proj_bias"), grads.get("up_proj"),
+    )  # fmt: skip
+
+
+def moe_mlp_bwd_core(
+    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs, *,
+    layout="concatenated", down_proj_bias=None, up_proj=None, hpre_writable=False,
+):  # fmt: skip
+    """What the backward of :func:`moe_mlp_fwd` computes once per layer: (dX [T, H], d top_k_weights
+    [T, top_k], dHpre [S, 2I], A [S, I]), each None where ``needs`` (dX, d top_k_weights, dHpre, A)
+    says no. The routing-weight gradient is <dO[t], Y[r]> = <G[r], A[r]> with G = dO[token] @ W2[e];
+    dX reads W1 (``gate_up_proj`` and ``up_proj`` in ``layout``). dHpre and A are the operands of the
+    expert tensors' gradients (:func:`expert_gradient`).
+
+    ``hpre_writable``: the caller will not read ``hpre`` again (the graph is freed after this backward),
+    so SwiGLU's dHpre is written over it instead of into a tensor of its own (one [S, 2I] tensor fewer)."""
+    need_x, need_w, need_dhpre, need_a = needs
     T = hidden_states.shape[0]
     top_k = top_k_weights.shape[1]
     halves, I = (2 if is_gated(layout) else 1), down_view(down_proj, layout).shape[2]
@@ -302,12 +342,11 @@ def moe_mlp_bwd(
     # Rows past expert_offsets[E] (dropped slots) hold whatever the grouped GEMMs left there: no GEMM
     # below reads them (each expert's rows end at its offset) and the combines mask them, so nothing here
     # spends a pass masking them; their routing weight is 0.
-    valid = _valid_rows(meta, S)
     tokens = meta.token_of_row.long()
-    w_row = torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
-    grad_x = grad_w = grad_w1 = grad_w2 = grad_b1 = grad_b2 = grad_w3 = None
-    need_g = need_x or need_w or need_w1 or need_w3 or need_b1
-    need_d = need_x or need_w1 or need_w3 or need_b1  # dHpre
+    w_row = _row_weights(top_k_weights, meta)
+    grad_x = grad_w = None
+    need_g = need_x or need_w or need_dhpre
+    need_d = need_x or need_dhpre  # dHpre
     grad_hpre = a = g = None
     if need_g:
         w2 = down_view(down_proj, layout).to(dtype)
@@ -337,30 +376,10 @@ def moe_mlp_bwd(
                 per_slot = per_slot + down_bias_weight_term(grad_out, down_proj_bias, meta, top_k)
             grad_w = per_slot.reshape(T, top_k).to(top_k_weights.dtype)
         del per_row
-    if a is None and need_w2:
+    if not need_a:
+        a = None
+    elif a is None:
         a = _activate(hpre[:, :I].float(), hpre[:, I:].float() if halves == 2 else None, activation).to(dtype)
-    ones = torch.ones(S, ONES_COLUMNS, dtype=dtype, device=grad_out.device) if need_b1 or need_b2 else None
-    if need_b2:  # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
-        grad_rows = torch.index_select(grad_out, 0, tokens)  # [S, H]
-        p = torch.where(valid, w_row[:, None] * grad_rows.float(), 0.0).to(dtype)
-        whole = functools.partial(_grad_b2, p, ones, meta, down_proj_bias)
-        gradient = ExpertGradient(down_proj_bias, None, meta.expert_offsets, whole=whole)
-        grad_b2 = gradient.full() if down_proj_bias_update is None else down_proj_bias_update(gradient)
-        del p, whole, gradient, grad_rows
-    if need_w2:  # after G, which reads W2
-        gradient = _down_gradient(w_row, grad_out, tokens, a, meta, dtype, down_proj, layout)
-        if down_proj_update is None:
-            grad_w2 = gradient.full()
-        else:
-            down_proj_update(gradient)
-        del gradient
-    a = None
-    if need_b1:  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
-        whole = functools.partial(_grad_b1, grad_hpre, ones, meta, gate_up_proj_bias, layout, halves, I)
-        gradient = ExpertGradient(gate_up_proj_bias, None, meta.expert_offsets, whole=whole)
-        grad_b1 = gradient.full() if gate_up_proj_bias_update is None else gate_up_proj_bias_update(gradient)
-        del whole, gradient
-    del ones
     if need_x:
         w1 = concatenated(gate_up_proj, layout, dtype, up_proj)
         if grad_hpre.device.type == "cpu":
@@ -370,25 +389,40 @@ def moe_mlp_bwd(
             grad_x = _combine(rows, meta, None, T, top_k).to(dtype)
             del rows
         del w1
-    # W1's wgrad; in a separate layout the gate tensor's from dHpre's gate half, then the up tensor's.
-    parts = [(need_w1, gate_up_proj, gate_up_proj_update, grad_hpre if up_proj is None else grad_hpre[:, :I])]
-    if up_proj is not None:
-        parts.append((need_w3, up_proj, up_proj_update, grad_hpre[:, I:]))
-    del grad_hpre
-    grads_w1 = []
-    for need, weight, update, p in parts:
-        grad = None
-        if need:
-            gradient = _gate_up_gradient(p, hidden_states, tokens, meta, weight, layout)
-            if update is None:
-                grad = gradient.full()
-            else:
-                update(gradient)
-            del gradient
-        grads_w1.append(grad)
-        del p
-    grad_w1, grad_w3 = (*grads_w1, None)[:2]
-    return grad_x, grad_w, grad_w1, grad_w2, grad_b1, grad_b2, grad_w3
+    return grad_x, grad_w, grad_hpre if need_dhpre else None, a
+
+
+def _row_weights(top_k_weights, meta) -> torch.Tensor:
+    """[S] float32: each row's routing weight (0 past expert_offsets[E], the dropped slots)."""
+    valid = _valid_rows(meta, top_k_weights.numel())
+    return torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)
+
+
+def expert_gradient(name, weight, p, q, top_k_weights, meta, layout) -> ExpertGradient:
+    """The gradient of the expert tensor ``name`` (``weight``; one of :data:`sonar_kernels.specs.EXPERT_TENSORS`)
+    as an :class:`ExpertGradient`, computed whole or by chunks of experts when asked, from the operands
+    :func:`moe_mlp_bwd_core` gave: ``p`` dO [T, H] (the down projection and its bias; its rows gathered
+    by token and scaled by the routing weight) or dHpre [S, 2I] (the gate/up projection and its bias; a
+    separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down projection), X [T, H] (the
+    gate/up projection; rows gathered by token), or None (a bias: a column of ones)."""
+    dtype = p.dtype
+    if name in ("down_proj", "down_proj_bias"):
+        w_row = _row_weights(top_k_weights, meta)
+        tokens = meta.token_of_row.long()
+        if name == "down_proj":
+            return _down_gradient(w_row, p, tokens, q, meta, dtype, weight, layout)
+        # db2[e] = sum_r w_r dO[token_r]: dW2's sum with ones for A
+        valid = _valid_rows(meta, top_k_weights.numel())
+        rows = torch.where(valid, w_row[:, None] * torch.index_select(p, 0, tokens).float(), 0.0).to(dtype)
+        ones = torch.ones(rows.shape[0], ONES_COLUMNS, dtype=dtype, device=p.device)
+        whole = functools.partial(_grad_b2, rows, ones, meta, weight)
+        return ExpertGradient(weight, None, meta.expert_offsets, whole=whole)
+    if name == "gate_up_proj_bias":  # db1[e] = sum_r dHpre[r]: dW1's sum with ones for X
+        halves = 2 if is_gated(layout) else 1
+        ones = torch.ones(p.shape[0], ONES_COLUMNS, dtype=dtype, device=p.device)
+        whole = functools.partial(_grad_b1, p, ones, meta, weight, layout, halves, weight.shape[1] // halves)
+        return ExpertGradient(weight, None, meta.expert_offsets, whole=whole)
+    return _gate_up_gradient(p, q, meta.token_of_row.long(), meta, weight, layout)
 
 
 def _expert_of_row(meta: RoutingMetadata) -> torch.Tensor:
