@@ -140,8 +140,8 @@ class Setup:
         backend: the expert MLP's backend: "torch" (the CPU path) or "triton".
         tracker: model what torch's MemTracker reports instead of the allocated bytes: DDP's gradient
             buckets, allocated before the step, appear when the backward first writes them; inside a
-            ``sonar_kernels::`` custom op (the standard arm's ``moe_mlp_bwd_grads``) only its outputs
-            are seen.
+            ``sonar_kernels::`` custom op (the standard arm's backward jobs ``moe_mlp_bwd`` and
+            ``expert_wgrad``) only its outputs are seen.
         expert_rows: per layer, the rows this rank's experts receive under expert parallelism (None:
             balanced routing, T * top_k each, the average).
         collectives: "nccl" or "gloo" (whose reduce-scatter, which FSDP2 uses, works on a copy of its input).
@@ -609,13 +609,19 @@ def predict(s: Setup) -> Prediction:
             "node": node,
         })  # fmt: skip
         if mode == "grad" and s.tracker:
-            # The node is one sonar_kernels::moe_mlp_bwd_grads op: a TorchDispatchMode (MemTracker) sees
-            # its outputs, not the buffers inside it. Expert parallel: the rows' weights are ones, which
-            # need no gradient.
+            # The node runs the sonar_kernels:: ops of the backward's jobs: a TorchDispatchMode (MemTracker)
+            # sees their outputs, not the buffers inside them. The core op's (dX, the routing weights'
+            # gradient, dHpre, A; expert parallel: the rows' weights are ones, which need no gradient), then
+            # each weight's gradient op: W2's (its operand A released after it), W1's (dHpre after it).
+            S, I = n["S"], n["I"]
             tape.alloc("dX", n["T"] * H * a)
             tape.alloc("d_routing_weights", 0 if lay.ep > 1 else T * d.top_k * a)
-            tape.alloc("grad:gate_up_proj", w1)
+            tape.alloc("dHpre", S * 2 * I * a)
+            tape.alloc("A", S * I * a)
             tape.alloc("grad:down_proj", w2)
+            tape.free("A")
+            tape.alloc("grad:gate_up_proj", w1)
+            tape.free("dHpre")
         elif s.backend == "torch":
             torch_expert_backward(tape, n, mode, s.adamw)
         else:
