@@ -86,7 +86,7 @@ def timed_kernels(cuda: bool, gate_up_proj: torch.Tensor, down_proj: torch.Tenso
     # The launcher modules, each with the kernels it launches.
     originals = {
         (module, n): v
-        for module in (ops.forward, ops.backward)
+        for module in (ops.forward, ops.backward, ops.wgrad)
         for n, v in vars(module).items()
         if isinstance(v, triton.runtime.KernelInterface)
     }

@@ -21,7 +21,7 @@ experts module, every decoder layer and the model: docs/distributed.md's recipe)
 How: an analytic account of what is alive at each candidate moment of the step (the end of the forward,
 the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the optimizer step),
 derived from the code that runs (transformers' modeling files, ``sonar_kernels/ops/torch_backend.py``,
-``sonar_kernels/ops/backward.py``, ``sonar_kernels/autograd/moe_mlp.py``, ``sonar_kernels/optim/
+``sonar_kernels/ops/backward.py``, ``sonar_kernels/ops/wgrad.py``, ``sonar_kernels/autograd/formula.py``, ``sonar_kernels/optim/
 distributed.py``, torch's AdamW, DDP and FSDP2, and autograd's rules: which tensors each op saves for its
 backward); the peak is the largest moment. No coefficient is fitted to measurements; one term was found
 by measuring and is marked so (FSDP2: down_proj's gradient output alive during the experts'
@@ -369,7 +369,7 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str) -> None:
     """The torch backend's expert backward (ops/torch_backend.py ``moe_mlp_bwd``, line by line), then the
     deferred updates of an in-backward ``mode`` ("grad": the node returns both weight gradients;
     "deferred": W1's then W2's wgrad and torch AdamW run in the weights' AccumulateGrad pre-hooks,
-    autograd/moe_mlp.py). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a`` (activation bytes), w1 and
+    autograd/formula.py). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a`` (activation bytes), w1 and
     w2 (the local weight tensors)."""
     S, T, k, H, I, a, w1, w2 = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2"))
     wide = a != FP32  # 16-bit activations: .float() copies
@@ -443,23 +443,23 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str) -> None:
 
 
 def triton_expert_backward(tape: Tape, n: dict, mode: str) -> None:
-    """The Triton backend's expert backward (ops/backward.py ``_launch_bwd``): dHpre [S, 2I], A [S, I] and
-    the routing-weight partial sums [cdiv(I, 64), S] fp32 from the dHpre kernel; dW2 (mode "grad"); d
-    top_k_weights; dX's rows [S, H] and dX [T, H]; dW1 (mode "grad"). ``mode`` "fused": the updates
-    deferred and fused into the wgrad launches (no gradient tensor); "split": deferred, each gradient
-    written, then updated by the flat AdamW kernel (no temporaries)."""
+    """The Triton backend's expert backward (ops/backward.py ``moe_mlp_bwd_core``, then each weight's job,
+    ops/wgrad.py ``expert_wgrad``): dHpre [S, 2I], A [S, I] and the routing-weight partial sums
+    [cdiv(I, 64), S] fp32 from the dHpre kernel; d top_k_weights; dX's rows [S, H] and dX [T, H]; then dW2
+    (mode "grad"; A released after it) and dW1 (mode "grad"). ``mode`` "fused": the updates deferred and
+    fused into the wgrad launches (no gradient tensor); "split": deferred, each gradient written, then
+    updated by the flat AdamW kernel (no temporaries)."""
     S, T, k, H, I, a, w1, w2 = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2"))
     tape.alloc("dHpre", S * 2 * I * a)
     tape.alloc("A", S * I * a)
     tape.alloc("dw_partial", -(-I // DHPRE_BLOCK_N) * S * FP32)
-    if mode == "grad":
-        tape.alloc("grad:down_proj", w2)
-    tape.free("A") if mode == "grad" else None
     tape.alloc("d_routing_weights", T * k * a)
     tape.free("dw_partial")
     tape.alloc("dX", T * H * a)
     tape.moment(dX_rows=S * H * a)
     if mode == "grad":
+        tape.alloc("grad:down_proj", w2)
+        tape.free("A")
         tape.alloc("grad:gate_up_proj", w1)
         return
     tape.free("node")

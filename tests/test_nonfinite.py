@@ -1,6 +1,6 @@
 """Non-finite and overflowing gradients: the update is skipped, counted, and nothing becomes NaN or Inf.
 
-The decision for an expert tensor is made before its update's launch (ops.backward); the expected
+The decision for an expert tensor is made before its update's launch (ops.wgrad); the expected
 outcome here comes from the plain gradient the same kernels write without an optimizer, or from torch.
 """
 
@@ -148,14 +148,14 @@ def test_precheck_that_fires_on_a_finite_gradient_changes_no_bit(device, monkeyp
     g1, g2 = _plain_grads(w1, w2, batch)
     assert max(float(g1.abs().max()), float(g2.abs().max())) <= 128
     fired = []
-    original = ops.backward.overflow_possible
+    original = ops.wgrad.overflow_possible
 
     def spy(*args):
         flag = original(*args)
         fired.append(float(flag))
         return flag
 
-    monkeypatch.setattr(ops.backward, "overflow_possible", spy)
+    monkeypatch.setattr(ops.wgrad, "overflow_possible", spy)
     a1, a2 = (torch.nn.Parameter(p.detach().clone()) for p in (w1, w2))
     fused = _one_update(a1, a2, batch)
     assert fired == [1.0, 1.0]
@@ -300,9 +300,9 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
 def test_precheck_does_not_fire_on_ordinary_gradients(dtype, device, monkeypatch):
     # The check pass would double the wgrad's cost: on ordinary data the bound must rule it out.
     fired = []
-    original = ops.backward.overflow_possible
+    original = ops.wgrad.overflow_possible
     monkeypatch.setattr(
-        ops.backward,
+        ops.wgrad,
         "overflow_possible",
         lambda *args: fired.append(float(original(*args))) or original(*args),
     )
@@ -355,14 +355,14 @@ def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(where, device
 
         monkeypatch.setattr(ops.backward, "_dx", failing)
     else:  # after dW2's launch, before dW1's
-        original = ops.backward.expert_wgrad
+        original = ops.wgrad.expert_wgrad
 
         def failing(name, *args, **kwargs):
             if name == "gate_up_proj":
                 raise RuntimeError("dW1 failed")
             return original(name, *args, **kwargs)
 
-        monkeypatch.setattr(ops.backward, "expert_wgrad", failing)
+        monkeypatch.setattr(ops.wgrad, "expert_wgrad", failing)
     x, index, weights, grad_out = _batch(0, torch.bfloat16, device)
     x.requires_grad_()  # so that dX is computed
     with pytest.raises(RuntimeError, match=f"{where} failed"):

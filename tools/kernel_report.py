@@ -311,7 +311,7 @@ def _forward_specs() -> list[Spec]:
 
 
 def _backward_specs() -> list[Spec]:
-    """ops.backward.moe_mlp_bwd and its wgrad. Routing weights are given the activation dtype (any is accepted;
+    """ops.backward.moe_mlp_bwd_core and ops.wgrad.expert_wgrad. Routing weights are given the activation dtype (any is accepted;
     the pointer dtype only changes one load)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
@@ -405,7 +405,7 @@ def _backward_specs() -> list[Spec]:
     # dW2's H), or between W1's halves (interleaved).
     layouts = [("dW2", "transposed", "stride_m"), ("dW1", "transposed", "stride_m"),
                ("dW1", "interleaved transposed", "stride_half")]  # fmt: skip
-    # The biases' fused update (ops.backward): the wgrad with a stride-0 column of ones for Q (N = 1, a
+    # The biases' fused update (ops.wgrad): the wgrad with a stride-0 column of ones for Q (N = 1, a
     # constexpr as the JIT specialises it; db2: P gathered by token, db1: dHpre), the bias seen as [E, M, 1].
     layouts += [("db2", "bias", "stride_m"), ("db1", "bias", "stride_m")]
     for role, layout, unit in layouts:

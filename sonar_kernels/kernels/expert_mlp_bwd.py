@@ -1,16 +1,17 @@
 """Backward kernels of the gated expert MLP: dHpre and the routing-weight gradient, wgrad with the fused
 AdamW epilogue, and the reduction of the routing-weight partial sums.
 
-(About 460 lines, on purpose: the wgrad kernel and its epilogue slices share constexpr paths (fused
+(About 500 lines, on purpose: the wgrad kernel and its epilogue slices share constexpr paths (fused
 update, check pass, plain store, accumulation) that are read together.)
 
 Order of the backward (docs/design.md, "Backward and the fused update"); the dX rows reuse the forward's
 grouped GEMM and combine kernels (``expert_mlp_fwd``):
 
 1. ``expert_mlp_bwd_dhpre_kernel``: G = dO[token] @ W2[e] per row (reads W2 before its update), the
-   partial sums of d w = <G, A>, A recomputed from the saved Hpre, dHpre from dA = w * G.
-2. ``expert_mlp_bwd_dw_kernel`` for W2: dW2[e] = sum_r (w_r dO[token_r])^T A_r, AdamW in the epilogue.
-3. dX rows = dHpre @ W1[e] (reads W1 before its update), then dX[t] = sum_j of them, in j order.
+   partial sums of d w = <G, A>, A recomputed from the saved Hpre, dHpre from dA = w * G; then
+   ``expert_mlp_bwd_dweights_kernel`` reduces the partial sums.
+2. dX rows = dHpre @ W1[e] (reads W1 before its update), then dX[t] = sum_j of them, in j order.
+3. ``expert_mlp_bwd_dw_kernel`` for W2: dW2[e] = sum_r (w_r dO[token_r])^T A_r, AdamW in the epilogue.
 4. ``expert_mlp_bwd_dw_kernel`` for W1: dW1[e] = sum_r dHpre_r^T X[token_r], AdamW in the epilogue.
 """
 

@@ -2,8 +2,8 @@
 
 - ``common``: buffer allocation, device context, layout helpers;
 - ``validation``: argument checks (ValueError / TypeError before any kernel runs);
-- ``forward``, ``backward``: the Triton launchers (routing metadata and forward; dHpre, wgrad with the
-  fused AdamW epilogue, dX);
+- ``forward``, ``backward``, ``wgrad``: the Triton launchers (routing metadata and forward; the backward's
+  core: dHpre, the routing-weight gradient, dX; one expert tensor's wgrad with the fused AdamW epilogue);
 - ``adamw``: torch's AdamW on one tensor, and the arithmetic the epilogue follows on each device;
 - ``torch_backend``: the expert MLP on torch's GEMMs, with ``grouped_gemm`` (torch's grouped GEMM or an mm
   per expert), ``expert_gradient`` (the wgrad whole or by chunks of experts) and ``glu`` (the gated
@@ -16,13 +16,15 @@ from sonar_kernels.ops.adamw import (
     adamw_arithmetic,
     grad_limit,
     has_torch_fused_adamw,
+    overflow_possible,
     torch_adamw_,
     torch_fused_adamw_arithmetic,
 )
-from sonar_kernels.ops.backward import AdamWUpdate, GradAccumulator, moe_mlp_bwd, overflow_possible
+from sonar_kernels.ops.backward import moe_mlp_bwd
 from sonar_kernels.ops.common import is_dense, triton_interpreting, whole
 from sonar_kernels.ops.forward import moe_mlp_fwd, routing_block_config, routing_metadata
 from sonar_kernels.ops.validation import check_hyperparameters, check_moe_mlp_args
+from sonar_kernels.ops.wgrad import AdamWUpdate, GradAccumulator
 from sonar_kernels.specs import BACKENDS, MAX_EXPERTS, SUPPORTED_DTYPES
 
 __all__ = [

@@ -63,7 +63,7 @@ def overflow_possible(
 ) -> torch.Tensor:
     """0.0 (a 0-dim fp32 device tensor) when no entry of the wgrad, rounded, can exceed ``limit`` in
     magnitude and no GEMM operand can overflow ``operand_limit`` when rounded to the GEMM dtype, else
-    1.0: the cheap test that spares the exact check pass (the Triton backend's in ``ops/backward.py``, the
+    1.0: the cheap test that spares the exact check pass (the Triton backend's in ``ops/wgrad.py``, the
     torch backend's in :func:`torch_adamw_chunked_`).
 
     An entry of sum_r P[r]^T Q[r] over at most n rows with |P| <= p, |Q| <= q is at most n * p * q in

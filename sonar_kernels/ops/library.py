@@ -20,6 +20,7 @@ from sonar_kernels import specs
 from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
+from sonar_kernels.ops import wgrad as triton_wgrad
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.specs import RoutingMetadata
@@ -270,9 +271,9 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
 
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
-) -> triton_bwd.AdamWUpdate:
+) -> triton_wgrad.AdamWUpdate:
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
-    return triton_bwd.AdamWUpdate(
+    return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
         grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
     )  # fmt: skip
@@ -284,7 +285,7 @@ def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fus
         grad_dtype = weight.dtype if grad_dtype is None else grad_dtype
         return _update(state, hyper, grad_dtype, fused_epilogue, buffer, on_done, defer), None
     if mode == "accumulate":
-        return None, triton_bwd.GradAccumulator(buffer, buffer_add, on_done)
+        return None, triton_wgrad.GradAccumulator(buffer, buffer_add, on_done)
     return None, None
 
 
@@ -292,13 +293,13 @@ def check_expert_wgrad(
     name, weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, backend
 ):
     """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
-    (the Triton backend's checks, ``ops.backward.check_wgrad``); the autograd layer checks every expert
+    (the Triton backend's checks, ``ops.wgrad.check_wgrad``); the autograd layer checks every expert
     tensor's plan before the first one runs."""
     if backend == "triton":
         update, accumulator = _triton_plan(
             weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, None, None
         )
-        triton_bwd.check_wgrad(name, weight, update, accumulator)
+        triton_wgrad.check_wgrad(name, weight, update, accumulator)
 
 
 def run_expert_wgrad(
@@ -320,7 +321,7 @@ def run_expert_wgrad(
         update, accumulator = _triton_plan(
             weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, on_done, defer
         )
-        return triton_bwd.expert_wgrad(
+        return triton_wgrad.expert_wgrad(
             name, weight, p, q, top_k_weights, meta, layout, magnitudes, update, accumulator
         )
     gradient = torch_backend.expert_gradient(name, weight, p, q, top_k_weights, meta, layout)
