@@ -366,80 +366,87 @@ class Tape:
 
 
 def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str) -> None:
-    """The torch backend's expert backward (ops/torch_backend.py ``moe_mlp_bwd``, line by line), then the
-    deferred updates of an in-backward ``mode`` ("grad": the node returns both weight gradients;
-    "deferred": W1's then W2's wgrad and torch AdamW run in the weights' AccumulateGrad pre-hooks,
-    autograd/formula.py). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a`` (activation bytes), w1 and
-    w2 (the local weight tensors)."""
-    S, T, k, H, I, a, w1, w2 = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2"))
+    """The torch backend's expert backward, SwiGLU (ops/torch_backend.py ``moe_mlp_bwd_core``, then each
+    weight's job, ``expert_gradient``), then the deferred updates of an in-backward ``mode`` ("grad": the
+    jobs return both weight gradients; "deferred": W1's then W2's wgrad and torch AdamW run in the weights'
+    AccumulateGrad pre-hooks, autograd/formula.py, by chunks of experts with torch's fused AdamW,
+    ops/adamw.py ``torch_adamw_chunked_``). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a``
+    (activation bytes), w1 and w2 (the local weight tensors), E (the local experts), ``routing_grad``
+    (whether the routing weights get a gradient: not under expert parallelism, where they are ones)."""
+    from sonar_kernels.ops.torch_backend import ROW_BLOCK_BYTES, WGRAD_CHUNK_BYTES
+
+    S, T, k, H, I, a, w1, w2, E = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2", "E"))
     wide = a != FP32  # 16-bit activations: .float() copies
-    unit = S * I * FP32
-    tape.moment(arange=S * INT64)
-    tape.alloc("valid", S)
+    routing_grad = n.get("routing_grad", True)
+
+    def block_rows(width: int) -> int:
+        """The rows of the largest block of whole experts of at most ROW_BLOCK_BYTES per fp32 row of
+        ``width`` (balanced routing: at least one expert's share)."""
+        return min(S, max(ROW_BLOCK_BYTES // (FP32 * width), -(-S // E)))
+
+    sub = min(S, max(1, ROW_BLOCK_BYTES // (FP32 * I)))  # the elementwise blocks of rows
+    # The core: the rows' tokens and routing weights (locals of the core).
     tape.alloc("token_ids", S * INT64)
-    tape.moment(slot_ids=S * INT64, weights_gathered=S * a + (S * FP32 if wide else 0))
+    tape.moment(valid=S, slot_ids=S * INT64, weights_gathered=S * a + (S * FP32 if wide else 0))
     tape.alloc("weight_per_row", S * FP32)
-    tape.alloc("dO_rows", S * H * a)
+    tape.alloc("per_row", S * FP32 if routing_grad else 0)
+    # dHpre: written over the saved Hpre when the graph is freed after this backward (eager, deferred: the
+    # node's Hpre becomes dHpre, which W1's job holds past the node), else a tensor of its own.
+    if mode != "grad":
+        tape.live["node"] -= S * 2 * I * a
+    tape.alloc("dHpre", S * 2 * I * a)
+    tape.alloc("A", S * I * a)
+    # G by blocks of experts (dO's rows gathered, the GEMM's output), then SwiGLU's backward by blocks of
+    # rows: gate, up (fp32 copies when 16-bit), silu, the product for <G, A>, sigmoid, its derivative, d gate.
+    rows = block_rows(max(H, I))
+    tape.alloc("g_blocks", rows * (H + I) * a + (rows * I * FP32 if wide else 0))
+    tape.moment(swiglu_blocks=sub * I * FP32 * (5 + (4 if wide else 0)))
+    tape.free("g_blocks")
+    if routing_grad:  # d top_k_weights: per slot (the row of each slot, as int64), [T, k]
+        tape.moment(slot_rows=S * INT64, per_slot=2 * S * FP32)
+        tape.alloc("d_routing_weights", T * k * a)
+    tape.free("per_row")
+    # dX: a block of experts' rows dHpre @ W1[e] at a time, added to its tokens in fp32; then in a.
+    tape.alloc("dX_fp32", T * H * FP32)
+    rows = block_rows(H)
+    tape.moment(token_ids_dx=S * INT64, dX_block=rows * H * a + (rows * H * FP32 if wide else 0))
     if wide:
-        tape.alloc("gate_up_fp32", 2 * unit)
-    tape.moment(silu=unit, glu=unit)
-    tape.alloc("A", S * I * a)  # glu(...).to(dtype)
-    # G = dO_rows @ W2[e] in a, .float(), masked: fp32 [S, I]
-    tape.moment(g_mm=S * I * a, g_float=unit if wide else 0)
-    tape.alloc("G", unit)
-    # d top_k_weights: (G * A.float()).sum(1), per slot, [T, k] in the weights' dtype
-    tape.moment(a_float=unit if wide else 0, g_times_a=unit)
-    tape.alloc("d_routing_weights", S * FP32 + S + (T * k * a if wide else 0))
-    # glu_bwd(gate, up, w * G): grad_a, sigmoid, act, act_grad, d_gate (via grad_a * up), d_up
-    tape.alloc("glu_bwd", 4 * unit)
-    tape.moment(grad_a_up=unit, d_gate=unit)
-    tape.moment(d_gate=unit, d_up=unit)
-    tape.free("glu_bwd")
-    tape.alloc("d_gate_up", 2 * unit)
-    tape.alloc("d_hpre_cat", 2 * unit)
-    tape.alloc("d_hpre_where", 2 * unit)
-    if wide:
-        tape.alloc("dHpre", S * 2 * I * a)
-        tape.free("d_hpre_where")
+        tape.alloc("dX", T * H * a)
+        tape.free("dX_fp32")
     else:
-        tape.live["dHpre"] = tape.live.pop("d_hpre_where")
-    tape.free("d_hpre_cat", "d_gate_up", "G")
-    if mode == "grad":  # dW2 = (w * dO_rows)^T A, in a: the product's fp32 temporaries, then the GEMM
-        tape.moment(p_float=S * H * FP32 if wide else 0, p_mul=S * H * FP32)
-        tape.moment(p_mul=S * H * FP32, p_where=S * H * FP32)
-        tape.alloc("p", S * H * a)
+        tape.live["dX"] = tape.live.pop("dX_fp32")
+    tape.free("token_ids", "weight_per_row")
+    # The jobs: each weight's gradient from the core's operands, with the rows' tokens (and W2's routing
+    # weights) it gathers by; held by the deferred updates until they run.
+    tape.alloc("w2_job", S * INT64 + S * FP32)
+    tape.alloc("w1_job", S * INT64)
+    if mode == "grad":  # each gradient whole: the gathered rows of dO (scaled) and of X
+        tape.moment(**{"grad:down_proj": w2, "dO_rows": S * H * a + (S * H * FP32 if wide else 0)})
         tape.alloc("grad:down_proj", w2)
-        tape.free("p")
-    # dX: rows = dHpre @ W1[e], gathered per slot, .float(), masked, summed over k (fp32), cast to a
-    tape.alloc("dX_rows", S * H * a)
-    tape.alloc("dX_gathered", S * H * a)
-    if wide:
-        tape.alloc("dX_gathered_fp32", S * H * FP32)
-        tape.free("dX_gathered")
-    tape.moment(dX_where=S * H * FP32, dX_sum=T * H * FP32)
-    tape.free("dX_rows", "dX_gathered", "dX_gathered_fp32")
-    tape.alloc("dX", T * H * a)
-    tape.moment(dX_fp32=T * H * FP32 if wide else 0)
-    if mode == "grad":
-        tape.free("dO_rows", "A")
-        tape.alloc("x_rows", S * H * a)  # W1's wgrad gathers X's rows
+        tape.free("A", "w2_job")
+        tape.moment(**{"grad:gate_up_proj": w1, "x_rows": S * H * a})
         tape.alloc("grad:gate_up_proj", w1)
-        tape.free("x_rows")
+        tape.free("w1_job")
         return
-    # The deferred updates, after the node (its buffers but the closures' operands released): W1's, with
-    # W2's closure (dO rows, A, the row weights) still pending, then W2's.
-    tape.free("gate_up_fp32", "node")
-    tape.alloc("x_rows", S * H * a)
-    tape.alloc("in_backward:gate_up_proj", w1)
-    tape.free("x_rows")
-    tape.moment(**{"step:adamw": adamw_temporaries(adamw, [w1])})
-    tape.free("in_backward:gate_up_proj", "dHpre", "token_ids")
-    tape.moment(p_float=S * H * FP32 if wide else 0, p_mul=S * H * FP32)
-    tape.moment(p_mul=S * H * FP32, p_where=S * H * FP32)
-    tape.alloc("p", S * H * a)
-    tape.alloc("in_backward:down_proj", w2)
-    tape.free("p")
-    tape.moment(**{"step:adamw": adamw_temporaries(adamw, [w2])})
+    # The deferred updates, after the node: W1's (with W2's job pending), then W2's. Torch's fused AdamW:
+    # a chunk of experts' gradient at a time into one buffer, their rows gathered into another; else the
+    # whole gradient and all its rows, then torch's AdamW (its temporaries).
+    tape.free("node")
+    if not routing_grad:  # expert parallel: dO is the node's dY (its rows), which W2's job gathers from
+        tape.alloc("w2_job", S * H * a)
+    for name, weight, extra in (
+        ("gate_up_proj", w1, ("dHpre", "w1_job")),
+        ("down_proj", w2, ("A", "w2_job")),
+    ):
+        if adamw == "fused":
+            chunk = min(weight, max(WGRAD_CHUNK_BYTES, weight // E))
+            rows = min(S, -(-S * chunk // weight))
+            tape.moment(**{f"in_backward:{name}": chunk, "chunk_rows": rows * H * a})
+        else:
+            rows = S * H * a + (S * H * FP32 if wide and name == "down_proj" else 0)
+            tape.moment(**{f"in_backward:{name}": weight, "rows": rows,
+                           "step:adamw": adamw_temporaries(adamw, [weight])})  # fmt: skip
+        tape.free(*extra)
 
 
 def triton_expert_backward(tape: Tape, n: dict, mode: str) -> None:
@@ -588,9 +595,11 @@ def predict(s: Setup) -> Prediction:
     for layer in reversed(range(L)):  # each layer's expert backward, the last layer first
         kept, moe, _ = saved[layer]
         n = {"S": rows[layer], "T": rows[layer] if lay.ep > 1 else T, "k": 1 if lay.ep > 1 else d.top_k, "H": H,
-             "I": d.intermediate_size, "a": a, "w1": w1, "w2": w2}  # fmt: skip
-        # The node's saved tensors, and autograd's zero gradients for its unused outputs (Hpre, metadata).
-        node = sum(moe.values()) + rows[layer] * 2 * d.intermediate_size * a + kept["routing_metadata"]
+             "I": d.intermediate_size, "a": a, "w1": w1, "w2": w2, "E": d.num_experts // lay.ep,
+             "routing_grad": lay.ep == 1}  # fmt: skip
+        # The node's saved tensors (autograd gives its unused outputs, Hpre and the metadata, no zero
+        # gradients: autograd/formula.py turns their materialization off).
+        node = sum(moe.values())
         if d.family == "granitemoe":
             node += x  # the experts' dY: dO times the residual multiplier
         if lay.ep > 1:
@@ -1119,7 +1128,7 @@ def run_cases(cases: list[Case], timeout: float = 1800) -> list[list[dict]]:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{len(cases)} cases on {world} ranks ran past {timeout} s")
-        except mp.ProcessException as error:
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as error:  # a rank raised or died
             raise RuntimeError(f"a rank failed: {error}") from None
         finally:
             for process in context.processes:
