@@ -70,9 +70,10 @@ from sonar_kernels.train.arms import (
     sync,
     train_step,
 )
-from sonar_kernels.train.cli import main, parse_args
+from sonar_kernels.train.cli import main
 from sonar_kernels.train.data import PRESETS, ByteData, Preset, UsageError, default_text, load_text
 from sonar_kernels.train.memory import LABELS, measure_memory
+from sonar_kernels.train.options import parse_args
 from sonar_kernels.train.report import plot, summary_table
 
 __all__ = [

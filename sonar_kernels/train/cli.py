@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.util
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -21,9 +19,7 @@ from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 from sonar_kernels.train import checkpoint, distributed
 from sonar_kernels.train.arms import (
-    ARMS,
     EXPERT_PARAMS,
-    OTHER_ARMS,
     build_arm,
     build_model,
     run_arm,
@@ -39,6 +35,7 @@ from sonar_kernels.train.memory import (
     local_processes,
     measure_memory,
 )
+from sonar_kernels.train.options import parse_args
 from sonar_kernels.train.report import (
     TIMING_WARMUP,
     heldout_statistics,
@@ -47,181 +44,6 @@ from sonar_kernels.train.report import (
     step_time_summary,
     summary_table,
 )
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where one is set and the help text does not describe it already."""
-
-    def _get_help_string(self, action):
-        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="sonar-train",
-        description=(
-            "Train an MoE model (a transformers OLMoE or Granite MoE preset: tiny ones for a CPU, the real "
-            "models' dimensions for GPUs) three ways from the same initialization and batches: standard "
-            "(torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: expert tensors updated in the "
-            "backward, dense clipping) and standard-dense-clip (its control, which must equal sonar bit for "
-            "bit), over several seeds. Writes report.json and report.png under --out/--name and prints the "
-            "held-out loss per seed with a statistical verdict, peak memory and step time. --model PATH starts "
-            "every arm from a local transformers checkpoint instead, --save DIR writes the sonar arm's trained "
-            "model. Before any model is built, its training memory is estimated and a run that cannot fit is "
-            "refused (exit code 2)."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
-                        help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
-    parser.add_argument("--model", metavar="PATH",
-                        help="a local transformers checkpoint (a folder saved by save_pretrained) of an MoE family the "
-                        "sonar experts run (OLMoE, Qwen3-MoE, Granite MoE, Mixtral, ...), loaded with from_pretrained "
-                        "(local files only, in --dtype): every arm starts from its weights instead of the preset's "
-                        "random ones, and the seeds differ only in batch order. The token ids stay the text's UTF-8 "
-                        "bytes (0-255), not the checkpoint's tokenizer: its vocabulary must hold at least 256 ids "
-                        "(ids 256 and up are never seen), and its first losses are high (its embeddings of ids 0-255 "
-                        "mean other tokens). --preset then only sets the defaults of --steps, --batch-size and "
-                        "--seq-len")  # fmt: skip
-    parser.add_argument("--save", metavar="DIR",
-                        help="save the sonar arm's trained model (first seed) to DIR with save_pretrained, in the "
-                        "training dtype: a transformers checkpoint that loads without sonar_kernels (its config "
-                        "does not select the sonar experts; transformers' default experts run it). DIR must be a "
-                        "new or empty folder")  # fmt: skip
-    parser.add_argument(
-        "--layers",
-        type=int,
-        metavar="N",
-        help="number of decoder layers (default: the preset's, 4 for tiny-*)",
-    )
-    parser.add_argument("--data", metavar="PATH", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
-                        "held out (default: the Python docs in pydoc_data.topics)")  # fmt: skip
-    parser.add_argument(
-        "--steps",
-        type=int,
-        metavar="N",
-        help="training steps per arm and seed (default: the preset's, 200 for tiny-*, 20 for the real ones)",
-    )
-    parser.add_argument("--seeds", type=int, default=3,
-                        metavar="N", help="runs per arm, with seeds S, S+1, ... (S the first seed): each another initialization and batch "
-                        "order; the held-out difference is judged over them (standard-dense-clip runs the "
-                        "first seed only)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="the first seed")
-    parser.add_argument(
-        "--batch-size", type=int, metavar="N", help="sequences per step (default: the preset's, 4)"
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        metavar="N",
-        help="bytes per sequence (default: the preset's, 128 for tiny-*, 1024 for the real ones)",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="peak AdamW learning rate")
-    parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear LR warm-up, then cosine decay to a tenth of "
-                        "--lr (default: a tenth of the steps)")  # fmt: skip
-    parser.add_argument(
-        "--max-grad-norm", type=float, default=1.0, metavar="NORM", help="clipping threshold of every arm"
-    )
-    parser.add_argument("--heldout-batches", type=int, default=HELDOUT_BATCHES,
-                        metavar="N", help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
-    parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
-                        help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
-                        "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
-                        "clipped, the paper's other comparison")  # fmt: skip
-    parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
-                        help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
-    parser.add_argument("--device", metavar="DEVICE", help="default: cuda when available, else cpu")
-    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                        help="turn activation checkpointing off (on by default)")  # fmt: skip
-    parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default, when neither --fused nor --foreach "
-                        "is given: on wherever torch has a fused AdamW for the device and dtype, the CPU and CUDA among "
-                        "them)")  # fmt: skip
-    parser.add_argument("--no-memory", dest="memory", action="store_false",
-                        help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
-    parser.add_argument("--timing-rounds", type=int, default=40, metavar="N",
-                        help="after training, time the arms side by side on the first seed's model: "
-                        f"{TIMING_WARMUP} + N rounds of one step of every arm (order rotated per round), the "
-                        "reported step times and their ratio then come from these N rounds (a machine that "
-                        "slows down for a while weighs on every arm alike); 0: the step times of the training "
-                        "runs. Single-process runs whose arms fit in memory together")  # fmt: skip
-    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
-                        help="start even when the estimate of the training memory (parameters, gradients, AdamW "
-                        "state, activations, from the model's shapes before it is built) exceeds the memory "
-                        "available; by default such a run is refused with exit code 2")  # fmt: skip
-    parser.add_argument("--ep", type=int, default=1,
-                        metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
-                        "parallel on several processes)")  # fmt: skip
-    parser.add_argument("--out", default="runs", metavar="DIR", help="output folder")
-    parser.add_argument("--name", metavar="NAME", help="run name: the run creates --out/NAME, or NAME-2, NAME-3, ... when that "
-                        "exists (default: the preset, or the --model folder's name)")  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.timing_rounds < 0:
-        parser.error(f"--timing-rounds must be >= 0, got {args.timing_rounds}")
-    steps = args.steps or PRESETS[args.preset].steps
-    if args.warmup_steps is not None and args.warmup_steps > steps:
-        parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
-    repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
-    if repeated:
-        parser.error(f"--arms: {', '.join(repeated)} given more than once")
-    if args.model is not None and args.layers is not None:
-        parser.error("--layers does not apply to --model: a checkpoint has its own layers")
-    if args.save is not None:
-        if "sonar" not in args.arms:
-            parser.error("--save saves the sonar arm's model: add sonar to --arms")
-        save = Path(args.save)
-        if save.exists() and (not save.is_dir() or any(save.iterdir())):
-            parser.error(f"--save {args.save}: exists and is not an empty folder")
-    if args.name is not None and (
-        not args.name or Path(args.name).name != args.name or args.name in (".", "..")
-    ):
-        parser.error(f"--name {args.name!r} must be a folder name, without a path")
-    for name in ("warmup_steps", "heldout_batches"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
-    if not (args.max_grad_norm > 0 and math.isfinite(args.max_grad_norm)):
-        parser.error(f"--max-grad-norm must be a finite number > 0, got {args.max_grad_norm}")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        args.device_obj = torch.device(device)
-    except RuntimeError:
-        parser.error(f"--device {device!r} is not a device (cpu, cuda, cuda:N)")
-    if args.device_obj.type not in ("cpu", "cuda"):
-        parser.error(f"--device {device!r}: only cpu and cuda are supported")
-    if args.device_obj.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"--device {device!r}: no CUDA device here")
-    if args.backend == "triton" and args.device_obj.type == "cpu":
-        from sonar_kernels import ops
-
-        if not ops.triton_interpreting():
-            parser.error(
-                "--backend triton on the CPU needs TRITON_INTERPRET=1 (the interpreter: tests, not training)"
-            )
-    out = Path(args.out)
-    args.run_name = args.name or (Path(args.model).resolve().name if args.model else args.preset)
-    for path in (out, out / args.run_name):
-        if path.exists() and not path.is_dir():
-            parser.error(f"--out: {path} exists and is not a folder")
-    return args
-
-
-# Held-out batches evaluated by default: enough that the evaluation costs a few training steps per arm.
-HELDOUT_BATCHES = 32
-
 
 # What sonar-train imports beyond the base package: the [train] extra (pyproject.toml).
 TRAIN_EXTRA = ("transformers", "tqdm", "matplotlib")
