@@ -17,6 +17,7 @@ from numerics import TOLERANCE, assert_close, rel_err
 
 import sonar_kernels
 from sonar_kernels.integrations import transformers as hf
+from sonar_kernels.integrations import transformers_experts as hf_experts
 
 transformers = pytest.importorskip("transformers", minversion="5.13")
 
@@ -239,13 +240,13 @@ def _router_logits(model):
 @pytest.mark.parametrize("family", _present(MATCH))
 def test_family_withsonar_equals_eager(family, monkeypatch):
     hf.register()
-    ran, moe_mlp = set(), hf.moe_mlp
+    ran, moe_mlp = set(), hf_experts.moe_mlp
 
     def recording_moe_mlp(hidden_states, top_k_index, top_k_weights, gate_up_proj, *args, **kwargs):
         ran.add(id(gate_up_proj))  # up_proj for experts without a gate
         return moe_mlp(hidden_states, top_k_index, top_k_weights, gate_up_proj, *args, **kwargs)
 
-    monkeypatch.setattr(hf, "moe_mlp", recording_moe_mlp)
+    monkeypatch.setattr(hf_experts, "moe_mlp", recording_moe_mlp)
     sonar = sonar_equals_eager(family, "torch")
     # Every experts module that took part ran sonar, and the experts change the output.
     used = [m for m in sonar.modules() if _dispatches(type(m)) and _up(m).grad is not None]
