@@ -295,9 +295,7 @@ def _backward(ctx, grad_out, *unused):
         del p, q
         if mode == "grad":
             if direct:
-                grads[i] = library.run_expert_wgrad(
-                    *job, None, "grad", [], None, None, False, None, True, None, None, backend, layout
-                )
+                grads[i] = library.run_expert_grad(*job, backend, layout)
             else:
                 grads[i] = library.expert_wgrad(*job, backend, layout)
             continue

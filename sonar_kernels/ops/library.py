@@ -219,8 +219,13 @@ def expert_wgrad(
     :func:`moe_mlp_bwd` (``p``: dO, or dHpre or its gate or up half; ``q``: A, X, or None for a bias; see
     ``torch_backend.expert_gradient``). Mutates nothing, so another saved use of the weight (a penalty
     computed before the MLP) still runs after this backward."""
-    return run_expert_wgrad(name, weight, p, q, top_k_weights, meta, None, "grad", [], None, None, False, None,
-                            True, None, None, backend, layout)  # fmt: skip
+    return run_expert_grad(name, weight, p, q, top_k_weights, meta, backend, layout)
+
+
+def run_expert_grad(name, weight, p, q, top_k_weights, meta, backend, layout) -> Tensor:
+    """The body of :func:`expert_wgrad`: :func:`run_expert_wgrad` in mode "grad"."""
+    plain = (None, "grad", [], None, None, False, None, True, None, None)  # magnitudes .. torch_fused
+    return run_expert_wgrad(name, weight, p, q, top_k_weights, meta, *plain, backend, layout)
 
 
 @expert_wgrad.register_fake
