@@ -220,9 +220,11 @@ def _backward(ctx, grad_out, *unused):
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
-    # Every plan is checked before the first job runs (a refused update changes nothing).
+    # Eager mode: every plan is checked before the first job runs (a refused update changes nothing).
+    # Under torch.compile each op checks its own plan when it runs (the checks read the hyperparameters'
+    # values, which a traced graph does not have).
     for i, (mode, state, hyper, buffer, add, grad_dtype) in enumerate(plans):
-        if wanted[i] and mode != "grad":
+        if wanted[i] and mode != "grad" and not torch.compiler.is_compiling():
             library.check_expert_wgrad(
                 _WEIGHTS[i][1],
                 weights[i],
