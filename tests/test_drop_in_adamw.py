@@ -621,7 +621,7 @@ def test_grad_scaler_with_default_flags_trains_as_with_torchs_fused_adamw_bitwis
 )
 def test_torchs_fused_adamw_is_chosen_where_torch_has_it(device, dtype, expected):
     from sonar_kernels.ops import has_torch_fused_adamw
-    from sonar_kernels.optim.in_backward import torch_adamw_flags
+    from sonar_kernels.optim.param_groups import torch_adamw_flags
 
     assert has_torch_fused_adamw(device, dtype) is expected
     if device != "cuda":
@@ -651,7 +651,7 @@ def test_an_expert_group_with_its_own_flags_beside_a_default_dense_group_trains_
 def test_dtensors_run_torchs_fused_adamw_unless_a_call_would_mix_them_with_tensors(one_rank_mesh):
     from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
 
-    from sonar_kernels.optim.in_backward import torch_adamw_flags
+    from sonar_kernels.optim.param_groups import torch_adamw_flags
 
     def params(mixed):
         """A DTensor parameter, and a tensor one when ``mixed``, with gradients."""

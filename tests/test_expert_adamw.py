@@ -721,14 +721,14 @@ def test_float32_accumulation_buffer_sums_micro_batches_in_float32(backend, devi
                 m.grad = g.float() if m.grad is None else m.grad + g.float()
     assert w1.grad is None and w2.grad is None
     for p, m in zip((w1, w2), masters, strict=True):
-        buffer = optimizer._buffers[p]
+        buffer = optimizer._record.micro_batches.buffers[p]
         assert buffer.dtype == torch.float32 and torch.equal(buffer, m.grad)
     expected_grads = [m.grad.clone() for m in masters]
     x, index, weights, grad_out = _micro_batch(k - 1, torch.bfloat16, device)
     before = {p: {key: t.clone() for key, t in optimizer.state[p].items()} for p in (w1, w2)}
     p_before = [p.detach().clone() for p in (w1, w2)]
     sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend=backend).backward(grad_out)
-    assert not optimizer._buffers
+    assert not optimizer._record.micro_batches.buffers
     # The update used buffer + the last micro-batch's gradient.
     if backend == "triton":
         sonar_kernels.moe_mlp(x, index, weights, *masters, backend=backend).backward(grad_out)
@@ -754,13 +754,13 @@ def test_zero_grad_mid_window_drops_the_accumulation_buffer_and_starts_a_new_win
     w1, w2 = _weights(torch.bfloat16, device)
     optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, grad_dtype=torch.float32, accumulation_steps=2)
     _backward(0, w1, w2, torch.bfloat16, device)
-    assert len(optimizer._buffers) == 2
+    assert len(optimizer._record.micro_batches.buffers) == 2
     optimizer.zero_grad(set_to_none=False)
-    assert all(not b.any() for b in optimizer._buffers.values())
+    assert all(not b.any() for b in optimizer._record.micro_batches.buffers.values())
     optimizer.zero_grad()
-    assert not optimizer._buffers
+    assert not optimizer._record.micro_batches.buffers
     # The window starts again: the next backward is its first micro-batch, the one after updates.
     _backward(1, w1, w2, torch.bfloat16, device)
     assert float(optimizer.state[w1]["step"]) == 0.0
     _backward(2, w1, w2, torch.bfloat16, device)
-    assert float(optimizer.state[w1]["step"]) == 1.0 and not optimizer._buffers
+    assert float(optimizer.state[w1]["step"]) == 1.0 and not optimizer._record.micro_batches.buffers

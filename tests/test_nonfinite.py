@@ -341,7 +341,7 @@ def test_non_finite_micro_batch_in_a_float32_buffer_skips_the_update(device):
         sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
     _assert_bits_equal(_state(optimizer, (w1, w2)), before, "after the skipped accumulated update")
     assert int(optimizer.expert_skipped_updates()) == 2
-    assert not optimizer._buffers
+    assert not optimizer._record.micro_batches.buffers
 
 
 @pytest.mark.parametrize("where", ["dX", "dW1"])
@@ -367,7 +367,9 @@ def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(where, device
     x.requires_grad_()  # so that dX is computed
     with pytest.raises(RuntimeError, match=f"{where} failed"):
         sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton").backward(grad_out)
-    assert w1 not in optimizer._buffers and (w2 in optimizer._buffers) == (where == "dW1")
+    assert w1 not in optimizer._record.micro_batches.buffers and (
+        w2 in optimizer._record.micro_batches.buffers
+    ) == (where == "dW1")
     before = w1.detach().clone()
     optimizer.step()  # applies W2's window cut short, if it was written; W1 has nothing to apply
     assert torch.equal(w1.detach(), before) and float(optimizer.state[w1]["step"]) == 0.0

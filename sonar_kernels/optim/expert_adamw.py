@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from sonar_kernels.ops import check_hyperparameters
-from sonar_kernels.optim.in_backward import InBackwardAdamW, check_group_options
+from sonar_kernels.optim.in_backward import InBackwardAdamW
+from sonar_kernels.optim.param_groups import check_group_options
 
 
 class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
@@ -23,7 +24,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
 
     That torch AdamW is its fused kernel (``torch.optim.AdamW(fused=True)``'s) wherever torch has one
     for the tensor's device and dtype, the CPU and CUDA among them (the rule:
-    ``sonar_kernels.optim.in_backward.torch_adamw_flags``): one pass over the tensor, no temporaries, a
+    ``sonar_kernels.optim.param_groups.torch_adamw_flags``): one pass over the tensor, no temporaries, a
     non-finite gradient skipped on the device (its ``found_inf`` input, no host sync), and on the CPU
     several times faster than the for-loop AdamW torch picks there by default; the update is then
     bitwise torch.optim.AdamW(fused=True)'s given the same gradient. Elsewhere torch's default. A

@@ -13,13 +13,8 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed, ownership
-from sonar_kernels.optim.in_backward import (
-    InBackwardAdamW,
-    check_group_options,
-    is_expert_tensor,
-    mark_expert_tensors,
-    torch_adamw_flags,
-)
+from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
+from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
 
 class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
@@ -37,7 +32,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     Which torch AdamW runs: with the default flags (foreach=None, fused=None) torch's fused AdamW
     (``torch.optim.AdamW(fused=True)``'s kernel), for the dense parameters and for the expert tensors that
     torch's AdamW updates, wherever torch has one for their device and dtype (the CPU and CUDA; the rule:
-    ``sonar_kernels.optim.in_backward.torch_adamw_flags``): one pass over each tensor, no temporaries,
+    ``sonar_kernels.optim.param_groups.torch_adamw_flags``): one pass over each tensor, no temporaries,
     non-finite gradients skipped on the device, and on the CPU several times faster than the for-loop
     AdamW torch picks there by default. The result is then bitwise torch.optim.AdamW(fused=True)'s, with
     dense-only clipping. Flags set explicitly (foreach=True or False, fused=False or True) keep torch's

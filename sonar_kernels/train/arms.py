@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonar_kernels.optim.in_backward import torch_adamw_flags
+from sonar_kernels.optim.param_groups import torch_adamw_flags
 from sonar_kernels.train import distributed
 from sonar_kernels.train.data import ByteData, Preset
 

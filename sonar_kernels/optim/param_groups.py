@@ -1,0 +1,199 @@
+"""The parameter groups as the in-backward update reads them: the torch.optim.AdamW options it implements,
+the flags of torch's AdamW where torch's AdamW applies an update, and the hyperparameters tensor the kernels
+read (docs/design.md, "When the updates run").
+
+Used by :class:`sonar_kernels.optim.in_backward.InBackwardAdamW` (through :class:`GroupHyperparameters`)
+and by the optimizers built on it.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from sonar_kernels import ops, specs
+from sonar_kernels.ops.adamw import has_torch_fused_adamw
+from sonar_kernels.ops.validation import as_float
+
+__all__ = ["UNSUPPORTED_OPTIONS", "GroupHyperparameters", "check_group_options", "torch_adamw_flags"]
+
+# torch.optim.AdamW options the in-backward update does not implement, with the only value it accepts for
+# a parameter group that holds expert tensors (foreach and fused pick torch's AdamW path and are honoured;
+# lr may be a one-element CPU tensor).
+UNSUPPORTED_OPTIONS = {
+    "maximize": False,
+    "amsgrad": False,
+    "capturable": False,
+    "differentiable": False,
+    "decoupled_weight_decay": True,
+}
+
+
+def check_group_options(owner: str, group: dict, has_experts: bool) -> None:
+    """Raise ValueError, naming the option, when ``group`` holds expert tensors (``has_experts``) and sets
+    an option of :data:`UNSUPPORTED_OPTIONS` to another value than the one the update implements; a group
+    without expert tensors takes every torch.optim.AdamW option. The one check of every path that gives a
+    group expert tensors or an option: the constructor and ``add_param_group`` (``group`` with the
+    constructor's defaults filled in), an option set later, ``load_state_dict`` (the saved group), an
+    expert tensor adopted at its module's first forward."""
+    if not has_experts:
+        return
+    for key, accepted in UNSUPPORTED_OPTIONS.items():
+        if key in group and group[key] is not None and bool(group[key]) != accepted:
+            raise ValueError(
+                f"{owner}: a parameter group with {key}={group[key]!r} (its own or the constructor's) holds "
+                f"expert tensors, which are updated in the backward by AdamW without {key} (only "
+                f"{key}={accepted} is implemented); put the expert tensors in a group that sets "
+                f'"{key}": {accepted}'
+            )
+
+
+def torch_adamw_flags(group: dict, tensors: list[torch.Tensor]) -> tuple[bool | None, bool | None]:
+    """(foreach, fused): the flags for torch's AdamW on ``tensors`` of the parameter group ``group``, the
+    one rule of SonarAdamW and ExpertAdamW wherever torch's AdamW applies an update.
+
+    The group's ``foreach`` and ``fused`` when one of them is set (torch's meaning: fused=False or
+    foreach=False the for-loop, foreach=True the foreach kernels), or when the group asks for capturable
+    or differentiable (torch's own choice then, as torch.optim.AdamW makes it). Otherwise torch's fused
+    AdamW, ``(None, True)``, where torch has it for every tensor's device and dtype
+    (:func:`has_torch_fused_adamw`) and the tensors are all DTensors or none (torch's fused AdamW refuses
+    a call that mixes them): one pass over each tensor, no temporaries, a ``found_inf`` input (no
+    host sync to skip a non-finite gradient); on the CPU several times faster than the for-loop AdamW
+    torch picks there by default (3 to 4 times per thread for tensors of 1M to 4M fp32 elements, torch
+    2.13). ``(None, None)`` (torch's default) where it has none.
+    """
+    foreach, fused = group.get("foreach"), group.get("fused")
+    if foreach is not None or fused is not None or group.get("capturable") or group.get("differentiable"):
+        return foreach, fused
+    one_kind = len({isinstance(t, DTensor) for t in tensors}) == 1
+    if one_kind and all(has_torch_fused_adamw(t.device, t.dtype) for t in tensors):
+        return None, True
+    return None, None
+
+
+def hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
+    """(lr, beta1, beta2, eps, weight_decay) of ``group`` as Python floats, as torch.optim.AdamW reads them."""
+    beta1, beta2 = group["betas"]
+    return (
+        as_float(group["lr"], "lr"),
+        as_float(beta1, "beta1"),
+        as_float(beta2, "beta2"),
+        as_float(group["eps"], "eps"),
+        as_float(group["weight_decay"], "weight_decay"),
+    )
+
+
+def torch_hyperparameters(group: dict) -> tuple:
+    """(lr, beta1, beta2, eps, weight_decay) of ``group`` as torch.optim.AdamW.step passes them to torch's
+    AdamW: as the group holds them (Python floats or one-element tensors), so that torch's AdamW applied
+    to a managed tensor (the torch backend, a gradient that reached ``.grad``) uses its arithmetic for
+    tensor values, as standard training does."""
+    beta1, beta2 = group["betas"]
+    return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+class GroupHyperparameters:
+    """An optimizer's parameter groups as its in-backward updates read them: the group of each tensor,
+    and per (group, device) the [5] float64 tensor of the group's hyperparameters (``specs.HYPERPARAMETERS``
+    order) that the kernels read, written again only when the group's values change.
+
+    Holds the optimizer weakly and reads its ``param_groups`` at each call (``load_state_dict`` replaces
+    the list and its dicts)."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = weakref.ref(optimizer)
+        # (group index, device) -> (the values written, the tensor).
+        self._tensors: dict[tuple[int, torch.device], tuple[tuple[float, ...], torch.Tensor]] = {}
+        # tensor -> (index, group dict) in param_groups.
+        self._index: dict = {}
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self._optimizer().param_groups
+
+    def index(self, p: torch.Tensor) -> int:
+        """The index of ``p``'s group in ``param_groups``; remembered per tensor with its group dict (each
+        update asks it), looked up again when that dict is no longer at the index (``load_state_dict``).
+
+        Raises:
+            RuntimeError: ``p`` is in no group.
+        """
+        groups = self.param_groups
+        cached = self._index.get(p)
+        if cached is not None and cached[0] < len(groups) and groups[cached[0]] is cached[1]:
+            return cached[0]
+        for index, group in enumerate(groups):
+            if any(q is p for q in group["params"]):
+                self._index[p] = (index, group)
+                return index
+        raise RuntimeError(f"{type(self._optimizer()).__name__}: tensor not found in param_groups")
+
+    def group(self, p: torch.Tensor) -> dict:
+        """The parameter group that holds ``p``."""
+        return self.param_groups[self.index(p)]
+
+    def tensor(self, p: torch.Tensor) -> torch.Tensor:
+        """The [5] float64 tensor on ``p``'s device holding its group's hyperparameters, which the kernels
+        read. Called when an update of ``p`` is about to run (also inside a compiled backward); written
+        again only when the group's values changed since (``group[key] = ...``, ``group.update``, a tensor
+        lr filled in place by an LR scheduler).
+
+        The tensor is saved by each forward that uses the group's expert tensors, and the backward of
+        the first layer rewrites it before the later layers' backward unpacks it: the write keeps its
+        version counter, so that autograd does not take it for a modified saved tensor (it is read, never
+        differentiated).
+
+        Raises:
+            ValueError: a hyperparameter out of its range (:func:`sonar_kernels.ops.check_hyperparameters`).
+        """
+        index = self.index(p)
+        values = hyperparameters(self.param_groups[index])
+        ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
+        key = (index, p.device)
+        cached = self._tensors.get(key)
+        if cached is None or cached[0] != values:
+            tensor = cached[1] if cached is not None else torch.empty(5, dtype=torch.float64, device=p.device)
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
+                tensor.copy_(torch.tensor(values, dtype=torch.float64))
+            self._tensors[key] = (values, tensor)
+            return tensor
+        return cached[1]
+
+    def forget(self) -> None:
+        """Drop the tensors: ``load_state_dict`` built new group dicts (the updates get new tensors)."""
+        self._tensors = {}
+
+    def check_unchanged(self, owner: str, managed, updated) -> None:
+        """Raise before ``step()`` does anything (RuntimeError; the step is not ended, so it raises again
+        until the value is set back) when a hyperparameter of a group whose expert tensors were updated in
+        this step's backward (``managed``, ``updated``: containers of tensors) changed since that update,
+        however it was set (``group[key] = ...``, ``group.update``, a tensor lr filled in place): the update
+        used the old value, and the dense step would use the new one. ValueError when a group holding
+        expert tensors sets an option the update does not implement."""
+        for index, group in enumerate(self.param_groups):
+            held = [p for p in group["params"] if p in managed]
+            if not held:
+                continue
+            check_group_options(owner, group, True)
+            keys = {(index, p.device) for p in held if p in updated} & self._tensors.keys()
+            if not keys:
+                continue
+            values = hyperparameters(group)
+            for before in {self._tensors[key][0] for key in keys}:
+                changed = [
+                    (key, old, new)
+                    for key, old, new in zip(specs.HYPERPARAMETERS, before, values, strict=True)
+                    if old != new
+                ]
+                if changed:
+                    details = ", ".join(f"{key} {old!r} -> {new!r}" for key, old, new in changed)
+                    raise RuntimeError(
+                        f"{owner}: {changed[0][0]} of parameter group {index} changed after its expert tensors were "
+                        f"updated in this step's backward and before step() ({details}): their update already "
+                        "used the old value, where torch.optim.AdamW takes the new one in this step (as this step() "
+                        "would for the dense parameters); nothing was changed. Set the value back and call step(); "
+                        "set hyperparameters after optimizer.step() (an LR scheduler's step() after the optimizer's, "
+                        "as torch documents) or before the backward"
+                    )

@@ -1,0 +1,233 @@
+"""What an optimizer's in-backward updates did in the current step, the checks before each one, and the
+update of gradients that reach ``.grad`` (docs/design.md, "When the updates run").
+
+:class:`InBackwardUpdates` is the part of :class:`sonar_kernels.optim.in_backward.InBackwardAdamW` that
+runs per update: the MLP's backward asks it (through the tensor's update handle) whether a tensor may be
+updated now, accumulates or updates, and reports back; a gradient that reaches a managed tensor's
+``.grad`` (the torch backend's deferred part, a weight used outside the MLP, FSDP2's reduced shard) is
+counted, held, averaged over the data-parallel group or applied by torch's AdamW here. ``step()`` ends
+the step here (:meth:`InBackwardUpdates.end_step`).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from sonar_kernels import ops
+from sonar_kernels.optim import distributed, loss_scaling
+from sonar_kernels.optim.accumulation import MicroBatches
+from sonar_kernels.optim.grad_hooks import weak_call
+from sonar_kernels.optim.param_groups import (
+    GroupHyperparameters,
+    check_group_options,
+    torch_adamw_flags,
+    torch_hyperparameters,
+)
+from sonar_kernels.optim.reentrant import HeldGradients
+
+__all__ = ["InBackwardUpdates"]
+
+
+class InBackwardUpdates:
+    """The per-step record and the update path of one optimizer's managed tensors.
+
+    Holds the optimizer weakly and reads its public ``state``, ``param_groups`` and
+    ``data_parallel_group``.
+
+    Attributes:
+        micro_batches: the accumulation window (optim/accumulation.py).
+        groups: the groups as the updates read them (optim/param_groups.py).
+        held: reentrant checkpointing's held gradients (optim/reentrant.py).
+        updated: tensors updated since the last ``step()``; ``updated_in_backward`` those the MLP's
+            backward updated.
+        grad_norm_sq: tensor -> 0-dim float32, the squared L2 norm of the gradient of its update in the
+            last step (0 if none, inf if the update was skipped).
+        skipped: tensor -> 0-dim int64, its updates skipped for a non-finite or too large gradient.
+        tensors_by_id: id -> tensor, for the update handles.
+    """
+
+    def __init__(self, optimizer, accumulation_steps: int, grad_dtype: torch.dtype | None) -> None:
+        self.micro_batches = MicroBatches(accumulation_steps, grad_dtype)
+        self._optimizer = weakref.ref(optimizer)
+        self.groups = GroupHyperparameters(optimizer)
+        self.held = HeldGradients()
+        group = optimizer.data_parallel_group
+        self.reducer = distributed.GradientReducer(group) if group is not None else None
+        # Keyed by the tensors themselves (identity, as torch.optim's ``state``), never by weak references:
+        # torch.utils.swap_tensors refuses a tensor that has one.
+        self.updated: dict = {}
+        self.updated_in_backward: dict = {}
+        self.grad_norm_sq: dict = {}
+        self.skipped: dict = {}
+        # id -> tensor of every tensor an update of the optimizer was built for (the update handles name
+        # their tensor by id: optim/update_handle.py).
+        self.tensors_by_id: dict[int, torch.Tensor] = {}
+
+    @property
+    def owner(self) -> str:
+        """The optimizer's class name, for messages."""
+        return type(self._optimizer()).__name__
+
+    def add(self, p: torch.Tensor) -> None:
+        """Start the record of a newly managed ``p``, or move it to ``p``'s device after a conversion."""
+        if p in self.grad_norm_sq:
+            self.grad_norm_sq[p] = self.grad_norm_sq[p].to(p.device)
+            self.skipped[p] = self.skipped[p].to(p.device)
+        else:
+            self.grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
+            self.skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
+
+    # -- The checks ----------------------------------------------------------------------------------------
+
+    def check_not_updated(self, p: torch.Tensor) -> None:
+        """Raise RuntimeError when ``p`` was updated since the last ``step()``."""
+        if p in self.updated:
+            raise RuntimeError(
+                f"{self.owner}: the expert tensor of shape {tuple(p.shape)} was already updated in a backward "
+                "since the last optimizer.step() (also when that backward raised afterwards: the update had run); "
+                "call step() between backward passes (the update is applied in the backward, so another backward "
+                "would update it twice), or set accumulation_steps to the number of micro-batches per step"
+            )
+
+    def check_may_update(self, p: torch.Tensor) -> None:
+        """The checks before a backward updates ``p`` or adds to its gradient, each raising RuntimeError
+        before anything is written: not updated since step(), its gradient complete with several ranks,
+        not the backward of a GradScaler-scaled loss; ValueError for an option of ``p``'s group that the
+        update does not implement. Then ``p``'s group's hyperparameters as they are now are written to the
+        tensor the update reads (a value set since the forward included; step() compares them,
+        :meth:`GroupHyperparameters.check_unchanged`)."""
+        self.check_not_updated(p)
+        distributed.check_complete(self.owner, [p], self._optimizer().data_parallel_group, RuntimeError)
+        loss_scaling.refuse(self.owner)
+        check_group_options(self.owner, self.groups.group(p), True)
+        self.groups.tensor(p)
+
+    def reduces_first(self, p: torch.Tensor) -> bool:
+        """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
+        group = self._optimizer().data_parallel_group
+        return self.reducer is not None and distributed.layout(p, group) == "data-parallel"
+
+    # -- The MLP's backward ------------------------------------------------------------------------------
+
+    def accumulating(self, p: torch.Tensor) -> bool:
+        """Whether this backward's gradient of ``p`` goes into ``p.grad`` or its buffer (micro-batches
+        1 .. k-1 of ``accumulation_steps`` = k) instead of into an update; raises if ``p`` was updated
+        since step()."""
+        self.check_not_updated(p)
+        return self.micro_batches.accumulating(p)
+
+    def accumulated_into(self, p: torch.Tensor, buffer: torch.Tensor | None) -> None:
+        """The MLP's backward added its micro-batch of ``p`` to ``buffer``: count it."""
+        self.micro_batches.record(p, buffer)
+        self.held.mark_counted(p)
+
+    def finish_update(self, p: torch.Tensor) -> None:
+        """After the kernels wrote p and its moments: record it, and bump the version counters (Triton
+        writes do not), so a graph that saved the old p fails loudly instead of using new values."""
+        self.updated[p] = True
+        self.updated_in_backward[p] = True
+        self.micro_batches.consumed(p)  # the accumulated gradient, consumed by the update
+        self.held.forward_with_graph(p)
+        state = self._optimizer().state[p]
+        torch.autograd.graph.increment_version([p, state["exp_avg"], state["exp_avg_sq"]])
+
+    def compiled_update(self, p: torch.Tensor) -> None:
+        """A compiled backward is about to update ``p``: check and record it."""
+        self.check_may_update(p)
+        self.updated[p] = True
+        self.updated_in_backward[p] = True
+
+    # -- Gradients that reach .grad ------------------------------------------------------------------------
+
+    def apply_grad(self, p: torch.Tensor) -> None:
+        """torch's own AdamW on an accumulated ``p.grad``, which is then released (torch backend).
+
+        Skipped, as the Triton update is (see ops.AdamWUpdate), when the gradient has an entry that is
+        not finite or beyond ops.grad_limit: with fused=True through torch's ``found_inf`` (no host
+        sync); torch's other AdamW paths have no such input, so the decision is read on the host there
+        (a sync on a GPU).
+        """
+        self.check_not_updated(p)
+        grad = self.micro_batches.pending(p)
+        group = self.groups.group(p)
+        foreach, fused = torch_adamw_flags(group, [p])
+        state = self._optimizer().state[p]
+        ops.torch_adamw_(
+            p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], torch_hyperparameters(group),
+            self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,
+        )  # fmt: skip
+        self.micro_batches.consumed(p)
+        self.updated[p] = True
+
+    def hold_until_backward_ends(self, p: torch.Tensor) -> None:
+        """Gradients of ``p`` that reach ``.grad`` from now on wait for the end of the running backward
+        (optim/reentrant.py)."""
+        self.held.hold(p, weak_call(self, "release_held", p))
+
+    def release_held(self, p: torch.Tensor) -> None:
+        """The end of the backward whose gradients of ``p`` reaching ``.grad`` were held: they join the
+        micro-batch the MLP's backward counted, or count as one."""
+        counted = self.held.release(p)
+        if p.grad is None:
+            return
+        if counted:
+            self.micro_batches.add(p, p.grad)
+            p.grad = None
+        else:
+            self.on_grad_accumulated(p)
+
+    def on_grad_accumulated(self, p: torch.Tensor) -> None:
+        """A gradient was added to ``p.grad`` (torch backend, or a micro-batch before the last): keep it
+        until the k-th micro-batch, then apply torch's AdamW and release it.
+
+        After a forward without a graph (reentrant activation checkpointing), the part of this backward
+        waits for its end: the checkpointed region's backward, nested in this one, may add the MLP's part
+        (its update then reads ``.grad``)."""
+        if self.held.is_held(p):
+            return
+        if self.held.waits(p):
+            self.hold_until_backward_ends(p)
+            return
+        if p in self.updated and self.updated_in_backward.get(p, False):
+            raise RuntimeError(
+                f"{self.owner}: the expert tensor of shape {tuple(p.shape)} received a gradient from "
+                "outside the expert MLP (e.g. a penalty on the weights) after the MLP's backward updated it; a "
+                "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
+            )
+        self.check_may_update(p)
+        self.micro_batches.take_grad(p)
+        if self.micro_batches.count(p) >= self.micro_batches.steps:
+            if self.reduces_first(p):
+                # Averaged over the data-parallel group while the backward goes on; updated when done.
+                self.reducer.reduce(self.micro_batches.pending(p), weak_call(self, "apply_grad", p))
+            else:
+                self.apply_grad(p)
+
+    # -- The step ------------------------------------------------------------------------------------------
+
+    def end_step(self, managed: list[torch.Tensor]) -> None:
+        """Apply once a gradient found on a tensor of ``managed`` (it had requires_grad=False when it was
+        given, so its hook came later), then end the step: each managed tensor may be updated again."""
+        try:
+            if self.reducer is not None:
+                self.reducer.drain()  # reductions left by a backward that raised
+            for p in managed:
+                if p.grad is not None and p in self.updated:
+                    # Left by a backward that already raised (one more than accumulation_steps).
+                    p.grad = None
+                elif p.grad is not None or p in self.micro_batches.buffers:
+                    if self.reduces_first(p):
+                        apply = weak_call(self, "apply_grad", p)
+                        self.reducer.reduce(self.micro_batches.pending(p), apply, in_backward=False)
+                    else:
+                        self.apply_grad(p)
+            for p in managed:
+                if p not in self.updated:
+                    self.grad_norm_sq[p].zero_()  # no gradient this step: it counts as 0
+        finally:
+            # The step ends even when a gradient above was refused (a tensor updated twice).
+            self.updated = {}
+            self.updated_in_backward = {}
+            self.micro_batches.reset()
