@@ -1,6 +1,5 @@
-"""The package's layers import only downward, the optimizers' in-backward modules only those below them, and no
-layer runs the reference (import-linter's
-contracts in pyproject.toml; also `make lint`)."""
+"""The package's layers import only downward, the optimizers' in-backward modules only those below them,
+and no layer runs the reference (import-linter's contracts in pyproject.toml; also `make lint`)."""
 
 import shutil
 import subprocess

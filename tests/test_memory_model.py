@@ -1,4 +1,4 @@
-"""bench/memory_model.py: the predicted per-rank peak against torch's MemTracker (an independent account of
+"""bench/memory_model/: the predicted per-rank peak against torch's MemTracker (an independent account of
 the same step), the parameter inventory against transformers' models, and docs/distributed.md's tables against the
 model and the committed validation report."""
 
@@ -94,7 +94,7 @@ def test_the_readme_tables_are_the_models_and_the_committed_validations():
     reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-model.json"))
     assert reports, "no committed validation report under bench/results/memory/"
     report = json.loads(reports[-1].read_text())
-    assert _readme_block("memory-validation") == mm._validation_summary(report).strip()
+    assert _readme_block("memory-validation") == mm.validation_summary(report).strip()
     # Every layout docs/distributed.md claims was measured, and every comparison is within the tolerance.
     layouts = {(c["case"]["layout"], c["case"]["ranks"]) for c in report["comparisons"]}
     assert {(layout.name, layout.ranks) for layout in mm.VALIDATION_LAYOUTS} <= layouts

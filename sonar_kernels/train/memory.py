@@ -61,7 +61,7 @@ def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -
     :data:`LABELS`; the optimizer state is what the optimizers hold after the step, counted once per
     storage, a DTensor by its local shard; the rest of what MemTracker files under optimizer state is the
     step's temporaries) and ``peak_phase`` ("forward", "backward" or "optimizer step"). Also used by
-    bench/memory_model.py for the layouts sonar-train does not run (FSDP2, EP x DP)."""
+    bench/memory_model/ for the layouts sonar-train does not run (FSDP2, EP x DP)."""
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.distributed.tensor import DTensor
 

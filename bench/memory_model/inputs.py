@@ -1,0 +1,161 @@
+"""What a prediction takes and gives: the step to predict (:class:`Setup`: the model, the batch, the method,
+the precision), the ranks (:class:`Layout`), the result (:class:`Prediction`), and the constants the terms share."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sonar_kernels.train.data import Preset
+
+
+METHODS = ("standard", "paper", "sonar")
+ADAMW = ("single", "foreach", "fused")  # torch.optim.AdamW's implementations (foreach=, fused=)
+CATEGORIES = (
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "optimizer_step_temporaries",
+    "activations_and_temporaries",
+)
+FP32 = 4
+INT64 = 8
+INT32 = 4
+# DistributedDataParallel's gradient buckets: the first holds about 1 MiB, the others 25 MiB
+# (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES, DDP's bucket_cap_mb).
+DDP_FIRST_BUCKET = 1024 * 1024
+DDP_BUCKET = 25 * 1024 * 1024
+# The Triton dHpre kernel's column tile (sonar_kernels.kernels.expert_mlp_bwd.DHPRE_CONFIG["BLOCK_N"]):
+# its routing-weight partial sums have cdiv(I, 64) rows of S fp32.
+DHPRE_BLOCK_N = 64
+
+
+def with_layers(preset: Preset, layers: int | None = None) -> Preset:
+    """A ``sonar_kernels.train.data.Preset`` with ``layers`` decoder layers (all of them when None): the
+    dimensions memory depends on are the preset's own fields."""
+    return dataclasses.replace(preset, num_layers=layers or preset.num_layers)
+
+
+def head_dim(d: Preset) -> int:
+    return d.hidden_size // d.num_heads
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the ranks split the model: ``dp`` data-parallel replicas, ``ep`` expert-parallel ranks (the
+    experts split E / ep over them; ``ep`` x ``dp`` ranks in all), or ``fsdp`` FSDP2 ranks (every
+    parameter sharded on its first dimension)."""
+
+    dp: int = 1
+    ep: int = 1
+    fsdp: int = 1
+
+    def __post_init__(self):
+        if min(self.dp, self.ep, self.fsdp) < 1:
+            raise ValueError(f"a layout needs sizes >= 1, got {self}")
+        if self.fsdp > 1 and (self.dp > 1 or self.ep > 1):
+            raise ValueError("FSDP2 is modelled alone (no dp or ep besides it)")
+
+    @property
+    def ranks(self) -> int:
+        return self.fsdp if self.fsdp > 1 else self.dp * self.ep
+
+    @property
+    def name(self) -> str:
+        if self.fsdp > 1:
+            return f"FSDP2 {self.fsdp}"
+        if self.ep > 1 and self.dp > 1:
+            return f"EP {self.ep} x DP {self.dp}"
+        if self.ep > 1:
+            return f"EP {self.ep}"
+        if self.dp > 1:
+            return f"DP {self.dp}"
+        return "1 rank"
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training step to predict, per rank.
+
+    Args:
+        dims: the model.
+        batch_size, sequence_length: this rank's batch (tokens T = batch_size * sequence_length).
+        method: "standard", "paper" or "sonar" (the package docstring, memory_model/__init__.py).
+        layout: the ranks.
+        param_bytes: bytes per parameter, gradient and AdamW moment (torch keeps the moments in the
+            parameter's dtype): 4 (fp32), 2 (bf16).
+        compute_bytes: bytes per activation element; None: ``param_bytes`` (the model run in its own
+            dtype, as sonar-train runs it: what the op-by-op account and the validation cover). 2 with
+            ``param_bytes`` 4: fp32 master weights with bf16 activations, composed from the two (the
+            parameter-shaped terms in fp32, the activation terms of the bf16 model; autocast's bf16
+            weight copies and fp32 residual stream are not modelled).
+        checkpointing: non-reentrant activation checkpointing of every decoder layer (sonar-train's
+            default).
+        adamw: torch.optim.AdamW's implementation: "single" (the CPU default), "foreach" (the CUDA default),
+            "fused" (sonar-train's choice on CUDA). The paper's in-backward update uses the same.
+        backend: the expert MLP's backend: "torch" (the CPU path) or "triton".
+        tracker: model what torch's MemTracker reports instead of the allocated bytes: DDP's gradient
+            buckets, allocated before the step, appear when the backward first writes them; inside a
+            ``sonar_kernels::`` custom op (the standard arm's backward jobs ``moe_mlp_bwd`` and
+            ``expert_wgrad``) only its outputs are seen.
+        expert_rows: per layer, the rows this rank's experts receive under expert parallelism (None:
+            balanced routing, T * top_k each, the average).
+        collectives: "nccl" or "gloo" (whose reduce-scatter, which FSDP2 uses, works on a copy of its input).
+
+    Raises:
+        ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
+            backend; parameter bytes other than 2 or 4, activations wider than the parameters; experts that
+            ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1.
+    """
+
+    dims: Preset
+    batch_size: int
+    sequence_length: int
+    method: str
+    layout: Layout = field(default_factory=Layout)
+    param_bytes: int = 2
+    compute_bytes: int | None = None
+    checkpointing: bool = True
+    adamw: str = "fused"
+    backend: str = "triton"
+    tracker: bool = False
+    expert_rows: tuple[int, ...] | None = None
+    collectives: str = "nccl"
+
+    def __post_init__(self):
+        if self.method not in METHODS:
+            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.adamw not in ADAMW:
+            raise ValueError(f"adamw must be one of {ADAMW}, got {self.adamw!r}")
+        if self.backend not in ("torch", "triton"):
+            raise ValueError(f"backend must be 'torch' or 'triton', got {self.backend!r}")
+        if self.method == "sonar" and self.backend != "triton":
+            raise ValueError(
+                "sonar's fused update runs on the triton backend only (torch's is the paper's method)"
+            )
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"param_bytes must be 2 or 4, got {self.param_bytes}")
+        if self.compute_bytes not in (None, 2, 4) or (self.compute_bytes or 0) > self.param_bytes:
+            raise ValueError(
+                f"compute_bytes must be None or 2 or 4, at most param_bytes, got {self.compute_bytes}"
+            )
+        if self.dims.num_experts % self.layout.ep:
+            raise ValueError(f"{self.dims.num_experts} experts cannot be split over ep {self.layout.ep}")
+
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.sequence_length
+
+
+@dataclass
+class Prediction:
+    """The predicted peak: ``total`` bytes, ``breakdown`` by :data:`CATEGORIES`, the ``phase`` of the step
+    it falls in, and ``terms``: the named byte counts that make it up."""
+
+    total: int
+    breakdown: dict
+    phase: str
+    terms: dict

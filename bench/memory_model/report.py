@@ -1,0 +1,108 @@
+"""The report: the predicted table for the real presets (OLMoE-1B-7B, Granite-3.1-3B-A800M) and the command line
+(``python bench/memory_model`` and ``--validate``)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
+
+from memory_model.inputs import METHODS, Layout, Setup, with_layers
+from memory_model.layouts import predict
+from memory_model.validation import presets, validate
+
+# --- the real presets ------------------------------------------------------------------------------------
+
+REAL_PRESETS = ("olmoe-1b-7b", "granite-3.1-3b-a800m")
+REAL_LAYOUTS = (Layout(dp=8), Layout(ep=8), Layout(dp=4, ep=8), Layout(fsdp=8))
+# (parameter, gradient and AdamW moment bytes; activation bytes): sonar-train's --dtype bfloat16 and
+# float32, and fp32 master weights with bf16 activations (composed; see Setup.compute_bytes).
+PRECISIONS = {"bf16": (2, 2), "fp32 master, bf16 activations": (4, 2), "fp32": (4, 4)}
+
+
+def real_setup(preset: str, method: str, layout: Layout, precision: str, checkpointing: bool = True) -> Setup:
+    """The real preset's step as sonar-train runs it on GPUs: the preset's batch (4 x 1024 tokens per
+    rank), the Triton backend, torch's fused AdamW (sonar-train's choice on CUDA), DDP's buckets and the
+    buffers inside the custom ops counted (allocated bytes, not MemTracker's view)."""
+    p = presets()[preset]
+    param_bytes, compute_bytes = PRECISIONS[precision]
+    return Setup(with_layers(p), p.batch_size, p.sequence_length, method, layout, param_bytes=param_bytes,
+                 compute_bytes=compute_bytes, checkpointing=checkpointing, adamw="fused", backend="triton",
+                 tracker=False)  # fmt: skip
+
+
+def real_table() -> str:
+    """The predicted per-rank peaks of the real presets as a markdown table (GiB)."""
+    lines = []
+    for preset in REAL_PRESETS:
+        lines += [
+            f"**{preset}** (per-rank peak, GiB; activation checkpointing on / off)",
+            "",
+            "| layout | precision | standard | paper's method | sonar | sonar vs standard |",
+            "|---|---|---|---|---|---|",
+        ]
+        for layout in REAL_LAYOUTS:
+            for precision in PRECISIONS:
+                cells, totals = [], {}
+                for method in METHODS:
+                    on, off = (
+                        predict(real_setup(preset, method, layout, precision, ck)).total
+                        for ck in (True, False)
+                    )
+                    totals[method] = on
+                    cells.append(f"{on / 2**30:.2f} / {off / 2**30:.2f}")
+                change = totals["sonar"] / totals["standard"] - 1
+                lines.append(f"| {layout.name} | {precision} | {' | '.join(cells)} | {100 * change:+.1f} % |")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def validation_summary(report: dict) -> str:
+    rows = [
+        "| layout | ranks | cases | worst error standard | worst error paper | worst error sonar |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_layout: dict = {}
+    for c in report["comparisons"]:
+        by_layout.setdefault((c["case"]["layout"], c["case"]["ranks"]), []).append(c)
+    for (layout, ranks), group in by_layout.items():
+        cells = []
+        for method in METHODS:
+            errors = [c["relative_error"] for c in group if c["case"]["method"] == method]
+            cells.append(f"{100 * max(errors, key=abs):+.3f} %" if errors else "")
+        rows.append(f"| {layout} | {ranks} | {len(group)} | {' | '.join(cells)} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description="A memory model of one training step: the per-rank peak, predicted from the model's dimensions.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--validate", action="store_true", help="measure the tiny presets with MemTracker and compare"
+    )
+    parser.add_argument(
+        "--out",
+        metavar="PATH",
+        help="--validate's JSON (default: bench/results/memory/<date>-cpu-memory-model.json)",
+    )
+    args = parser.parse_args(argv)
+    if not args.validate:
+        print("Predicted by bench/memory_model: a model, not a measurement.\n")
+        print(real_table())
+        return 0
+    report = validate(progress=lambda line: print(line, file=sys.stderr, flush=True))
+    out = Path(args.out) if args.out else (
+        Path(__file__).parents[1] / "results" / "memory" / f"{report['date'][:10]}-cpu-memory-model.json")  # fmt: skip
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(validation_summary(report))
+    print(f"\nwrote {out}")
+    worst = max((abs(c["relative_error"]) for c in report["comparisons"]), default=0.0)
+    return 0 if worst <= 0.05 else 1
