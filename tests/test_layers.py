@@ -15,3 +15,13 @@ def test_import_contracts_are_kept():
     result = subprocess.run([lint_imports], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "3 kept, 0 broken" in result.stdout
+
+
+def test_no_module_of_the_package_is_over_500_lines():
+    """A room a newcomer can hold in mind: split a module by concern before it grows past 500 lines."""
+    sizes = {
+        str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+        for path in (ROOT / "sonar_kernels").rglob("*.py")
+    }
+    assert len(sizes) > 40, sizes  # the package was found
+    assert {path: n for path, n in sizes.items() if n > 500} == {}

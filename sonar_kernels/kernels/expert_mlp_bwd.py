@@ -1,9 +1,6 @@
 """Backward kernels of the gated expert MLP: dHpre and the routing-weight gradient, wgrad with the fused
 AdamW epilogue, and the reduction of the routing-weight partial sums.
 
-(About 500 lines, on purpose: the wgrad kernel and its epilogue slices share constexpr paths (fused
-update, check pass, plain store, accumulation) that are read together.)
-
 Order of the backward (docs/design.md, "Backward and the fused update"); the dX rows reuse the forward's
 grouped GEMM and combine kernels (``expert_mlp_fwd``):
 
