@@ -5,6 +5,7 @@
 - ``forward``, ``backward``, ``wgrad``: the Triton launchers (routing metadata and forward; the backward's
   core: dHpre, the routing-weight gradient, dX; one expert tensor's wgrad with the fused AdamW epilogue);
 - ``adamw``: torch's AdamW on one tensor, and the arithmetic the epilogue follows on each device;
+- ``moments_8bit``: the 8-bit moments' scheme (codes, scales, the update) in torch ops;
 - ``torch_backend``: the expert MLP on torch's GEMMs, with ``grouped_gemm`` (torch's grouped GEMM or an mm
   per expert), ``expert_gradient`` (the wgrad whole or by chunks of experts) and ``glu`` (the gated
   activations and their derivatives);

@@ -1,0 +1,176 @@
+"""8-bit AdamW moments: the scheme (docs/design.md, "8-bit moments") in torch ops.
+
+exp_avg and exp_avg_sq of an expert tensor are stored as one 8-bit code per element and one fp32 scale per
+block of :data:`BLOCK` consecutive elements along the tensor's contiguous (last) dimension. An update
+dequantizes them, runs AdamW in fp32 (the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py``, with
+the bias-corrected scalars of :func:`adamw_8bit_scalars`), and requantizes. Every step is an IEEE
+operation with one rounding, written in the same order here and in the Triton epilogue, so given the same
+gradient both give the same codes, scales and weights.
+
+The scheme:
+
+- a block's scale is the largest magnitude of its values (0 for a block of zeros);
+- exp_avg: the code is a signed int8 ``sign * k``, k in 0..127, the value ``sign * MAGNITUDES[k] * scale``
+  with ``MAGNITUDES[0] = 0`` and ``MAGNITUDES[k] = 2 ** ((k - 127) / 8)`` (rounded to fp32) for k >= 1;
+- exp_avg_sq: the code is a uint8 c, the value ``LEVELS[c] * scale`` with ``LEVELS[c] = 2 ** ((c - 255) / 8)``
+  (rounded to fp32): no zero level, so a small second moment is never read back as 0 (the zero-point
+  problem of "Memory Efficient Optimizers with 4-bit States", Li et al. 2023); a block of zeros has scale 0;
+- dequantize: one fp32 multiplication, ``table[code] * scale``;
+- quantize: the normalized magnitude ``n = fp32(|x| / scale)`` (0 when the scale is 0) goes to the nearest
+  table entry: between the entries ``lo <= n < hi`` next to it, ``hi`` when ``2 n > lo + hi`` exactly
+  (computed in fp64, where both sides are exact), else ``lo``: an exact tie goes to the smaller magnitude.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+__all__ = [
+    "BLOCK",
+    "adamw_8bit_scalars",
+    "adamw_8bit_update",
+    "dequantize",
+    "exp_avg_magnitudes",
+    "exp_avg_sq_levels",
+    "quantize",
+    "scales_shape",
+]
+
+# Elements per block: a divisor of every epilogue column slice of ops/configs.py's wgrad tiles, so that a
+# block never crosses a tile, an expert or a shard (docs/design.md, "8-bit moments").
+BLOCK = 32
+KINDS = ("exp_avg", "exp_avg_sq")
+
+
+@functools.cache
+def _table(kind: str) -> torch.Tensor:
+    if kind == "exp_avg":
+        exponents = torch.arange(128, dtype=torch.float64) - 127
+        table = torch.exp2(exponents / 8)
+        table[0] = 0.0
+    elif kind == "exp_avg_sq":
+        table = torch.exp2((torch.arange(256, dtype=torch.float64) - 255) / 8)
+    else:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    return table.to(torch.float32)
+
+
+def exp_avg_magnitudes(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The [128] fp32 magnitudes of exp_avg's codes, ascending: 0, then 2 ** ((k - 127) / 8)."""
+    return _table("exp_avg").to(device)
+
+
+def exp_avg_sq_levels(device: torch.device | str = "cpu") -> torch.Tensor:
+    """The [256] fp32 levels of exp_avg_sq's codes, ascending: 2 ** ((c - 255) / 8)."""
+    return _table("exp_avg_sq").to(device)
+
+
+def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of the scales of a tensor of ``shape``: its last dimension divided by :data:`BLOCK`.
+
+    Raises:
+        ValueError: a 0-dim shape, or a last dimension that is not a multiple of :data:`BLOCK`.
+    """
+    if len(shape) == 0 or shape[-1] % BLOCK:
+        raise ValueError(
+            f"8-bit moments need a last (contiguous) dimension that is a multiple of {BLOCK}, got shape "
+            f"{tuple(shape)}"
+        )
+    return (*shape[:-1], shape[-1] // BLOCK)
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(*scales_shape(tuple(t.shape)), BLOCK)
+
+
+def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) of the fp32 tensor ``x`` by the scheme's rule (module docstring): int8 codes for
+    ``kind`` "exp_avg", uint8 for "exp_avg_sq" (``x`` >= 0), of ``x``'s shape; fp32 scales of
+    :func:`scales_shape`. ``x`` must be finite."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"quantize takes fp32 values, got {x.dtype}")
+    table = _table(kind).to(x.device)
+    blocks = _blocks(x)
+    magnitude = blocks.abs()
+    scales = magnitude.amax(dim=-1)
+    nonzero = (scales > 0)[..., None]
+    normalized = torch.where(nonzero, magnitude / torch.where(nonzero, scales[..., None], 1.0), 0.0)
+    above = torch.searchsorted(table, normalized, right=True)  # the first entry > n
+    lo = (above - 1).clamp_(min=0)
+    hi = above.clamp_(max=table.numel() - 1)
+    lo_value, hi_value = table[lo].double(), table[hi].double()
+    index = torch.where(2.0 * normalized.double() > lo_value + hi_value, hi, lo)
+    if kind == "exp_avg":
+        codes = torch.where(blocks < 0, -index, index).to(torch.int8)
+    else:
+        codes = index.to(torch.uint8)
+    return codes.reshape(x.shape), scales
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
+    """The fp32 values of ``codes`` (int8 for "exp_avg", uint8 for "exp_avg_sq") with their block
+    ``scales``: ``table[code] * scale``, one fp32 rounding (the sign of an exp_avg code applied exactly)."""
+    table = _table(kind).to(codes.device)
+    if kind == "exp_avg":
+        index = codes.to(torch.int64)
+        values = torch.where(index < 0, -table[-index], table[index])
+    else:
+        values = table[codes.to(torch.int64)]
+    return (_blocks(values) * scales[..., None]).reshape(codes.shape)
+
+
+def adamw_8bit_scalars(step: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+    """The [2] fp32 bias-corrected scalars of an 8-bit update, on ``step``'s device, no host read:
+    ``step_size = fp32(lr / fp32(1 - beta1 ** step))`` and ``bc2_sqrt = sqrt(fp32(1 - beta2 ** step))``,
+    the powers and the quotient in fp64, the square root correctly rounded to fp32. ``step``: the 0-dim fp32 step count,
+    already incremented; ``hyper``: the [5] fp64 (lr, beta1, beta2, eps, weight_decay). Both backends
+    read this tensor, so its last bits are the same for both."""
+    step64 = step.to(torch.float64)
+    bc1 = (1.0 - torch.pow(hyper[1], step64)).to(torch.float32)
+    bc2 = (1.0 - torch.pow(hyper[2], step64)).to(torch.float32)
+    step_size = (hyper[0] / bc1.to(torch.float64)).to(torch.float32)
+    return torch.stack([step_size, torch.sqrt(bc2.to(torch.float64)).to(torch.float32)])
+
+
+def adamw_8bit_update(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    exp_avg: tuple[torch.Tensor, torch.Tensor],
+    exp_avg_sq: tuple[torch.Tensor, torch.Tensor],
+    scalars: torch.Tensor,
+    hyper: torch.Tensor,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """One AdamW step with 8-bit moments, out of place: returns the new (p in fp32, exp_avg's (codes,
+    scales), exp_avg_sq's (codes, scales)).
+
+    ``p``: the weight (any float dtype, read as fp32); ``g``: its gradient as fp32 (already rounded to the
+    gradient dtype); ``exp_avg``, ``exp_avg_sq``: (codes, scales); ``scalars``: :func:`adamw_8bit_scalars`;
+    ``hyper``: [5] fp64. The arithmetic, each line one rounding to fp32 at its end (kernels/adamw.py's
+    "fp64" arithmetic), with m and v dequantized first:
+
+        p = fp32(p - lr * weight_decay * p)                 (fp64; p unchanged when weight_decay == 0)
+        m = fp32(beta1 * m + (1 - beta1) * g)               (fp64)
+        v = fp32(beta2 * v + (1 - beta2) * g * g)           (fp64)
+        denom = fp32(fp32(sqrt(v) / bc2_sqrt) + eps)        (sqrt correctly rounded; the sum in fp64)
+        p = p - (step_size * m) / denom                     (fp32)
+
+    then m and v are requantized (:func:`quantize`). The caller rounds p to the weight's dtype.
+    """
+    lr, beta1, beta2, eps, weight_decay = hyper.unbind()
+    p = p.to(torch.float32)
+    p64 = p.to(torch.float64)
+    p = torch.where(weight_decay != 0.0, (p64 - lr * weight_decay * p64).to(torch.float32), p)
+    m = dequantize(*exp_avg, "exp_avg")
+    v = dequantize(*exp_avg_sq, "exp_avg_sq")
+    g64 = g.to(torch.float64)
+    m = (beta1 * m.to(torch.float64) + (1.0 - beta1) * g64).to(torch.float32)
+    v = (beta2 * v.to(torch.float64) + (1.0 - beta2) * g64 * g64).to(torch.float32)
+    step_size, bc2_sqrt = scalars.unbind()
+    # torch's fp32 sqrt on the CPU is not correctly rounded (SLEEF's); fp32(sqrt in fp64) is: an fp32
+    # square root is never within an fp64 ulp of a point halfway between two fp32 values.
+    root = torch.sqrt(v.to(torch.float64)).to(torch.float32)
+    denom = ((root / bc2_sqrt).to(torch.float64) + eps).to(torch.float32)
+    p = p - (step_size * m) / denom
+    return p, quantize(m, "exp_avg"), quantize(v, "exp_avg_sq")

@@ -1,0 +1,218 @@
+"""8-bit AdamW moments (sonar_kernels/ops/moments_8bit.py) against an independent float64 implementation of
+the documented scheme (docs/design.md, "8-bit moments"), written here in numpy: the code tables, the
+quantization with its tie rule, the dequantization and one AdamW update from given codes, scales and
+gradient."""
+
+import itertools
+import math
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+
+from sonar_kernels.ops import moments_8bit as q8
+
+BLOCK = 32
+
+
+# --- the reference ------------------------------------------------------------------------------------
+
+
+def f32(x):
+    """Round float64 values to float32 (once, to nearest even)."""
+    return np.asarray(x, dtype=np.float64).astype(np.float32)
+
+
+def exact_pow2_eighth(j: int) -> np.float32:
+    """fp32(2 ** (j / 8)) rounded from a value good to far more bits than fp64 (Fraction arithmetic on an
+    fp64 estimate refined by Newton's method on x**8 = 2**j)."""
+    whole, frac = divmod(j, 8)
+    x = Fraction(2.0 ** (frac / 8))
+    for _ in range(3):  # Newton on f(x) = x^8 - 2^frac
+        x = x - (x**8 - 2**frac) / (8 * x**7)
+    value = x * Fraction(2) ** whole
+    below = np.float32(float(value))  # within an ulp; pick the nearest of the neighbours exactly
+    candidates = [np.nextafter(below, np.float32(-np.inf)), below, np.nextafter(below, np.float32(np.inf))]
+    return min(candidates, key=lambda c: abs(Fraction(float(c)) - value))
+
+
+def ref_tables():
+    magnitudes = np.array([0.0] + [exact_pow2_eighth(k - 127) for k in range(1, 128)], dtype=np.float32)
+    levels = np.array([exact_pow2_eighth(c - 255) for c in range(256)], dtype=np.float32)
+    return {"exp_avg": magnitudes, "exp_avg_sq": levels}
+
+
+TABLES = ref_tables()
+
+
+def ref_quantize(x: np.ndarray, kind: str):
+    """(codes, scales) by the documented rule, element by element: the nearest table entry to
+    n = fp32(|x| / scale), an exact tie to the smaller magnitude."""
+    table = TABLES[kind].astype(np.float64)
+    blocks = x.astype(np.float64).reshape(*x.shape[:-1], -1, BLOCK)
+    scales = np.abs(blocks).max(axis=-1, keepdims=True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        n = np.where(scales > 0, f32(np.abs(blocks) / scales).astype(np.float64), 0.0)
+    # |n - t| of two fp32 values is exact in fp64 for the entries next to n (close exponents), which are the
+    # only candidates; argmin takes the first of equal distances: the smaller magnitude.
+    best = np.argmin(np.abs(n[..., None] - table), axis=-1)
+    codes = np.where((blocks < 0) & (kind == "exp_avg"), -best, best)
+    dtype = np.int8 if kind == "exp_avg" else np.uint8
+    return codes.astype(dtype).reshape(x.shape), f32(scales[..., 0])
+
+
+def ref_dequantize(codes: np.ndarray, scales: np.ndarray, kind: str) -> np.ndarray:
+    table = TABLES[kind].astype(np.float64)
+    c = codes.astype(np.int64)
+    values = np.sign(c) * table[np.abs(c)] if kind == "exp_avg" else table[c]
+    blocks = values.reshape(*codes.shape[:-1], -1, BLOCK) * scales.astype(np.float64)[..., None]
+    return f32(blocks).reshape(codes.shape)
+
+
+def ref_round(p32: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """fp32 -> ``dtype`` (round to nearest even), back as fp32 values."""
+    if dtype == torch.float32:
+        return p32
+    if dtype == torch.float16:
+        return p32.astype(np.float16).astype(np.float32)
+    bits = p32.view(np.uint32).astype(np.uint64)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def ref_update(p, g, m_state, v_state, step, hyper, weight_dtype):
+    """The documented update in float64 with its fp32 rounding points; returns (p in the weight's dtype as
+    fp32 values, m's (codes, scales), v's (codes, scales))."""
+    lr, beta1, beta2, eps, wd = (float(h) for h in hyper)
+    bc1 = f32(1.0 - beta1**step)
+    bc2 = f32(1.0 - beta2**step)
+    step_size = f32(lr / float(bc1))
+    bc2_sqrt = f32(math.sqrt(float(bc2)))
+    p = p.astype(np.float32)
+    if wd != 0.0:
+        p = f32(p.astype(np.float64) - (lr * wd) * p.astype(np.float64))
+    m = ref_dequantize(*m_state, "exp_avg").astype(np.float64)
+    v = ref_dequantize(*v_state, "exp_avg_sq").astype(np.float64)
+    g = g.astype(np.float64)
+    m = f32(beta1 * m + ((1.0 - beta1) * g))
+    v = f32(beta2 * v + ((1.0 - beta2) * g) * g)
+    root = f32(np.sqrt(v.astype(np.float64)))  # a correctly rounded fp32 square root
+    denom = f32(f32(root.astype(np.float64) / float(bc2_sqrt)).astype(np.float64) + eps)
+    p = f32(
+        p.astype(np.float64) - f32(f32(float(step_size) * m.astype(np.float64)) / denom.astype(np.float64))
+    )
+    return ref_round(p, weight_dtype), ref_quantize(m, "exp_avg"), ref_quantize(v, "exp_avg_sq")
+
+
+# --- the tests ------------------------------------------------------------------------------------------
+
+
+def test_the_tables_are_the_documented_powers_of_two():
+    assert np.array_equal(q8.exp_avg_magnitudes().numpy(), TABLES["exp_avg"])
+    assert np.array_equal(q8.exp_avg_sq_levels().numpy(), TABLES["exp_avg_sq"])
+    assert TABLES["exp_avg"][127] == 1.0 and TABLES["exp_avg_sq"][255] == 1.0
+    assert np.all(np.diff(TABLES["exp_avg"]) > 0) and np.all(np.diff(TABLES["exp_avg_sq"]) > 0)
+
+
+def _values(seed: int, shape=(3, 4 * BLOCK)) -> np.ndarray:
+    """fp32 values over many decades, with the blocks the scheme must handle: all zeros, zeros beside
+    non-zeros, one huge entry among tiny ones, denormal magnitudes."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-8, 3, shape)).astype(np.float32)
+    x[0, :BLOCK] = 0.0
+    x[0, BLOCK : BLOCK + 5] = 0.0
+    x[1, :BLOCK] = np.float32(1e-9)
+    x[1, 7] = np.float32(3e30)
+    x[2, :BLOCK] = (rng.standard_normal(BLOCK) * 1e-41).astype(np.float32)  # denormal
+    return x
+
+
+@pytest.mark.parametrize("kind", q8.KINDS)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_quantize_and_dequantize_equal_the_reference(kind, seed):
+    x = _values(seed)
+    if kind == "exp_avg_sq":
+        x = np.abs(x)
+    codes, scales = q8.quantize(torch.from_numpy(x), kind)
+    ref_codes, ref_scales = ref_quantize(x, kind)
+    assert np.array_equal(codes.numpy(), ref_codes)
+    assert np.array_equal(scales.numpy(), ref_scales)
+    assert np.array_equal(
+        q8.dequantize(codes, scales, kind).numpy(), ref_dequantize(ref_codes, ref_scales, kind)
+    )
+
+
+@pytest.mark.parametrize("kind", q8.KINDS)
+def test_an_exact_tie_goes_to_the_smaller_magnitude(kind):
+    table = TABLES[kind].astype(np.float64)
+    mids = [(a + b) / 2 for a, b in itertools.pairwise(table)]
+    ties = [m for m in mids if float(np.float32(m)) == m][: BLOCK - 1]  # midpoints fp32 holds exactly
+    assert len(ties) >= 8, len(ties)
+    block = np.zeros(BLOCK, dtype=np.float32)
+    block[0] = 1.0  # scale 1: the normalized values are the values
+    block[1 : 1 + len(ties)] = ties
+    sign = -1.0 if kind == "exp_avg" else 1.0
+    x = (block * np.float32(sign))[None, :]
+    codes, _ = q8.quantize(torch.from_numpy(x), kind)
+    expected = [np.searchsorted(table, t) - 1 for t in ties]  # the entry below each midpoint
+    got = np.abs(codes.numpy().astype(np.int64)[0, 1 : 1 + len(ties)])
+    assert got.tolist() == expected
+    # Just above a tie: the larger magnitude.
+    above = x.copy()
+    above[0, 1 : 1 + len(ties)] = np.nextafter(above[0, 1 : 1 + len(ties)], np.float32(sign * np.inf))
+    codes, _ = q8.quantize(torch.from_numpy(above), kind)
+    assert np.abs(codes.numpy().astype(np.int64)[0, 1 : 1 + len(ties)]).tolist() == [e + 1 for e in expected]
+
+
+def test_a_small_second_moment_is_never_read_back_as_zero():
+    x = np.zeros((1, BLOCK), dtype=np.float32)
+    x[0, 0] = 1.0
+    x[0, 1] = 1e-30
+    codes, scales = q8.quantize(torch.from_numpy(x), "exp_avg_sq")
+    values = q8.dequantize(codes, scales, "exp_avg_sq")
+    assert values[0, 1] > 0 and values[0, 2] > 0  # the smallest level, not 0
+    assert q8.dequantize(*q8.quantize(torch.zeros(1, BLOCK), "exp_avg_sq"), "exp_avg_sq").eq(0).all()
+
+
+def test_a_last_dimension_not_a_multiple_of_the_block_is_refused():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        q8.quantize(torch.zeros(2, 48), "exp_avg")
+    with pytest.raises(ValueError, match="kind must be one of"):
+        q8.quantize(torch.zeros(2, 32), "exp_avg_cubed")
+
+
+@pytest.mark.parametrize("step", [1, 7, 1000])
+def test_the_scalars_equal_the_reference(step):
+    hyper = torch.tensor([3e-3, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64)
+    scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+    bc1, bc2 = f32(1.0 - 0.9**step), f32(1.0 - 0.999**step)
+    assert scalars.dtype == torch.float32
+    assert scalars[0].item() == float(f32(3e-3 / float(bc1)))
+    assert scalars[1].item() == float(f32(math.sqrt(float(bc2))))
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_updates_equal_the_reference_step_after_step(weight_dtype, weight_decay):
+    rng = np.random.default_rng(3)
+    shape = (2, 3, 2 * BLOCK)
+    p = torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).to(weight_dtype)
+    m_state = q8.quantize(torch.zeros(shape), "exp_avg")
+    v_state = q8.quantize(torch.zeros(shape), "exp_avg_sq")
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, weight_decay], dtype=torch.float64)
+    ref = (p.float().numpy(), tuple(t.numpy() for t in m_state), tuple(t.numpy() for t in v_state))
+    for step in range(1, 5):
+        g = (rng.standard_normal(shape) * 10.0 ** rng.uniform(-6, 1, shape)).astype(np.float32)
+        g[0, 0, :BLOCK] = 0.0  # a block without gradient
+        if weight_dtype != torch.float32:
+            g = torch.from_numpy(g).to(weight_dtype).float().numpy()  # rounded to the gradient dtype
+        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        new_p, m_state, v_state = q8.adamw_8bit_update(
+            p, torch.from_numpy(g), m_state, v_state, scalars, hyper
+        )
+        p = new_p.to(weight_dtype)
+        ref = ref_update(ref[0], g, ref[1], ref[2], step, hyper.tolist(), weight_dtype)
+        assert np.array_equal(p.float().numpy(), ref[0]), step
+        for got, want in ((m_state, ref[1]), (v_state, ref[2])):
+            assert np.array_equal(got[0].numpy(), want[0]) and np.array_equal(got[1].numpy(), want[1]), step
