@@ -10,7 +10,12 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
+from cases import Case
 
+from sonar_kernels import ops
+from sonar_kernels.kernels.moments_8bit import quantize_tile
 from sonar_kernels.ops import moments_8bit as q8
 
 BLOCK = 32
@@ -216,3 +221,137 @@ def test_updates_equal_the_reference_step_after_step(weight_dtype, weight_decay)
         assert np.array_equal(p.float().numpy(), ref[0]), step
         for got, want in ((m_state, ref[1]), (v_state, ref[2])):
             assert np.array_equal(got[0].numpy(), want[0]) and np.array_equal(got[1].numpy(), want[1]), step
+
+
+# --- the Triton kernels: the same bits as the torch ops -------------------------------------------------
+
+
+def _state(shape, seed, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    m = q8.quantize(torch.randn(shape, generator=g) * 1e-3, "exp_avg")
+    v = q8.quantize(torch.rand(shape, generator=g) * 1e-6, "exp_avg_sq")
+    return tuple(t.to(device) for t in m), tuple(t.to(device) for t in v)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_split_kernel_equals_the_torch_update(weight_dtype, device):
+    shape = (3, 40, 96)  # 96 columns: the last column tile of the kernel is partial
+    torch.manual_seed(0)
+    p = torch.randn(shape).to(weight_dtype).to(device)
+    m, v = _state(shape, 1, device)
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=device)
+    for step in range(1, 4):
+        g = (torch.randn(shape) * 10 ** (torch.rand(shape) * 6 - 5)).to(weight_dtype).to(device)
+        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step), device=device), hyper)
+        want_p, want_m, want_v = q8.adamw_8bit_update(p, g.float(), m, v, scalars, hyper)
+        q8.adamw_8bit_triton_(p, g, m, v, scalars, torch.zeros((), device=device), hyper)
+        assert torch.equal(p, want_p.to(weight_dtype)), step
+        assert all(torch.equal(a, b) for a, b in zip(m + v, want_m + want_v, strict=True)), step
+    # A set skip flag leaves everything as it was.
+    before = [t.clone() for t in (p, *m, *v)]
+    q8.adamw_8bit_triton_(p, g, m, v, scalars, torch.ones((), device=device), hyper)
+    assert all(torch.equal(a, b) for a, b in zip((p, *m, *v), before, strict=True))
+
+
+def _update(weight, state, step, hyper, fused):
+    (mc, ms), (vc, vs) = state
+    return ops.AdamWUpdate(
+        exp_avg=mc, exp_avg_sq=vc, step=step, hyper=hyper, grad_dtype=weight.dtype, fused=fused,
+        grad_norm_sq=torch.zeros((), device=weight.device), skipped=torch.zeros((), dtype=torch.int64, device=weight.device),
+        exp_avg_scales=ms, exp_avg_sq_scales=vs,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_epilogue_equals_the_split_path_and_the_torch_update(dtype, device):
+    # H = 96: W1 [E, 64, 96] has a partial column tile of the wgrad kernel (64 + 32 columns).
+    torch.manual_seed(0)
+    x, index, weights, w1, w2 = Case(16, 96, 32, 2, 2).make(dtype, device=device)
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=device)
+    runs = {}
+    for variant in ("fused", "split", "torch"):
+        weights_now = [w1.clone(), w2.clone()]
+        states = [_state(w.shape, 5 + i, device) for i, w in enumerate(weights_now)]
+        steps = [torch.zeros((), device=device) for _ in weights_now]
+        for step in range(2):
+            grad_out = torch.randn(16, 96, generator=torch.Generator().manual_seed(step)).to(dtype).to(device)
+            _, hpre, meta = ops.moe_mlp_fwd(x, index, weights, *weights_now, "silu")
+            if variant == "torch":
+                grads = ops.moe_mlp_bwd(grad_out, x, weights, *weights_now, hpre, meta, "silu", (True,) * 4)
+                for w, state, s, g in zip(weights_now, states, steps, grads[2:4], strict=True):
+                    s.add_(1)
+                    scalars = q8.adamw_8bit_scalars(s, hyper)
+                    new_p, m, v = q8.adamw_8bit_update(w, g.float(), *state, scalars, hyper)
+                    w.copy_(new_p.to(dtype))
+                    for held, new in zip(state[0] + state[1], m + v, strict=True):
+                        held.copy_(new)
+            else:
+                updates = [
+                    _update(w, state, s, hyper, variant == "fused")
+                    for w, state, s in zip(weights_now, states, steps, strict=True)
+                ]
+                ops.moe_mlp_bwd(
+                    grad_out, x, weights, *weights_now, hpre, meta, "silu", (True,) * 4,
+                    gate_up_proj_update=updates[0], down_proj_update=updates[1],
+                )  # fmt: skip
+        runs[variant] = [
+            t.clone() for w, state in zip(weights_now, states, strict=True) for t in (w, *state[0], *state[1])
+        ]
+    for name, tensors in runs.items():
+        for a, b in zip(tensors, runs["torch"], strict=True):
+            assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_skipped_update_leaves_codes_scales_and_step_unchanged(fused, device):
+    torch.manual_seed(0)
+    x, index, weights, w1, w2 = Case(16, 32, 32, 2, 2).make(torch.float32, device=device)
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.0], dtype=torch.float64, device=device)
+    state = _state(w2.shape, 3, device)
+    update = _update(w2, state, torch.zeros((), device=device), hyper, fused)
+    before = [t.clone() for t in (w2, *state[0], *state[1])]
+    out, hpre, meta = ops.moe_mlp_fwd(x, index, weights, w1, w2, "silu")
+    grad_out = torch.ones_like(out)
+    grad_out[3, 5] = float("inf")
+    ops.moe_mlp_bwd(
+        grad_out, x, weights, w1, w2, hpre, meta, "silu", (False, False, False, True), down_proj_update=update
+    )
+    assert all(torch.equal(a, b) for a, b in zip((w2, *state[0], *state[1]), before, strict=True))
+    assert (
+        float(update.step) == 0.0 and int(update.skipped) == 1 and float(update.grad_norm_sq) == float("inf")
+    )
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, codes_ptr, scales_ptr, table_ptr, SIGNED: tl.constexpr, SIZE: tl.constexpr, STEPS: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    rows = tl.arange(0, ROWS)
+    x = tl.load(x_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
+    codes, scales = quantize_tile(x, table_ptr, SIGNED, SIZE, STEPS, ROWS, COLS)
+    tl.store(codes_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], codes)
+    tl.store(scales_ptr + rows[:, None] * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)[None, :], scales)
+
+
+@pytest.mark.parametrize("kind", q8.KINDS)
+def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, device):
+    x = _values(0, shape=(4, 4 * BLOCK))
+    table = TABLES[kind].astype(np.float64)
+    ties = [m for m in ((a + b) / 2 for a, b in itertools.pairwise(table)) if float(np.float32(m)) == m]
+    x[3, :] = 0.0
+    x[3, 0] = 1.0
+    x[3, 1 : 1 + min(len(ties), 4 * BLOCK - 1)] = ties[: 4 * BLOCK - 1]
+    if kind == "exp_avg_sq":
+        x = np.abs(x)
+    else:
+        x[3, 1::2] *= -1.0
+    values = torch.from_numpy(x).to(device)
+    signed = kind == "exp_avg"
+    codes = torch.empty(x.shape, dtype=torch.int8 if signed else torch.uint8, device=device)
+    scales = torch.empty(x.shape[0], x.shape[1] // BLOCK, device=device)
+    size = 128 if signed else 256
+    table_slice = q8.tables(device)[:128] if signed else q8.tables(device)[128:]
+    _quantize_kernel[(1,)](values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK)
+    want_codes, want_scales = q8.quantize(values, kind)
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)

@@ -43,12 +43,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sonar_kernels import ops
-from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, routing
+from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, expert_wgrad, moments_8bit, routing
 from sonar_kernels.specs import ACTIVATIONS
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+# The wgrad kernel's 8-bit moments' pointers where its moments are exact (never read; typed as the JIT
+# types the placeholder tensor ops.wgrad passes).
+NO_8BIT_POINTERS = {"exp_avg_scales_ptr": "fp64", "exp_avg_sq_scales_ptr": "fp64", "tables_ptr": "fp64"}
 # (activation dtype, weight dtype) pairs the launchers accept: weights in the activation dtype, or fp32
 # master weights.
 DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
@@ -127,7 +130,9 @@ def specs() -> list[Spec]:
                  {"TILE_M": expert_mlp_fwd.TILE_M, "BLOCK_B": cfg["BLOCK_B"], "BLOCK_E": cfg["BLOCK_E"]}, launch,
                  config=config)
         )  # fmt: skip
-    return out + _forward_specs() + _backward_specs() + _adamw_specs() + _candidate_specs()
+    return (
+        out + _forward_specs() + _backward_specs() + _wgrad_8bit_specs() + _adamw_specs() + _candidate_specs()
+    )
 
 
 # The 16-bit (activation, weight) dtype pairs the tuning candidates are built for; ``--candidate-dtypes``
@@ -146,7 +151,7 @@ def _candidate_specs() -> list[Spec]:
         "grouped_mm": (expert_mlp_fwd.expert_mlp_grouped_mm_kernel, ["fwd", "dX"]),
         "dhpre": (expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel, ["silu"]),
         "wgrad": (
-            expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
+            expert_wgrad.expert_mlp_bwd_dw_kernel,
             [f"{role} {kind}" for role in ("dW1", "dW2") for kind in ("adamw-fp64", "check", "grad")],
         ),
     }
@@ -352,7 +357,7 @@ def _backward_specs() -> list[Spec]:
                 )
             )  # fmt: skip
 
-    blocks, options = _gemm_launch(expert_mlp_bwd.WGRAD_CONFIG)
+    blocks, options = _gemm_launch(expert_wgrad.WGRAD_CONFIG)
     # (activation, weight, moments) dtypes; the gradient is rounded to the weight dtype.
     wgrad_dtypes = [(a, w, w) for a, w in DTYPE_PAIRS] + [("bf16", "bf16", "fp32")]
     # dW2 = (w dO[token])^T A: P gathered by token; dW1 = dHpre^T X: Q gathered by token.
@@ -384,15 +389,16 @@ def _backward_specs() -> list[Spec]:
                 kind += " +grad_in" if has_grad_in else ""
                 out.append(
                     Spec(
-                        expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
+                        expert_wgrad.expert_mlp_bwd_dw_kernel,
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
                         {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
                          "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
                          "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "scalars_ptr": "fp32", "flag_ptr": "fp32",
-                         "partial_ptr": "fp32", "hyper_ptr": "fp64"},
+                         "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
+                           "MOMENTS_8BIT": False,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops.backward compiles the AdamW launch without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
@@ -414,15 +420,16 @@ def _backward_specs() -> list[Spec]:
         q_from_tokens = q_from_tokens and not bias
         out.append(
             Spec(
-                expert_mlp_bwd.expert_mlp_bwd_dw_kernel,
+                expert_wgrad.expert_mlp_bwd_dw_kernel,
                 f"x=bf16 w=bf16 {role} adamw-fp64 {layout}",
                 {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
                  "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "bf16",
                  "exp_avg_ptr": "bf16", "exp_avg_sq_ptr": "bf16", "scalars_ptr": "fp32", "flag_ptr": "fp32",
-                 "partial_ptr": "fp32", "hyper_ptr": "fp64"},
+                 "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
                 _precision("bf16") | blocks
                 | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "GRAD_DTYPE": TL_DTYPES["bf16"],
+                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": False,
+                   "GRAD_DTYPE": TL_DTYPES["bf16"],
                    "DOT_DTYPE": TL_DTYPES["bf16"]} | ({"N": 1} if bias else {}),
                 options | {"enable_fp_fusion": False},
                 # The bias's [E, M, 1] view has unit strides along M and N.
@@ -453,6 +460,35 @@ def _backward_specs() -> list[Spec]:
     return out
 
 
+def _wgrad_8bit_specs() -> list[Spec]:
+    """The fused update with 8-bit moments (ops.wgrad with an AdamWUpdate of codes and scales): int8 and
+    uint8 codes, fp32 scales, slices of one 32-column block (EPILOGUE_SPLIT = BLOCK_N / 32)."""
+    blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)
+    out = []
+    for act_dtype, w_dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
+        for role, (p_from_tokens, q_from_tokens) in {"dW2": (True, False), "dW1": (False, True)}.items():
+            out.append(
+                Spec(
+                    expert_wgrad.expert_mlp_bwd_dw_kernel,
+                    f"x={act_dtype} w={w_dtype} {role} adamw-8bit",
+                    {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+                     "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
+                     "exp_avg_ptr": "i8", "exp_avg_sq_ptr": "u8", "scalars_ptr": "fp32", "flag_ptr": "fp32",
+                     "partial_ptr": "fp32", "hyper_ptr": "fp64", "exp_avg_scales_ptr": "fp32",
+                     "exp_avg_sq_scales_ptr": "fp32", "tables_ptr": "fp32"},
+                    _precision(act_dtype) | blocks
+                    | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
+                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": True,
+                       "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
+                    options | {"enable_fp_fusion": False},
+                    unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                    is_gemm=True,
+                    config=blocks,
+                )
+            )  # fmt: skip
+    return out
+
+
 def _adamw_specs() -> list[Spec]:
     """The split path's standalone AdamW (ops.backward with a non-fused update): gradient in the weight dtype,
     moments in the weight dtype or fp32."""
@@ -469,6 +505,21 @@ def _adamw_specs() -> list[Spec]:
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
+            )
+        )  # fmt: skip
+    # The split path with 8-bit moments (ops/moments_8bit.py).
+    c8 = moments_8bit.ADAMW_8BIT_CONFIG
+    for w_dtype in ("fp32", "bf16", "fp16"):
+        out.append(
+            Spec(
+                moments_8bit.adamw_8bit_kernel,
+                f"w={w_dtype} 8-bit moments",
+                {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_codes_ptr": "i8", "exp_avg_scales_ptr": "fp32",
+                 "exp_avg_sq_codes_ptr": "u8", "exp_avg_sq_scales_ptr": "fp32", "magnitudes_ptr": "fp32",
+                 "levels_ptr": "fp32", "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
+                {"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"], "INTERPRET": False},
+                {"num_warps": c8["num_warps"], "enable_fp_fusion": False},
+                config={"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"]},
             )
         )  # fmt: skip
     # The bias-corrected scalars of each update (ops.backward, before the update's launch).

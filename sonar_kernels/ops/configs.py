@@ -32,8 +32,9 @@ from typing import NamedTuple
 
 import torch
 
-from sonar_kernels.kernels.expert_mlp_bwd import DHPRE_CONFIG, WGRAD_CONFIG
+from sonar_kernels.kernels.expert_mlp_bwd import DHPRE_CONFIG
 from sonar_kernels.kernels.expert_mlp_fwd import FWD_GEMM_CONFIG
+from sonar_kernels.kernels.expert_wgrad import WGRAD_8BIT_CONFIG, WGRAD_CONFIG
 
 
 class Config(NamedTuple):
@@ -64,6 +65,8 @@ def _config(d: dict) -> Config:
 # The kernel families: the up-projection + GLU ("up"), the grouped GEMM of the down projection and of dX
 # ("grouped_mm"), dHpre ("dhpre"), the wgrad with its AdamW epilogue ("wgrad").
 FAMILIES = ("up", "grouped_mm", "dhpre", "wgrad")
+# The wgrad launch of a fused update with 8-bit moments: one configuration, not tuned (kernels/expert_wgrad.py).
+WGRAD_8BIT = _config(WGRAD_8BIT_CONFIG)
 _DEFAULTS = {
     "up": _config(FWD_GEMM_CONFIG),
     "grouped_mm": _config(FWD_GEMM_CONFIG),

@@ -5,7 +5,8 @@ block of :data:`BLOCK` consecutive elements along the tensor's contiguous (last)
 dequantizes them, runs AdamW in fp32 (the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py``, with
 the bias-corrected scalars of :func:`adamw_8bit_scalars`), and requantizes. Every step is an IEEE
 operation with one rounding, written in the same order here and in the Triton epilogue, so given the same
-gradient both give the same codes, scales and weights.
+gradient both give the same codes, scales and weights (the kernels: ``sonar_kernels/kernels/moments_8bit.py``,
+the fused epilogue through :class:`sonar_kernels.ops.AdamWUpdate`'s ``exp_avg_scales``).
 
 The scheme:
 
@@ -36,6 +37,7 @@ __all__ = [
     "exp_avg_sq_levels",
     "quantize",
     "scales_shape",
+    "tables",
 ]
 
 # Elements per block: a divisor of every epilogue column slice of ops/configs.py's wgrad tiles, so that a
@@ -65,6 +67,17 @@ def exp_avg_magnitudes(device: torch.device | str = "cpu") -> torch.Tensor:
 def exp_avg_sq_levels(device: torch.device | str = "cpu") -> torch.Tensor:
     """The [256] fp32 levels of exp_avg_sq's codes, ascending: 2 ** ((c - 255) / 8)."""
     return _table("exp_avg_sq").to(device)
+
+
+@functools.cache
+def _tables(device: torch.device) -> torch.Tensor:
+    return torch.cat([_table("exp_avg"), _table("exp_avg_sq")]).to(device)
+
+
+def tables(device: torch.device | str = "cpu") -> torch.Tensor:
+    """[384] fp32: exp_avg's 128 magnitudes, then exp_avg_sq's 256 levels (what the Triton kernels read);
+    one tensor per device, made once."""
+    return _tables(torch.device(device))
 
 
 def scales_shape(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -174,3 +187,40 @@ def adamw_8bit_update(
     denom = ((root / bc2_sqrt).to(torch.float64) + eps).to(torch.float32)
     p = p - (step_size * m) / denom
     return p, quantize(m, "exp_avg"), quantize(v, "exp_avg_sq")
+
+
+def adamw_8bit_triton_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: tuple[torch.Tensor, torch.Tensor],
+    exp_avg_sq: tuple[torch.Tensor, torch.Tensor],
+    scalars: torch.Tensor,
+    skip: torch.Tensor,
+    hyper: torch.Tensor,
+) -> None:
+    """The split path's update on the Triton backend: ``weight`` and both moments' (codes, scales) updated
+    in place by :func:`sonar_kernels.kernels.moments_8bit.adamw_8bit_kernel` from ``grad`` (the weight's
+    shape, rounded to the gradient dtype), unless ``skip`` (a 0-dim fp32 device flag) is not 0: the
+    arithmetic of :func:`adamw_8bit_update`, bit for bit. Every tensor contiguous, the last dimension a
+    multiple of :data:`BLOCK`."""
+    import triton
+
+    from sonar_kernels.kernels.moments_8bit import ADAMW_8BIT_CONFIG, adamw_8bit_kernel
+    from sonar_kernels.ops.common import on_device, triton_interpreting
+
+    tensors = (weight, grad, *exp_avg, *exp_avg_sq)
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the 8-bit update's tensors must be contiguous")
+    C = weight.shape[-1]
+    scales_shape(tuple(weight.shape))
+    R = weight.numel() // C
+    config = ADAMW_8BIT_CONFIG
+    grid = (triton.cdiv(R, config["BLOCK_R"]), triton.cdiv(C, config["BLOCK_C"]))
+    table = tables(weight.device)
+    magnitudes, levels = table[:128], table[128:]
+    with on_device(weight.device):
+        adamw_8bit_kernel[grid](
+            weight, grad, *exp_avg, *exp_avg_sq, magnitudes, levels, scalars, skip, hyper, R, C,
+            BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], INTERPRET=triton_interpreting(),
+            num_warps=config["num_warps"], enable_fp_fusion=False,
+        )  # fmt: skip

@@ -249,6 +249,29 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _check_8bit(name: str, weight: torch.Tensor, update) -> None:
+    """The 8-bit moments of ``update`` (docs/design.md, "8-bit moments"): int8 and uint8 codes, fp32 block
+    scales of their shape, contiguous on the weight's device; a weight contiguous along its last
+    dimension, a multiple of the block."""
+    from sonar_kernels.ops.moments_8bit import scales_shape
+
+    expected = scales_shape(tuple(weight.shape))  # raises for a last dimension not a multiple of the block
+    if weight.stride(-1) != 1:
+        raise ValueError(f"{name}: 8-bit moments need the weight contiguous along its last dimension")
+    for key, dtype in (("exp_avg", torch.int8), ("exp_avg_sq", torch.uint8)):
+        codes = getattr(update, key)
+        if not isinstance(codes, torch.Tensor) or codes.dtype != dtype:
+            raise TypeError(f"{key} of {name} must be {dtype} codes with 8-bit moments")
+        scales = getattr(update, f"{key}_scales")
+        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32:
+            raise TypeError(f"{key}_scales of {name} must be a float32 tensor")
+        if tuple(scales.shape) != expected or not scales.is_contiguous() or scales.device != weight.device:
+            raise ValueError(
+                f"{key}_scales of {name} must be contiguous with shape {expected} on {weight.device}, got "
+                f"{tuple(scales.shape)} on {scales.device}"
+            )
+
+
 def check_update(name: str, weight: torch.Tensor, update) -> None:
     """Validate the in-place AdamW update of ``weight`` (an :class:`sonar_kernels.ops.AdamWUpdate`),
     before any kernel of the backward runs.
@@ -265,9 +288,12 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16 to be updated, got {weight.dtype}")
     if not is_dense(weight):
         raise ValueError(f"{name} must be a dense tensor (no gaps or overlaps) to be updated in place")
+    eight_bit = getattr(update, "exp_avg_scales", None) is not None
+    if eight_bit:
+        _check_8bit(name, weight, update)
     for key in ("exp_avg", "exp_avg_sq"):
         m = getattr(update, key)
-        if not isinstance(m, torch.Tensor) or m.dtype not in SUPPORTED_DTYPES:
+        if not eight_bit and (not isinstance(m, torch.Tensor) or m.dtype not in SUPPORTED_DTYPES):
             raise TypeError(f"{key} of {name} must be a float32/bfloat16/float16 tensor")
         if not laid_out_like(m, weight):
             raise ValueError(

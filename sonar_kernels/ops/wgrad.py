@@ -15,8 +15,8 @@ import torch
 import triton
 
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, adamw_kernel, adamw_scalars_kernel
-from sonar_kernels.kernels.expert_mlp_bwd import expert_mlp_bwd_dw_kernel
-from sonar_kernels.ops import common, configs
+from sonar_kernels.kernels.expert_wgrad import expert_mlp_bwd_dw_kernel
+from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, overflow_possible
 from sonar_kernels.ops.bias import ones_rows
 from sonar_kernels.ops.common import (
@@ -56,6 +56,8 @@ class AdamWUpdate(NamedTuple):
             ``defer(run)`` is called instead, and ``run(grad_in)`` launches them later with that grad_in
             (validated then; the launch's operands are kept alive until then). The autograd layer uses
             it to apply the update once the weight's whole gradient is known (docs/design.md).
+        exp_avg_scales, exp_avg_sq_scales: the block scales of 8-bit moments (:attr:`moments_8bit`), or
+            None: ``exp_avg`` and ``exp_avg_sq`` hold the moments themselves.
 
     Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
@@ -75,6 +77,15 @@ class AdamWUpdate(NamedTuple):
     skipped: torch.Tensor | None = None
     on_done: Callable[[], None] | None = None
     defer: Callable[[Callable[[torch.Tensor | None], None]], None] | None = None
+    exp_avg_scales: torch.Tensor | None = None
+    exp_avg_sq_scales: torch.Tensor | None = None
+
+    @property
+    def moments_8bit(self) -> bool:
+        """Whether the moments are 8-bit (``exp_avg`` int8 and ``exp_avg_sq`` uint8 codes with the weight's
+        shape and strides, ``exp_avg_scales`` and ``exp_avg_sq_scales`` fp32 of
+        :func:`sonar_kernels.ops.moments_8bit.scales_shape`, contiguous; docs/design.md, "8-bit moments")."""
+        return self.exp_avg_scales is not None
 
 
 class GradAccumulator(NamedTuple):
@@ -200,8 +211,19 @@ def _wgrad(
         return (E * triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
-               grad_dtype, arithmetic, has_norm, cfg=None, **options):  # fmt: skip
+               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, **options):  # fmt: skip
         cfg = cfg or chosen
+        if scales is None:  # exact moments: the 8-bit arguments are not read
+            scale_args, scale_strides = (hyper, hyper, hyper), (0, 0, 0)
+        else:  # (exp_avg's scales, exp_avg_sq's scales, tables); its own tiles: slices of one block each
+            scale_args = (*scales[:2], scales[2])
+            sv = view(scales[0])
+            scale_strides = (
+                (sv.stride(0), sv.stride(1), sv.stride(2))
+                if sv.dim() == 4
+                else (sv.stride(0), 0, sv.stride(1))
+            )
+            cfg = configs.WGRAD_8BIT
         grad, target, exp_avg, exp_avg_sq = view(grad), view(target), view(exp_avg), view(exp_avg_sq)
         grad_in = None if grad_in is None else view(grad_in)
         if grad.dim() == 4:  # W1's halves: row m of the gradient is (half m // I, row m % I)
@@ -211,14 +233,15 @@ def _wgrad(
         expert_mlp_bwd_dw_kernel[grid_of(cfg)](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
+            *scale_args,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
-            *strides,
+            *strides, *scale_strides,
             limit,
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
             EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
-            HAS_NORM=has_norm, ARITHMETIC=arithmetic,
+            HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
             **cfg.launch(), **options,
@@ -265,8 +288,10 @@ def _wgrad(
         return None
 
     hyper = update.hyper
-    limit = grad_limit(update.exp_avg_sq.dtype)
-    arithmetic = adamw_arithmetic(weight.device)
+    eight_bit = update.moments_8bit
+    # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
+    limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
+    arithmetic = "fp64" if eight_bit else adamw_arithmetic(weight.device)
     state = (weight, update.exp_avg, update.exp_avg_sq, update.step)
     # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
     # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
@@ -298,15 +323,34 @@ def _wgrad(
     update.step.add_(advance)
     applied = False
     try:
-        # step_size and sqrt(bc2) of this step, once (the update kernels read them).
-        scalars = common.empty((2,), torch.float32, weight.device)
-        adamw_scalars_kernel[(1,)](
-            update.step, hyper, scalars, ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=1, **no_fusion
-        )
+        # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments the
+        # torch ops that the torch backend's update reads too.
+        if eight_bit:
+            scalars = moments_8bit.adamw_8bit_scalars(update.step, hyper)
+            scales = (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit.tables(weight.device))
+        else:
+            scalars, scales = common.empty((2,), torch.float32, weight.device), None
+            adamw_scalars_kernel[(1,)](
+                update.step,
+                hyper,
+                scalars,
+                ARITHMETIC=arithmetic,
+                INTERPRET=interpret,
+                num_warps=1,
+                **no_fusion,
+            )
         if update.fused:
+            if eight_bit:  # its own tiles (configs.WGRAD_8BIT): one sum of squares per program of its grid
+                partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
             launch(
                 "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
-                scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, **no_fusion,
+                scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, scales=scales,
+                **no_fusion,
+            )  # fmt: skip
+        elif eight_bit:
+            moments_8bit.adamw_8bit_triton_(
+                weight, grad, (update.exp_avg, update.exp_avg_scales), (update.exp_avg_sq, update.exp_avg_sq_scales),
+                scalars, skip, hyper,
             )  # fmt: skip
         else:
             ac = ADAMW_CONFIG

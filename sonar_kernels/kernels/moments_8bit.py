@@ -1,0 +1,164 @@
+"""AdamW with 8-bit moments in registers: dequantize, update, requantize (docs/design.md, "8-bit moments").
+
+The scheme is ``sonar_kernels/ops/moments_8bit.py``'s, operation for operation: blocks of :data:`BLOCK`
+consecutive elements along a tile's columns (the weight's contiguous dimension), one fp32 scale per block
+(its largest magnitude), codes into the tables that ``ops/moments_8bit.py`` builds (exp_avg: int8
+``sign * k`` into 128 magnitudes; exp_avg_sq: uint8 into 256 levels), the nearest entry with exact ties
+to the smaller magnitude, and AdamW in the "fp64" arithmetic of ``kernels/adamw.py``. A tile's columns are
+whole blocks (the launchers check it), so a block's scale is known in registers.
+"""
+
+import triton
+import triton.language as tl
+
+from sonar_kernels.kernels.adamw import _adamw_math
+from sonar_kernels.kernels.common import round_to
+
+BLOCK: tl.constexpr = tl.constexpr(32)
+ADAMW_8BIT_CONFIG = {"BLOCK_R": 16, "BLOCK_C": 64, "num_warps": 4}
+
+
+@triton.jit
+def _to_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """[ROWS, COLS] -> [ROWS, COLS // BLOCK, BLOCK]."""
+    return tl.reshape(x, (ROWS, COLS // BLOCK, BLOCK))
+
+
+@triton.jit
+def dequantize_tile(codes, scales, table_ptr, SIGNED: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """fp32 values of ``codes`` [ROWS, COLS] with their block ``scales`` [ROWS, COLS // BLOCK]: one fp32
+    product ``table[code] * scale``, the sign of a signed code applied exactly."""
+    index = codes.to(tl.int32)
+    if SIGNED:
+        magnitude = tl.load(table_ptr + tl.abs(index))
+        values = tl.where(index < 0, -magnitude, magnitude)
+    else:
+        values = tl.load(table_ptr + index)
+    values = _to_blocks(values, ROWS, COLS) * scales[:, :, None]
+    return tl.reshape(values, (ROWS, COLS))
+
+
+@triton.jit
+def quantize_tile(
+    x, table_ptr, SIGNED: tl.constexpr, TABLE_SIZE: tl.constexpr, SEARCH_STEPS: tl.constexpr, ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+):  # fmt: skip
+    """(codes [ROWS, COLS] int8 (SIGNED) or uint8, scales [ROWS, COLS // BLOCK] fp32) of the fp32 tile
+    ``x``: the scale is the block's largest magnitude; the code of n = fp32(|x| / scale) (0 when the scale
+    is 0) is the nearest of the table entries lo <= n < hi around it: hi when 2 n > lo + hi exactly, else
+    lo."""
+    blocks = _to_blocks(x, ROWS, COLS)
+    magnitude = tl.abs(blocks)
+    scales = tl.max(magnitude, axis=2)
+    nonzero = scales > 0.0
+    divisor = tl.where(nonzero, scales, 1.0)
+    normalized = tl.where(nonzero[:, :, None], tl.div_rn(magnitude, divisor[:, :, None]), 0.0)
+    # The number of table entries <= n (searchsorted, right side): a binary search of SEARCH_STEPS =
+    # log2(TABLE_SIZE) + 1 steps, each a gather from the table (1 KB at most).
+    count = tl.zeros(normalized.shape, dtype=tl.int32)
+    for i in tl.static_range(SEARCH_STEPS):
+        candidate = count + (TABLE_SIZE >> i)
+        inside = candidate <= TABLE_SIZE
+        entry = tl.load(table_ptr + candidate - 1, mask=inside, other=float("inf"))
+        count = tl.where(inside & (entry <= normalized), candidate, count)
+    lo = tl.maximum(count - 1, 0)
+    hi = tl.minimum(count, TABLE_SIZE - 1)
+    # 2 n > lo + hi exactly, as (n - lo) > (hi - n) in fp32: adjacent entries are less than a factor 2
+    # apart, so both differences are exact (Sterbenz), or, next to the entry 0, on the same side.
+    lo_value = tl.load(table_ptr + lo)
+    hi_value = tl.load(table_ptr + hi)
+    index = tl.where(normalized - lo_value > hi_value - normalized, hi, lo)
+    if SIGNED:  # noqa: SIM108 (a constexpr branch: one of them is compiled)
+        codes = tl.where(blocks < 0.0, -index, index).to(tl.int8)
+    else:
+        codes = index.to(tl.uint8)
+    return tl.reshape(codes, (ROWS, COLS)), scales
+
+
+@triton.jit
+def adamw_8bit_tile(
+    grad,  # [ROWS, COLS] fp32, already rounded to the gradient dtype
+    offs,  # [ROWS, COLS] int64 element offsets of W and of both moments' codes
+    mask,  # [ROWS, COLS]
+    scale_offs,  # [ROWS, COLS // BLOCK] int64 offsets of both moments' scales
+    scale_mask,
+    w_ptr,
+    exp_avg_codes_ptr,
+    exp_avg_scales_ptr,
+    exp_avg_sq_codes_ptr,
+    exp_avg_sq_scales_ptr,
+    magnitudes_ptr,  # [128] fp32: exp_avg's table
+    levels_ptr,  # [256] fp32: exp_avg_sq's table
+    step_size,
+    bc2_sqrt,
+    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
+    ROWS: tl.constexpr,
+    COLS: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Load W and both moments (codes, scales) of the tile, dequantize, apply AdamW ("fp64" arithmetic,
+    kernels/adamw.py) with ``grad``, requantize and store all of them."""
+    p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = dequantize_tile(
+        tl.load(exp_avg_codes_ptr + offs, mask=mask, other=0),
+        tl.load(exp_avg_scales_ptr + scale_offs, mask=scale_mask, other=0.0),
+        magnitudes_ptr, True, ROWS, COLS,
+    )  # fmt: skip
+    v = dequantize_tile(
+        tl.load(exp_avg_sq_codes_ptr + offs, mask=mask, other=0),
+        tl.load(exp_avg_sq_scales_ptr + scale_offs, mask=scale_mask, other=0.0),
+        levels_ptr, False, ROWS, COLS,
+    )  # fmt: skip
+    p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, "fp64", INTERPRET)
+    tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    codes, scales = quantize_tile(m, magnitudes_ptr, True, 128, 8, ROWS, COLS)
+    tl.store(exp_avg_codes_ptr + offs, codes, mask=mask)
+    tl.store(exp_avg_scales_ptr + scale_offs, scales, mask=scale_mask)
+    codes, scales = quantize_tile(v, levels_ptr, False, 256, 9, ROWS, COLS)
+    tl.store(exp_avg_sq_codes_ptr + offs, codes, mask=mask)
+    tl.store(exp_avg_sq_scales_ptr + scale_offs, scales, mask=scale_mask)
+
+
+@triton.jit
+def adamw_8bit_kernel(
+    # pointers
+    w_ptr,  # [R, C] fp32/bf16/fp16, read and written
+    grad_ptr,  # [R, C] gradient dtype, read
+    exp_avg_codes_ptr,  # [R, C] int8, read and written
+    exp_avg_scales_ptr,  # [R, C // BLOCK] fp32, read and written
+    exp_avg_sq_codes_ptr,  # [R, C] uint8, read and written
+    exp_avg_sq_scales_ptr,  # [R, C // BLOCK] fp32, read and written
+    magnitudes_ptr,  # [128] fp32, read
+    levels_ptr,  # [256] fp32, read
+    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (ops/moments_8bit.py, adamw_8bit_scalars)
+    skip_ptr,  # [] fp32, read: the update is skipped when != 0
+    hyper_ptr,  # [5] fp64, read
+    # sizes
+    R,
+    C,
+    # meta-parameters
+    BLOCK_R: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """Standalone AdamW with 8-bit moments (the split path): the tensors seen as [R, C] rows of their
+    contiguous dimension (C a multiple of BLOCK, every tensor contiguous), updated in place unless the flag
+    at ``skip_ptr`` is set.
+
+    Grid: (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)).
+    """
+    if tl.load(skip_ptr) != 0.0:
+        return
+    offs_r = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_c = (tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)).to(tl.int64)
+    offs_b = (tl.program_id(1) * (BLOCK_C // BLOCK) + tl.arange(0, BLOCK_C // BLOCK)).to(tl.int64)
+    mask = (offs_r < R)[:, None] & (offs_c < C)[None, :]
+    offs = offs_r[:, None] * C + offs_c[None, :]
+    scale_mask = (offs_r < R)[:, None] & (offs_b * BLOCK < C)[None, :]
+    scale_offs = offs_r[:, None] * (C // BLOCK) + offs_b[None, :]
+    grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    adamw_8bit_tile(
+        grad, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr,
+        exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr,
+        tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, INTERPRET,
+    )  # fmt: skip
