@@ -106,7 +106,9 @@ class ExpertUpdate:
     never sees the optimizer itself).
 
     Attributes:
-        exp_avg, exp_avg_sq: the moments, the tensor's shape and strides; float32/bfloat16/float16.
+        exp_avg, exp_avg_sq: the moments, the tensor's shape and strides; float32/bfloat16/float16, or,
+            with 8-bit moments, their int8 and uint8 codes (docs/design.md, "8-bit moments").
+        exp_avg_scales, exp_avg_sq_scales: None, or the 8-bit moments' fp32 block scales.
         step: [] float32 on the tensor's device, advanced on the device by each applied update.
         hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
             (``HYPERPARAMETERS``), read by the kernels when they run and rewritten by the owner from the
@@ -144,6 +146,8 @@ class ExpertUpdate:
         torch_fused: bool | None = None,
         accumulation_steps: int = 1,
         reduce_first: bool = False,
+        exp_avg_scales: torch.Tensor | None = None,
+        exp_avg_sq_scales: torch.Tensor | None = None,
     ):
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
@@ -157,11 +161,16 @@ class ExpertUpdate:
         self.torch_fused = torch_fused
         self.accumulation_steps = accumulation_steps
         self.reduce_first = reduce_first
+        self.exp_avg_scales = exp_avg_scales
+        self.exp_avg_sq_scales = exp_avg_sq_scales
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
-        passed apart: it is only read)."""
-        return [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
+        passed apart: it is only read); the 8-bit moments' scales last."""
+        state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
+        if self.exp_avg_scales is not None:
+            state += [self.exp_avg_scales, self.exp_avg_sq_scales]
+        return state
 
     def accumulating(self) -> bool:
         """Whether the next backward's gradient is kept for later (micro-batches 1 .. k-1 of k)."""

@@ -114,14 +114,14 @@ def test_a_scheduler_changes_the_learning_rate_of_the_compiled_update():
     assert not torch.equal(_experts(other)[0], _experts(compiled)[0])
 
 
-def _olmoe():
+def _olmoe(intermediate_size=16):
     transformers = pytest.importorskip("transformers", minversion="5.13")
     from sonar_kernels.integrations import transformers as hf
 
     hf.register()
     torch.manual_seed(0)
     config = transformers.OlmoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+        vocab_size=64, hidden_size=32, intermediate_size=intermediate_size, num_hidden_layers=2, num_attention_heads=2,
         num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.01,
         bos_token_id=0, eos_token_id=1, pad_token_id=2,
     )  # fmt: skip
@@ -129,8 +129,8 @@ def _olmoe():
     return hf.set_backend(transformers.OlmoeForCausalLM(config), "torch")
 
 
-def _train_olmoe(model, compile_backend, steps=3):
-    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5)
+def _train_olmoe(model, compile_backend, steps=3, **options):
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER, max_grad_norm=0.5, **options)
     run = model if compile_backend is None else torch.compile(model, backend=compile_backend)
     for step in range(steps):
         tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(step))
@@ -156,6 +156,21 @@ def test_a_compiled_olmoe_trains_like_eager(compile_backend):
             assert torch.equal(p, q), name
         else:
             assert rel_err(p, q) <= 1e-5, name
+
+
+def test_a_compiled_olmoe_with_8bit_moments_trains_like_eager_bitwise():
+    # The update op with 8-bit moments (codes and scales in its state list) inside the compiled backward.
+    eager = _olmoe(intermediate_size=32)
+    compiled = copy.deepcopy(eager)
+    _train_olmoe(eager, None, moments_dtype="8bit")
+    optimizer = _train_olmoe(compiled, "aot_eager", moments_dtype="8bit")
+    for p in optimizer.expert_tensors:
+        assert (
+            float(optimizer.state[p]["step"]) == 3.0
+            and optimizer.state[p]["exp_avg_codes"].dtype == torch.int8
+        )
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p, q), name
 
 
 class TinyExperts(torch.nn.Module):

@@ -148,6 +148,36 @@ def test_wgrad_op_with_an_in_backward_update_passes_opcheck(backend, mode, devic
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
+    # The state list of library.STATE_FIELDS_8BIT (codes, step, norm, counter, scales) through the forward
+    # op (which saves it for the backward) and the update op, which writes every one of them.
+    x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.float32, device=device)
+    scales = torch.zeros(3, 32, 1, device=device)
+    state = [
+        torch.zeros(w2.shape, dtype=torch.int8, device=device), torch.zeros(w2.shape, dtype=torch.uint8, device=device),
+        torch.zeros((), device=device), torch.zeros((), device=device), torch.zeros((), dtype=torch.int64, device=device),
+        scales, scales.clone(),
+    ]  # fmt: skip
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=device)
+    forward = list(_forward_args(x, index, weights, w1, w2, backend))
+    forward[11:15] = [state, [0, 7, 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
+    _opcheck(library.moe_mlp_fwd, tuple(forward))
+    out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
+    core = _core_args(
+        torch.randn_like(out), x, weights, w1, w2, hpre, meta, backend, [False, False, False, True, True]
+    )
+    _, _, _, a, magnitudes = library.moe_mlp_bwd(*core)
+    args = (
+        "down_proj", w2, core[0], a, weights, list(meta), magnitudes if backend == "triton" else None, "update",
+        state, hyper, None, False, torch.float32, True, None, None, backend, "concatenated",
+    )  # fmt: skip
+    _opcheck(library.expert_wgrad_, args)
+    before = w2.clone()
+    library.expert_wgrad_(*args)
+    assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].gt(0).all())
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_with_a_separate_up_tensor_pass_opcheck_and_update_it(backend, device):
     # torchtitan's w1, w2, w3: the up tensor is an input of its own, updated by its own op.
     x, index, weights, w1, w2 = _inputs(device=device)

@@ -236,6 +236,7 @@ def _backward(ctx, grad_out, *unused):
                 grad_dtype,
                 fused_epilogue,
                 backend,
+                layout,
             )
     owned = any(owner is not None for owner in ctx.owners)
     # Eager mode: the jobs' bodies without the ops' dispatch (with owners, the updates report to them as

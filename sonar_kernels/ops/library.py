@@ -21,12 +21,11 @@ from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
-from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
-from sonar_kernels.ops.expert_gradient import ExpertGradient
+from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
+from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
+from sonar_kernels.ops.torch_update import torch_update, torch_update_of
 from sonar_kernels.specs import RoutingMetadata
 
-# The tensors of an in-backward update, in the order the ops take them.
-STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
 # or add it to an accumulation buffer.
 MODES = ("grad", "update", "accumulate")
@@ -277,10 +276,12 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = state
+    exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
     return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
         grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
+        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales,
     )  # fmt: skip
 
 
@@ -295,7 +296,17 @@ def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fus
 
 
 def check_expert_wgrad(
-    name, weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, backend
+    name,
+    weight,
+    mode,
+    state,
+    hyper,
+    buffer,
+    buffer_add,
+    grad_dtype,
+    fused_epilogue,
+    backend,
+    layout="concatenated",
 ):
     """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
     (the Triton backend's checks, ``ops.wgrad.check_wgrad``); the autograd layer checks every expert
@@ -304,7 +315,7 @@ def check_expert_wgrad(
         update, accumulator = _triton_plan(
             weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, None, None
         )
-        triton_wgrad.check_wgrad(name, weight, update, accumulator)
+        triton_wgrad.check_wgrad(name, weight, update, accumulator, layout)
 
 
 def run_expert_wgrad(
@@ -334,7 +345,7 @@ def run_expert_wgrad(
         return gradient.full()
     if mode != "update":
         raise ValueError(f"{name}: mode {mode!r} is not supported by the torch backend (grad or update)")
-    _torch_update_of(
+    torch_update_of(
         weight, state, hyper if value is None else value, buffer, foreach, torch_fused, on_done, grad_dtype, defer,
         gradient,
     )  # fmt: skip
@@ -358,49 +369,7 @@ def expert_adamw_(
     :func:`sonar_kernels.ops.adamw.torch_adamw_`). The hyperparameters are read from ``hyper``
     ([5] float64, :data:`sonar_kernels.specs.HYPERPARAMETERS`) on the host (a sync on a GPU; the Triton
     backend reads them in its kernels)."""
-    _torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
-
-
-def _torch_update_of(
-    weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient
-) -> None:
-    """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
-    through ``defer`` (see :func:`run_moe_mlp_bwd`)."""
-    if defer is None:
-        _torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype)
-    else:
-        defer(
-            lambda later: _torch_update(
-                weight, state, hyper, later, foreach, fused, done, gradient, grad_dtype=grad_dtype
-            )
-        )
-
-
-def _torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
-    """The body of :func:`expert_adamw_` (``grad`` a tensor) and of the torch backend's in-backward update
-    (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
-    ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then
-    ``done()`` when given. ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
-    weight_decay) as it holds them (see :func:`run_moe_mlp_bwd`). ``grad_dtype``: the gradient is rounded
-    to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
-    ``grad_in`` (already in that dtype) is rounded once more."""
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
-    hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
-    if isinstance(grad, ExpertGradient):
-        torch_adamw_chunked_(
-            weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
-        )  # fmt: skip
-    else:
-        if grad_dtype is not None:
-            grad = grad.to(grad_dtype)
-        total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
-        torch_adamw_(
-            weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused,
-        )  # fmt: skip
-    if done is not None:
-        done()
+    torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
 
 
 @expert_adamw_.register_fake

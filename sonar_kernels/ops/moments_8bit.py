@@ -224,3 +224,90 @@ def adamw_8bit_triton_(
             BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], INTERPRET=triton_interpreting(),
             num_warps=config["num_warps"], enable_fp_fusion=False,
         )  # fmt: skip
+
+
+def adamw_8bit_(
+    weight: torch.Tensor,
+    gradient,
+    grad_in: torch.Tensor | None,
+    state: list[torch.Tensor],
+    hyper: torch.Tensor,
+    *,
+    grad_dtype: torch.dtype | None,
+    chunk_bytes: int | None,
+) -> None:
+    """The torch backend's update of one expert tensor with 8-bit moments, in place: ``state`` the update's
+    tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, exp_avg's scales,
+    exp_avg_sq's scales; ``ops/library.py``'s order), ``hyper`` the [5] fp64 hyperparameters.
+
+    ``gradient``: the gradient as a tensor, or an ``ExpertGradient`` (``ops/expert_gradient.py``) that
+    computes it by chunks of experts of at most ``chunk_bytes`` (None: whole), each chunk updated before the
+    next is computed (blocks lie along the last dimension, chunks along the first: a chunk holds whole
+    blocks). The gradient is rounded to ``grad_dtype`` (None: the weight's), plus ``grad_in`` (earlier
+    micro-batches) rounded once more, as autograd sums them. The update is skipped as a whole (weight,
+    codes, scales and step unchanged; ``grad_norm_sq`` inf, ``skipped`` + 1) when an entry of that gradient
+    is not finite or beyond ``ops.grad_limit(float32)``: decided before the first chunk is updated (a bound
+    from the GEMM operands, else a check pass) when chunked (the CPU: read on the host, which costs
+    nothing), on the device without a host read otherwise."""
+    from sonar_kernels.ops.adamw import grad_limit, overflow_possible
+    from sonar_kernels.ops.common import inf_norm
+    from sonar_kernels.ops.expert_gradient import ExpertGradient
+
+    m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales = state
+    limit = grad_limit(torch.float32)
+    dtype = grad_dtype or weight.dtype
+
+    def total_of(grad: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        grad = grad.to(dtype)
+        return grad if grad_in is None else grad_in[first:last] + grad.to(grad_in.dtype)
+
+    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor):
+        part = slice(first, last)
+        p, m, v = adamw_8bit_update(
+            weight[part], grad.float(), (m_codes[part], m_scales[part]), (v_codes[part], v_scales[part]), scalars,
+            hyper,
+        )  # fmt: skip
+        return p.to(weight.dtype), m, v
+
+    chunks = gradient.chunks(chunk_bytes) if isinstance(gradient, ExpertGradient) else [(0, weight.shape[0])]
+    with torch.no_grad():
+        if len(chunks) == 1:  # whole: decided on the device
+            whole = gradient.full() if isinstance(gradient, ExpertGradient) else gradient
+            grad = total_of(whole, 0, weight.shape[0])
+            found = ~(inf_norm(grad) <= limit)
+            step.add_((~found).float())
+            p, m, v = apply(
+                0, weight.shape[0], torch.where(found, 0.0, grad.float()), adamw_8bit_scalars(step, hyper)
+            )
+            for held, new in zip((weight, m_codes, m_scales, v_codes, v_scales), (p, *m, *v), strict=True):
+                held.copy_(torch.where(found, held, new))
+            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
+            skipped.add_(found.long())
+            return
+        largest = max(last - first for first, last in chunks)
+        buffer = torch.empty_like(weight[:largest])
+
+        def chunk_gradient(first: int, last: int) -> torch.Tensor:
+            return total_of(gradient.compute(first, last, buffer[: last - first]), first, last)
+
+        stored = (dtype, weight.dtype, *(p.dtype for p, _, _ in gradient.parts()))
+        entry_limit = min([limit] + [torch.finfo(d).max for d in stored])
+        found = bool(overflow_possible(gradient.bound(), grad_in, entry_limit, float("inf")))
+        if found:  # the bound cannot clear it: the check pass
+            found = any(not bool(inf_norm(chunk_gradient(*chunk)) <= limit) for chunk in chunks)
+        if found:
+            grad_norm_sq.fill_(float("inf"))
+            skipped.add_(1)
+            return
+        step.add_(1.0)
+        scalars = adamw_8bit_scalars(step, hyper)
+        norm_sq = torch.zeros((), dtype=torch.float32, device=weight.device)
+        for first, last in chunks:
+            grad = chunk_gradient(first, last)
+            norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            p, m, v = apply(first, last, grad, scalars)
+            weight[first:last].copy_(p)
+            for held, new in zip((m_codes, m_scales, v_codes, v_scales), (*m, *v), strict=True):
+                held[first:last].copy_(new)
+        grad_norm_sq.copy_(norm_sq)

@@ -105,15 +105,26 @@ class GradAccumulator(NamedTuple):
     on_done: Callable[[], None] | None = None
 
 
-def check_wgrad(name: str, weight, update: AdamWUpdate | None, accumulator: GradAccumulator | None) -> None:
+def check_wgrad(
+    name: str,
+    weight,
+    update: AdamWUpdate | None,
+    accumulator: GradAccumulator | None,
+    layout: str = "concatenated",
+) -> None:
     """Raise TypeError or ValueError (before any launch) when ``update`` or ``accumulator`` cannot apply to
-    the expert tensor ``weight`` (see :func:`moe_mlp_bwd`)."""
+    the expert tensor ``weight`` of ``layout`` (see :func:`moe_mlp_bwd`)."""
     if weight is None:
         if update is not None or accumulator is not None:
             raise ValueError(f"{name}: an update or an accumulator without the tensor")
         return
     if update is not None:
         check_update(name, weight, update)
+        if update.moments_8bit and _kernel_view(name, layout)(weight).stride(-1) != 1:
+            raise ValueError(
+                f"{name}: 8-bit moments need the weight contiguous along the wgrad's columns, which the "
+                f'{layout!r} layout does not give (docs/design.md, "8-bit moments")'
+            )
     if accumulator is not None:
         if update is not None:
             raise ValueError(f"{name}: an update and an accumulator are exclusive")
@@ -136,16 +147,9 @@ def expert_wgrad(
     ones). ``largest``: the core's magnitudes, needed by a fused update. ``checked``: the caller ran
     :func:`check_wgrad` already."""
     if not checked:
-        check_wgrad(name, weight, update, accumulator)
+        check_wgrad(name, weight, update, accumulator, layout)
     down = name in ("down_proj", "down_proj_bias")
-    if name == "down_proj":
-        view = functools.partial(down_view, layout=layout)
-    elif name == "down_proj_bias":
-        view = lambda t: t.unsqueeze(-1)  # noqa: E731
-    elif name == "gate_up_proj_bias":
-        view = lambda t: gate_up_bias_view(t, layout).unsqueeze(-1)  # noqa: E731
-    else:
-        view = functools.partial(gate_up_view, layout=layout)
+    view = _kernel_view(name, layout)
     shape = view(weight).shape
     M, N = math.prod(shape[1:-1]), shape[-1]
     dtype = p.dtype
@@ -171,6 +175,18 @@ def expert_wgrad(
             p, down, q, name in ("gate_up_proj", "up_proj"), top_k_weights, meta, weight, update, M, N,
             top_k_weights.shape[1], dtype, triton_interpreting(), bound, accumulator, name=name, view=view,
         )  # fmt: skip
+
+
+def _kernel_view(name: str, layout: str):
+    """The function that shows a tensor of the expert tensor ``name``'s shape and strides as the wgrad
+    kernel indexes it: [E, M, N], or W1's [E, 2, M / 2, N] halves."""
+    if name == "down_proj":
+        return functools.partial(down_view, layout=layout)
+    if name == "down_proj_bias":
+        return lambda t: t.unsqueeze(-1)
+    if name == "gate_up_proj_bias":
+        return lambda t: gate_up_bias_view(t, layout).unsqueeze(-1)
+    return functools.partial(gate_up_view, layout=layout)
 
 
 def _wgrad(

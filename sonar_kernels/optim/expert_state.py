@@ -13,11 +13,68 @@ from collections.abc import Callable
 import torch
 
 from sonar_kernels import ops
+from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
 from sonar_kernels.optim.param_groups import check_group_options
 
-__all__ = ["check_loadable", "expert_state", "load_expert_state", "with_cpu_steps"]
+__all__ = [
+    "EIGHT_BIT",
+    "check_loadable",
+    "expert_state",
+    "load_expert_state",
+    "moment_tensors",
+    "uses_8bit",
+    "with_cpu_steps",
+]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+# ``moments_dtype`` of 8-bit moments (docs/design.md, "8-bit moments"): the state holds, for each moment,
+# its codes ("exp_avg_codes": int8, "exp_avg_sq_codes": uint8, the tensor's shape) and fp32 block scales
+# ("exp_avg_scales", "exp_avg_sq_scales").
+EIGHT_BIT = "8bit"
+CODES = {"exp_avg": torch.int8, "exp_avg_sq": torch.uint8}
+
+
+def uses_8bit(p: torch.Tensor, moments_dtype) -> bool:
+    """Whether ``p``'s moments are 8-bit with ``moments_dtype``: "8bit" and a weight matrix ([E, rows,
+    columns]); a bias ([E, n]) keeps exact moments in its own dtype (a few kilobytes).
+
+    Raises:
+        ValueError: a weight matrix whose last dimension is not a multiple of the block (32) or that is
+            not contiguous.
+    """
+    if moments_dtype != EIGHT_BIT or p.dim() != 3:
+        return False
+    scales_shape(tuple(p.shape))
+    if not p.is_contiguous():
+        raise ValueError(f"8-bit moments need a contiguous expert tensor, got strides {p.stride()}")
+    return True
+
+
+def moment_tensors(state: dict) -> list[torch.Tensor]:
+    """The tensors of ``state`` that an update writes besides ``step``: the moments, or their codes and
+    scales."""
+    if "exp_avg_codes" in state:
+        return [state[f"{key}_{part}"] for key in MOMENTS for part in ("codes", "scales")]
+    return [state[key] for key in MOMENTS]
+
+
+def _quantized(p: torch.Tensor, values: dict | None) -> dict:
+    """The 8-bit fields of ``p``'s state: ``values`` (moment -> a tensor of ``p``'s shape, any float dtype)
+    quantized, or zeros."""
+    state = {}
+    for key in MOMENTS:
+        value = None if values is None else values.get(key)
+        if value is None:
+            state[f"{key}_codes"] = torch.zeros_like(
+                p, dtype=CODES[key], memory_format=torch.contiguous_format
+            )
+            state[f"{key}_scales"] = torch.zeros(
+                scales_shape(tuple(p.shape)), dtype=torch.float32, device=p.device
+            )
+        else:
+            codes, scales = quantize(value.to(device=p.device, dtype=torch.float32).contiguous(), key)
+            state[f"{key}_codes"], state[f"{key}_scales"] = codes, scales
+    return state
 
 
 def expert_state(
@@ -27,7 +84,22 @@ def expert_state(
     taken before ``p`` was known as an expert tensor, or its own before a conversion of ``p``) converted
     (``step`` a 0-dim float32 tensor on ``p``'s device, the moments on that device in ``moments_dtype``,
     else their own dtype, else, for a dtype the kernels do not take or the dtype ``follows`` (the
-    parameter's before a conversion), ``p``'s), or new zeros when it has none."""
+    parameter's before a conversion), ``p``'s), or new zeros when it has none. With 8-bit moments
+    (:func:`uses_8bit`) the moments are quantized (docs/design.md, "8-bit moments"), its own codes and scales
+    kept."""
+    if uses_8bit(p, moments_dtype):
+        if (
+            "exp_avg_codes" in state
+        ):  # its own, before a conversion of p: codes and scales do not follow p's dtype
+            return {key: value.to(p.device, copy=True) for key, value in state.items()}
+        if all(isinstance(state.get(key), torch.Tensor) for key in MOMENTS):  # torch.optim.AdamW's: quantized
+            step, values = state.get("step", 0.0), {key: state[key] for key in MOMENTS}
+        else:
+            step, values = 0.0, None
+        step = torch.as_tensor(step, dtype=torch.float32).to(p.device).reshape(()).clone()
+        return {"step": step} | _quantized(p, values)
+    if moments_dtype == EIGHT_BIT:
+        moments_dtype = None  # a bias: exact moments
     moments = moments_dtype or p.dtype
     if not all(isinstance(state.get(key), torch.Tensor) for key in MOMENTS):
         return {
@@ -55,10 +127,24 @@ def _pairs(saved_groups: list[dict], param_groups: list[dict]) -> list[tuple[int
 
 def with_cpu_steps(saved: dict, param_groups: list[dict], managed: Callable[[torch.Tensor], bool]) -> dict:
     """``saved`` (torch.optim.Optimizer.state_dict's result) with the ``step`` of each tensor ``managed``
-    names as a CPU copy (the live one stays on the device). Reading it syncs with the device."""
+    names as a CPU copy (the live one stays on the device). Reading it syncs with the device.
+
+    8-bit moments are saved as torch.optim.AdamW's ``exp_avg`` and ``exp_avg_sq`` (fp32, dequantized: a
+    torch.optim.AdamW loads them) and their codes (``exp_avg_codes``, ``exp_avg_sq_codes``), from which
+    :func:`load_expert_state` restores the state exactly (a block's scale is its largest dequantized
+    magnitude, the top code's value times 1)."""
     for param_id, p in _pairs(saved["param_groups"], param_groups):
         state = saved["state"].get(param_id)
         if managed(p) and state is not None and isinstance(state.get("step"), torch.Tensor):
+            if "exp_avg_codes" in state:
+                state = {"step": state["step"]} | {
+                    name: value
+                    for key in MOMENTS
+                    for name, value in (
+                        (key, dequantize(state[f"{key}_codes"], state[f"{key}_scales"], key)),
+                        (f"{key}_codes", state[f"{key}_codes"]),
+                    )
+                }
             saved["state"][param_id] = {**state, "step": state["step"].to("cpu", copy=True)}
     return saved
 
@@ -97,13 +183,35 @@ def check_loadable(
     return pairs
 
 
+def _load_8bit(p: torch.Tensor, saved: dict) -> dict:
+    """The 8-bit fields of ``p``'s state from its saved state: the saved codes with the scales their
+    dequantized moments give (exact), or the saved moments quantized (a torch.optim.AdamW state; zeros for
+    none)."""
+    state = {}
+    for key in MOMENTS:
+        value, codes = saved.get(key), saved.get(f"{key}_codes")
+        if not isinstance(value, torch.Tensor):  # no saved state: zeros
+            state |= {name: t for name, t in _quantized(p, None).items() if name.startswith(f"{key}_")}
+            continue
+        value = value.to(device=p.device, dtype=torch.float32).contiguous()
+        if isinstance(codes, torch.Tensor) and codes.dtype == CODES[key] and codes.shape == p.shape:
+            scales = value.reshape(*scales_shape(tuple(p.shape)), -1).abs().amax(dim=-1)
+            state[f"{key}_codes"], state[f"{key}_scales"] = codes.to(p.device).contiguous(), scales
+        else:
+            state[f"{key}_codes"], state[f"{key}_scales"] = quantize(value, key)
+    return state
+
+
 def load_expert_state(p: torch.Tensor, state: dict, saved: dict, moments_dtype: torch.dtype | None) -> None:
     """Rewrite ``state`` (``p``'s, after torch.optim.Optimizer.load_state_dict) from ``saved`` (its saved
     state, possibly empty) as the kernels read it: the moments in the dtype they were saved with when the
     kernels take it (torch casts them to the parameter's dtype), else ``p``'s, or ``moments_dtype`` when
     given; fresh zero moments and ``step`` 0 for a parameter saved without state; ``step`` a float32
-    tensor on ``p``'s device; no other key."""
-    for key in MOMENTS:
+    tensor on ``p``'s device; no other key. 8-bit moments (:func:`uses_8bit`): see :func:`with_cpu_steps`."""
+    eight_bit = uses_8bit(p, moments_dtype)
+    if moments_dtype == EIGHT_BIT:
+        moments_dtype = None  # a bias: exact moments
+    for key in () if eight_bit else MOMENTS:
         value = saved.get(key)
         if isinstance(value, torch.Tensor):
             kept = value.dtype if value.dtype in ops.SUPPORTED_DTYPES else p.dtype
@@ -114,6 +222,10 @@ def load_expert_state(p: torch.Tensor, state: dict, saved: dict, moments_dtype: 
     state["step"] = (
         torch.as_tensor(0.0 if step is None else step, dtype=torch.float32).to(p.device).reshape(())
     )
+    kept = ("step", *MOMENTS)
+    if eight_bit:
+        state |= _load_8bit(p, saved)
+        kept = ("step", *(f"{key}_{part}" for key in MOMENTS for part in ("codes", "scales")))
     for key in list(state):
-        if key not in ("step", *MOMENTS):
+        if key not in kept:
             del state[key]

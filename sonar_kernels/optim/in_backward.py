@@ -39,7 +39,13 @@ import torch
 
 from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed, loss_scaling
-from sonar_kernels.optim.expert_state import check_loadable, expert_state, load_expert_state, with_cpu_steps
+from sonar_kernels.optim.expert_state import (
+    EIGHT_BIT,
+    check_loadable,
+    expert_state,
+    load_expert_state,
+    with_cpu_steps,
+)
 from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 from sonar_kernels.optim.update_handle import OwnedUpdate, signature
@@ -87,9 +93,12 @@ class InBackwardAdamW:
         self, moments_dtype, grad_dtype, fused_epilogue, accumulation_steps=1, data_parallel_group=None
     ) -> None:
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
+            if name == "moments_dtype" and dtype == EIGHT_BIT:
+                continue
             if dtype is not None and dtype not in ops.SUPPORTED_DTYPES:
+                eight_bit = ', or "8bit"' if name == "moments_dtype" else ""
                 raise TypeError(
-                    f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16, got {dtype}"
+                    f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
         self.accumulation_steps = accumulation_steps
         loss_scaling.install()  # a backward of a GradScaler-scaled loss is refused before any update
@@ -210,8 +219,13 @@ class InBackwardAdamW:
         state = self.state[p]
         record = self._record
         foreach, fused = torch_adamw_flags(record.groups.group(p), [p])
+        if "exp_avg_codes" in state:  # 8-bit moments: the codes in the moments' places, the scales apart
+            moments = {"exp_avg": state["exp_avg_codes"], "exp_avg_sq": state["exp_avg_sq_codes"],
+                       "exp_avg_scales": state["exp_avg_scales"], "exp_avg_sq_scales": state["exp_avg_sq_scales"]}  # fmt: skip
+        else:
+            moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
         update = OwnedUpdate(
-            self, record, p, exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"], step=state["step"],
+            self, record, p, **moments, step=state["step"],
             hyper=record.groups.tensor(p), grad_norm_sq=record.grad_norm_sq[p], skipped=record.skipped[p],
             grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
             accumulation_steps=self.accumulation_steps, reduce_first=record.reduces_first(p),

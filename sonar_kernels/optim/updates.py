@@ -16,8 +16,10 @@ import weakref
 import torch
 
 from sonar_kernels import ops
+from sonar_kernels.ops.moments_8bit import adamw_8bit_
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.accumulation import MicroBatches
+from sonar_kernels.optim.expert_state import moment_tensors
 from sonar_kernels.optim.grad_hooks import weak_call
 from sonar_kernels.optim.param_groups import (
     GroupHyperparameters,
@@ -131,7 +133,7 @@ class InBackwardUpdates:
         self.micro_batches.consumed(p)  # the accumulated gradient, consumed by the update
         self.held.forward_with_graph(p)
         state = self._optimizer().state[p]
-        torch.autograd.graph.increment_version([p, state["exp_avg"], state["exp_avg_sq"]])
+        torch.autograd.graph.increment_version([p, *moment_tensors(state)])
 
     def compiled_update(self, p: torch.Tensor) -> None:
         """A compiled backward is about to update ``p``: check and record it."""
@@ -154,6 +156,15 @@ class InBackwardUpdates:
         group = self.groups.group(p)
         foreach, fused = torch_adamw_flags(group, [p])
         state = self._optimizer().state[p]
+        if "exp_avg_codes" in state:  # 8-bit moments: the scheme's update (skipped the same way)
+            tensors = [state["exp_avg_codes"], state["exp_avg_sq_codes"], state["step"], self.grad_norm_sq[p],
+                       self.skipped[p], state["exp_avg_scales"], state["exp_avg_sq_scales"]]  # fmt: skip
+            adamw_8bit_(
+                p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
+            )
+            self.micro_batches.consumed(p)
+            self.updated[p] = True
+            return
         ops.torch_adamw_(
             p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], torch_hyperparameters(group),
             self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,

@@ -1,0 +1,71 @@
+"""The torch backend's in-backward update of one expert tensor, the body of the ``sonar_kernels::`` ops that
+apply it (``ops/library.py``): torch's AdamW on exact moments (by chunks of experts with its fused AdamW),
+or the 8-bit scheme (``ops/moments_8bit.py``) on codes and scales.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sonar_kernels.ops import torch_backend
+from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
+from sonar_kernels.ops.expert_gradient import ExpertGradient
+from sonar_kernels.ops.moments_8bit import adamw_8bit_
+
+__all__ = ["STATE_FIELDS", "STATE_FIELDS_8BIT", "torch_update", "torch_update_of"]
+
+# The tensors of an in-backward update, in the order the ops take them.
+STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
+# With 8-bit moments (docs/design.md, "8-bit moments"): exp_avg and exp_avg_sq are their int8 and uint8
+# codes, and their fp32 block scales follow.
+STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
+
+
+def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
+    """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
+    through ``defer`` (see ``ops/library.py``'s ``run_expert_wgrad``)."""
+    if defer is None:
+        torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype)
+    else:
+        defer(
+            lambda later: torch_update(
+                weight, state, hyper, later, foreach, fused, done, gradient, grad_dtype=grad_dtype
+            )
+        )
+
+
+def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
+    """The body of ``sonar_kernels::expert_adamw_`` (``grad`` a tensor) and of the torch backend's in-backward update
+    (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
+    ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then
+    ``done()`` when given. ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
+    weight_decay) as it holds them (see ``ops/library.py``'s ``run_expert_wgrad``). ``grad_dtype``: the gradient is rounded
+    to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
+    ``grad_in`` (already in that dtype) is rounded once more."""
+    if len(state) == len(STATE_FIELDS_8BIT):  # 8-bit moments: the scheme's arithmetic, not torch's AdamW
+        if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
+            hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
+        adamw_8bit_(
+            weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
+            chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
+        )  # fmt: skip
+        if done is not None:
+            done()
+        return
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
+    hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
+    if isinstance(grad, ExpertGradient):
+        torch_adamw_chunked_(
+            weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
+        )  # fmt: skip
+    else:
+        if grad_dtype is not None:
+            grad = grad.to(grad_dtype)
+        total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
+        torch_adamw_(
+            weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
+    if done is not None:
+        done()
