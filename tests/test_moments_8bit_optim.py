@@ -134,3 +134,29 @@ def test_a_checkpoint_restores_codes_and_scales_exactly_and_converts_to_and_from
             restored.state[q]["exp_avg_scales"], scales
         )
         assert float(restored.state[q]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_accumulated_micro_batches_equal_the_scheme_on_their_summed_gradient(backend, device):
+    # Two micro-batches per step: the last one's update adds the first one's gradient (in .grad).
+    x, index, weights, w1, w2, grads = _inputs(device)
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], moments_dtype="8bit", accumulation_steps=2, **HYPER)
+    q1, q2 = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    for grad_out in grads:
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grad_out)
+        sonar_kernels.moe_mlp(x, index, weights, q1, q2, backend=backend).backward(grad_out)
+    optimizer.step()
+    hyper = torch.tensor(
+        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
+    )
+    scalars = q8.adamw_8bit_scalars(torch.tensor(1.0), hyper)
+    for p, q in ((p1, q1), (p2, q2)):
+        zeros = (
+            q8.quantize(torch.zeros(q.shape), "exp_avg"),
+            q8.quantize(torch.zeros(q.shape), "exp_avg_sq"),
+        )
+        new_p, m, v = q8.adamw_8bit_update(q.detach().cpu(), q.grad.float().cpu(), *zeros, scalars, hyper)
+        assert torch.equal(p.detach().cpu(), new_p)
+        state = _state_of(optimizer, p)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(state[0] + state[1], m + v, strict=True))

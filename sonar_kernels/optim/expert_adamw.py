@@ -67,7 +67,9 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         eps: >= 0, added to the denominator.
         weight_decay: decoupled weight decay coefficient, >= 0.
         moments_dtype: dtype of exp_avg and exp_avg_sq (e.g. torch.float32 for bf16 weights); None:
-            the parameter's dtype.
+            the parameter's dtype; "8bit": 8-bit codes and fp32 block scales for the weight matrices
+            (``state[p]``: ``exp_avg_codes``, ``exp_avg_scales``, ``exp_avg_sq_codes``,
+            ``exp_avg_sq_scales``), biases exact (docs/design.md, "8-bit moments"; docs/usage.md).
         grad_dtype: dtype the fp32 wgrad accumulator is rounded to before the AdamW math; None: the
             parameter's dtype (what a ``.grad`` would hold); torch.float32 keeps the fp32 value.
         fused_epilogue: True: AdamW in the wgrad epilogue. False: docs/design.md's split path, the same
@@ -99,6 +101,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             ``data_parallel_group`` (also raised as RuntimeError by a backward, before any update, when
             torch.distributed was initialized after the optimizer was built).
         TypeError: a tensor of an unsupported dtype, or an unsupported moments_dtype / grad_dtype.
+        ValueError: with 8-bit moments, a weight matrix whose last dimension is not a multiple of 32 or
+            that is not contiguous.
     """
 
     def __init__(
@@ -109,7 +113,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        moments_dtype: torch.dtype | None = None,
+        moments_dtype: torch.dtype | str | None = None,
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,

@@ -99,8 +99,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps: for the expert tensors, as in
-            ExpertAdamW (with accumulation_steps=k, call ``step()`` once per k backward passes, as for
-            standard accumulation).
+            ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments; with accumulation_steps=k, call ``step()``
+            once per k backward passes, as for standard accumulation).
         data_parallel_group: the ProcessGroup (or 1-D DeviceMesh) over which the expert tensors are
             replicated, as in ExpertAdamW: their gradients are averaged over it before their update.
             Given a module, SonarAdamW puts its expert tensors on DDP's ignore list, so build it before
@@ -138,7 +138,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         differentiable: bool = False,
         fused: bool | None = None,
         max_grad_norm: float | None = None,
-        moments_dtype: torch.dtype | None = None,
+        moments_dtype: torch.dtype | str | None = None,
         grad_dtype: torch.dtype | None = None,
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
