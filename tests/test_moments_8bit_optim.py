@@ -160,3 +160,23 @@ def test_accumulated_micro_batches_equal_the_scheme_on_their_summed_gradient(bac
         assert torch.equal(p.detach().cpu(), new_p)
         state = _state_of(optimizer, p)
         assert all(torch.equal(a.cpu(), b) for a, b in zip(state[0] + state[1], m + v, strict=True))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_non_finite_gradient_skips_the_update_as_a_whole(backend, device):
+    x, index, weights, w1, w2, grads = _inputs(device)
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], moments_dtype="8bit", **HYPER)
+    sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grads[0])
+    optimizer.step()
+    before = {p: [t.clone() for t in (p.detach(), *optimizer.state[p].values())] for p in (p1, p2)}
+    bad = grads[1].clone()
+    bad[2, 3] = float("nan")
+    sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(bad)
+    optimizer.step()
+    for p in (p1, p2):
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip((p.detach(), *optimizer.state[p].values()), before[p], strict=True)
+        )
+    assert int(optimizer.expert_skipped_updates()) == 2

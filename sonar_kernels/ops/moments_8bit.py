@@ -19,7 +19,8 @@ The scheme:
 - dequantize: one fp32 multiplication, ``table[code] * scale``;
 - quantize: the normalized magnitude ``n = fp32(|x| / scale)`` (0 when the scale is 0) goes to the nearest
   table entry: between the entries ``lo <= n < hi`` next to it, ``hi`` when ``2 n > lo + hi`` exactly
-  (computed in fp64, where both sides are exact), else ``lo``: an exact tie goes to the smaller magnitude.
+  (compared as ``n - lo > hi - n`` in fp32, where both differences are exact), else ``lo``: an exact tie
+  goes to the smaller magnitude.
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ __all__ = [
 # block never crosses a tile, an expert or a shard (docs/design.md, "8-bit moments").
 BLOCK = 32
 KINDS = ("exp_avg", "exp_avg_sq")
+# Elements per call of the torch backend's update (:func:`adamw_8bit_`): its temporaries (fp64 operands,
+# int32 indices: about 60 bytes an element) stay near 1 MiB whatever the chunk of experts.
+UPDATE_ELEMENTS = 1 << 14
 
 
 @functools.cache
@@ -110,11 +114,13 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     scales = magnitude.amax(dim=-1)
     nonzero = (scales > 0)[..., None]
     normalized = torch.where(nonzero, magnitude / torch.where(nonzero, scales[..., None], 1.0), 0.0)
-    above = torch.searchsorted(table, normalized, right=True)  # the first entry > n
+    above = torch.searchsorted(table, normalized, right=True, out_int32=True)  # the first entry > n
     lo = (above - 1).clamp_(min=0)
     hi = above.clamp_(max=table.numel() - 1)
-    lo_value, hi_value = table[lo].double(), table[hi].double()
-    index = torch.where(2.0 * normalized.double() > lo_value + hi_value, hi, lo)
+    # 2 n > lo + hi exactly, as (n - lo) > (hi - n) in fp32: adjacent entries are less than a factor 2
+    # apart, so both differences are exact (Sterbenz), or, next to the entry 0, on the same side.
+    index = torch.where(normalized - table[lo] > table[hi] - normalized, hi, lo)
+    del lo, hi, normalized
     if kind == "exp_avg":
         codes = torch.where(blocks < 0, -index, index).to(torch.int8)
     else:
@@ -261,13 +267,19 @@ def adamw_8bit_(
         grad = grad.to(dtype)
         return grad if grad_in is None else grad_in[first:last] + grad.to(grad_in.dtype)
 
-    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor):
-        part = slice(first, last)
-        p, m, v = adamw_8bit_update(
-            weight[part], grad.float(), (m_codes[part], m_scales[part]), (v_codes[part], v_scales[part]), scalars,
-            hyper,
-        )  # fmt: skip
-        return p.to(weight.dtype), m, v
+    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
+        """Update experts ``first`` to ``last - 1`` in place, :data:`UPDATE_ELEMENTS` at a time (whole rows
+        of the last dimension: whole blocks), each slice unchanged where ``found`` (a device flag) is set."""
+        columns = weight.shape[-1]
+        held = [t[first:last].view(-1, t.shape[-1]) for t in (weight, m_codes, m_scales, v_codes, v_scales)]
+        grad = grad.reshape(-1, columns)
+        rows = max(1, UPDATE_ELEMENTS // columns)
+        for start in range(0, grad.shape[0], rows):
+            part = slice(start, start + rows)
+            w, mc, ms, vc, vs = (t[part] for t in held)
+            p, m, v = adamw_8bit_update(w, grad[part].float(), (mc, ms), (vc, vs), scalars, hyper)
+            for target, new in zip((w, mc, ms, vc, vs), (p.to(weight.dtype), *m, *v), strict=True):
+                target.copy_(new if found is None else torch.where(found, target, new))
 
     chunks = gradient.chunks(chunk_bytes) if isinstance(gradient, ExpertGradient) else [(0, weight.shape[0])]
     with torch.no_grad():
@@ -276,11 +288,13 @@ def adamw_8bit_(
             grad = total_of(whole, 0, weight.shape[0])
             found = ~(inf_norm(grad) <= limit)
             step.add_((~found).float())
-            p, m, v = apply(
-                0, weight.shape[0], torch.where(found, 0.0, grad.float()), adamw_8bit_scalars(step, hyper)
+            apply(
+                0,
+                weight.shape[0],
+                torch.where(found, 0.0, grad.float()),
+                adamw_8bit_scalars(step, hyper),
+                found,
             )
-            for held, new in zip((weight, m_codes, m_scales, v_codes, v_scales), (p, *m, *v), strict=True):
-                held.copy_(torch.where(found, held, new))
             norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
             grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
             skipped.add_(found.long())
@@ -306,8 +320,5 @@ def adamw_8bit_(
         for first, last in chunks:
             grad = chunk_gradient(first, last)
             norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-            p, m, v = apply(first, last, grad, scalars)
-            weight[first:last].copy_(p)
-            for held, new in zip((m_codes, m_scales, v_codes, v_scales), (*m, *v), strict=True):
-                held[first:last].copy_(new)
+            apply(first, last, grad, scalars)
         grad_norm_sq.copy_(norm_sq)

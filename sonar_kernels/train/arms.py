@@ -20,7 +20,9 @@ from sonar_kernels.train.data import ByteData, Preset
 ARMS = ("standard", "sonar", "standard-dense-clip")
 
 
-OTHER_ARMS = ("all-in-backward",)
+OTHER_ARMS = ("all-in-backward", "sonar-8bit")
+# The arms that train with SonarAdamW: exact moments, and 8-bit moments (docs/design.md, "8-bit moments").
+SONAR_ARMS = ("sonar", "sonar-8bit")
 
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -163,10 +165,11 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
     chosen = torch_adamw_flags({"foreach": args.foreach, "fused": args.fused}, list(model.parameters()))
     flags = dict(zip(("foreach", "fused"), chosen, strict=True))
     clip = None
-    if name == "sonar":
+    if name in SONAR_ARMS:
         optimizer = sonar_kernels.SonarAdamW(
             model, **hyper, **flags, max_grad_norm=args.max_grad_norm,
             data_parallel_group=None if ep_experts is not None else distributed.group(),
+            moments_dtype="8bit" if name == "sonar-8bit" else None,
         )  # fmt: skip
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
@@ -186,7 +189,7 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
         return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
     arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
-    if name == "sonar" and count_updates:
+    if name in SONAR_ARMS and count_updates:
         arm.updates = {"backward": 0, "step": 0}
     arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
     return arm
@@ -219,7 +222,7 @@ def train_step(
     if arm.updates is not None:
         arm.updates["backward"] = arm.updates["backward"] + (after_backward - before)
         arm.updates["step"] = arm.updates["step"] + (_expert_step_count(arm) - after_backward)
-    if arm.name == "sonar":
+    if arm.name in SONAR_ARMS:
         norm = arm.optimizer.last_dense_grad_norm
     for scheduler in arm.schedulers:
         scheduler.step()

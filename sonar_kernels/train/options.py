@@ -97,7 +97,10 @@ def parse_args(argv):
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
                         help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
                         "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
-                        "clipped, the paper's other comparison")  # fmt: skip
+                        "clipped, the paper's other comparison; sonar-8bit: sonar with 8-bit moments (--moments)")  # fmt: skip
+    parser.add_argument("--moments", choices=("exact", "8bit"), default="exact",
+                        help="8bit: also train the sonar-8bit arm, SonarAdamW(moments_dtype=\"8bit\"), whose expert "
+                        "moments are 8-bit codes and block scales updated in the backward (docs/usage.md)")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -140,6 +143,8 @@ def parse_args(argv):
     steps = args.steps or PRESETS[args.preset].steps
     if args.warmup_steps is not None and args.warmup_steps > steps:
         parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
+    if args.moments == "8bit" and "sonar-8bit" not in args.arms:
+        args.arms.append("sonar-8bit")
     repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
     if repeated:
         parser.error(f"--arms: {', '.join(repeated)} given more than once")

@@ -49,7 +49,7 @@ def speedup(standard: dict, sonar: dict) -> tuple[float | None, str]:
     return ratio, f"ratio of median step times over {fewest}+ timed steps per arm"
 
 
-def heldout_statistics(standard: list[float], sonar: list[float]) -> dict:
+def heldout_statistics(standard: list[float], sonar: list[float], name: str = "sonar") -> dict:
     """The held-out difference sonar - standard over paired seeds (same initialization and batches per
     seed): per-seed differences, their mean and its standard error (sample standard deviation / sqrt(n)),
     the standard arm's own seed-to-seed standard deviation, and a verdict in words: no difference
@@ -78,7 +78,7 @@ def heldout_statistics(standard: list[float], sonar: list[float]) -> dict:
             f"no difference detectable at this scale (|mean| {abs(mean):.4f} <= 2 standard errors, {2 * se:.4f})"
         )
     else:
-        better = "sonar" if mean < 0 else "standard"
+        better = name if mean < 0 else "standard"
         weak = f"; with {n} seeds a weak test, more seeds narrow it" if n < 5 else ""
         result["verdict"] = (
             f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f}{weak})"
@@ -186,6 +186,15 @@ def summary_table(report: dict) -> str:
             f"mean {heldout['mean_delta']:+.4f}{spread}"
         )
         lines.append(f"  verdict: {heldout['verdict']}")
+    eight_bit = report.get("heldout_8bit")
+    if eight_bit is not None:
+        lines.append(
+            f"  sonar-8bit - standard: {' '.join(f'{d:+.4f}' for d in eight_bit['deltas'])}; "
+            f"mean {eight_bit['mean_delta']:+.4f}; verdict: {eight_bit['verdict']}"
+        )
+        ratio = report.get("peak_memory_ratio_8bit")
+        if ratio is not None:
+            lines.append(f"  sonar-8bit peak memory / standard's: {ratio:.3f}")
     updates = report.get("sonar_expert_updates_in_backward")
     if updates is not None:
         lines.append("")
@@ -279,9 +288,21 @@ def plot(report: dict, path: Path) -> list[str]:
         gridspec_kw={"width_ratios": [widths[p] for p in panels]}, squeeze=False,
     )  # fmt: skip
     axes = dict(zip(panels, axes[0], strict=True))
-    palette = {"standard": "C0", "sonar": "C1", "standard-dense-clip": "C2", "all-in-backward": "C3"}
+    palette = {
+        "standard": "C0",
+        "sonar": "C1",
+        "standard-dense-clip": "C2",
+        "all-in-backward": "C3",
+        "sonar-8bit": "C4",
+    }
     colors = {name: palette.get(name, f"C{4 + i}") for i, name in enumerate(names)}
-    styles = {"standard": "-", "sonar": "--", "standard-dense-clip": ":", "all-in-backward": "-."}
+    styles = {
+        "standard": "-",
+        "sonar": "--",
+        "standard-dense-clip": ":",
+        "all-in-backward": "-.",
+        "sonar-8bit": "--",
+    }
     if "loss" in axes:
         # Every arm's curve on the first seed (the paired comparison: the control lies on sonar's), and
         # the range of an arm's curves over its seeds as a band.
