@@ -449,3 +449,23 @@ def test_expert_parallel_run_on_two_processes(tmp_path):
     assert report["sonar_equals_control_bitwise"] is True
     wrong = _torchrun_train(["--ep", "4", "--steps", "1", "--layers", "1"], tmp_path)
     assert wrong.returncode != 0 and "--ep 4 needs 4 ranks" in wrong.stderr
+
+
+def test_moments_8bit_adds_the_sonar_8bit_arm_with_its_heldout_statistics_and_smaller_state(tmp_path):
+    argv = ["--steps", "3", "--seeds", "2", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+            "--heldout-batches", "2", "--out", str(tmp_path), "--name", "m", "--quiet", "--backend", "torch",
+            "--timing-rounds", "0", "--arms", "standard", "sonar", "--moments", "8bit"]  # fmt: skip
+    assert train.parse_args(argv).arms == ["standard", "sonar", "sonar-8bit"]
+    assert train.main(argv) == 0
+    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    arms = report["arms"]
+    assert set(arms) == {"standard", "sonar", "sonar-8bit"} and arms["sonar-8bit"]["seeds"] == [0, 1]
+    deltas = torch.tensor(arms["sonar-8bit"]["heldout_losses"], dtype=torch.float64) - torch.tensor(
+        arms["standard"]["heldout_losses"], dtype=torch.float64
+    )
+    assert report["heldout_8bit"]["deltas"] == pytest.approx(deltas.tolist(), abs=1e-15)
+    # The optimizer state: 8-bit codes and scales (2.25 bytes per expert parameter) against fp32 moments.
+    state = {name: arms[name]["peak_memory"]["optimizer_state"] for name in ("sonar", "sonar-8bit")}
+    assert state["sonar-8bit"] < 0.5 * state["sonar"]
+    ratio = arms["sonar-8bit"]["peak_memory_bytes"] / arms["standard"]["peak_memory_bytes"]
+    assert report["peak_memory_ratio_8bit"] == pytest.approx(ratio, rel=1e-12)
