@@ -180,3 +180,11 @@ def test_a_non_finite_gradient_skips_the_update_as_a_whole(backend, device):
             for a, b in zip((p.detach(), *optimizer.state[p].values()), before[p], strict=True)
         )
     assert int(optimizer.expert_skipped_updates()) == 2
+
+
+def test_several_processes_are_refused_until_tested(monkeypatch):
+    from sonar_kernels.optim import distributed
+
+    monkeypatch.setattr(distributed, "world_size", lambda: 2)
+    with pytest.raises(ValueError, match="one process"):
+        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 64))], moments_dtype="8bit")
