@@ -91,6 +91,7 @@ def _readme_block(name: str) -> str:
 
 def test_the_readme_tables_are_the_models_and_the_committed_validations():
     assert _readme_block("memory-model") == mm.real_table().strip()
+    assert _readme_block("memory-model-8bit") == mm.real_table_8bit().strip()
     reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-model.json"))
     assert reports, "no committed validation report under bench/results/memory/"
     report = json.loads(reports[-1].read_text())
@@ -99,3 +100,17 @@ def test_the_readme_tables_are_the_models_and_the_committed_validations():
     layouts = {(c["case"]["layout"], c["case"]["ranks"]) for c in report["comparisons"]}
     assert {(layout.name, layout.ranks) for layout in mm.VALIDATION_LAYOUTS} <= layouts
     assert all(abs(c["relative_error"]) <= TOLERANCE for c in report["comparisons"])
+
+
+def test_8bit_moments_change_only_the_experts_optimizer_state():
+    setup = mm.real_setup("olmoe-1b-7b", "sonar", mm.Layout(dp=8), "bf16")
+    exact, eight = mm.predict(setup), mm.predict(__import__("dataclasses").replace(setup, moments="8bit"))
+    experts = sum(mm.numel(shape) for _, shape, is_expert in mm.parameter_tensors(setup.dims) if is_expert)
+    # bf16 moments: 4 bytes per parameter; 8-bit: 2.25 (int8 + uint8 codes, two fp32 scales per 32).
+    assert (
+        exact.breakdown["optimizer_state"] - eight.breakdown["optimizer_state"]
+        == experts * 4 - experts * 9 // 4
+    )
+    assert {k: v for k, v in exact.breakdown.items() if k != "optimizer_state"} == {
+        k: v for k, v in eight.breakdown.items() if k != "optimizer_state"
+    }

@@ -104,6 +104,9 @@ class Setup:
         expert_rows: per layer, the rows this rank's experts receive under expert parallelism (None:
             balanced routing, T * top_k each, the average).
         collectives: "nccl" or "gloo" (whose reduce-scatter, which FSDP2 uses, works on a copy of its input).
+        moments: "exact" (AdamW's moments in the parameter dtype) or "8bit" (the expert tensors' moments
+            as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/ops/moments_8bit.py``: 2.25
+            bytes per expert parameter; modelled from the state's sizes, not validated against MemTracker).
 
     Raises:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
@@ -124,8 +127,13 @@ class Setup:
     tracker: bool = False
     expert_rows: tuple[int, ...] | None = None
     collectives: str = "nccl"
+    moments: str = "exact"
 
     def __post_init__(self):
+        if self.moments not in ("exact", "8bit"):
+            raise ValueError(f"moments must be 'exact' or '8bit', got {self.moments!r}")
+        if self.moments == "8bit" and self.method == "standard":
+            raise ValueError("8-bit moments are an in-backward update's (method paper or sonar)")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
         if self.adamw not in ADAMW:

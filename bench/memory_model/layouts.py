@@ -17,7 +17,7 @@ from memory_model.expert_backward import (
     triton_expert_backward,
 )
 from memory_model.inputs import CATEGORIES, DDP_BUCKET, DDP_FIRST_BUCKET, FP32, Prediction, Setup, head_dim
-from memory_model.parameters import layer_of, local_shape, numel, parameter_tensors
+from memory_model.parameters import layer_of, local_shape, numel, optimizer_state_bytes, parameter_tensors
 
 # --- the step -------------------------------------------------------------------------------------------
 
@@ -71,7 +71,7 @@ def predict(s: Setup) -> Prediction:
     static = {
         "parameters": sum(nbytes.values()),
         "buffers": 2 * (head_dim(d) // 2) * p,  # rotary inv_freq and original_inv_freq, cast with the model
-        "optimizer_state": 2 * sum(nbytes.values()) + FP32 * len(names),  # exp_avg, exp_avg_sq, fp32 step
+        "optimizer_state": optimizer_state_bytes(nbytes, is_expert, p, s.moments),  # moments, fp32 step
     }
     in_backward = s.method != "standard"  # expert gradients never reach .grad outside the backward
     reduce_first = in_backward and lay.dp > 1  # averaged over the data-parallel group before the update
@@ -266,7 +266,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     static = {
         "parameters": sum(shard.values()),
         "buffers": 2 * (head_dim(d) // 2) * p,
-        "optimizer_state": 2 * sum(shard.values()) + FP32 * len(names),
+        "optimizer_state": optimizer_state_bytes(shard, {n: n in expert_names for n in shard}, p, s.moments),
     }
     gloo = s.collectives == "gloo"
     in_backward = s.method != "standard"

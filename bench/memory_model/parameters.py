@@ -53,3 +53,15 @@ def local_shape(shape: tuple[int, ...], is_expert: bool, layout: Layout) -> tupl
 
 def layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
+
+
+def optimizer_state_bytes(nbytes: dict, is_expert: dict, param_bytes: int, moments: str) -> int:
+    """AdamW's state of the tensors ``nbytes`` (name -> this rank's parameter bytes): exp_avg and
+    exp_avg_sq in the parameter dtype (``sonar_kernels/optim/expert_state.py``) and an fp32 step each; with
+    ``moments`` "8bit" an expert tensor's moments are int8 and uint8 codes and one fp32 scale per 32
+    elements of each (``sonar_kernels/ops/moments_8bit.py``): 9 / 4 bytes per element."""
+    total = 4 * len(nbytes)
+    for name, size in nbytes.items():
+        elements = size // param_bytes
+        total += elements * 9 // 4 if moments == "8bit" and is_expert[name] else 2 * size
+    return total

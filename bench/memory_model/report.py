@@ -25,7 +25,14 @@ REAL_LAYOUTS = (Layout(dp=8), Layout(ep=8), Layout(dp=4, ep=8), Layout(fsdp=8))
 PRECISIONS = {"bf16": (2, 2), "fp32 master, bf16 activations": (4, 2), "fp32": (4, 4)}
 
 
-def real_setup(preset: str, method: str, layout: Layout, precision: str, checkpointing: bool = True) -> Setup:
+def real_setup(
+    preset: str,
+    method: str,
+    layout: Layout,
+    precision: str,
+    checkpointing: bool = True,
+    moments: str = "exact",
+) -> Setup:
     """The real preset's step as sonar-train runs it on GPUs: the preset's batch (4 x 1024 tokens per
     rank), the Triton backend, torch's fused AdamW (sonar-train's choice on CUDA), DDP's buckets and the
     buffers inside the custom ops counted (allocated bytes, not MemTracker's view)."""
@@ -33,7 +40,7 @@ def real_setup(preset: str, method: str, layout: Layout, precision: str, checkpo
     param_bytes, compute_bytes = PRECISIONS[precision]
     return Setup(with_layers(p), p.batch_size, p.sequence_length, method, layout, param_bytes=param_bytes,
                  compute_bytes=compute_bytes, checkpointing=checkpointing, adamw="fused", backend="triton",
-                 tracker=False)  # fmt: skip
+                 tracker=False, moments=moments)  # fmt: skip
 
 
 def real_table() -> str:
@@ -60,6 +67,27 @@ def real_table() -> str:
                 lines.append(f"| {layout.name} | {precision} | {' | '.join(cells)} | {100 * change:+.1f} % |")
         lines.append("")
     return "\n".join(lines).rstrip() + "\n"
+
+
+def real_table_8bit() -> str:
+    """The real presets' predicted per-rank peaks with sonar's 8-bit moments beside exact sonar and standard,
+    activation checkpointing on, as a markdown table (GiB)."""
+    lines = [
+        "| preset | layout | precision | standard | sonar | sonar, 8-bit moments | 8-bit vs standard |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for preset in REAL_PRESETS:
+        for layout in REAL_LAYOUTS:
+            for precision in PRECISIONS:
+                standard, sonar, eight = (
+                    predict(real_setup(preset, method, layout, precision, moments=moments)).total
+                    for method, moments in (("standard", "exact"), ("sonar", "exact"), ("sonar", "8bit"))
+                )
+                cells = " | ".join(f"{t / 2**30:.2f}" for t in (standard, sonar, eight))
+                lines.append(
+                    f"| {preset} | {layout.name} | {precision} | {cells} | {100 * (eight / standard - 1):+.1f} % |"
+                )
+    return "\n".join(lines) + "\n"
 
 
 def validation_summary(report: dict) -> str:
@@ -96,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.validate:
         print("Predicted by bench/memory_model: a model, not a measurement.\n")
         print(real_table())
+        print("With 8-bit moments (per-rank peak, GiB, activation checkpointing on):\n")
+        print(real_table_8bit())
         return 0
     report = validate(progress=lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(args.out) if args.out else (
