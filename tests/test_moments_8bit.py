@@ -355,3 +355,19 @@ def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, devic
     _quantize_kernel[(1,)](values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK)
     want_codes, want_scales = q8.quantize(values, kind)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
+def test_a_transposed_layout_and_a_bias_are_refused_before_any_update(device):
+    # The Triton epilogue's blocks lie along the wgrad's columns: a transposed layout's weight is not
+    # contiguous along them, and a bias's columns are one; refused before anything is written.
+    w2t = torch.randn(2, 32, 64, device=device)  # [E, I, H]: the transposed layout's down_proj
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.0], dtype=torch.float64, device=device)
+    state = _state(w2t.shape, 3, device)
+    update = _update(w2t, state, torch.zeros((), device=device), hyper, True)
+    with pytest.raises(ValueError, match="contiguous along the wgrad's columns"):
+        ops.wgrad.check_wgrad("down_proj", w2t, update, None, "concatenated_transposed")
+    bias = torch.zeros(2, 32, device=device)
+    bias_update = _update(bias, _state(bias.shape, 4, device), torch.zeros((), device=device), hyper, True)
+    with pytest.raises(ValueError, match="a bias keeps exact moments"):
+        ops.wgrad.check_wgrad("down_proj_bias", bias, bias_update, None)
+    assert float(update.step) == 0.0

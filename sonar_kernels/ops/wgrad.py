@@ -120,6 +120,8 @@ def check_wgrad(
         return
     if update is not None:
         check_update(name, weight, update)
+        if update.moments_8bit and name.endswith("_bias"):
+            raise ValueError(f"{name}: 8-bit moments are for the weight matrices; a bias keeps exact moments")
         if update.moments_8bit and _kernel_view(name, layout)(weight).stride(-1) != 1:
             raise ValueError(
                 f"{name}: 8-bit moments need the weight contiguous along the wgrad's columns, which the "
