@@ -188,3 +188,28 @@ def test_several_processes_are_refused_until_tested(monkeypatch):
     monkeypatch.setattr(distributed, "world_size", lambda: 2)
     with pytest.raises(ValueError, match="one process"):
         sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 64))], moments_dtype="8bit")
+
+
+@pytest.mark.parametrize("chunk_experts", [1, None])
+def test_the_torch_backends_chunks_give_the_same_bits_and_skip_as_a_whole(chunk_experts, monkeypatch):
+    # Chunks of one expert (W1's is 64 x 96 fp32), or whole tensors: the same update; and a non-finite
+    # gradient in the last expert's rows skips the whole tensor, decided before the first chunk is written.
+    from sonar_kernels.ops import torch_backend
+
+    monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", None if chunk_experts is None else 64 * 96 * 4)
+    params, optimizer = _train("torch", "cpu")
+    tensors, states = _reference("torch", "cpu")
+    for p, want, want_state in zip(params, tensors, states, strict=True):
+        assert torch.equal(p.detach(), want)
+        for got, expected in zip(_state_of(optimizer, p), want_state, strict=True):
+            assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    x, index, weights, *_ = _inputs("cpu")
+    before = {p: [t.clone() for t in (p.detach(), *optimizer.state[p].values())] for p in params}
+    bad = torch.zeros(SHAPE.T, SHAPE.H)
+    bad[index[:, 0] == SHAPE.E - 1] = float("inf")  # tokens routed to the last expert
+    sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(bad)
+    for p in params:
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip((p.detach(), *optimizer.state[p].values()), before[p], strict=True)
+        )

@@ -165,6 +165,20 @@ def _adamw(weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, foreach, fu
             stored.copy_(computed)
 
 
+def chunked_update_skipped(gradient, chunks, chunk_gradient, grad_in, limit: float, grad_dtype) -> bool:
+    """Whether the update of a gradient computed by ``chunks`` of experts is skipped as a whole, decided
+    before the first chunk is updated: the bound of its entries from the GEMM operands
+    (:func:`overflow_possible`; also what the weight, gradient and operand dtypes hold) clears it in the
+    usual case; only when it cannot, a check pass computes every chunk (``chunk_gradient(first, last)``,
+    the gradient as the update would use it) and looks for an entry not finite or beyond ``limit``. Read on
+    the host: chunks run on the CPU only, where that costs nothing."""
+    stored = (grad_dtype, gradient.weight.dtype, *(p.dtype for p, _, _ in gradient.parts()))
+    entry_limit = min([limit] + [torch.finfo(d).max for d in stored])
+    if not bool(overflow_possible(gradient.bound(), grad_in, entry_limit, float("inf"))):
+        return False
+    return any(not bool(inf_norm(chunk_gradient(*chunk)) <= limit) for chunk in chunks)
+
+
 def torch_adamw_chunked_(
     weight: torch.Tensor,
     gradient,
@@ -226,18 +240,15 @@ def torch_adamw_chunked_(
         return
     with torch.no_grad():
         limit = grad_limit(exp_avg_sq.dtype)
-        stored = (grad_dtype or weight.dtype, weight.dtype, *(p.dtype for p, _, _ in gradient.parts()))
-        entry_limit = min([limit] + [torch.finfo(d).max for d in stored])
         largest = max(last - first for first, last in chunks)
         buffer = torch.empty_like(weight[:largest])
 
         def chunk_gradient(first: int, last: int) -> torch.Tensor:
             return total_of(gradient.compute(first, last, buffer[: last - first]), first, last)
 
-        found = bool(overflow_possible(gradient.bound(), grad_in, entry_limit, float("inf")))
-        if found:  # the bound cannot clear it: the check pass
-            found = any(not bool(inf_norm(chunk_gradient(*chunk)) <= limit) for chunk in chunks)
-        if found:
+        if chunked_update_skipped(
+            gradient, chunks, chunk_gradient, grad_in, limit, grad_dtype or weight.dtype
+        ):
             grad_norm_sq.fill_(float("inf"))
             skipped.add_(1)
             return

@@ -255,7 +255,7 @@ def adamw_8bit_(
     is not finite or beyond ``ops.grad_limit(float32)``: decided before the first chunk is updated (a bound
     from the GEMM operands, else a check pass) when chunked (the CPU: read on the host, which costs
     nothing), on the device without a host read otherwise."""
-    from sonar_kernels.ops.adamw import grad_limit, overflow_possible
+    from sonar_kernels.ops.adamw import chunked_update_skipped, grad_limit
     from sonar_kernels.ops.common import inf_norm
     from sonar_kernels.ops.expert_gradient import ExpertGradient
 
@@ -305,12 +305,7 @@ def adamw_8bit_(
         def chunk_gradient(first: int, last: int) -> torch.Tensor:
             return total_of(gradient.compute(first, last, buffer[: last - first]), first, last)
 
-        stored = (dtype, weight.dtype, *(p.dtype for p, _, _ in gradient.parts()))
-        entry_limit = min([limit] + [torch.finfo(d).max for d in stored])
-        found = bool(overflow_possible(gradient.bound(), grad_in, entry_limit, float("inf")))
-        if found:  # the bound cannot clear it: the check pass
-            found = any(not bool(inf_norm(chunk_gradient(*chunk)) <= limit) for chunk in chunks)
-        if found:
+        if chunked_update_skipped(gradient, chunks, chunk_gradient, grad_in, limit, dtype):
             grad_norm_sq.fill_(float("inf"))
             skipped.add_(1)
             return
