@@ -282,7 +282,9 @@ def _backward(ctx, grad_out, *unused):
         # The torch backend's AdamW takes the hyperparameters as the owner's group holds them: a tensor lr
         # or tensor betas get torch's arithmetic for tensors, as in standard training.
         values = tuple(
-            owner.hyperparameters() if owner is not None and mode == "update" and not triton else None
+            owner.hyperparameters()
+            if owner is not None and mode == "update" and not triton and owner.exp_avg_scales is None
+            else None  # 8-bit moments read the [5] float64 tensor, as the kernels do
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
     else:
