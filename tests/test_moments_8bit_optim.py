@@ -182,14 +182,6 @@ def test_a_non_finite_gradient_skips_the_update_as_a_whole(backend, device):
     assert int(optimizer.expert_skipped_updates()) == 2
 
 
-def test_several_processes_are_refused_until_tested(monkeypatch):
-    from sonar_kernels.optim import distributed
-
-    monkeypatch.setattr(distributed, "world_size", lambda: 2)
-    with pytest.raises(ValueError, match="one process"):
-        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 64))], moments_dtype="8bit")
-
-
 @pytest.mark.parametrize("chunk_experts", [1, None])
 def test_the_torch_backends_chunks_give_the_same_bits_and_skip_as_a_whole(chunk_experts, monkeypatch):
     # Chunks of one expert (W1's is 64 x 96 fp32), or whole tensors: the same update; and a non-finite

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops
 from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
@@ -39,11 +40,16 @@ def uses_8bit(p: torch.Tensor, moments_dtype) -> bool:
     columns]); a bias ([E, n]) keeps exact moments in its own dtype (a few kilobytes).
 
     Raises:
-        ValueError: a weight matrix whose last dimension is not a multiple of the block (32) or that is
-            not contiguous.
+        ValueError: a weight matrix whose last dimension is not a multiple of the block (32), that is
+            not contiguous, or that is FSDP2's sharded parameter (a DTensor).
     """
     if moments_dtype != EIGHT_BIT or p.dim() != 3:
         return False
+    if isinstance(p, DTensor):
+        raise ValueError(
+            "8-bit moments do not take FSDP2's sharded (DTensor) parameters yet; use exact moments there "
+            "(docs/usage.md)"
+        )
     scales_shape(tuple(p.shape))
     if not p.is_contiguous():
         raise ValueError(f"8-bit moments need a contiguous expert tensor, got strides {p.stride()}")

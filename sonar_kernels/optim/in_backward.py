@@ -105,12 +105,6 @@ class InBackwardAdamW:
         # The group over which the expert tensors are replicated; their gradients are averaged over it
         # before their update (optim/distributed.py).
         self.data_parallel_group = distributed.resolve_group(data_parallel_group)
-        if moments_dtype == EIGHT_BIT and distributed.world_size() > 1:
-            # Data and expert parallelism and FSDP2's sharded state are not tested with it yet.
-            raise ValueError(
-                f'{type(self).__name__}: moments_dtype="8bit" runs on one process for now; with '
-                f"{distributed.world_size()} ranks use exact moments (docs/usage.md)"
-            )
         self.moments_dtype = moments_dtype
         self.grad_dtype = grad_dtype
         self.fused_epilogue = bool(fused_epilogue)
