@@ -78,6 +78,14 @@ def _tables(device: torch.device) -> torch.Tensor:
     return torch.cat([_table("exp_avg"), _table("exp_avg_sq")]).to(device)
 
 
+def _table_on(kind: str, device: torch.device) -> torch.Tensor:
+    """``kind``'s table on ``device``: a view of :func:`tables` (made once per device, not per call)."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
+    table = tables(device)
+    return table[:128] if kind == "exp_avg" else table[128:]
+
+
 def tables(device: torch.device | str = "cpu") -> torch.Tensor:
     """[384] fp32: exp_avg's 128 magnitudes, then exp_avg_sq's 256 levels (what the Triton kernels read);
     one tensor per device, made once."""
@@ -108,7 +116,7 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     :func:`scales_shape`. ``x`` must be finite."""
     if x.dtype != torch.float32:
         raise TypeError(f"quantize takes fp32 values, got {x.dtype}")
-    table = _table(kind).to(x.device)
+    table = _table_on(kind, x.device)
     blocks = _blocks(x)
     magnitude = blocks.abs()
     scales = magnitude.amax(dim=-1)
@@ -131,7 +139,7 @@ def quantize(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, kind: str) -> torch.Tensor:
     """The fp32 values of ``codes`` (int8 for "exp_avg", uint8 for "exp_avg_sq") with their block
     ``scales``: ``table[code] * scale``, one fp32 rounding (the sign of an exp_avg code applied exactly)."""
-    table = _table(kind).to(codes.device)
+    table = _table_on(kind, codes.device)
     if kind == "exp_avg":
         index = codes.to(torch.int64)
         values = torch.where(index < 0, -table[-index], table[index])
