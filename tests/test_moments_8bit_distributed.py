@@ -1,7 +1,7 @@
 """8-bit moments with several processes (gloo on CPU): data-parallel experts, averaged over the group before
 their 8-bit update, and expert-parallel experts, updated in the backward as on one process. The ranks agree
-bit for bit (replicated weights and 8-bit state), and FSDP2's sharded parameters are refused before any
-update. Spawned ranks import this module: its work stays in functions."""
+bit for bit (replicated weights and 8-bit state); FSDP2's sharded experts keep 8-bit state sharded like
+them, equal to one process running the scheme on the unsharded tensor. Spawned ranks import this module: its work stays in functions."""
 
 from __future__ import annotations
 
@@ -82,20 +82,130 @@ def _ep_rank(rank, world_size, out):
 
 
 def _fsdp_rank(rank, world_size, out):
+    """Two FSDP2 models from one seed: SonarAdamW with 8-bit moments, and a reference whose dense
+    parameters torch.optim.AdamW steps and whose expert tensors one process's scheme (the torch ops of
+    sonar_kernels/ops/moments_8bit.py) updates on the unsharded tensor from FSDP2's reduced gradient."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor, Shard
+
+    from sonar_kernels.ops import moments_8bit as q8
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = Tiny()
+        fully_shard(model.experts, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append(model)
+    sonar_model, reference = models
+    optimizer = sonar_kernels.SonarAdamW(sonar_model, **HYPER, moments_dtype="8bit")
+    experts = [reference.experts.gate_up_proj, reference.experts.down_proj]
+    dense = [p for p in reference.parameters() if all(p is not q for q in experts)]
+    dense_optimizer = torch.optim.AdamW(dense, **HYPER, fused=True)
+    hyper = torch.tensor(
+        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
+    )
+    full = [p.detach().full_tensor() for p in experts]
+    states = [
+        (q8.quantize(torch.zeros(f.shape), "exp_avg"), q8.quantize(torch.zeros(f.shape), "exp_avg_sq"))
+        for f in full
+    ]
+    for step in range(STEPS):
+        x, y = _batch(step, rank)
+        for model in models:
+            nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        dense_optimizer.step()
+        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step + 1)), hyper)
+        with torch.no_grad():
+            for i, p in enumerate(experts):
+                new, m, v = q8.adamw_8bit_update(full[i], p.grad.full_tensor(), *states[i], scalars, hyper)
+                full[i], states[i] = new, (m, v)
+                p.to_local().copy_(new.chunk(world_size)[rank])
+        reference.zero_grad()
+    for (name, p), q in zip(sonar_model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p.detach().full_tensor(), q.detach().full_tensor()), name
+    for p, (m, v) in zip(
+        [sonar_model.experts.gate_up_proj, sonar_model.experts.down_proj], states, strict=True
+    ):
+        state = optimizer.state[p]
+        for key, expected in zip(STATE[:4], (*m, *v), strict=True):
+            t = state[key]
+            # Sharded as the parameter: each rank holds its experts' codes and scales.
+            assert isinstance(t, DTensor) and t.placements == (Shard(0),) and t.to_local().shape[0] == E // 2
+            assert torch.equal(t.full_tensor(), expected), key
+        assert float(state["step"]) == STEPS
+    # A checkpoint restores the sharded 8-bit state exactly.
+    saved = optimizer.state_dict()
+    before = {
+        k: t.full_tensor().clone()
+        for k, t in optimizer.state[sonar_model.experts.down_proj].items()
+        if k != "step"
+    }
+    state = optimizer.state[sonar_model.experts.down_proj]
+    for key in before:  # new tensors: the saved state dict holds the live ones
+        state[key] = torch.zeros_like(state[key])
+    optimizer.load_state_dict(saved)
+    after = optimizer.state[sonar_model.experts.down_proj]
+    assert all(torch.equal(after[k].full_tensor(), t) for k, t in before.items())
+
+
+def _fsdp_last_dim_rank(rank, world_size, out):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
 
     torch.manual_seed(0)
     model = Tiny()
     mesh = init_device_mesh("cpu", (world_size,))
-    fully_shard(model.experts, mesh=mesh)
+    fully_shard(model.experts, mesh=mesh, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     fully_shard(model, mesh=mesh)
-    before = [p.detach().full_tensor().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match="FSDP2"):
+    with pytest.raises(ValueError, match="other than its last"):
         sonar_kernels.SonarAdamW(model, **HYPER, moments_dtype="8bit")
-    assert all(
-        torch.equal(a, p.detach().full_tensor()) for a, p in zip(before, model.parameters(), strict=True)
-    )
+
+
+def _sharded_skip_rank(rank, world_size, out):
+    """A non-finite entry in rank 0's shard of the gradient only: every rank skips its shard's update."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from sonar_kernels.ops import moments_8bit as q8
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    generator = torch.Generator().manual_seed(5)
+    weight, grad = (torch.randn(E, 8, 64, generator=generator) for _ in range(2))
+    grad[0, 3, 5] = float("nan")  # expert 0: rank 0's shard
+    shard = [distribute_tensor(t, mesh, [Shard(0)]) for t in (weight, grad)]
+    state = [
+        distribute_tensor(t, mesh, [Shard(0)])
+        for t in (
+            *q8.quantize(torch.rand(E, 8, 64), "exp_avg"),
+            *q8.quantize(torch.rand(E, 8, 64), "exp_avg_sq"),
+        )
+    ]
+    m_codes, m_scales, v_codes, v_scales = state
+    step, norm_sq, skipped = torch.tensor(3.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    before = [t.full_tensor().clone() for t in (shard[0], *state)]
+    hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
+    q8.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, m_scales, v_scales],
+                   hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
+    assert all(torch.equal(a, t.full_tensor()) for a, t in zip(before, (shard[0], *state), strict=True))
+    assert float(step) == 3.0 and int(skipped) == 1 and float(norm_sq) == float("inf")
+    # A finite gradient: each rank updates its shard; the norm is the whole gradient's.
+    grad[0, 3, 5] = 0.0
+    shard[1] = distribute_tensor(grad, mesh, [Shard(0)])
+    q8.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, m_scales, v_scales],
+                   hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
+    assert float(step) == 4.0 and int(skipped) == 1
+    torch.testing.assert_close(norm_sq, torch.linalg.vector_norm(grad).square(), rtol=1e-6, atol=0)
+    assert not torch.equal(before[0], shard[0].full_tensor())
+
+
+def test_a_sharded_8bit_update_skips_on_every_rank_when_one_shard_is_not_finite(tmp_path):
+    ranks.run(_sharded_skip_rank, 2, tmp_path)
 
 
 def _load(tmp_path, name, world_size=2):
@@ -126,8 +236,12 @@ def test_expert_parallel_ranks_agree_on_the_dense_weights_with_8bit_moments(tmp_
     assert not torch.equal(first["params"]["experts.gate_up_proj"], second["params"]["experts.gate_up_proj"])
 
 
-def test_fsdp2_parameters_are_refused_before_any_update(tmp_path):
+def test_fsdp2_8bit_update_equals_one_process_on_the_unsharded_tensor_bitwise(tmp_path):
     ranks.run(_fsdp_rank, 2, tmp_path)
+
+
+def test_fsdp2_sharding_the_last_dimension_is_refused_with_8bit_moments(tmp_path):
+    ranks.run(_fsdp_last_dim_rank, 2, tmp_path)
 
 
 def _single_process_reference(steps):

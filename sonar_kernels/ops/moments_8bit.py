@@ -240,6 +240,10 @@ def adamw_8bit_triton_(
         )  # fmt: skip
 
 
+def _is_dtensor(t) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
 def adamw_8bit_(
     weight: torch.Tensor,
     gradient,
@@ -249,6 +253,7 @@ def adamw_8bit_(
     *,
     grad_dtype: torch.dtype | None,
     chunk_bytes: int | None,
+    found: torch.Tensor | None = None,
 ) -> None:
     """The torch backend's update of one expert tensor with 8-bit moments, in place: ``state`` the update's
     tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, exp_avg's scales,
@@ -262,14 +267,39 @@ def adamw_8bit_(
     codes, scales and step unchanged; ``grad_norm_sq`` inf, ``skipped`` + 1) when an entry of that gradient
     is not finite or beyond ``ops.grad_limit(float32)``: decided before the first chunk is updated (a bound
     from the GEMM operands, else a check pass) when chunked (the CPU: read on the host, which costs
-    nothing), on the device without a host read otherwise."""
+    nothing), on the device without a host read otherwise.
+
+    A DTensor ``weight`` (FSDP2's shard; its gradient a DTensor of the same placements, its codes and scales
+    DTensors sharded like it, along a dimension other than the last): each rank updates its own shard, every
+    element and block as one process would on the whole tensor; the skip and ``grad_norm_sq`` are decided
+    over the whole gradient (a collective over the mesh).
+
+    Args:
+        found: the skip decided by the caller (a 0-dim bool on the weight's device) in place of the
+            gradient's own check, for a whole gradient only: a shard's update uses the whole tensor's.
+    """
     from sonar_kernels.ops.adamw import chunked_update_skipped, grad_limit
-    from sonar_kernels.ops.common import inf_norm
+    from sonar_kernels.ops.common import inf_norm, whole
     from sonar_kernels.ops.expert_gradient import ExpertGradient
 
     m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales = state
     limit = grad_limit(torch.float32)
     dtype = grad_dtype or weight.dtype
+    if _is_dtensor(weight):
+        if not _is_dtensor(gradient) or grad_in is not None:
+            raise ValueError(
+                "a sharded (DTensor) weight's 8-bit update takes its whole gradient as a DTensor"
+            )
+        with torch.no_grad():
+            grad = gradient.to(dtype)
+            decided = ~(whole(inf_norm(grad)) <= limit)
+            norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
+            local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
+            adamw_8bit_(
+                local[0], local[1], None, local[2:], hyper, grad_dtype=dtype, chunk_bytes=None, found=decided
+            )
+            grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
+        return
 
     def total_of(grad: torch.Tensor, first: int, last: int) -> torch.Tensor:
         grad = grad.to(dtype)
@@ -290,11 +320,14 @@ def adamw_8bit_(
                 target.copy_(new if found is None else torch.where(found, target, new))
 
     chunks = gradient.chunks(chunk_bytes) if isinstance(gradient, ExpertGradient) else [(0, weight.shape[0])]
+    if found is not None and len(chunks) > 1:
+        raise ValueError("found= is taken with a whole gradient only")
     with torch.no_grad():
         if len(chunks) == 1:  # whole: decided on the device
             whole = gradient.full() if isinstance(gradient, ExpertGradient) else gradient
             grad = total_of(whole, 0, weight.shape[0])
-            found = ~(inf_norm(grad) <= limit)
+            if found is None:
+                found = ~(inf_norm(grad) <= limit)
             step.add_((~found).float())
             apply(
                 0,

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from sonar_kernels import ops
 from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
@@ -41,19 +41,52 @@ def uses_8bit(p: torch.Tensor, moments_dtype) -> bool:
 
     Raises:
         ValueError: a weight matrix whose last dimension is not a multiple of the block (32), that is
-            not contiguous, or that is FSDP2's sharded parameter (a DTensor).
+            not contiguous, or that is sharded (a DTensor: FSDP2) along its last dimension.
     """
     if moments_dtype != EIGHT_BIT or p.dim() != 3:
         return False
-    if isinstance(p, DTensor):
-        raise ValueError(
-            "8-bit moments do not take FSDP2's sharded (DTensor) parameters yet; use exact moments there "
-            "(docs/usage.md)"
-        )
     scales_shape(tuple(p.shape))
-    if not p.is_contiguous():
-        raise ValueError(f"8-bit moments need a contiguous expert tensor, got strides {p.stride()}")
+    if isinstance(p, DTensor):
+        last = [q for q in p.placements if isinstance(q, Shard) and q.dim % p.dim() == p.dim() - 1]
+        if last:
+            raise ValueError(
+                f"8-bit moments need a sharded expert tensor of shape {tuple(p.shape)} split along a "
+                f"dimension other than its last (placements {p.placements}): their blocks lie along the last "
+                "dimension; FSDP2's default shards dimension 0"
+            )
+    if not _local(p).is_contiguous():
+        raise ValueError(f"8-bit moments need a contiguous expert tensor, got strides {_local(p).stride()}")
     return True
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (FSDP2's shard); any other tensor as it is."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _like(p: torch.Tensor, local: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """``local``, this rank's part of a state tensor of global ``shape``, laid out as ``p``: a DTensor
+    with ``p``'s mesh and placements when ``p`` is one (8-bit state is sharded like its parameter: only
+    dimensions before the last are split, so a rank's codes and scales are those of its own shard), else
+    ``local``."""
+    if not isinstance(p, DTensor):
+        return local
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(
+        local, p.device_mesh, p.placements, run_check=False, shape=torch.Size(shape), stride=stride
+    )
+
+
+def _local_values(p: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tensor:
+    """The part of a moment ``value`` (``p``'s shape) that this rank's shard of ``p`` holds, as fp32."""
+    if isinstance(p, DTensor) and (not isinstance(value, DTensor) or value.placements != p.placements):
+        raise ValueError(
+            f"{name} of a sharded parameter must be a DTensor sharded as the parameter "
+            f"({p.placements}), got {type(value).__name__}"
+            + (f" with placements {value.placements}" if isinstance(value, DTensor) else "")
+        )
+    local = _local(value)
+    return local.to(device=_local(p).device, dtype=torch.float32).contiguous()
 
 
 def moment_tensors(state: dict) -> list[torch.Tensor]:
@@ -67,19 +100,16 @@ def moment_tensors(state: dict) -> list[torch.Tensor]:
 def _quantized(p: torch.Tensor, values: dict | None) -> dict:
     """The 8-bit fields of ``p``'s state: ``values`` (moment -> a tensor of ``p``'s shape, any float dtype)
     quantized, or zeros."""
-    state = {}
+    state, local = {}, _local(p)
     for key in MOMENTS:
         value = None if values is None else values.get(key)
         if value is None:
-            state[f"{key}_codes"] = torch.zeros_like(
-                p, dtype=CODES[key], memory_format=torch.contiguous_format
-            )
-            state[f"{key}_scales"] = torch.zeros(
-                scales_shape(tuple(p.shape)), dtype=torch.float32, device=p.device
-            )
+            codes = torch.zeros(local.shape, dtype=CODES[key], device=local.device)
+            scales = torch.zeros(scales_shape(tuple(local.shape)), dtype=torch.float32, device=local.device)
         else:
-            codes, scales = quantize(value.to(device=p.device, dtype=torch.float32).contiguous(), key)
-            state[f"{key}_codes"], state[f"{key}_scales"] = codes, scales
+            codes, scales = quantize(_local_values(p, value, key), key)
+        state[f"{key}_codes"] = _like(p, codes, tuple(p.shape))
+        state[f"{key}_scales"] = _like(p, scales, scales_shape(tuple(p.shape)))
     return state
 
 
@@ -147,12 +177,18 @@ def with_cpu_steps(saved: dict, param_groups: list[dict], managed: Callable[[tor
                     name: value
                     for key in MOMENTS
                     for name, value in (
-                        (key, dequantize(state[f"{key}_codes"], state[f"{key}_scales"], key)),
+                        (key, _dequantized(p, state, key)),
                         (f"{key}_codes", state[f"{key}_codes"]),
                     )
                 }
             saved["state"][param_id] = {**state, "step": state["step"].to("cpu", copy=True)}
     return saved
+
+
+def _dequantized(p: torch.Tensor, state: dict, key: str) -> torch.Tensor:
+    """The fp32 values of moment ``key`` of ``p``'s 8-bit ``state``, laid out as ``p``."""
+    values = dequantize(_local(state[f"{key}_codes"]), _local(state[f"{key}_scales"]), key)
+    return _like(p, values, tuple(p.shape))
 
 
 def check_loadable(
@@ -199,12 +235,14 @@ def _load_8bit(p: torch.Tensor, saved: dict) -> dict:
         if not isinstance(value, torch.Tensor):  # no saved state: zeros
             state |= {name: t for name, t in _quantized(p, None).items() if name.startswith(f"{key}_")}
             continue
-        value = value.to(device=p.device, dtype=torch.float32).contiguous()
+        value = _local_values(p, value, key)
         if isinstance(codes, torch.Tensor) and codes.dtype == CODES[key] and codes.shape == p.shape:
-            scales = value.reshape(*scales_shape(tuple(p.shape)), -1).abs().amax(dim=-1)
-            state[f"{key}_codes"], state[f"{key}_scales"] = codes.to(p.device).contiguous(), scales
+            scales = value.reshape(*scales_shape(tuple(value.shape)), -1).abs().amax(dim=-1)
+            codes = _local(codes).to(value.device).contiguous()
         else:
-            state[f"{key}_codes"], state[f"{key}_scales"] = quantize(value, key)
+            codes, scales = quantize(value, key)
+        state[f"{key}_codes"] = _like(p, codes, tuple(p.shape))
+        state[f"{key}_scales"] = _like(p, scales, scales_shape(tuple(p.shape)))
     return state
 
 
