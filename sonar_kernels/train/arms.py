@@ -20,7 +20,7 @@ from sonar_kernels.train.data import ByteData, Preset
 ARMS = ("standard", "sonar", "standard-dense-clip")
 
 
-OTHER_ARMS = ("all-in-backward", "sonar-8bit")
+OTHER_ARMS = ("all-in-backward", "sonar-8bit", "torchao-8bit")
 # The arms that train with SonarAdamW: exact moments, and 8-bit moments (docs/design.md, "8-bit moments").
 SONAR_ARMS = ("sonar", "sonar-8bit")
 
@@ -118,6 +118,34 @@ class AllInBackward:
         self.experts.zero_grad(set_to_none)
 
 
+class Torchao8bit:
+    """The anchor of 8-bit moments (docs/design.md, "Against torchao's AdamW8bit"): standard training
+    (materialized gradients, clipped over all parameters, then a separate step) whose expert tensors are
+    stepped by torchao's ``AdamW8bit`` (blocks of 256, dynamic-tree maps) and the other parameters by
+    torch.optim.AdamW with ``flags``."""
+
+    def __init__(self, model, hyper: dict, flags: dict):
+        from torchao.optim import AdamW8bit
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.experts = AdamW8bit([p for n, p in named if n.endswith(EXPERT_PARAMS)], **hyper)
+        self.dense = torch.optim.AdamW(
+            [p for n, p in named if not n.endswith(EXPERT_PARAMS)], **hyper, **flags
+        )
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.experts, self.dense]
+
+    def step(self) -> None:
+        self.dense.step()
+        self.experts.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+
 def _all_in_backward_update(ref, p: torch.Tensor) -> None:
     owner = ref()
     if owner is not None:
@@ -173,6 +201,8 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
         )  # fmt: skip
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
+    elif name == "torchao-8bit":
+        optimizer, clip = Torchao8bit(model, hyper, flags), list(model.parameters())
     else:
         optimizer = torch.optim.AdamW(model.parameters(), **hyper, **flags)
         clip = list(model.parameters()) if name == "standard" else dense_parameters(model)

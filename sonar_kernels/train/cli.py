@@ -292,14 +292,15 @@ def _run(args) -> int:
             1 - sonar_arm["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
         )
         report["speedup"], report["speedup_note"] = speedup(standard_arm["step_time"], sonar_arm["step_time"])
-    if "sonar-8bit" in report["arms"] and "standard" in report["arms"]:
-        eight_bit, standard_arm = report["arms"]["sonar-8bit"], report["arms"]["standard"]
-        report["heldout_8bit"] = heldout_statistics(
-            standard_arm["heldout_losses"], eight_bit["heldout_losses"], name="sonar-8bit"
-        )
-        report["peak_memory_ratio_8bit"] = (
-            eight_bit["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
-        )
+    for arm, suffix in (("sonar-8bit", "8bit"), ("torchao-8bit", "torchao_8bit")):
+        if arm in report["arms"] and "standard" in report["arms"]:
+            eight_bit, standard_arm = report["arms"][arm], report["arms"]["standard"]
+            report[f"heldout_{suffix}"] = heldout_statistics(
+                standard_arm["heldout_losses"], eight_bit["heldout_losses"], name=arm
+            )
+            report[f"peak_memory_ratio_{suffix}"] = (
+                eight_bit["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
+            )
     if ranks > 1:
         # Replicated weights must be identical on every rank: the dense ones always, the experts when
         # they are replicated (data parallel).

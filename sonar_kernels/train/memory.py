@@ -62,6 +62,7 @@ def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -
     storage, a DTensor by its local shard; the rest of what MemTracker files under optimizer state is the
     step's temporaries) and ``peak_phase`` ("forward", "backward" or "optimizer step"). Also used by
     bench/memory_model/ for the layouts sonar-train does not run (FSDP2, EP x DP)."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.distributed.tensor import DTensor
 
@@ -69,7 +70,9 @@ def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -
     tracker.track_external(model, *optimizers)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with tracker:
+        # torch.compile does not run under a dispatch mode (MemTracker is one): a compiled optimizer step
+        # (torchao's AdamW8bit) runs eagerly here, with eager temporaries.
+        with tracker, torch.compiler.set_stance("force_eager"):
             step()
     sync(device)
     snapshot = tracker.get_tracker_snapshot("peak")
@@ -84,7 +87,9 @@ def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -
             for t in state.values():
                 t = t.to_local() if isinstance(t, DTensor) else t
                 if isinstance(t, torch.Tensor) and t.device.type == device.type:
-                    storages[t.device, t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                    # A tensor subclass's (torchao's 8-bit state) are its inner tensors' storages.
+                    for storage in get_untyped_storages(t):
+                        storages[t.device, storage.data_ptr()] = storage.nbytes()
     breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - sum(storages.values()))
     breakdown["optimizer_state"] -= breakdown[STEP_TEMPORARIES]
     total = int(peak["Total"])

@@ -4,7 +4,9 @@ anything runs)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -97,10 +99,12 @@ def parse_args(argv):
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
                         help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
                         "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
-                        "clipped, the paper's other comparison; sonar-8bit: sonar with 8-bit moments (--moments)")  # fmt: skip
+                        "clipped, the paper's other comparison; sonar-8bit: sonar with 8-bit moments (--moments); torchao-8bit: "
+                        "standard training with torchao's AdamW8bit for the experts (the anchor of --moments 8bit)")  # fmt: skip
     parser.add_argument("--moments", choices=("exact", "8bit"), default="exact",
                         help="8bit: also train the sonar-8bit arm, SonarAdamW(moments_dtype=\"8bit\"), whose expert "
-                        "moments are 8-bit codes and block scales updated in the backward (docs/usage.md)")  # fmt: skip
+                        "moments are 8-bit codes and block scales updated in the backward (docs/usage.md), and, when torchao is "
+                        "installed, the torchao-8bit arm")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -143,8 +147,16 @@ def parse_args(argv):
     steps = args.steps or PRESETS[args.preset].steps
     if args.warmup_steps is not None and args.warmup_steps > steps:
         parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
-    if args.moments == "8bit" and "sonar-8bit" not in args.arms:
-        args.arms.append("sonar-8bit")
+    torchao = importlib.util.find_spec("torchao") is not None
+    if "torchao-8bit" in args.arms and not torchao:
+        parser.error("--arms torchao-8bit needs torchao (pip install torchao)")
+    if args.moments == "8bit":
+        for arm in ("sonar-8bit", "torchao-8bit") if torchao else ("sonar-8bit",):
+            if arm not in args.arms:
+                args.arms.append(arm)
+        if not torchao:
+            print("sonar-train: torchao is not installed, so the torchao-8bit arm (the anchor of --moments 8bit) "
+                  "does not run (pip install torchao)", file=sys.stderr)  # fmt: skip
     repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
     if repeated:
         parser.error(f"--arms: {', '.join(repeated)} given more than once")

@@ -186,15 +186,17 @@ def summary_table(report: dict) -> str:
             f"mean {heldout['mean_delta']:+.4f}{spread}"
         )
         lines.append(f"  verdict: {heldout['verdict']}")
-    eight_bit = report.get("heldout_8bit")
-    if eight_bit is not None:
+    for arm, suffix in (("sonar-8bit", "8bit"), ("torchao-8bit", "torchao_8bit")):
+        eight_bit = report.get(f"heldout_{suffix}")
+        if eight_bit is None:
+            continue
         lines.append(
-            f"  sonar-8bit - standard: {' '.join(f'{d:+.4f}' for d in eight_bit['deltas'])}; "
+            f"  {arm} - standard: {' '.join(f'{d:+.4f}' for d in eight_bit['deltas'])}; "
             f"mean {eight_bit['mean_delta']:+.4f}; verdict: {eight_bit['verdict']}"
         )
-        ratio = report.get("peak_memory_ratio_8bit")
+        ratio = report.get(f"peak_memory_ratio_{suffix}")
         if ratio is not None:
-            lines.append(f"  sonar-8bit peak memory / standard's: {ratio:.3f}")
+            lines.append(f"  {arm} peak memory / standard's: {ratio:.3f}")
     updates = report.get("sonar_expert_updates_in_backward")
     if updates is not None:
         lines.append("")
@@ -294,6 +296,7 @@ def plot(report: dict, path: Path) -> list[str]:
         "standard-dense-clip": "C2",
         "all-in-backward": "C3",
         "sonar-8bit": "C4",
+        "torchao-8bit": "C5",
     }
     colors = {name: palette.get(name, f"C{4 + i}") for i, name in enumerate(names)}
     styles = {
@@ -302,6 +305,7 @@ def plot(report: dict, path: Path) -> list[str]:
         "standard-dense-clip": ":",
         "all-in-backward": "-.",
         "sonar-8bit": "--",
+        "torchao-8bit": ":",
     }
     if "loss" in axes:
         # Every arm's curve on the first seed (the paired comparison: the control lies on sonar's), and
