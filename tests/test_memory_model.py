@@ -44,6 +44,17 @@ def test_one_rank_the_paper_method_and_standard_training_match_memtracker():
         )
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore")
+def test_one_rank_8bit_moments_match_memtracker():
+    # The paper's method on the torch backend with 8-bit moments: the state's codes and scales, and the
+    # update by chunks of experts, 16 K elements per call (ops/moments_8bit.py), at the backward's peak.
+    case = mm.Case("tiny-olmoe", "paper", mm.Layout(), "float32", layers=2, moments="8bit")
+    report = _check(case, [mm.measure(case)])
+    measured = report["ranks"][0]["measured"]["breakdown"]
+    assert measured["optimizer_state"] == report["ranks"][0]["predicted"]["breakdown"]["optimizer_state"]
+
+
 @pytest.mark.timeout(300)
 def test_two_gloo_ranks_data_parallel_expert_parallel_and_fsdp2_match_memtracker():
     # Spawned gloo ranks (the validation's own harness): data parallel with the paper's method (expert

@@ -59,14 +59,24 @@ class Tape:
         self._note(transient)
 
 
-def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str) -> None:
+# The torch ops' 8-bit update (sonar_kernels/ops/moments_8bit.py, ``adamw_8bit_update``) at its peak holds
+# about 66 bytes per element of the call (fp64 copies of the weight, gradient and moments, the dequantized
+# and requantized moments, the table search's int32 indices; MemTracker: 65.6), on UPDATE_ELEMENTS
+# elements per call.
+UPDATE_8BIT_BYTES_PER_ELEMENT = 66
+
+
+def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: str = "exact") -> None:
     """The torch backend's expert backward, SwiGLU (ops/torch_backend.py ``moe_mlp_bwd_core``, then each
     weight's job, ``expert_gradient``), then the deferred updates of an in-backward ``mode`` ("grad": the
     jobs return both weight gradients; "deferred": W1's then W2's wgrad and torch AdamW run in the weights'
     AccumulateGrad pre-hooks, autograd/formula.py, by chunks of experts with torch's fused AdamW,
     ops/adamw.py ``torch_adamw_chunked_``). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a``
     (activation bytes), w1 and w2 (the local weight tensors), E (the local experts), ``routing_grad``
-    (whether the routing weights get a gradient: not under expert parallelism, where they are ones)."""
+    (whether the routing weights get a gradient: not under expert parallelism, where they are ones).
+    ``moments`` "8bit": the update is chunked whatever ``adamw`` (ops/moments_8bit.py ``adamw_8bit_``), each
+    chunk updated :data:`UPDATE_ELEMENTS` at a time."""
+    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS
     from sonar_kernels.ops.torch_backend import ROW_BLOCK_BYTES, WGRAD_CHUNK_BYTES
 
     S, T, k, H, I, a, w1, w2, E = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2", "E"))
@@ -132,7 +142,12 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str) -> None:
         ("gate_up_proj", w1, ("dHpre", "w1_job")),
         ("down_proj", w2, ("A", "w2_job")),
     ):
-        if adamw == "fused":
+        if moments == "8bit":
+            chunk = min(weight, max(WGRAD_CHUNK_BYTES, weight // E))
+            rows = min(S, -(-S * chunk // weight))
+            update = UPDATE_8BIT_BYTES_PER_ELEMENT * min(UPDATE_ELEMENTS, chunk // a)
+            tape.moment(**{f"in_backward:{name}": chunk, "chunk_rows": rows * H * a, "step:adamw_8bit": update})
+        elif adamw == "fused":
             chunk = min(weight, max(WGRAD_CHUNK_BYTES, weight // E))
             rows = min(S, -(-S * chunk // weight))
             tape.moment(**{f"in_backward:{name}": chunk, "chunk_rows": rows * H * a})

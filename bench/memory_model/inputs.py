@@ -106,7 +106,8 @@ class Setup:
         collectives: "nccl" or "gloo" (whose reduce-scatter, which FSDP2 uses, works on a copy of its input).
         moments: "exact" (AdamW's moments in the parameter dtype) or "8bit" (the expert tensors' moments
             as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/ops/moments_8bit.py``: 2.25
-            bytes per expert parameter; modelled from the state's sizes, not validated against MemTracker).
+            bytes per expert parameter; the torch backend's update chunked whatever ``adamw``; validated
+            against MemTracker on one rank, tests/test_memory_model.py).
 
     Raises:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch

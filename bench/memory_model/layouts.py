@@ -175,7 +175,7 @@ def predict(s: Setup) -> Prediction:
             tape.alloc("grad:gate_up_proj", w1)
             tape.free("dHpre")
         elif s.backend == "torch":
-            torch_expert_backward(tape, n, mode, s.adamw)
+            torch_expert_backward(tape, n, mode, s.adamw, s.moments)
         else:
             triton_expert_backward(tape, n, mode)
         add("backward", tape.at_peak)

@@ -38,6 +38,7 @@ class Case:
     layers: int | None = None
     batch_size: int | None = None
     sequence_length: int | None = None
+    moments: str = "exact"
 
     @property
     def backend(self) -> str:
@@ -49,13 +50,14 @@ class Case:
             with_layers(preset, self.layers), self.batch_size or preset.batch_size,
             self.sequence_length or preset.sequence_length, self.method, self.layout,
             param_bytes=2 if self.dtype == "bfloat16" else 4, checkpointing=self.checkpointing, adamw=self.adamw,
-            backend=self.backend, tracker=True, collectives="gloo",
+            backend=self.backend, tracker=True, collectives="gloo", moments=self.moments,
         )  # fmt: skip
 
     def label(self) -> str:
         return (
             f"{self.preset} {self.layout.name} {self.method} {self.dtype} "
             f"{'ckpt' if self.checkpointing else 'no-ckpt'} adamw-{self.adamw}"
+            + (f" moments-{self.moments}" if self.moments != "exact" else "")
         )
 
 
@@ -112,7 +114,7 @@ def measure(case: Case) -> dict:
     hf.set_backend(initial, case.backend)
     data = ByteData(default_text(), case.sequence_length or preset.sequence_length,
                     case.batch_size or preset.batch_size, seed=0)  # fmt: skip
-    arm = "standard" if case.method == "standard" else "sonar"
+    arm = "standard" if case.method == "standard" else "sonar" if case.moments == "exact" else "sonar-8bit"
     calls = _count_routed_rows(initial, case.layout.ep) if case.layout.ep > 1 else None
     if case.layout.fsdp > 1 or (case.layout.ep > 1 and case.layout.dp > 1):
         result = _measure_custom(arm, initial, data, args, case.layout)
