@@ -205,3 +205,45 @@ def test_the_torch_backends_chunks_give_the_same_bits_and_skip_as_a_whole(chunk_
             torch.equal(a, b)
             for a, b in zip((p.detach(), *optimizer.state[p].values()), before[p], strict=True)
         )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_scheduled_tensor_lr_and_the_expert_grad_norm_with_8bit_moments(backend, device):
+    # A tensor lr (torch.optim.AdamW's "lr as a Tensor") halved, then thirded, by LambdaLR between the
+    # steps: each in-backward update reads the group's value at its backward. expert_grad_norm is the
+    # norm of both tensors' gradients (computed here without an optimizer).
+    x, index, weights, w1, w2, grads = _inputs(device)
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW(
+        [p1, p2], moments_dtype="8bit", **{**HYPER, "lr": torch.tensor(HYPER["lr"])}
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (step + 1))
+    tensors = [w1.clone(), w2.clone()]
+    states = [
+        (q8.quantize(torch.zeros(w.shape), "exp_avg"), q8.quantize(torch.zeros(w.shape), "exp_avg_sq"))
+        for w in tensors
+    ]
+    for step, grad_out in enumerate(grads + grads[:1], start=1):
+        lr = float(optimizer.param_groups[0]["lr"])
+        assert lr == pytest.approx(HYPER["lr"] / step, rel=1e-6)
+        q1, q2 = (t.clone().requires_grad_() for t in tensors)
+        sonar_kernels.moe_mlp(x, index, weights, q1, q2, backend=backend).backward(grad_out)
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grad_out)
+        optimizer.step()
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(q.grad.float()) for q in (q1, q2)])
+        )
+        torch.testing.assert_close(optimizer.expert_grad_norm().cpu(), norm.cpu(), rtol=1e-5, atol=0)
+        hyper = torch.tensor([lr, *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64)
+        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        for i, q in enumerate((q1, q2)):
+            new_p, m, v = q8.adamw_8bit_update(
+                tensors[i].cpu(), q.grad.float().cpu(), *[tuple(t.cpu() for t in s) for s in states[i]],
+                scalars, hyper,
+            )  # fmt: skip
+            tensors[i], states[i] = new_p.to(device), (m, v)
+        scheduler.step()
+    for p, t, (m, v) in zip((p1, p2), tensors, states, strict=True):
+        assert torch.equal(p.detach(), t)
+        state = _state_of(optimizer, p)
+        assert all(torch.equal(a.cpu(), b) for a, b in zip(state[0] + state[1], m + v, strict=True))
