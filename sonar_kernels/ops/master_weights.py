@@ -1,0 +1,93 @@
+"""bf16 expert weights with fp32-quality updates: the 16-bit remainder and stochastic rounding, in torch ops
+(docs/design.md, "bf16 master weights").
+
+Both keep the expert weight as the model's plain bf16 tensor. The rules, written once here and followed by
+every update path:
+
+- **Remainder** (Megatron-Core's ``store_param_remainders``; MindSpeed's reuse-fp32-param): the fp32
+  master ``M`` is the bf16 weight ``W`` and a signed 16-bit remainder ``r`` together, read as 32-bit
+  integers (``bits``: the float's bit pattern as an int32): ``bits(M) = bits(W) * 2**16 + r``, with
+  ``bits(W) = floor((bits(M) + 2**15) / 2**16)`` and so ``r`` in [-2**15, 2**15). ``W`` is ``M`` rounded to
+  the nearest bf16, an exact tie away from zero (adding half of the dropped bits' range to the magnitude
+  and truncating: a float's bits are its sign and magnitude, and the carry runs into the exponent as
+  rounding should). torch's ``M.to(torch.bfloat16)`` rounds a tie to even instead: the two differ exactly
+  at the ties (``r == -2**15``), where ties away from zero keeps the split in 16 bits, and round half to
+  even would need a 17th. :func:`split` and :func:`merge` are exact inverses.
+- **Stochastic rounding**: ``bits(W) = floor((bits(M) + u) / 2**16)``, ``u`` 16 random bits: the
+  magnitude rounds up with probability (the dropped bits) / 2**16, so ``E[W] = M`` (unbiased; NaN stays
+  NaN). ``u`` is the upper half of :func:`hash32` of the element's index mixed with a stream
+  ``hash32(hash32(seed) ^ step)``: a counter-based stream keyed by (seed, step, element), so every
+  backend, fused or split, and every run gives the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["REMAINDER", "STOCHASTIC", "hash32", "merge", "random_bits", "split", "stochastic_round"]
+
+REMAINDER = "remainder"
+STOCHASTIC = "stochastic"
+MASK32 = 0xFFFFFFFF
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor's bit patterns as int64 (the int32 pattern, sign-extended)."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"expected an fp32 tensor, got {x.dtype}")
+    return x.view(torch.int32).to(torch.int64)
+
+
+def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(bf16 weight, int16 remainder) of the fp32 ``master`` (module docstring: the weight is the master
+    rounded to nearest, a tie away from zero)."""
+    bits = _bits(master)
+    high = (bits + (1 << 15)) >> 16
+    remainder = bits - (high << 16)
+    return high.to(torch.int16).view(torch.bfloat16), remainder.to(torch.int16)
+
+
+def merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """The fp32 master of the bf16 ``weight`` and its int16 ``remainder`` (the inverse of :func:`split`)."""
+    if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
+        raise TypeError(
+            f"expected a bf16 weight and an int16 remainder, got {weight.dtype} and {remainder.dtype}"
+        )
+    bits = (weight.view(torch.int16).to(torch.int64) << 16) + remainder.to(torch.int64)
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def hash32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (``lowbias32``, C. Wellons' hash-prospector: two multiply-xorshift rounds)
+    of the low 32 bits of the int64 tensor ``x``, as int64 in [0, 2**32)."""
+    x = x & MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & MASK32
+    return x ^ (x >> 16)
+
+
+def random_bits(seed: torch.Tensor | int, step: torch.Tensor | int, index: torch.Tensor) -> torch.Tensor:
+    """16 random bits (int64 in [0, 2**16)) per element ``index`` (int64, the element's position in the
+    tensor) of the update at ``step`` of a tensor with ``seed``: the upper half of
+    ``hash32(index ^ hash32(hash32(seed) ^ step))``, each operand's low 32 bits."""
+    seed = torch.as_tensor(seed, dtype=torch.int64, device=index.device)
+    step = torch.as_tensor(step, device=index.device).to(torch.int64)
+    stream = hash32(hash32(seed) ^ (step & MASK32))
+    return hash32(index ^ stream) >> 16
+
+
+def stochastic_round(
+    master: torch.Tensor,
+    seed: torch.Tensor | int,
+    step: torch.Tensor | int,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The fp32 ``master`` rounded to bf16 stochastically (module docstring), with the random bits of
+    :func:`random_bits` at each element's ``index`` (default: its position in ``master``, row-major)."""
+    if index is None:
+        index = torch.arange(master.numel(), device=master.device, dtype=torch.int64).reshape(master.shape)
+    high = (_bits(master) + random_bits(seed, step, index)) >> 16
+    rounded = high.to(torch.int16).view(torch.bfloat16)
+    return torch.where(master.isnan(), master.to(torch.bfloat16), rounded)
