@@ -8,7 +8,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
+from sonar_kernels.kernels import master_weights as kernels
 from sonar_kernels.ops import master_weights as mw
 
 
@@ -133,3 +136,45 @@ def test_stochastic_rounding_is_exact_on_bf16_values_reproducible_and_keyed_by_s
     assert bool(((once.float() == truncated) | (once.float() == away)).all())
     assert down.shape == master.shape
     assert bool(mw.stochastic_round(torch.tensor([float("nan")]), seed=0, step=1).isnan().all())
+
+
+@triton.jit
+def _rules_kernel(
+    master_ptr, weight_ptr, remainder_ptr, merged_ptr, rounded_ptr, seed, step, n, BLOCK: tl.constexpr
+):  # fmt: skip
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    master = tl.load(master_ptr + offsets, mask=mask, other=0.0)
+    weight_bits, remainder = kernels.split_tile(master)
+    tl.store(weight_ptr + offsets, weight_bits, mask=mask)
+    tl.store(remainder_ptr + offsets, remainder, mask=mask)
+    tl.store(merged_ptr + offsets, kernels.merge_tile(weight_bits, remainder), mask=mask)
+    bits16 = kernels.random_bits(seed.to(tl.uint32), step.to(tl.uint32), offsets.to(tl.uint32))
+    tl.store(rounded_ptr + offsets, kernels.stochastic_round_tile(master, bits16), mask=mask)
+
+
+def test_the_kernels_rules_equal_the_torch_ops_bitwise(device):
+    # Random patterns (every exponent), the exact ties of both signs, bf16 values, and the largest
+    # magnitudes (which round to inf); the stream at a seed and a step above 2**31.
+    ties = (
+        torch.tensor([1.0, 3.0, -1.0078125, 2.0**-130], dtype=torch.bfloat16)
+        .view(torch.int16)
+        .to(torch.int32)
+        << 16
+        | 0x8000
+    ).view(torch.float32)
+    master = torch.cat([_finite_patterns(5000, seed=3), ties, torch.randn(64).to(torch.bfloat16).float(),
+                        torch.tensor([3.4e38, -3.4e38, 0.0, -0.0])]).to(device)  # fmt: skip
+    n = master.numel()
+    weight = torch.empty(n, dtype=torch.int16, device=device)
+    remainder, rounded = torch.empty_like(weight), torch.empty_like(weight)
+    merged = torch.empty_like(master)
+    seed, step = 2**32 + 77, 2**31 + 5
+    _rules_kernel[(triton.cdiv(n, 1024),)](
+        master, weight, remainder, merged, rounded, seed % 2**32, step, n, BLOCK=1024
+    )
+    want_weight, want_remainder = mw.split(master)
+    assert torch.equal(weight, want_weight.view(torch.int16))
+    assert torch.equal(remainder, want_remainder)
+    assert torch.equal(merged.view(torch.int32), master.view(torch.int32))
+    assert torch.equal(rounded, mw.stochastic_round(master, seed, step).view(torch.int16))

@@ -146,7 +146,9 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: s
             chunk = min(weight, max(WGRAD_CHUNK_BYTES, weight // E))
             rows = min(S, -(-S * chunk // weight))
             update = UPDATE_8BIT_BYTES_PER_ELEMENT * min(UPDATE_ELEMENTS, chunk // a)
-            tape.moment(**{f"in_backward:{name}": chunk, "chunk_rows": rows * H * a, "step:adamw_8bit": update})
+            tape.moment(
+                **{f"in_backward:{name}": chunk, "chunk_rows": rows * H * a, "step:adamw_8bit": update}
+            )
         elif adamw == "fused":
             chunk = min(weight, max(WGRAD_CHUNK_BYTES, weight // E))
             rows = min(S, -(-S * chunk // weight))

@@ -14,8 +14,8 @@ every update path:
   at the ties (``r == -2**15``), where ties away from zero keeps the split in 16 bits, and round half to
   even would need a 17th. :func:`split` and :func:`merge` are exact inverses.
 - **Stochastic rounding**: ``bits(W) = floor((bits(M) + u) / 2**16)``, ``u`` 16 random bits: the
-  magnitude rounds up with probability (the dropped bits) / 2**16, so ``E[W] = M`` (unbiased; NaN stays
-  NaN). ``u`` is the upper half of :func:`hash32` of the element's index mixed with a stream
+  magnitude rounds up with probability (the dropped bits) / 2**16, so ``E[W] = M`` (unbiased; a NaN
+  becomes torch's bf16 NaN). ``u`` is the upper half of :func:`hash32` of the element's index mixed with a stream
   ``hash32(hash32(seed) ^ step)``: a counter-based stream keyed by (seed, step, element), so every
   backend, fused or split, and every run gives the same bits.
 """
@@ -29,6 +29,8 @@ __all__ = ["REMAINDER", "STOCHASTIC", "hash32", "merge", "random_bits", "split",
 REMAINDER = "remainder"
 STOCHASTIC = "stochastic"
 MASK32 = 0xFFFFFFFF
+# The bf16 NaN torch's cast writes (c10::BFloat16's round_to_nearest_even).
+BF16_NAN_BITS = 0x7FC0
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -89,5 +91,5 @@ def stochastic_round(
     if index is None:
         index = torch.arange(master.numel(), device=master.device, dtype=torch.int64).reshape(master.shape)
     high = (_bits(master) + random_bits(seed, step, index)) >> 16
-    rounded = high.to(torch.int16).view(torch.bfloat16)
-    return torch.where(master.isnan(), master.to(torch.bfloat16), rounded)
+    high = torch.where(master.isnan(), BF16_NAN_BITS, high)
+    return high.to(torch.int16).view(torch.bfloat16)
