@@ -178,3 +178,42 @@ def test_the_kernels_rules_equal_the_torch_ops_bitwise(device):
     assert torch.equal(remainder, want_remainder)
     assert torch.equal(merged.view(torch.int32), master.view(torch.int32))
     assert torch.equal(rounded, mw.stochastic_round(master, seed, step).view(torch.int16))
+
+
+@pytest.mark.parametrize("fused", [True, None])
+def test_the_remainders_adamw_is_torch_adamw_on_fp32_master_weights_bitwise(fused):
+    # 20 steps with bf16 gradients: the merged master equals torch.optim.AdamW (the same flags) run on an
+    # fp32 master whose bf16 copy, rounded by the documented rule, is what a forward would read; a step
+    # with a non-finite gradient leaves everything as it was, as torch's fused AdamW (found_inf) does.
+    generator = torch.Generator().manual_seed(0)
+    master = torch.randn(4, 16, 32, generator=generator)
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    reference = torch.nn.Parameter(master.clone())
+    optimizer = torch.optim.AdamW([reference], **hyper, fused=fused)
+    weight, remainder = mw.split(master)
+    exp_avg, exp_avg_sq = torch.zeros_like(master), torch.zeros_like(master)
+    step, norm_sq, skipped = torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    values = (hyper["lr"], *hyper["betas"], hyper["eps"], hyper["weight_decay"])
+    for i in range(20):
+        grad = torch.randn(master.shape, generator=generator).to(torch.bfloat16)
+        if i == 7:
+            grad[1, 2, 3] = float("inf")
+            before = [t.clone() for t in (weight, remainder, exp_avg, exp_avg_sq, step)]
+        mw.remainder_adamw_(weight, remainder, grad, exp_avg, exp_avg_sq, step, values, norm_sq, skipped,
+                            foreach=None, fused=fused)  # fmt: skip
+        if i == 7:
+            after = (weight, remainder, exp_avg, exp_avg_sq, step)
+            assert all(
+                torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                for a, b in zip(before, after, strict=True)
+            )
+            assert int(skipped) == 1
+            continue
+        reference.grad = grad.float()
+        optimizer.step()
+        assert torch.equal(
+            mw.merge(weight, remainder).view(torch.int32), reference.detach().view(torch.int32)
+        ), i
+        assert torch.equal(weight.view(torch.int16), mw.split(reference.detach())[0].view(torch.int16))
+    assert torch.equal(exp_avg, optimizer.state[reference]["exp_avg"])
+    assert float(step) == 19.0

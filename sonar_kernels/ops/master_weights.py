@@ -24,7 +24,16 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["REMAINDER", "STOCHASTIC", "hash32", "merge", "random_bits", "split", "stochastic_round"]
+__all__ = [
+    "REMAINDER",
+    "STOCHASTIC",
+    "hash32",
+    "merge",
+    "random_bits",
+    "remainder_adamw_",
+    "split",
+    "stochastic_round",
+]
 
 REMAINDER = "remainder"
 STOCHASTIC = "stochastic"
@@ -93,3 +102,40 @@ def stochastic_round(
     high = (_bits(master) + random_bits(seed, step, index)) >> 16
     high = torch.where(master.isnan(), BF16_NAN_BITS, high)
     return high.to(torch.int16).view(torch.bfloat16)
+
+
+def remainder_adamw_(
+    weight: torch.Tensor,
+    remainder: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyperparameters: tuple,
+    grad_norm_sq: torch.Tensor,
+    skipped: torch.Tensor,
+    *,
+    foreach: bool | None,
+    fused: bool | None,
+) -> None:
+    """torch's AdamW on the fp32 master of a bf16 ``weight`` and its int16 ``remainder``, in place: the
+    master merged (:func:`merge`), updated by :func:`sonar_kernels.ops.adamw.torch_adamw_` with ``grad``
+    as fp32 and fp32 moments, and split again (:func:`split`). So the master follows torch.optim.AdamW on
+    fp32 master weights bit for bit, and the weight is the master rounded to nearest (a tie away from
+    zero). A skipped update (a non-finite gradient) leaves weight, remainder, moments and step as they
+    were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors)."""
+    from sonar_kernels.ops.adamw import torch_adamw_
+
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise TypeError(
+            f"the remainder's update takes fp32 moments, got {exp_avg.dtype} and {exp_avg_sq.dtype}"
+        )
+    with torch.no_grad():
+        master = merge(weight, remainder)
+        torch_adamw_(
+            master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
+        new_weight, new_remainder = split(master)
+        weight.copy_(new_weight)
+        remainder.copy_(new_remainder)
