@@ -109,6 +109,8 @@ class ExpertUpdate:
         exp_avg, exp_avg_sq: the moments, the tensor's shape and strides; float32/bfloat16/float16, or,
             with 8-bit moments, their int8 and uint8 codes (docs/design.md, "8-bit moments").
         exp_avg_scales, exp_avg_sq_scales: None, or the 8-bit moments' fp32 block scales.
+        remainder: None, or the int16 remainder of a bf16 weight whose fp32 master it completes
+            (docs/design.md, "bf16 master weights").
         step: [] float32 on the tensor's device, advanced on the device by each applied update.
         hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
             (``HYPERPARAMETERS``), read by the kernels when they run and rewritten by the owner from the
@@ -148,6 +150,7 @@ class ExpertUpdate:
         reduce_first: bool = False,
         exp_avg_scales: torch.Tensor | None = None,
         exp_avg_sq_scales: torch.Tensor | None = None,
+        remainder: torch.Tensor | None = None,
     ):
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
@@ -163,13 +166,16 @@ class ExpertUpdate:
         self.reduce_first = reduce_first
         self.exp_avg_scales = exp_avg_scales
         self.exp_avg_sq_scales = exp_avg_sq_scales
+        self.remainder = remainder
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
-        passed apart: it is only read); the 8-bit moments' scales last."""
+        passed apart: it is only read); the 8-bit moments' scales, or the remainder, last."""
         state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
         if self.exp_avg_scales is not None:
             state += [self.exp_avg_scales, self.exp_avg_sq_scales]
+        if self.remainder is not None:
+            state.append(self.remainder)
         return state
 
     def accumulating(self) -> bool:

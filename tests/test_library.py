@@ -177,6 +177,33 @@ def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
     assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].gt(0).all())
 
 
+def test_the_ops_pass_opcheck_with_a_remainder():
+    # The state list of library.STATE_FIELDS_REMAINDER (fp32 moments, step, norm, counter, the int16
+    # remainder of bf16 master weights) through the forward op and the torch backend's update op.
+    x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.bfloat16)
+    state = [
+        torch.zeros(w2.shape), torch.zeros(w2.shape), torch.zeros(()), torch.zeros(()),
+        torch.zeros((), dtype=torch.int64), torch.zeros(w2.shape, dtype=torch.int16),
+    ]  # fmt: skip
+    hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64)
+    forward = list(_forward_args(x, index, weights, w1, w2, "torch"))
+    forward[11:15] = [state, [0, 6, 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
+    _opcheck(library.moe_mlp_fwd, tuple(forward))
+    out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, "torch"))
+    core = _core_args(
+        torch.randn_like(out), x, weights, w1, w2, hpre, meta, "torch", [False, False, False, True, True]
+    )
+    _, _, _, a, magnitudes = library.moe_mlp_bwd(*core)
+    args = (
+        "down_proj", w2, core[0], a, weights, list(meta), None, "update", state, hyper, None, False,
+        torch.bfloat16, True, None, None, "torch", "concatenated",
+    )  # fmt: skip
+    _opcheck(library.expert_wgrad_, args)
+    before = w2.clone()
+    library.expert_wgrad_(*args)
+    assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].ne(0).any())
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_ops_with_a_separate_up_tensor_pass_opcheck_and_update_it(backend, device):
     # torchtitan's w1, w2, w3: the up tensor is an input of its own, updated by its own op.

@@ -16,6 +16,7 @@ import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from sonar_kernels.ops.common import inf_norm, whole
+from sonar_kernels.ops.master_weights import merge, remainder_adamw_, split
 
 
 def grad_limit(moments_dtype: torch.dtype) -> float:
@@ -194,6 +195,7 @@ def torch_adamw_chunked_(
     foreach: bool | None,
     fused: bool | None,
     chunk_bytes: int | None,
+    remainder: torch.Tensor | None = None,
 ) -> None:
     """torch's AdamW on one expert tensor from its gradient computed a chunk of experts at a time: the
     torch backend's in-backward update (docs/design.md, "Which AdamW runs where").
@@ -219,10 +221,14 @@ def torch_adamw_chunked_(
         grad_dtype: the gradient is rounded to it before the update (None: the weight's dtype).
         hyperparameters, foreach, fused: as :func:`torch_adamw_`.
         chunk_bytes: the budget of one chunk's gradient (None: the whole tensor).
+        remainder: the int16 remainder of a bf16 ``weight`` (docs/design.md, "bf16 master weights"): the
+            update runs on the fp32 master (each chunk's merged, the gradient as fp32, fp32 moments) and
+            splits it again: :func:`sonar_kernels.ops.master_weights.remainder_adamw_`, chunk by chunk.
     """
+    master_dtype = torch.float32 if remainder is not None else weight.dtype
     chunks = (
         gradient.chunks(chunk_bytes)
-        if fused and has_torch_fused_adamw(weight.device, weight.dtype)
+        if fused and has_torch_fused_adamw(weight.device, master_dtype)
         else [(0, weight.shape[0])]
     )
 
@@ -233,6 +239,12 @@ def torch_adamw_chunked_(
 
     if len(chunks) == 1:
         grad = total_of(gradient.full(), 0, weight.shape[0])
+        if remainder is not None:
+            remainder_adamw_(
+                weight, remainder, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+                foreach=foreach, fused=fused,
+            )  # fmt: skip
+            return
         torch_adamw_(
             weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             foreach=foreach, fused=fused,
@@ -257,11 +269,13 @@ def torch_adamw_chunked_(
         # torch's fused AdamW kernel called as torch.optim.adamw's fused path calls it, once the step is
         # incremented (the same kernel, the same arguments, without its per-call grouping of the tensors):
         # Python-float hyperparameters, one dtype, contiguous tensors. Otherwise through torch's AdamW.
+        # With a remainder, the update's weight is the merged fp32 master and its gradient is made fp32.
+        grad_as = torch.float32 if remainder is not None else buffer.dtype
         direct = (
             hasattr(torch, "_fused_adamw_")
             and all(isinstance(h, float) for h in hyperparameters)
-            and len({weight.dtype, buffer.dtype, exp_avg.dtype, exp_avg_sq.dtype, grad_dtype or weight.dtype})
-            == 1
+            and len({master_dtype, grad_as, exp_avg.dtype, exp_avg_sq.dtype}) == 1
+            and (remainder is not None or (grad_dtype or weight.dtype) == weight.dtype)
             and all(t.is_contiguous() for t in (weight, buffer, exp_avg, exp_avg_sq))
         )
         if direct:
@@ -275,17 +289,24 @@ def torch_adamw_chunked_(
                 norm_sq += torch.dot(flat, flat)
             else:
                 norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            target = weight[first:last]
+            if remainder is not None:
+                target, grad = merge(target, remainder[first:last]), grad.float()
             if direct:
                 torch._fused_adamw_(
-                    [weight[first:last]], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
+                    [target], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
                     amsgrad=False, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
                     maximize=False, grad_scale=None, found_inf=None,
                 )  # fmt: skip
-                continue
-            chunk_step.copy_(step)  # each chunk's call increments its own copy of the step
-            _adamw(
-                weight[first:last], grad, exp_avg[first:last], exp_avg_sq[first:last], chunk_step,
-                hyperparameters, foreach, fused, no,
-            )  # fmt: skip
+            else:
+                chunk_step.copy_(step)  # each chunk's call increments its own copy of the step
+                _adamw(
+                    target, grad, exp_avg[first:last], exp_avg_sq[first:last], chunk_step,
+                    hyperparameters, foreach, fused, no,
+                )  # fmt: skip
+            if remainder is not None:
+                new_weight, new_remainder = split(target)
+                weight[first:last].copy_(new_weight)
+                remainder[first:last].copy_(new_remainder)
         step.copy_(chunk_step)
         grad_norm_sq.copy_(norm_sq)

@@ -10,15 +10,32 @@ import torch
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
+from sonar_kernels.ops.master_weights import remainder_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
 
-__all__ = ["STATE_FIELDS", "STATE_FIELDS_8BIT", "torch_update", "torch_update_of"]
+__all__ = [
+    "STATE_FIELDS",
+    "STATE_FIELDS_8BIT",
+    "STATE_FIELDS_REMAINDER",
+    "remainder_of",
+    "torch_update",
+    "torch_update_of",
+]
 
 # The tensors of an in-backward update, in the order the ops take them.
 STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
 # With 8-bit moments (docs/design.md, "8-bit moments"): exp_avg and exp_avg_sq are their int8 and uint8
 # codes, and their fp32 block scales follow.
 STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
+# With bf16 master weights kept as a 16-bit remainder (docs/design.md, "bf16 master weights"): the int16
+# remainder follows the exact moments' fields.
+STATE_FIELDS_REMAINDER = (*STATE_FIELDS, "remainder")
+
+
+def remainder_of(state: list) -> torch.Tensor | None:
+    """The int16 remainder at the end of an update's ``state`` list (:data:`STATE_FIELDS_REMAINDER`), or
+    None."""
+    return state[-1] if len(state) == len(STATE_FIELDS_REMAINDER) and state[-1].dtype == torch.int16 else None
 
 
 def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
@@ -52,20 +69,28 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if done is not None:
             done()
         return
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state
+    remainder = remainder_of(state)
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state[: len(STATE_FIELDS)]
     hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
+            remainder=remainder,
         )  # fmt: skip
     else:
         if grad_dtype is not None:
             grad = grad.to(grad_dtype)
         total = grad if grad_in is None else grad_in + grad.to(grad_in.dtype)
-        torch_adamw_(
-            weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused,
-        )  # fmt: skip
+        if remainder is not None:
+            remainder_adamw_(
+                weight, remainder, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+                foreach=foreach, fused=fused,
+            )  # fmt: skip
+        else:
+            torch_adamw_(
+                weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+                foreach=foreach, fused=fused,
+            )  # fmt: skip
     if done is not None:
         done()

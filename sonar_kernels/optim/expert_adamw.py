@@ -94,6 +94,14 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             SonarAdamW does it for the module it is given). None: no reduction; with more than one rank
             in the job, only sharded (DTensor, FSDP2) and expert-parallel
             (``specs.mark_expert_parallel``) expert tensors are accepted.
+        master_weights: None, or "remainder" (docs/design.md, "bf16 master weights"): each bf16 expert
+            tensor stays the model's plain bf16 tensor, and ``state[p]["remainder"]`` (int16, its shape)
+            completes it to an fp32 master, updated by torch's AdamW with fp32 moments (``moments_dtype``
+            None or torch.float32) and split again, so the master follows torch.optim.AdamW on fp32 master
+            weights bit for bit and the weight is the master rounded to nearest (a tie away from zero).
+            The torch backend only, so far: the Triton backend refuses it before any update (ValueError).
+            A checkpoint without a remainder (bf16 weights alone, or torch.optim.AdamW's) loads with
+            remainder 0 (the bf16 weight is the master).
     Raises:
         ValueError: a hyperparameter outside its range, a tensor that is not dense, a parameter group with
             maximize, amsgrad, capturable, differentiable or decoupled_weight_decay=False, or, with more
@@ -102,7 +110,9 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             torch.distributed was initialized after the optimizer was built).
         TypeError: a tensor of an unsupported dtype, or an unsupported moments_dtype / grad_dtype.
         ValueError: with 8-bit moments, a weight matrix whose last dimension is not a multiple of 32 or
-            that is not contiguous.
+            that is not contiguous; a master_weights other than None or "remainder", or with moments
+            other than fp32.
+        TypeError: with master_weights, an expert tensor that is not bf16.
     """
 
     def __init__(
@@ -118,10 +128,11 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         fused_epilogue: bool = True,
         accumulation_steps: int = 1,
         data_parallel_group=None,
+        master_weights: str | None = None,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
         self._init_in_backward(
-            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group
+            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights
         )
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)

@@ -14,12 +14,14 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from sonar_kernels import ops
+from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC
 from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
 from sonar_kernels.optim.param_groups import check_group_options
 
 __all__ = [
     "EIGHT_BIT",
     "check_loadable",
+    "check_master_weights",
     "expert_state",
     "load_expert_state",
     "moment_tensors",
@@ -89,12 +91,38 @@ def _local_values(p: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tens
     return local.to(device=_local(p).device, dtype=torch.float32).contiguous()
 
 
+def check_master_weights(master_weights, moments_dtype) -> str | None:
+    """``master_weights`` when the optimizers implement it: None, or "remainder" (docs/design.md, "bf16
+    master weights": the bf16 expert tensor and an int16 ``state[p]["remainder"]`` are the fp32 master,
+    updated by torch's AdamW on the torch backend) with fp32 moments (``moments_dtype`` None or
+    torch.float32).
+
+    Raises:
+        ValueError: another value; "stochastic" (not built yet); other moments with "remainder".
+    """
+    if master_weights is None:
+        return None
+    if master_weights == STOCHASTIC:
+        raise ValueError(
+            'master_weights="stochastic" is not built yet (docs/design.md, "bf16 master weights"); use None or '
+            '"remainder"'
+        )
+    if master_weights != REMAINDER:
+        raise ValueError(f'master_weights must be None or "remainder", got {master_weights!r}')
+    if moments_dtype not in (None, torch.float32):
+        raise ValueError(
+            f'master_weights="remainder" takes fp32 moments so far (moments_dtype None or torch.float32), got '
+            f"{moments_dtype!r}"
+        )
+    return master_weights
+
+
 def moment_tensors(state: dict) -> list[torch.Tensor]:
     """The tensors of ``state`` that an update writes besides ``step``: the moments, or their codes and
     scales."""
     if "exp_avg_codes" in state:
         return [state[f"{key}_{part}"] for key in MOMENTS for part in ("codes", "scales")]
-    return [state[key] for key in MOMENTS]
+    return [state[key] for key in MOMENTS] + ([state["remainder"]] if "remainder" in state else [])
 
 
 def _quantized(p: torch.Tensor, values: dict | None) -> dict:
@@ -113,7 +141,30 @@ def _quantized(p: torch.Tensor, values: dict | None) -> dict:
     return state
 
 
+def _remainder(p: torch.Tensor, saved) -> torch.Tensor:
+    """``p``'s int16 remainder: ``saved`` when it is one of ``p``'s shape, else zeros (the master is the bf16
+    weight itself: what a checkpoint of bf16 weights alone, or torch.optim.AdamW's state, gives)."""
+    if isinstance(saved, torch.Tensor) and saved.dtype == torch.int16 and saved.shape == p.shape:
+        return saved.to(p.device, copy=True)
+    return torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
+
+
 def expert_state(
+    p: torch.Tensor,
+    state: dict,
+    moments_dtype: torch.dtype | None,
+    follows: torch.dtype | None = None,
+    master: str | None = None,
+) -> dict:
+    """:func:`_expert_state`, plus, with bf16 master weights (``master`` "remainder"), ``p``'s int16
+    ``remainder`` (kept from ``state``, else zeros: the bf16 weight is the master)."""
+    converted = _expert_state(p, state, moments_dtype, follows)
+    if master == REMAINDER:
+        converted["remainder"] = _remainder(p, state.get("remainder"))
+    return converted
+
+
+def _expert_state(
     p: torch.Tensor, state: dict, moments_dtype: torch.dtype | None, follows: torch.dtype | None = None
 ) -> dict:
     """The state of ``p`` for its in-backward update: ``state`` (torch.optim.AdamW's keys: from dense steps
@@ -246,7 +297,9 @@ def _load_8bit(p: torch.Tensor, saved: dict) -> dict:
     return state
 
 
-def load_expert_state(p: torch.Tensor, state: dict, saved: dict, moments_dtype: torch.dtype | None) -> None:
+def load_expert_state(
+    p: torch.Tensor, state: dict, saved: dict, moments_dtype: torch.dtype | None, master: str | None = None
+) -> None:
     """Rewrite ``state`` (``p``'s, after torch.optim.Optimizer.load_state_dict) from ``saved`` (its saved
     state, possibly empty) as the kernels read it: the moments in the dtype they were saved with when the
     kernels take it (torch casts them to the parameter's dtype), else ``p``'s, or ``moments_dtype`` when
@@ -267,6 +320,9 @@ def load_expert_state(p: torch.Tensor, state: dict, saved: dict, moments_dtype: 
         torch.as_tensor(0.0 if step is None else step, dtype=torch.float32).to(p.device).reshape(())
     )
     kept = ("step", *MOMENTS)
+    if master == REMAINDER:  # the saved remainder, else zeros (a checkpoint of bf16 weights alone)
+        state["remainder"] = _remainder(p, saved.get("remainder"))
+        kept = (*kept, "remainder")
     if eight_bit:
         state |= _load_8bit(p, saved)
         kept = ("step", *(f"{key}_{part}" for key in MOMENTS for part in ("codes", "scales")))

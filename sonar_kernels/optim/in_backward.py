@@ -36,12 +36,14 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
     check_loadable,
+    check_master_weights,
     expert_state,
     load_expert_state,
     with_cpu_steps,
@@ -90,7 +92,13 @@ class InBackwardAdamW:
     # -- Construction and the tables ---------------------------------------------------------------------
 
     def _init_in_backward(
-        self, moments_dtype, grad_dtype, fused_epilogue, accumulation_steps=1, data_parallel_group=None
+        self,
+        moments_dtype,
+        grad_dtype,
+        fused_epilogue,
+        accumulation_steps=1,
+        data_parallel_group=None,
+        master_weights=None,
     ) -> None:
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if name == "moments_dtype" and dtype == EIGHT_BIT:
@@ -100,6 +108,9 @@ class InBackwardAdamW:
                 raise TypeError(
                     f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
+        self.master_weights = check_master_weights(master_weights, moments_dtype)
+        if self.master_weights is not None and moments_dtype is None:
+            moments_dtype = torch.float32  # AdamW on the fp32 master: fp32 moments, as torch.optim.AdamW's
         self.accumulation_steps = accumulation_steps
         loss_scaling.install()  # a backward of a GradScaler-scaled loss is refused before any update
         # The group over which the expert tensors are replicated; their gradients are averaged over it
@@ -137,6 +148,16 @@ class InBackwardAdamW:
                 raise TypeError(f"{name}: expert tensors must be float32, bfloat16 or float16, got {p.dtype}")
             if not ops.is_dense(p):
                 raise ValueError(f"{name}: expert tensors must be dense tensors, got strides {p.stride()}")
+            if self.master_weights is not None and isinstance(p, DTensor):
+                raise ValueError(
+                    f'{name}: master_weights="{self.master_weights}" does not take FSDP2\'s sharded (DTensor) '
+                    "parameters yet; use master_weights=None there"
+                )
+            if self.master_weights is not None and p.dtype != torch.bfloat16:
+                raise TypeError(
+                    f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; got one of '
+                    f"{p.dtype} (shape {tuple(p.shape)}): its master is itself"
+                )
         self._check_complete(params)
 
     def _check_complete(self, params, error=ValueError) -> None:
@@ -154,7 +175,9 @@ class InBackwardAdamW:
             if previous is not None and previous is not self:
                 previous._let_go(p)
                 self._previous[p] = weakref.ref(previous)
-            self.state[p] = expert_state(p, self.state.get(p, {}), self.moments_dtype)
+            self.state[p] = expert_state(
+                p, self.state.get(p, {}), self.moments_dtype, master=self.master_weights
+            )
             self._managed[p] = True
             self._record.add(p)
             self._attach(p)
@@ -210,7 +233,9 @@ class InBackwardAdamW:
         update = self._updates.get(p)
         fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
         before = update.signature[0] if update is not None else p.dtype
-        self.state[p] = expert_state(p, {} if fresh else state, self.moments_dtype, follows=before)
+        self.state[p] = expert_state(
+            p, {} if fresh else state, self.moments_dtype, follows=before, master=self.master_weights
+        )
         self._record.add(p)
         self._attach(p)
 
@@ -223,7 +248,11 @@ class InBackwardAdamW:
             moments = {"exp_avg": state["exp_avg_codes"], "exp_avg_sq": state["exp_avg_sq_codes"],
                        "exp_avg_scales": state["exp_avg_scales"], "exp_avg_sq_scales": state["exp_avg_sq_scales"]}  # fmt: skip
         else:
-            moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+            moments = {
+                "exp_avg": state["exp_avg"],
+                "exp_avg_sq": state["exp_avg_sq"],
+                "remainder": state.get("remainder"),
+            }
         update = OwnedUpdate(
             self, record, p, **moments, step=state["step"],
             hyper=record.groups.tensor(p), grad_norm_sq=record.grad_norm_sq[p], skipped=record.skipped[p],
@@ -409,5 +438,11 @@ class InBackwardAdamW:
         self._record.groups.forget()
         for param_id, p in pairs:
             if managed(p):
-                load_expert_state(p, self.state[p], state_dict["state"].get(param_id, {}), self.moments_dtype)
+                load_expert_state(
+                    p,
+                    self.state[p],
+                    state_dict["state"].get(param_id, {}),
+                    self.moments_dtype,
+                    self.master_weights,
+                )
                 self._attach(p)  # the update reads the new state tensors

@@ -1,0 +1,147 @@
+"""ExpertAdamW and SonarAdamW with ``master_weights="remainder"`` (docs/design.md, "bf16 master weights"):
+bf16 expert tensors whose fp32 master (weight and int16 remainder) follows torch.optim.AdamW on fp32 master
+weights bit for bit, the forward reading the master's documented rounding; checkpoints; the refusals."""
+
+import pytest
+import torch
+from cases import Case
+
+import sonar_kernels
+from sonar_kernels.ops import master_weights as mw
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# W1 [E, 64, 96], W2 [E, 96, 32]: whole experts' chunks on the torch backend.
+SHAPE = Case(16, 96, 32, 4, 2)
+STEPS = 20
+
+
+def _inputs():
+    torch.manual_seed(0)
+    x, index, weights, w1, w2 = SHAPE.make(torch.bfloat16)
+    generator = torch.Generator().manual_seed(1)
+    grads = [torch.randn(SHAPE.T, SHAPE.H, generator=generator).to(torch.bfloat16) for _ in range(STEPS)]
+    return x, index, weights, w1, w2, grads
+
+
+@pytest.mark.parametrize("chunk_experts", [None, 1])
+def test_the_master_follows_torch_adamw_on_fp32_masters_bitwise_over_20_steps(chunk_experts, monkeypatch):
+    # The torch backend's in-backward update, whole or one expert per chunk (torch's fused AdamW by
+    # chunks, each chunk's master merged and split again); the reference: torch.optim.AdamW(fused=True)
+    # on fp32 masters, whose bf16 copies (the documented rounding) a separate forward reads.
+    from sonar_kernels.ops import torch_backend
+
+    if chunk_experts is not None:  # a chunk of one expert's gradient
+        monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 2)
+    x, index, weights, w1, w2, grads = _inputs()
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", **HYPER)
+    masters = [torch.nn.Parameter(w.float()) for w in (w1, w2)]  # the bf16 weights are the first masters
+    reference = torch.optim.AdamW(masters, **HYPER, fused=True)
+    for grad_out in grads:
+        copies = [mw.split(m.detach())[0].requires_grad_() for m in masters]
+        sonar_kernels.moe_mlp(x, index, weights, *copies, backend="torch").backward(grad_out)
+        for m, copy in zip(masters, copies, strict=True):
+            m.grad = copy.grad.float()
+        reference.step()
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="torch").backward(grad_out)
+        optimizer.step()
+        for p, m in zip((p1, p2), masters, strict=True):
+            state = optimizer.state[p]
+            assert torch.equal(
+                mw.merge(p.detach(), state["remainder"]).view(torch.int32), m.detach().view(torch.int32)
+            )
+            assert torch.equal(p.detach().view(torch.int16), mw.split(m.detach())[0].view(torch.int16))
+    for p, m in zip((p1, p2), masters, strict=True):
+        state, want = optimizer.state[p], reference.state[m]
+        assert state["exp_avg"].dtype == torch.float32 and torch.equal(state["exp_avg"], want["exp_avg"])
+        assert torch.equal(state["exp_avg_sq"], want["exp_avg_sq"]) and float(state["step"]) == STEPS
+        assert p.grad is None and p.dtype == torch.bfloat16
+
+
+def test_gradients_that_reach_grad_update_the_master_too():
+    # A tensor used outside the MLP: its gradient reaches .grad and the same update applies.
+    generator = torch.Generator().manual_seed(2)
+    master = torch.randn(4, 8, 32, generator=generator)
+    p = torch.nn.Parameter(master.to(torch.bfloat16))
+    optimizer = sonar_kernels.ExpertAdamW([p], master_weights="remainder", **HYPER)
+    m = torch.nn.Parameter(p.detach().float())
+    reference = torch.optim.AdamW([m], **HYPER, fused=True)
+    for _ in range(5):
+        grad = torch.randn(master.shape, generator=generator).to(torch.bfloat16)
+        (p * grad).sum().backward()
+        m.grad = grad.float()
+        reference.step()
+        optimizer.step()
+        assert torch.equal(mw.merge(p.detach(), optimizer.state[p]["remainder"]), m.detach())
+
+
+def test_a_checkpoint_restores_the_remainder_and_one_without_it_starts_from_the_bf16_weight():
+    x, index, weights, w1, w2, grads = _inputs()
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", **HYPER)
+    for grad_out in grads[:3]:
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="torch").backward(grad_out)
+        optimizer.step()
+    saved = optimizer.state_dict()
+    assert saved["state"][0]["remainder"].dtype == torch.int16
+    restored = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", **HYPER)
+    restored.load_state_dict(saved)
+    for p in (p1, p2):
+        for key in ("remainder", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(restored.state[p][key], optimizer.state[p][key]), key
+        assert restored.state[p]["exp_avg"].dtype == torch.float32  # not torch's cast to the bf16 weight
+    # torch.optim.AdamW's state dict (no remainder): the remainder starts at 0.
+    plain = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", **HYPER)
+    without = {
+        **saved,
+        "state": {k: {n: t for n, t in v.items() if n != "remainder"} for k, v in saved["state"].items()},
+    }
+    plain.load_state_dict(without)
+    assert all(not plain.state[p]["remainder"].any() for p in (p1, p2))
+
+
+def test_the_triton_backend_refuses_it_before_any_update():
+    x, index, weights, w1, w2, grads = _inputs()
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", **HYPER)
+    before = [t.clone() for p in (p1, p2) for t in (p, *optimizer.state[p].values())]
+    with pytest.raises(ValueError, match="torch backend only"):
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grads[0])
+    after = [t for p in (p1, p2) for t in (p, *optimizer.state[p].values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_the_options_it_does_not_take_are_refused():
+    bf16 = torch.nn.Parameter(torch.zeros(2, 8, 32, dtype=torch.bfloat16))
+    with pytest.raises(TypeError, match="keeps bf16 expert tensors"):
+        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 32))], master_weights="remainder")
+    with pytest.raises(ValueError, match="not built yet"):
+        sonar_kernels.ExpertAdamW([bf16], master_weights="stochastic")
+    with pytest.raises(ValueError, match="fp32 moments"):
+        sonar_kernels.ExpertAdamW([bf16], master_weights="remainder", moments_dtype="8bit")
+    with pytest.raises(ValueError, match='None or "remainder"'):
+        sonar_kernels.ExpertAdamW([bf16], master_weights="fp32")
+
+
+def test_sonar_adamw_passes_it_to_the_expert_tensors_and_trains_the_dense_ones_as_torch():
+    torch.manual_seed(0)
+    experts = sonar_kernels.SonarExperts(4, 32, 32, backend="torch").to(torch.bfloat16)
+    head = torch.nn.Linear(32, 32, dtype=torch.bfloat16)
+    model = torch.nn.ModuleDict({"experts": experts, "head": head})
+    optimizer = sonar_kernels.SonarAdamW(model, master_weights="remainder", **HYPER)
+    x = torch.randn(8, 32, dtype=torch.bfloat16)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]] * 2)
+    weights = torch.full((8, 2), 0.5, dtype=torch.bfloat16)
+    for _ in range(3):
+        head(experts(x, index, weights)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert len(optimizer.expert_tensors) == 2
+    for p in optimizer.expert_tensors:
+        state = optimizer.state[p]
+        assert p.dtype == torch.bfloat16 and p.grad is None and float(state["step"]) == 3.0
+        assert state["exp_avg"].dtype == torch.float32
+        # The master holds bits the bf16 weight does not: lr 1e-2 steps are below bf16's resolution.
+        assert bool(state["remainder"].ne(0).any())
+        assert not torch.equal(mw.merge(p.detach(), state["remainder"]), p.detach().float())
+    assert "remainder" not in optimizer.state[head.weight]
