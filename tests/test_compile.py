@@ -173,6 +173,22 @@ def test_a_compiled_olmoe_with_8bit_moments_trains_like_eager_bitwise():
         assert torch.equal(p, q), name
 
 
+def test_a_compiled_bf16_olmoe_with_remainder_master_weights_trains_like_eager_bitwise():
+    # The update op with the remainder in its state list (bf16 experts, fp32 masters) inside the compiled
+    # backward.
+    eager = _olmoe().to(torch.bfloat16)
+    compiled = copy.deepcopy(eager)
+    eager_optimizer = _train_olmoe(eager, None, master_weights="remainder")
+    optimizer = _train_olmoe(compiled, "aot_eager", master_weights="remainder")
+    assert len(optimizer.expert_tensors) == 4
+    for (name, p), q in zip(compiled.named_parameters(), eager.parameters(), strict=True):
+        assert torch.equal(p, q), name
+        if any(p is t for t in optimizer.expert_tensors):
+            state, want = optimizer.state[p], eager_optimizer.state[q]
+            assert float(state["step"]) == 3.0 and p.grad is None and p.dtype == torch.bfloat16
+            assert torch.equal(state["remainder"], want["remainder"]) and bool(state["remainder"].ne(0).any())
+
+
 class TinyExperts(torch.nn.Module):
     """Tiny with expert tensors beyond SonarExperts': the gate and the up projection as separate tensors
     (torchtitan's w1, w3), or one gate_up_proj with biases on both projections (gpt-oss)."""

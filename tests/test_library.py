@@ -193,7 +193,7 @@ def test_the_ops_pass_opcheck_with_a_remainder():
     core = _core_args(
         torch.randn_like(out), x, weights, w1, w2, hpre, meta, "torch", [False, False, False, True, True]
     )
-    _, _, _, a, magnitudes = library.moe_mlp_bwd(*core)
+    _, _, _, a, _ = library.moe_mlp_bwd(*core)
     args = (
         "down_proj", w2, core[0], a, weights, list(meta), None, "update", state, hyper, None, False,
         torch.bfloat16, True, None, None, "torch", "concatenated",
