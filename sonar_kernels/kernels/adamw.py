@@ -46,6 +46,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from sonar_kernels.kernels.common import round_to
+from sonar_kernels.kernels.master_weights import merge_tile, split_tile
 
 # 8 elements per thread: with 8 warps (4 per thread) ptxas spilled 8 bytes in the fp16 fp64-arithmetic
 # build on sm_80 once the hyperparameters came from memory (make kernel-report).
@@ -153,21 +154,34 @@ def adamw_tile(
     grad,  # [BLOCK_M, BLOCK_N] fp32, already rounded to the gradient dtype
     offs,  # [BLOCK_M, BLOCK_N] int64 element offsets, shared by W, exp_avg and exp_avg_sq
     mask,
-    w_ptr,
+    w_ptr,  # REMAINDER: the bf16 weight's int16 bits
     exp_avg_ptr,
     exp_avg_sq_ptr,
+    remainder_ptr,  # REMAINDER: the int16 remainders (W's offsets); else not read
     step_size,
     bc2_sqrt,
     hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
     ARITHMETIC: tl.constexpr,
+    REMAINDER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three."""
-    p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three.
+    With REMAINDER (docs/design.md, "bf16 master weights") the weight is the fp32 master merged from W's
+    bits and the remainder, stored split again."""
+    if REMAINDER:
+        bits = tl.load(w_ptr + offs, mask=mask, other=0)
+        p = merge_tile(bits, tl.load(remainder_ptr + offs, mask=mask, other=0))
+    else:
+        p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET)
-    tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    if REMAINDER:
+        bits, remainder = split_tile(p)
+        tl.store(w_ptr + offs, bits, mask=mask)
+        tl.store(remainder_ptr + offs, remainder, mask=mask)
+    else:
+        tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
 
@@ -182,11 +196,13 @@ def adamw_kernel(
     scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (adamw_scalars_kernel)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
+    remainder_ptr,  # REMAINDER: [numel] int16, read and written (w_ptr: the bf16 weight's int16 bits)
     # sizes
     numel,
     # meta-parameters
     BLOCK: tl.constexpr,
     ARITHMETIC: tl.constexpr,
+    REMAINDER: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad, unless the
@@ -205,6 +221,6 @@ def adamw_kernel(
     bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     adamw_tile(
-        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
-        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET,
+        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr,
+        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, INTERPRET,
     )  # fmt: skip

@@ -276,17 +276,13 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
-    if remainder_of(state) is not None:
-        raise ValueError(
-            'master_weights="remainder" runs on the torch backend only so far: the Triton wgrad epilogue does '
-            'not take the remainder yet (docs/usage.md, "bf16 master weights"); use backend="torch"'
-        )
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = state
+    remainder = remainder_of(state)
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = state if remainder is None else state[:-1]
     exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
     return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
         grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
-        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales,
+        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, remainder=remainder,
     )  # fmt: skip
 
 

@@ -58,6 +58,9 @@ class AdamWUpdate(NamedTuple):
             it to apply the update once the weight's whole gradient is known (docs/design.md).
         exp_avg_scales, exp_avg_sq_scales: the block scales of 8-bit moments (:attr:`moments_8bit`), or
             None: ``exp_avg`` and ``exp_avg_sq`` hold the moments themselves.
+        remainder: None, or the int16 remainder (the bf16 weight's shape and strides) that completes the
+            weight to its fp32 master (docs/design.md, "bf16 master weights"): the update merges the master,
+            applies AdamW to it with fp32 moments and stores it split again.
 
     Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
@@ -79,6 +82,7 @@ class AdamWUpdate(NamedTuple):
     defer: Callable[[Callable[[torch.Tensor | None], None]], None] | None = None
     exp_avg_scales: torch.Tensor | None = None
     exp_avg_sq_scales: torch.Tensor | None = None
+    remainder: torch.Tensor | None = None
 
     @property
     def moments_8bit(self) -> bool:
@@ -122,6 +126,8 @@ def check_wgrad(
         check_update(name, weight, update)
         if update.moments_8bit and name.endswith("_bias"):
             raise ValueError(f"{name}: 8-bit moments are for the weight matrices; a bias keeps exact moments")
+        if update.remainder is not None:
+            _check_remainder(name, weight, update)
         if update.moments_8bit and _kernel_view(name, layout)(weight).stride(-1) != 1:
             raise ValueError(
                 f"{name}: 8-bit moments need the weight contiguous along the wgrad's columns, which the "
@@ -131,6 +137,28 @@ def check_wgrad(
         if update is not None:
             raise ValueError(f"{name}: an update and an accumulator are exclusive")
         check_buffer(name, weight, accumulator.buffer)
+
+
+def _check_remainder(name: str, weight, update: AdamWUpdate) -> None:
+    """A remainder's update: a bf16 weight, an int16 remainder of its shape and strides, fp32 moments."""
+    remainder = update.remainder
+    if weight.dtype != torch.bfloat16:
+        raise TypeError(f"{name}: a remainder completes a bf16 weight, got {weight.dtype}")
+    if (
+        remainder.dtype != torch.int16
+        or remainder.shape != weight.shape
+        or remainder.stride() != weight.stride()
+    ):
+        raise ValueError(
+            f"{name}: the remainder must be int16 with the weight's shape {tuple(weight.shape)} and strides "
+            f"{weight.stride()}, got {remainder.dtype} {tuple(remainder.shape)} {remainder.stride()}"
+        )
+    if (
+        update.moments_8bit
+        or update.exp_avg.dtype != torch.float32
+        or update.exp_avg_sq.dtype != torch.float32
+    ):
+        raise ValueError(f"{name}: a remainder's update takes fp32 moments")
 
 
 def expert_wgrad(
@@ -229,8 +257,11 @@ def _wgrad(
         return (E * triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
-               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, **options):  # fmt: skip
+               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, remainder=None, **options):  # fmt: skip
         cfg = cfg or chosen
+        if remainder is not None:  # the weight as its int16 bits, merged with the remainder in the epilogue
+            # (the 8-bit update's 64-row tiles: the exact update's spill with it on sm_80, make kernel-report)
+            target, remainder, cfg = target.view(torch.int16), view(remainder), configs.WGRAD_8BIT
         if scales is None:  # exact moments: the 8-bit arguments are not read
             scale_args, scale_strides = (hyper, hyper, hyper), (0, 0, 0)
         else:  # (exp_avg's scales, exp_avg_sq's scales, tables); its own tiles: slices of one block each
@@ -251,7 +282,7 @@ def _wgrad(
         expert_mlp_bwd_dw_kernel[grid_of(cfg)](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
-            *scale_args,
+            *scale_args, hyper if remainder is None else remainder,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
@@ -260,6 +291,7 @@ def _wgrad(
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
             EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
             HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
+            REMAINDER=remainder is not None,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
             **cfg.launch(), **options,
@@ -358,12 +390,13 @@ def _wgrad(
                 **no_fusion,
             )
         if update.fused:
-            if eight_bit:  # its own tiles (configs.WGRAD_8BIT): one sum of squares per program of its grid
+            if eight_bit or update.remainder is not None:
+                # Their own tiles (configs.WGRAD_8BIT): one sum of squares per program of its grid.
                 partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
             launch(
                 "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
                 scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, scales=scales,
-                **no_fusion,
+                remainder=update.remainder, **no_fusion,
             )  # fmt: skip
         elif eight_bit:
             moments_8bit.adamw_8bit_triton_(
@@ -372,11 +405,13 @@ def _wgrad(
             )  # fmt: skip
         else:
             ac = ADAMW_CONFIG
+            remainder = update.remainder
             adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
-                weight, grad, update.exp_avg, update.exp_avg_sq, scalars, skip, hyper,
+                weight if remainder is None else weight.view(torch.int16), grad, update.exp_avg,
+                update.exp_avg_sq, scalars, skip, hyper, hyper if remainder is None else remainder,
                 weight.numel(),
-                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, INTERPRET=interpret, num_warps=ac["num_warps"],
-                **no_fusion,
+                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, REMAINDER=remainder is not None, INTERPRET=interpret,
+                num_warps=ac["num_warps"], **no_fusion,
             )  # fmt: skip
         applied = True
     finally:

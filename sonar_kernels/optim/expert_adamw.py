@@ -98,8 +98,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             tensor stays the model's plain bf16 tensor, and ``state[p]["remainder"]`` (int16, its shape)
             completes it to an fp32 master, updated by torch's AdamW with fp32 moments (``moments_dtype``
             None or torch.float32) and split again, so the master follows torch.optim.AdamW on fp32 master
-            weights bit for bit and the weight is the master rounded to nearest (a tie away from zero).
-            The torch backend only, so far: the Triton backend refuses it before any update (ValueError).
+            weights bit for bit (on the Triton backend: in its AdamW arithmetic, in the wgrad epilogue)
+            and the weight is the master rounded to nearest (a tie away from zero).
             A checkpoint without a remainder (bf16 weights alone, or torch.optim.AdamW's) loads with
             remainder 0 (the bf16 weight is the master).
     Raises:
