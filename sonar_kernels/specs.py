@@ -111,6 +111,7 @@ class ExpertUpdate:
         exp_avg_scales, exp_avg_sq_scales: None, or the 8-bit moments' fp32 block scales.
         remainder: None, or the int16 remainder of a bf16 weight whose fp32 master it completes
             (docs/design.md, "bf16 master weights").
+        seed: None, or the 0-dim int64 seed of a bf16 weight's stochastic rounding stream (the same).
         step: [] float32 on the tensor's device, advanced on the device by each applied update.
         hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
             (``HYPERPARAMETERS``), read by the kernels when they run and rewritten by the owner from the
@@ -151,6 +152,7 @@ class ExpertUpdate:
         exp_avg_scales: torch.Tensor | None = None,
         exp_avg_sq_scales: torch.Tensor | None = None,
         remainder: torch.Tensor | None = None,
+        seed: torch.Tensor | None = None,
     ):
         self.exp_avg = exp_avg
         self.exp_avg_sq = exp_avg_sq
@@ -167,6 +169,7 @@ class ExpertUpdate:
         self.exp_avg_scales = exp_avg_scales
         self.exp_avg_sq_scales = exp_avg_sq_scales
         self.remainder = remainder
+        self.seed = seed
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
@@ -176,6 +179,8 @@ class ExpertUpdate:
             state += [self.exp_avg_scales, self.exp_avg_sq_scales]
         if self.remainder is not None:
             state.append(self.remainder)
+        if self.seed is not None:
+            state.append(self.seed)
         return state
 
     def accumulating(self) -> bool:

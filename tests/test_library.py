@@ -177,13 +177,16 @@ def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
     assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].gt(0).all())
 
 
-def test_the_ops_pass_opcheck_with_a_remainder():
-    # The state list of library.STATE_FIELDS_REMAINDER (fp32 moments, step, norm, counter, the int16
-    # remainder of bf16 master weights) through the forward op and the torch backend's update op.
+@pytest.mark.parametrize("master", ["remainder", "stochastic"])
+def test_the_ops_pass_opcheck_with_bf16_master_weights(master):
+    # The state lists of library.STATE_FIELDS_REMAINDER and STATE_FIELDS_STOCHASTIC (fp32 moments, step,
+    # norm, counter, then the int16 remainder or the int64 seed) through the forward op and the torch
+    # backend's update op.
     x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.bfloat16)
+    extra = torch.zeros(w2.shape, dtype=torch.int16) if master == "remainder" else torch.tensor(5)
     state = [
         torch.zeros(w2.shape), torch.zeros(w2.shape), torch.zeros(()), torch.zeros(()),
-        torch.zeros((), dtype=torch.int64), torch.zeros(w2.shape, dtype=torch.int16),
+        torch.zeros((), dtype=torch.int64), extra,
     ]  # fmt: skip
     hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64)
     forward = list(_forward_args(x, index, weights, w1, w2, "torch"))
@@ -201,7 +204,8 @@ def test_the_ops_pass_opcheck_with_a_remainder():
     _opcheck(library.expert_wgrad_, args)
     before = w2.clone()
     library.expert_wgrad_(*args)
-    assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].ne(0).any())
+    assert float(state[2]) == 1.0 and not torch.equal(w2, before)
+    assert bool(state[5].ne(0).any()) if master == "remainder" else int(state[5]) == 5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -147,12 +147,14 @@ def test_the_options_it_does_not_take_are_refused():
     bf16 = torch.nn.Parameter(torch.zeros(2, 8, 32, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="keeps bf16 expert tensors"):
         sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 32))], master_weights="remainder")
-    with pytest.raises(ValueError, match="not built yet"):
-        sonar_kernels.ExpertAdamW([bf16], master_weights="stochastic")
     with pytest.raises(ValueError, match="fp32 moments"):
         sonar_kernels.ExpertAdamW([bf16], master_weights="remainder", moments_dtype="8bit")
-    with pytest.raises(ValueError, match='None or "remainder"'):
+    with pytest.raises(ValueError, match="fp32 moments"):
+        sonar_kernels.ExpertAdamW([bf16], master_weights="stochastic", moments_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match='None, "remainder" or "stochastic"'):
         sonar_kernels.ExpertAdamW([bf16], master_weights="fp32")
+    with pytest.raises(TypeError, match="rounding_seed must be an int"):
+        sonar_kernels.ExpertAdamW([bf16], master_weights="stochastic", rounding_seed=1.5)
 
 
 def test_sonar_adamw_passes_it_to_the_expert_tensors_and_trains_the_dense_ones_as_torch():
@@ -177,3 +179,68 @@ def test_sonar_adamw_passes_it_to_the_expert_tensors_and_trains_the_dense_ones_a
         assert bool(state["remainder"].ne(0).any())
         assert not torch.equal(mw.merge(p.detach(), state["remainder"]), p.detach().float())
     assert "remainder" not in optimizer.state[head.weight]
+
+
+def _train_stochastic(seed: int, steps: int = 6, backend: str = "torch"):
+    x, index, weights, w1, w2, grads = _inputs()
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="stochastic", rounding_seed=seed, **HYPER)
+    for grad_out in grads[:steps]:
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grad_out)
+        optimizer.step()
+    return (p1, p2), optimizer
+
+
+@pytest.mark.parametrize("chunk_experts", [None, 1])
+def test_stochastic_rounding_is_torch_adamw_in_fp32_then_the_documented_rounding(chunk_experts, monkeypatch):
+    # Each step: torch.optim.AdamW(fused=True) on the bf16 weight read as fp32 (fp32 moments kept across
+    # steps), then ops.master_weights.stochastic_round with the tensor's documented seed, the step, and
+    # each element's offset; whole, or one expert's chunk at a time.
+    from sonar_kernels.ops import torch_backend
+
+    if chunk_experts is not None:
+        monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 2)
+    steps = 6
+    (p1, p2), optimizer = _train_stochastic(seed=7, steps=steps)
+    x, index, weights, w1, w2, grads = _inputs()
+    weights_now = [w1.clone(), w2.clone()]
+    masters = [torch.nn.Parameter(w.float()) for w in weights_now]
+    reference = torch.optim.AdamW(masters, **HYPER, fused=True)
+    for step, grad_out in enumerate(grads[:steps], start=1):
+        copies = [w.clone().requires_grad_() for w in weights_now]
+        sonar_kernels.moe_mlp(x, index, weights, *copies, backend="torch").backward(grad_out)
+        for m, w, copy in zip(masters, weights_now, copies, strict=True):
+            m.data.copy_(w.float())
+            m.grad = copy.grad.float()
+        reference.step()
+        weights_now = [
+            mw.stochastic_round(m.detach(), mw.tensor_seed(7, ordinal), step, mw.element_index(m))
+            for ordinal, m in enumerate(masters)
+        ]
+    for ordinal, (p, w, m) in enumerate(zip((p1, p2), weights_now, masters, strict=True)):
+        assert int(optimizer.state[p]["seed"]) == mw.tensor_seed(7, ordinal)
+        assert torch.equal(p.detach().view(torch.int16), w.view(torch.int16))
+        assert torch.equal(optimizer.state[p]["exp_avg"], reference.state[m]["exp_avg"])
+
+
+def test_stochastic_rounding_is_the_same_in_two_runs_with_one_seed_and_differs_with_another():
+    (a1, a2), first = _train_stochastic(seed=3)
+    (b1, b2), _ = _train_stochastic(seed=3)
+    (c1, _), _ = _train_stochastic(seed=4)
+    assert torch.equal(a1.view(torch.int16), b1.view(torch.int16)) and torch.equal(a2, b2)
+    assert not torch.equal(a1.view(torch.int16), c1.view(torch.int16))
+    # A checkpoint keeps the seeds.
+    restored = sonar_kernels.ExpertAdamW([a1, a2], master_weights="stochastic", rounding_seed=99, **HYPER)
+    restored.load_state_dict(first.state_dict())
+    assert all(int(restored.state[p]["seed"]) == int(first.state[p]["seed"]) for p in (a1, a2))
+
+
+def test_stochastic_rounding_on_the_triton_backend_is_refused_before_any_update():
+    x, index, weights, w1, w2, grads = _inputs()
+    p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+    optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="stochastic", **HYPER)
+    before = [t.clone() for p in (p1, p2) for t in (p, *optimizer.state[p].values())]
+    with pytest.raises(ValueError, match="torch backend only"):
+        sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grads[0])
+    after = [t for p in (p1, p2) for t in (p, *optimizer.state[p].values())]
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))

@@ -23,7 +23,7 @@ from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
 from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
 from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
-from sonar_kernels.ops.torch_update import remainder_of, torch_update, torch_update_of
+from sonar_kernels.ops.torch_update import remainder_of, seed_of, torch_update, torch_update_of
 from sonar_kernels.specs import RoutingMetadata
 
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
@@ -276,6 +276,11 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
+    if seed_of(state) is not None:
+        raise ValueError(
+            'master_weights="stochastic" runs on the torch backend only so far: the Triton wgrad epilogue does not '
+            'round stochastically yet (docs/usage.md, "bf16 master weights"); use backend="torch"'
+        )
     remainder = remainder_of(state)
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = state if remainder is None else state[:-1]
     exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)

@@ -139,3 +139,55 @@ def remainder_adamw_(
         new_weight, new_remainder = split(master)
         weight.copy_(new_weight)
         remainder.copy_(new_remainder)
+
+
+def element_index(t: torch.Tensor) -> torch.Tensor:
+    """Each element's offset from ``t``'s first element in its storage, int64, ``t``'s shape: the counter
+    of the stochastic rounding's stream (for a contiguous tensor its row-major position)."""
+    span = (
+        1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride(), strict=True))
+        if t.numel()
+        else 0
+    )
+    return torch.arange(span, dtype=torch.int64, device=t.device).as_strided(t.shape, t.stride())
+
+
+def tensor_seed(seed: int, ordinal: int) -> int:
+    """The seed of the ``ordinal``-th tensor an optimizer with ``seed`` manages (its stream's key):
+    ``hash32(hash32(seed) ^ ordinal)``, so that tensors, and optimizers with other seeds, draw apart."""
+    return int(hash32(hash32(torch.tensor(seed & MASK32)) ^ (ordinal & MASK32)))
+
+
+def stochastic_adamw_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyperparameters: tuple,
+    grad_norm_sq: torch.Tensor,
+    skipped: torch.Tensor,
+    seed: torch.Tensor,
+    index: torch.Tensor,
+    *,
+    foreach: bool | None,
+    fused: bool | None,
+) -> None:
+    """torch's AdamW on the bf16 ``weight`` read as fp32 (fp32 moments, ``grad`` as fp32), the result rounded
+    back to bf16 stochastically (:func:`stochastic_round`) with the stream of ``seed`` at the update's
+    step (``step`` after it is incremented) and each element's ``index`` (:func:`element_index` of the
+    whole tensor, sliced as ``weight`` is). A skipped update leaves the weight (a bf16 value rounds to
+    itself), the moments and the step as they were. Temporaries: the weight and the gradient in fp32."""
+    from sonar_kernels.ops.adamw import torch_adamw_
+
+    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
+        raise TypeError(
+            f"stochastic rounding's update takes fp32 moments, got {exp_avg.dtype} and {exp_avg_sq.dtype}"
+        )
+    with torch.no_grad():
+        master = weight.float()
+        torch_adamw_(
+            master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            foreach=foreach, fused=fused,
+        )  # fmt: skip
+        weight.copy_(stochastic_round(master, seed, step, index))

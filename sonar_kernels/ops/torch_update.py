@@ -10,7 +10,7 @@ import torch
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
-from sonar_kernels.ops.master_weights import remainder_adamw_
+from sonar_kernels.ops.master_weights import element_index, remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
 
 __all__ = [
@@ -30,12 +30,25 @@ STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
 # With bf16 master weights kept as a 16-bit remainder (docs/design.md, "bf16 master weights"): the int16
 # remainder follows the exact moments' fields.
 STATE_FIELDS_REMAINDER = (*STATE_FIELDS, "remainder")
+# With bf16 weights rounded stochastically: the 0-dim int64 seed of the tensor's random stream follows.
+STATE_FIELDS_STOCHASTIC = (*STATE_FIELDS, "seed")
 
 
 def remainder_of(state: list) -> torch.Tensor | None:
     """The int16 remainder at the end of an update's ``state`` list (:data:`STATE_FIELDS_REMAINDER`), or
     None."""
     return state[-1] if len(state) == len(STATE_FIELDS_REMAINDER) and state[-1].dtype == torch.int16 else None
+
+
+def seed_of(state: list) -> torch.Tensor | None:
+    """The 0-dim int64 seed at the end of an update's ``state`` list (:data:`STATE_FIELDS_STOCHASTIC`), or
+    None."""
+    last = state[-1]
+    return (
+        last
+        if len(state) == len(STATE_FIELDS_STOCHASTIC) and last.dtype == torch.int64 and last.dim() == 0
+        else None
+    )
 
 
 def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
@@ -69,14 +82,14 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if done is not None:
             done()
         return
-    remainder = remainder_of(state)
+    remainder, seed = remainder_of(state), seed_of(state)
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state[: len(STATE_FIELDS)]
     hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
-            remainder=remainder,
+            remainder=remainder, stochastic=seed,
         )  # fmt: skip
     else:
         if grad_dtype is not None:
@@ -86,6 +99,11 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
             remainder_adamw_(
                 weight, remainder, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
                 foreach=foreach, fused=fused,
+            )  # fmt: skip
+        elif seed is not None:
+            stochastic_adamw_(
+                weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped, seed,
+                element_index(weight), foreach=foreach, fused=fused,
             )  # fmt: skip
         else:
             torch_adamw_(

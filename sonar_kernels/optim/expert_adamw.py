@@ -101,7 +101,12 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             weights bit for bit (on the Triton backend: in its AdamW arithmetic, in the wgrad epilogue)
             and the weight is the master rounded to nearest (a tie away from zero).
             A checkpoint without a remainder (bf16 weights alone, or torch.optim.AdamW's) loads with
-            remainder 0 (the bf16 weight is the master).
+            remainder 0 (the bf16 weight is the master). "stochastic": each bf16 expert tensor is updated
+            in fp32 (fp32 moments) and rounded back to bf16 stochastically, unbiased, with a counter-based
+            stream keyed by (``state[p]["seed"]``, the step, the element), the same bits in every run; the
+            torch backend only, so far (the Triton backend refuses it before any update, ValueError).
+        rounding_seed: the seed of the stochastic rounding's streams (each tensor's: ``state[p]["seed"]``,
+            from it and the tensor's position among those the optimizer was given).
     Raises:
         ValueError: a hyperparameter outside its range, a tensor that is not dense, a parameter group with
             maximize, amsgrad, capturable, differentiable or decoupled_weight_decay=False, or, with more
@@ -129,11 +134,13 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         accumulation_steps: int = 1,
         data_parallel_group=None,
         master_weights: str | None = None,
+        rounding_seed: int = 0,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
         self._init_in_backward(
-            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights
-        )
+            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
+            rounding_seed,
+        )  # fmt: skip
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)
 

@@ -92,27 +92,22 @@ def _local_values(p: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tens
 
 
 def check_master_weights(master_weights, moments_dtype) -> str | None:
-    """``master_weights`` when the optimizers implement it: None, or "remainder" (docs/design.md, "bf16
-    master weights": the bf16 expert tensor and an int16 ``state[p]["remainder"]`` are the fp32 master,
-    updated by torch's AdamW on the torch backend) with fp32 moments (``moments_dtype`` None or
-    torch.float32).
+    """``master_weights`` when the optimizers implement it: None, "remainder" (docs/design.md, "bf16 master
+    weights": the bf16 expert tensor and an int16 ``state[p]["remainder"]`` are the fp32 master) or
+    "stochastic" (the bf16 expert tensor updated in fp32 and rounded back stochastically with the stream of
+    ``state[p]["seed"]``), with fp32 moments (``moments_dtype`` None or torch.float32).
 
     Raises:
-        ValueError: another value; "stochastic" (not built yet); other moments with "remainder".
+        ValueError: another value; other moments with either.
     """
     if master_weights is None:
         return None
-    if master_weights == STOCHASTIC:
-        raise ValueError(
-            'master_weights="stochastic" is not built yet (docs/design.md, "bf16 master weights"); use None or '
-            '"remainder"'
-        )
-    if master_weights != REMAINDER:
-        raise ValueError(f'master_weights must be None or "remainder", got {master_weights!r}')
+    if master_weights not in (REMAINDER, STOCHASTIC):
+        raise ValueError(f'master_weights must be None, "remainder" or "stochastic", got {master_weights!r}')
     if moments_dtype not in (None, torch.float32):
         raise ValueError(
-            f'master_weights="remainder" takes fp32 moments so far (moments_dtype None or torch.float32), got '
-            f"{moments_dtype!r}"
+            f'master_weights="{master_weights}" takes fp32 moments so far (moments_dtype None or torch.float32), '
+            f"got {moments_dtype!r}"
         )
     return master_weights
 
@@ -122,7 +117,7 @@ def moment_tensors(state: dict) -> list[torch.Tensor]:
     scales."""
     if "exp_avg_codes" in state:
         return [state[f"{key}_{part}"] for key in MOMENTS for part in ("codes", "scales")]
-    return [state[key] for key in MOMENTS] + ([state["remainder"]] if "remainder" in state else [])
+    return [state[key] for key in MOMENTS] + [state[key] for key in ("remainder", "seed") if key in state]
 
 
 def _quantized(p: torch.Tensor, values: dict | None) -> dict:
@@ -155,13 +150,24 @@ def expert_state(
     moments_dtype: torch.dtype | None,
     follows: torch.dtype | None = None,
     master: str | None = None,
+    seed: int = 0,
 ) -> dict:
-    """:func:`_expert_state`, plus, with bf16 master weights (``master`` "remainder"), ``p``'s int16
-    ``remainder`` (kept from ``state``, else zeros: the bf16 weight is the master)."""
+    """:func:`_expert_state`, plus, with bf16 master weights, ``p``'s int16 ``remainder`` (``master``
+    "remainder": kept from ``state``, else zeros: the bf16 weight is the master) or the 0-dim int64 ``seed``
+    of its stochastic rounding (``master`` "stochastic": kept from ``state``, else ``seed``)."""
     converted = _expert_state(p, state, moments_dtype, follows)
     if master == REMAINDER:
         converted["remainder"] = _remainder(p, state.get("remainder"))
+    elif master == STOCHASTIC:
+        converted["seed"] = _seed(p, state.get("seed"), seed)
     return converted
+
+
+def _seed(p: torch.Tensor, saved, default: int) -> torch.Tensor:
+    """``p``'s stream seed as a 0-dim int64 tensor on its device: ``saved`` when it is one, else ``default``."""
+    if isinstance(saved, torch.Tensor) and saved.dim() == 0 and not saved.is_floating_point():
+        return saved.to(device=p.device, dtype=torch.int64, copy=True)
+    return torch.tensor(default, dtype=torch.int64, device=p.device)
 
 
 def _expert_state(
@@ -298,7 +304,12 @@ def _load_8bit(p: torch.Tensor, saved: dict) -> dict:
 
 
 def load_expert_state(
-    p: torch.Tensor, state: dict, saved: dict, moments_dtype: torch.dtype | None, master: str | None = None
+    p: torch.Tensor,
+    state: dict,
+    saved: dict,
+    moments_dtype: torch.dtype | None,
+    master: str | None = None,
+    seed: int = 0,
 ) -> None:
     """Rewrite ``state`` (``p``'s, after torch.optim.Optimizer.load_state_dict) from ``saved`` (its saved
     state, possibly empty) as the kernels read it: the moments in the dtype they were saved with when the
@@ -323,6 +334,9 @@ def load_expert_state(
     if master == REMAINDER:  # the saved remainder, else zeros (a checkpoint of bf16 weights alone)
         state["remainder"] = _remainder(p, saved.get("remainder"))
         kept = (*kept, "remainder")
+    elif master == STOCHASTIC:  # the saved seed, else ``seed`` (the one this optimizer gives p)
+        state["seed"] = _seed(p, saved.get("seed"), seed)
+        kept = (*kept, "seed")
     if eight_bit:
         state |= _load_8bit(p, saved)
         kept = ("step", *(f"{key}_{part}" for key in MOMENTS for part in ("codes", "scales")))

@@ -39,6 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
+from sonar_kernels.ops.master_weights import tensor_seed
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
@@ -99,6 +100,7 @@ class InBackwardAdamW:
         accumulation_steps=1,
         data_parallel_group=None,
         master_weights=None,
+        rounding_seed=0,
     ) -> None:
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if name == "moments_dtype" and dtype == EIGHT_BIT:
@@ -109,6 +111,11 @@ class InBackwardAdamW:
                     f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
         self.master_weights = check_master_weights(master_weights, moments_dtype)
+        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int):
+            raise TypeError(f"rounding_seed must be an int, got {type(rounding_seed).__name__}")
+        self.rounding_seed = rounding_seed
+        # Managed tensor -> the seed of its stochastic rounding's stream (by the order it was given).
+        self._seeds = {}
         if self.master_weights is not None and moments_dtype is None:
             moments_dtype = torch.float32  # AdamW on the fp32 master: fp32 moments, as torch.optim.AdamW's
         self.accumulation_steps = accumulation_steps
@@ -175,8 +182,9 @@ class InBackwardAdamW:
             if previous is not None and previous is not self:
                 previous._let_go(p)
                 self._previous[p] = weakref.ref(previous)
+            self._seeds.setdefault(p, tensor_seed(self.rounding_seed, len(self._seeds)))
             self.state[p] = expert_state(
-                p, self.state.get(p, {}), self.moments_dtype, master=self.master_weights
+                p, self.state.get(p, {}), self.moments_dtype, master=self.master_weights, seed=self._seeds[p]
             )
             self._managed[p] = True
             self._record.add(p)
@@ -234,8 +242,9 @@ class InBackwardAdamW:
         fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
         before = update.signature[0] if update is not None else p.dtype
         self.state[p] = expert_state(
-            p, {} if fresh else state, self.moments_dtype, follows=before, master=self.master_weights
-        )
+            p, {} if fresh else state, self.moments_dtype, follows=before, master=self.master_weights,
+            seed=self._seeds.get(p, 0),
+        )  # fmt: skip
         self._record.add(p)
         self._attach(p)
 
@@ -252,6 +261,7 @@ class InBackwardAdamW:
                 "exp_avg": state["exp_avg"],
                 "exp_avg_sq": state["exp_avg_sq"],
                 "remainder": state.get("remainder"),
+                "seed": state.get("seed"),
             }
         update = OwnedUpdate(
             self, record, p, **moments, step=state["step"],
@@ -444,5 +454,6 @@ class InBackwardAdamW:
                     state_dict["state"].get(param_id, {}),
                     self.moments_dtype,
                     self.master_weights,
+                    self._seeds.get(p, 0),
                 )
                 self._attach(p)  # the update reads the new state tensors

@@ -98,10 +98,10 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
-        moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, master_weights: for the expert
-            tensors, as in ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments; ``master_weights=
-            "remainder"``: bf16 experts with an fp32 master; with accumulation_steps=k, call ``step()`` once
-            per k backward passes, as for standard accumulation).
+        moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, master_weights, rounding_seed: for
+            the expert tensors, as in ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments;
+            ``master_weights``: bf16 experts with an fp32 master, "remainder", or rounded stochastically,
+            "stochastic"; with accumulation_steps=k, call ``step()`` once per k backward passes).
         data_parallel_group: the ProcessGroup (or 1-D DeviceMesh) over which the expert tensors are
             replicated, as in ExpertAdamW: their gradients are averaged over it before their update.
             Given a module, SonarAdamW puts its expert tensors on DDP's ignore list, so build it before
@@ -146,6 +146,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         clip_norm_includes_experts: bool = False,
         data_parallel_group=None,
         master_weights: str | None = None,
+        rounding_seed: int = 0,
     ):
         # lr, betas, eps and weight_decay are checked by torch.optim.AdamW's own __init__ (below, before any
         # group is added: its exception types and messages), and again for the expert tensors' groups. Its
@@ -170,8 +171,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.last_grad_norm: torch.Tensor | None = None
         self.dense_skipped_steps: torch.Tensor | None = None
         self._init_in_backward(
-            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights
-        )
+            moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
+            rounding_seed,
+        )  # fmt: skip
         if isinstance(params, nn.Module):
             model = params
             # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
