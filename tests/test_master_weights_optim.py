@@ -244,3 +244,14 @@ def test_stochastic_rounding_on_the_triton_backend_is_refused_before_any_update(
         sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grads[0])
     after = [t for p in (p1, p2) for t in (p, *optimizer.state[p].values())]
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_converting_the_experts_away_from_bf16_is_refused_at_their_next_forward():
+    experts = sonar_kernels.SonarExperts(4, 32, 32, backend="torch").to(torch.bfloat16)
+    optimizer = sonar_kernels.ExpertAdamW(experts.parameters(), master_weights="remainder", **HYPER)
+    experts.float()
+    x = torch.randn(8, 32)
+    index = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]] * 2)
+    with pytest.raises(TypeError, match=r"was converted to torch\.float32"):
+        experts(x, index, torch.full((8, 2), 0.5))
+    assert all(float(optimizer.state[p]["step"]) == 0.0 for p in experts.parameters())

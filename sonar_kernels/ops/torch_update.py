@@ -17,7 +17,9 @@ __all__ = [
     "STATE_FIELDS",
     "STATE_FIELDS_8BIT",
     "STATE_FIELDS_REMAINDER",
+    "STATE_FIELDS_STOCHASTIC",
     "remainder_of",
+    "seed_of",
     "torch_update",
     "torch_update_of",
 ]

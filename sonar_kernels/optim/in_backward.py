@@ -238,6 +238,11 @@ class InBackwardAdamW:
                 "backward and step(); convert the model before its forward or after step()"
             )
         state = self.state[p]
+        if self.master_weights is not None and p.dtype != torch.bfloat16:
+            raise TypeError(
+                f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; the tensor of shape '
+                f"{tuple(p.shape)} was converted to {p.dtype}"
+            )
         update = self._updates.get(p)
         fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
         before = update.signature[0] if update is not None else p.dtype
