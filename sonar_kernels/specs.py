@@ -173,7 +173,7 @@ class ExpertUpdate:
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
-        passed apart: it is only read); the 8-bit moments' scales, or the remainder, last."""
+        passed apart: it is only read); the 8-bit moments' scales, or the remainder, or the seed, last."""
         state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
         if self.exp_avg_scales is not None:
             state += [self.exp_avg_scales, self.exp_avg_sq_scales]
