@@ -52,9 +52,10 @@ TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 # The wgrad kernel's 8-bit moments' pointers where its moments are exact (never read; typed as the JIT
 # types the placeholder tensor ops.wgrad passes).
 # The pointers a launch passes where the kernel does not read them (the hyperparameters' tensor): the 8-bit
-# moments' scales and tables, and bf16 master weights' remainder.
+# moments' scales and tables, and bf16 master weights' remainder and stochastic rounding's key.
 NO_8BIT_POINTERS = {
     "exp_avg_scales_ptr": "fp64", "exp_avg_sq_scales_ptr": "fp64", "tables_ptr": "fp64", "remainder_ptr": "fp64",
+    "rng_ptr": "fp64",
 }  # fmt: skip
 # (activation dtype, weight dtype) pairs the launchers accept: weights in the activation dtype, or fp32
 # master weights.
@@ -402,7 +403,7 @@ def _backward_specs() -> list[Spec]:
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
-                           "MOMENTS_8BIT": False, "REMAINDER": False,
+                           "MOMENTS_8BIT": False, "REMAINDER": False, "STOCHASTIC": False,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops.backward compiles the AdamW launch without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
@@ -432,7 +433,7 @@ def _backward_specs() -> list[Spec]:
                  "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
                 _precision("bf16") | blocks
                 | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": False, "REMAINDER": False,
+                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": False, "REMAINDER": False, "STOCHASTIC": False,
                    "GRAD_DTYPE": TL_DTYPES["bf16"],
                    "DOT_DTYPE": TL_DTYPES["bf16"]} | ({"N": 1} if bias else {}),
                 options | {"enable_fp_fusion": False},
@@ -479,10 +480,11 @@ def _wgrad_8bit_specs() -> list[Spec]:
                      "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
                      "exp_avg_ptr": "i8", "exp_avg_sq_ptr": "u8", "scalars_ptr": "fp32", "flag_ptr": "fp32",
                      "partial_ptr": "fp32", "hyper_ptr": "fp64", "exp_avg_scales_ptr": "fp32",
-                     "exp_avg_sq_scales_ptr": "fp32", "tables_ptr": "fp32", "remainder_ptr": "fp64"},
+                     "exp_avg_sq_scales_ptr": "fp32", "tables_ptr": "fp32", "remainder_ptr": "fp64",
+                     "rng_ptr": "fp64"},
                     _precision(act_dtype) | blocks
                     | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": True, "REMAINDER": False,
+                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": True, "REMAINDER": False, "STOCHASTIC": False,
                        "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                     options | {"enable_fp_fusion": False},
                     unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
@@ -490,29 +492,32 @@ def _wgrad_8bit_specs() -> list[Spec]:
                     config=blocks,
                 )
             )  # fmt: skip
-    # bf16 master weights (a remainder): the weight as its int16 bits, the int16 remainder, fp32 moments,
-    # the 8-bit update's tiles (the exact update's spill on sm_80 with the remainder).
+    # bf16 master weights (a remainder, or stochastic rounding's key): the weight as its int16 bits, fp32
+    # moments, the 8-bit update's tiles (the exact update's spill on sm_80 with the remainder).
     blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)
-    for arithmetic in ("fp64", "fp32"):
-        for role, (p_from_tokens, q_from_tokens) in {"dW2": (True, False), "dW1": (False, True)}.items():
-            out.append(
-                Spec(
-                    expert_wgrad.expert_mlp_bwd_dw_kernel,
-                    f"x=bf16 w=bf16 m=fp32 {role} adamw-{arithmetic} remainder",
-                    {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
-                     "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "i16",
-                     "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32", "scalars_ptr": "fp32", "flag_ptr": "fp32",
-                     "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS | {"remainder_ptr": "i16"},
-                    _precision("bf16") | blocks
-                    | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False,
-                       "REMAINDER": True, "GRAD_DTYPE": TL_DTYPES["bf16"], "DOT_DTYPE": TL_DTYPES["bf16"]},
-                    options | {"enable_fp_fusion": False},
-                    unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
-                    is_gemm=True,
-                    config=blocks,
-                )
-            )  # fmt: skip
+    roles = {"dW2": (True, False), "dW1": (False, True)}
+    for arithmetic, remainder, role in itertools.product(("fp64", "fp32"), (True, False), roles):
+        p_from_tokens, q_from_tokens = roles[role]
+        out.append(
+            Spec(
+                expert_wgrad.expert_mlp_bwd_dw_kernel,
+                f"x=bf16 w=bf16 m=fp32 {role} adamw-{arithmetic} {'remainder' if remainder else 'stochastic'}",
+                {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
+                 "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "i16",
+                 "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32", "scalars_ptr": "fp32", "flag_ptr": "fp32",
+                 "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS
+                | ({"remainder_ptr": "i16"} if remainder else {"rng_ptr": "i64"}),
+                _precision("bf16") | blocks
+                | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
+                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False,
+                   "REMAINDER": remainder, "STOCHASTIC": not remainder, "GRAD_DTYPE": TL_DTYPES["bf16"],
+                   "DOT_DTYPE": TL_DTYPES["bf16"]},
+                options | {"enable_fp_fusion": False},
+                unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                is_gemm=True,
+                config=blocks,
+            )
+        )  # fmt: skip
     return out
 
 
@@ -528,21 +533,27 @@ def _adamw_specs() -> list[Spec]:
                 adamw.adamw_kernel,
                 f"w={w_dtype} m={m_dtype} {arithmetic}",
                 {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
-                 "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64", "remainder_ptr": "fp64"},
-                {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "REMAINDER": False, "INTERPRET": False},
+                 "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64", "remainder_ptr": "fp64",
+                 "rng_ptr": "fp64"},
+                {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "REMAINDER": False, "STOCHASTIC": False,
+                 "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip
-    # The split path with bf16 master weights: the weight's int16 bits, the remainder, fp32 moments.
-    for arithmetic in ("fp64", "fp32"):
+    # The split path with bf16 master weights: the weight's int16 bits, the remainder (or stochastic
+    # rounding's key), fp32 moments; its own launch configuration.
+    ac = adamw.ADAMW_MASTER_CONFIG
+    for arithmetic, remainder in itertools.product(("fp64", "fp32"), (True, False)):
         out.append(
             Spec(
                 adamw.adamw_kernel,
-                f"w=bf16 m=fp32 {arithmetic} remainder",
+                f"w=bf16 m=fp32 {arithmetic} {'remainder' if remainder else 'stochastic'}",
                 {"w_ptr": "i16", "grad_ptr": "bf16", "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32",
-                 "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64", "remainder_ptr": "i16"},
-                {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "REMAINDER": True, "INTERPRET": False},
+                 "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64",
+                 "remainder_ptr": "i16" if remainder else "fp64", "rng_ptr": "fp64" if remainder else "i64"},
+                {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "REMAINDER": remainder, "STOCHASTIC": not remainder,
+                 "INTERPRET": False},
                 {"num_warps": ac["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK": ac["BLOCK"]},
             )

@@ -46,11 +46,14 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from sonar_kernels.kernels.common import round_to
-from sonar_kernels.kernels.master_weights import merge_tile, split_tile
+from sonar_kernels.kernels.master_weights import merge_tile, random_bits, split_tile, stochastic_round_tile
 
 # 8 elements per thread: with 8 warps (4 per thread) ptxas spilled 8 bytes in the fp16 fp64-arithmetic
 # build on sm_80 once the hyperparameters came from memory (make kernel-report).
 ADAMW_CONFIG = {"BLOCK": 1024, "num_warps": 4}
+# The split path's AdamW with bf16 master weights (a remainder or stochastic rounding): 8 warps, 4 elements
+# a thread (stochastic rounding's hash in the fp64 arithmetic spilled 8 bytes at 4 warps on sm_90a).
+ADAMW_MASTER_CONFIG = {"BLOCK": 1024, "num_warps": 8}
 
 
 @triton.jit
@@ -158,19 +161,26 @@ def adamw_tile(
     exp_avg_ptr,
     exp_avg_sq_ptr,
     remainder_ptr,  # REMAINDER: the int16 remainders (W's offsets); else not read
+    rng_ptr,  # STOCHASTIC: [2] int64, the tensor's seed and the update's step; else not read
+    index,  # STOCHASTIC: [BLOCK_M, BLOCK_N] int64, each element's offset in the tensor (the stream's counter)
     step_size,
     bc2_sqrt,
     hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
     ARITHMETIC: tl.constexpr,
     REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three.
     With REMAINDER (docs/design.md, "bf16 master weights") the weight is the fp32 master merged from W's
-    bits and the remainder, stored split again."""
+    bits and the remainder, stored split again; with STOCHASTIC the bf16 weight (read as fp32) is stored as
+    its stochastic rounding (W through its int16 bits), the stream's key and counter at ``rng_ptr`` and
+    ``index``."""
     if REMAINDER:
         bits = tl.load(w_ptr + offs, mask=mask, other=0)
         p = merge_tile(bits, tl.load(remainder_ptr + offs, mask=mask, other=0))
+    elif STOCHASTIC:  # the bf16 weight's bits as the upper half of its fp32 value
+        p = (tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -180,6 +190,11 @@ def adamw_tile(
         bits, remainder = split_tile(p)
         tl.store(w_ptr + offs, bits, mask=mask)
         tl.store(remainder_ptr + offs, remainder, mask=mask)
+    elif STOCHASTIC:
+        seed = tl.load(rng_ptr).to(tl.uint32)
+        step = tl.load(rng_ptr + 1).to(tl.uint32)
+        bits16 = random_bits(seed, step, index.to(tl.uint32))
+        tl.store(w_ptr + offs, stochastic_round_tile(p, bits16), mask=mask)
     else:
         tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
@@ -197,12 +212,14 @@ def adamw_kernel(
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
     remainder_ptr,  # REMAINDER: [numel] int16, read and written (w_ptr: the bf16 weight's int16 bits)
+    rng_ptr,  # STOCHASTIC: [2] int64, read: the seed and the step (w_ptr: the bf16 weight's int16 bits)
     # sizes
     numel,
     # meta-parameters
     BLOCK: tl.constexpr,
     ARITHMETIC: tl.constexpr,
     REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad, unless the
@@ -221,6 +238,6 @@ def adamw_kernel(
     bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     adamw_tile(
-        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr,
-        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, INTERPRET,
+        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, offs,
+        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, INTERPRET,
     )  # fmt: skip

@@ -62,6 +62,8 @@ def _dw_epilogue_slice(
     tables_ptr,  # 8-bit moments: [384] fp32, exp_avg's 128 magnitudes then exp_avg_sq's 256 levels
     m_soffsets,  # [BLOCK_M] int64: the offset of row m's first scale (8-bit moments)
     remainder_ptr,  # REMAINDER: the int16 remainders of the bf16 weight (W's offsets)
+    rng_ptr,  # STOCHASTIC: [2] int64, the seed and the step
+    base,  # the expert's element offset in the tensor (STOCHASTIC: the stream's counter is base + offs)
     SLICE_N: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     EPILOGUE: tl.constexpr,
@@ -70,6 +72,7 @@ def _dw_epilogue_slice(
     ARITHMETIC: tl.constexpr,
     MOMENTS_8BIT: tl.constexpr,
     REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -109,8 +112,8 @@ def _dw_epilogue_slice(
             )  # fmt: skip
         elif EPILOGUE == "adamw":
             adamw_tile(
-                grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr,
-                step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, INTERPRET,
+                grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, base + offs,
+                step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, INTERPRET,
             )  # fmt: skip
         else:
             tl.store(dw_ptr + offs, grad, mask=mask)
@@ -142,6 +145,7 @@ def expert_mlp_bwd_dw_kernel(
     tables_ptr,  # MOMENTS_8BIT: [384] fp32, the codes' tables (ops/moments_8bit.py)
     remainder_ptr,  # REMAINDER: [E, M, N] int16 (W's strides), read and written by "adamw" (w_ptr: the
     #                 bf16 weight's int16 bits; docs/design.md, "bf16 master weights")
+    rng_ptr,  # STOCHASTIC: [2] int64, read by "adamw": the seed and the step (w_ptr: the int16 bits)
     # sizes
     E,
     M,
@@ -177,6 +181,7 @@ def expert_mlp_bwd_dw_kernel(
     ARITHMETIC: tl.constexpr,
     MOMENTS_8BIT: tl.constexpr,
     REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -278,8 +283,8 @@ def expert_mlp_bwd_dw_kernel(
         total = _dw_epilogue_slice(
             acc, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
@@ -287,14 +292,14 @@ def expert_mlp_bwd_dw_kernel(
         total = _dw_epilogue_slice(
             left, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             right, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
@@ -305,27 +310,27 @@ def expert_mlp_bwd_dw_kernel(
         total = _dw_epilogue_slice(
             q0, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             q1, offs_m, m_offsets, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
         q2, q3 = _split_columns(right, BLOCK_M, half)
         total += _dw_epilogue_slice(
             q2, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
         total += _dw_epilogue_slice(
             q3, offs_m, m_offsets, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
-            m_soffsets, remainder_ptr,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, BLOCK_M, INTERPRET,
+            m_soffsets, remainder_ptr, rng_ptr, base,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
         )  # fmt: skip
     if EPILOGUE == "check":
         tl.store(partial_ptr + pid, tl.where(total > 0.0, 1.0, 0.0))

@@ -276,18 +276,14 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
 def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
-    if seed_of(state) is not None:
-        raise ValueError(
-            'master_weights="stochastic" runs on the torch backend only so far: the Triton wgrad epilogue does not '
-            'round stochastically yet (docs/usage.md, "bf16 master weights"); use backend="torch"'
-        )
-    remainder = remainder_of(state)
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = state if remainder is None else state[:-1]
+    remainder, seed = remainder_of(state), seed_of(state)
+    base = state if remainder is None and seed is None else state[:-1]
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = base
     exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
     return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
         grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
-        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, remainder=remainder,
+        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, remainder=remainder, seed=seed,
     )  # fmt: skip
 
 

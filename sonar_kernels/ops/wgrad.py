@@ -14,7 +14,7 @@ from typing import NamedTuple
 import torch
 import triton
 
-from sonar_kernels.kernels.adamw import ADAMW_CONFIG, adamw_kernel, adamw_scalars_kernel
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.kernels.expert_wgrad import expert_mlp_bwd_dw_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, overflow_possible
@@ -61,6 +61,8 @@ class AdamWUpdate(NamedTuple):
         remainder: None, or the int16 remainder (the bf16 weight's shape and strides) that completes the
             weight to its fp32 master (docs/design.md, "bf16 master weights"): the update merges the master,
             applies AdamW to it with fp32 moments and stores it split again.
+        seed: None, or the 0-dim int64 seed of the bf16 weight's stochastic rounding (the same): the update
+            applies AdamW to the weight read as fp32, with fp32 moments, and stores its stochastic rounding.
 
     Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
@@ -83,6 +85,7 @@ class AdamWUpdate(NamedTuple):
     exp_avg_scales: torch.Tensor | None = None
     exp_avg_sq_scales: torch.Tensor | None = None
     remainder: torch.Tensor | None = None
+    seed: torch.Tensor | None = None
 
     @property
     def moments_8bit(self) -> bool:
@@ -126,8 +129,8 @@ def check_wgrad(
         check_update(name, weight, update)
         if update.moments_8bit and name.endswith("_bias"):
             raise ValueError(f"{name}: 8-bit moments are for the weight matrices; a bias keeps exact moments")
-        if update.remainder is not None:
-            _check_remainder(name, weight, update)
+        if update.remainder is not None or update.seed is not None:
+            _check_master(name, weight, update)
         if update.moments_8bit and _kernel_view(name, layout)(weight).stride(-1) != 1:
             raise ValueError(
                 f"{name}: 8-bit moments need the weight contiguous along the wgrad's columns, which the "
@@ -139,12 +142,17 @@ def check_wgrad(
         check_buffer(name, weight, accumulator.buffer)
 
 
-def _check_remainder(name: str, weight, update: AdamWUpdate) -> None:
-    """A remainder's update: a bf16 weight, an int16 remainder of its shape and strides, fp32 moments."""
-    remainder = update.remainder
+def _check_master(name: str, weight, update: AdamWUpdate) -> None:
+    """A remainder's or a stochastic rounding's update: a bf16 weight, fp32 moments, an int16 remainder of
+    the weight's shape and strides or a 0-dim int64 seed, not both."""
+    remainder, seed = update.remainder, update.seed
     if weight.dtype != torch.bfloat16:
-        raise TypeError(f"{name}: a remainder completes a bf16 weight, got {weight.dtype}")
-    if (
+        raise TypeError(
+            f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"
+        )
+    if seed is not None and (remainder is not None or seed.dtype != torch.int64 or seed.dim() != 0):
+        raise ValueError(f"{name}: a stochastic rounding's seed is a 0-dim int64 tensor, without a remainder")
+    if remainder is not None and (
         remainder.dtype != torch.int16
         or remainder.shape != weight.shape
         or remainder.stride() != weight.stride()
@@ -158,7 +166,7 @@ def _check_remainder(name: str, weight, update: AdamWUpdate) -> None:
         or update.exp_avg.dtype != torch.float32
         or update.exp_avg_sq.dtype != torch.float32
     ):
-        raise ValueError(f"{name}: a remainder's update takes fp32 moments")
+        raise ValueError(f"{name}: a remainder's or a stochastic rounding's update takes fp32 moments")
 
 
 def expert_wgrad(
@@ -257,11 +265,15 @@ def _wgrad(
         return (E * triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
-               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, remainder=None, **options):  # fmt: skip
+               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, remainder=None, rng=None,
+               **options):  # fmt: skip
         cfg = cfg or chosen
-        if remainder is not None:  # the weight as its int16 bits, merged with the remainder in the epilogue
-            # (the 8-bit update's 64-row tiles: the exact update's spill with it on sm_80, make kernel-report)
-            target, remainder, cfg = target.view(torch.int16), view(remainder), configs.WGRAD_8BIT
+        if remainder is not None or rng is not None:
+            # The weight as its int16 bits (merged with the remainder, or rounded stochastically, in the
+            # epilogue), on the 8-bit update's 64-row tiles (the exact update's spill with the remainder on
+            # sm_80: make kernel-report).
+            target, cfg = target.view(torch.int16), configs.WGRAD_8BIT
+            remainder = None if remainder is None else view(remainder)
         if scales is None:  # exact moments: the 8-bit arguments are not read
             scale_args, scale_strides = (hyper, hyper, hyper), (0, 0, 0)
         else:  # (exp_avg's scales, exp_avg_sq's scales, tables); its own tiles: slices of one block each
@@ -282,7 +294,7 @@ def _wgrad(
         expert_mlp_bwd_dw_kernel[grid_of(cfg)](
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
-            *scale_args, hyper if remainder is None else remainder,
+            *scale_args, hyper if remainder is None else remainder, hyper if rng is None else rng,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
@@ -291,7 +303,7 @@ def _wgrad(
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
             EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
             HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
-            REMAINDER=remainder is not None,
+            REMAINDER=remainder is not None, STOCHASTIC=rng is not None,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
             **cfg.launch(), **options,
@@ -371,6 +383,8 @@ def _wgrad(
     # leaves it (as torch's fused AdamW does with found_inf).
     advance = 1.0 - skip
     update.step.add_(advance)
+    # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
+    rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
     applied = False
     try:
         # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments the
@@ -390,13 +404,13 @@ def _wgrad(
                 **no_fusion,
             )
         if update.fused:
-            if eight_bit or update.remainder is not None:
+            if eight_bit or update.remainder is not None or update.seed is not None:
                 # Their own tiles (configs.WGRAD_8BIT): one sum of squares per program of its grid.
                 partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
             launch(
                 "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
                 scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, scales=scales,
-                remainder=update.remainder, **no_fusion,
+                remainder=update.remainder, rng=rng, **no_fusion,
             )  # fmt: skip
         elif eight_bit:
             moments_8bit.adamw_8bit_triton_(
@@ -404,14 +418,15 @@ def _wgrad(
                 scalars, skip, hyper,
             )  # fmt: skip
         else:
-            ac = ADAMW_CONFIG
             remainder = update.remainder
+            bits = remainder is not None or rng is not None  # the weight through its int16 bits
+            ac = ADAMW_MASTER_CONFIG if bits else ADAMW_CONFIG
             adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
-                weight if remainder is None else weight.view(torch.int16), grad, update.exp_avg,
-                update.exp_avg_sq, scalars, skip, hyper, hyper if remainder is None else remainder,
+                weight.view(torch.int16) if bits else weight, grad, update.exp_avg, update.exp_avg_sq, scalars,
+                skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
                 weight.numel(),
-                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, REMAINDER=remainder is not None, INTERPRET=interpret,
-                num_warps=ac["num_warps"], **no_fusion,
+                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, REMAINDER=remainder is not None,
+                STOCHASTIC=rng is not None, INTERPRET=interpret, num_warps=ac["num_warps"], **no_fusion,
             )  # fmt: skip
         applied = True
     finally:

@@ -103,8 +103,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             A checkpoint without a remainder (bf16 weights alone, or torch.optim.AdamW's) loads with
             remainder 0 (the bf16 weight is the master). "stochastic": each bf16 expert tensor is updated
             in fp32 (fp32 moments) and rounded back to bf16 stochastically, unbiased, with a counter-based
-            stream keyed by (``state[p]["seed"]``, the step, the element), the same bits in every run; the
-            torch backend only, so far (the Triton backend refuses it before any update, ValueError).
+            stream keyed by (``state[p]["seed"]``, the step, the element), the same bits in every run (on
+            the Triton backend in the wgrad epilogue, the same bits as its split path).
         rounding_seed: the seed of the stochastic rounding's streams (each tensor's: ``state[p]["seed"]``,
             from it and the tensor's position among those the optimizer was given).
     Raises:
