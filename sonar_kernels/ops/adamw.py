@@ -16,14 +16,7 @@ import torch
 from torch.optim.adamw import adamw as torch_adamw
 
 from sonar_kernels.ops.common import inf_norm, whole
-from sonar_kernels.ops.master_weights import (
-    element_index,
-    merge,
-    remainder_adamw_,
-    split,
-    stochastic_adamw_,
-    stochastic_round,
-)
+from sonar_kernels.ops.master_weights import merge, remainder_adamw_, split
 
 
 def grad_limit(moments_dtype: torch.dtype) -> float:
@@ -203,7 +196,6 @@ def torch_adamw_chunked_(
     fused: bool | None,
     chunk_bytes: int | None,
     remainder: torch.Tensor | None = None,
-    stochastic: torch.Tensor | None = None,
 ) -> None:
     """torch's AdamW on one expert tensor from its gradient computed a chunk of experts at a time: the
     torch backend's in-backward update (docs/design.md, "Which AdamW runs where").
@@ -232,12 +224,8 @@ def torch_adamw_chunked_(
         remainder: the int16 remainder of a bf16 ``weight`` (docs/design.md, "bf16 master weights"): the
             update runs on the fp32 master (each chunk's merged, the gradient as fp32, fp32 moments) and
             splits it again: :func:`sonar_kernels.ops.master_weights.remainder_adamw_`, chunk by chunk.
-        stochastic: the seed (0-dim int64) of a bf16 ``weight`` rounded stochastically (docs/design.md,
-            "bf16 master weights"): the update runs on the weight as fp32 and rounds it back with the
-            stream of the seed at the update's step and each element's offset in the weight:
-            :func:`sonar_kernels.ops.master_weights.stochastic_adamw_`, chunk by chunk.
     """
-    fp32_master = remainder is not None or stochastic is not None
+    fp32_master = remainder is not None
     master_dtype = torch.float32 if fp32_master else weight.dtype
     chunks = (
         gradient.chunks(chunk_bytes)
@@ -256,12 +244,6 @@ def torch_adamw_chunked_(
             remainder_adamw_(
                 weight, remainder, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
                 foreach=foreach, fused=fused,
-            )  # fmt: skip
-            return
-        if stochastic is not None:
-            stochastic_adamw_(
-                weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped, stochastic,
-                element_index(weight), foreach=foreach, fused=fused,
             )  # fmt: skip
             return
         torch_adamw_(
@@ -311,8 +293,6 @@ def torch_adamw_chunked_(
             target = weight[first:last]
             if remainder is not None:
                 target, grad = merge(target, remainder[first:last]), grad.float()
-            elif stochastic is not None:
-                target, grad = target.float(), grad.float()
             if direct:
                 torch._fused_adamw_(
                     [target], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
@@ -329,8 +309,5 @@ def torch_adamw_chunked_(
                 new_weight, new_remainder = split(target)
                 weight[first:last].copy_(new_weight)
                 remainder[first:last].copy_(new_remainder)
-            elif stochastic is not None:  # chunk_step: the update's step, incremented
-                index = element_index(weight[first:last]) + first * weight.stride(0)
-                weight[first:last].copy_(stochastic_round(target, stochastic, chunk_step, index))
         step.copy_(chunk_step)
         grad_norm_sq.copy_(norm_sq)

@@ -160,34 +160,50 @@ def tensor_seed(seed: int, ordinal: int) -> int:
 
 def stochastic_adamw_(
     weight: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyperparameters: tuple,
-    grad_norm_sq: torch.Tensor,
-    skipped: torch.Tensor,
-    seed: torch.Tensor,
-    index: torch.Tensor,
+    gradient,
+    grad_in: torch.Tensor | None,
+    state: list[torch.Tensor],
+    hyper: torch.Tensor,
     *,
-    foreach: bool | None,
-    fused: bool | None,
+    grad_dtype: torch.dtype | None,
+    chunk_bytes: int | None,
 ) -> None:
-    """torch's AdamW on the bf16 ``weight`` read as fp32 (fp32 moments, ``grad`` as fp32), the result rounded
-    back to bf16 stochastically (:func:`stochastic_round`) with the stream of ``seed`` at the update's
-    step (``step`` after it is incremented) and each element's ``index`` (:func:`element_index` of the
-    whole tensor, sliced as ``weight`` is). A skipped update leaves the weight (a bf16 value rounds to
-    itself), the moments and the step as they were. Temporaries: the weight and the gradient in fp32."""
-    from sonar_kernels.ops.adamw import torch_adamw_
+    """The torch backend's update of a bf16 ``weight`` rounded stochastically, in place: AdamW on the
+    weight read as fp32 in the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py`` (the Triton
+    kernels', op for op: :func:`sonar_kernels.ops.moments_8bit.adamw_fp64`, fp32 moments), the result
+    rounded back with :func:`stochastic_round` at the tensor's seed, the update's step (incremented) and
+    each element's offset (:func:`element_index`): given the same gradient, the same bits as the Triton
+    epilogue and split path. ``state``: exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed
+    (``ops/torch_update.py``'s STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters;
+    ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes`` and the skip as
+    :func:`sonar_kernels.ops.moments_8bit.chunked_fp64_update_` takes them (a skipped update leaves weight,
+    moments and step unchanged). Temporaries: fp64 copies of :data:`UPDATE_ELEMENTS` elements at a time."""
+    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
 
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed = state
     if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
         raise TypeError(
             f"stochastic rounding's update takes fp32 moments, got {exp_avg.dtype} and {exp_avg_sq.dtype}"
         )
-    with torch.no_grad():
-        master = weight.float()
-        torch_adamw_(
-            master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused,
-        )  # fmt: skip
-        weight.copy_(stochastic_round(master, seed, step, index))
+    start = weight.storage_offset()
+
+    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
+        """Experts ``first`` to ``last - 1``, a slice of rows of one expert at a time (views whatever the
+        layout), each unchanged where ``found`` is set."""
+        rows = weight.shape[1] if weight.dim() > 2 else 1
+        per = max(1, UPDATE_ELEMENTS // max(1, weight[0].numel() // rows))
+        for e in range(first, last):
+            for r in range(0, rows, per):
+                part = (e, slice(r, r + per)) if weight.dim() > 2 else (slice(e, e + 1),)
+                w, m, v = (t[part] for t in (weight, exp_avg, exp_avg_sq))
+                g = grad[(e - first, *part[1:])] if weight.dim() > 2 else grad[e - first : e - first + 1]
+                p, m_new, v_new = adamw_fp64(w, g.float(), m, v, scalars, hyper)
+                index = element_index(w) + (w.storage_offset() - start)
+                new_w = stochastic_round(p, seed, step, index)
+                for target, new in ((w, new_w), (m, m_new), (v, v_new)):
+                    target.copy_(new if found is None else torch.where(found, target, new))
+
+    chunked_fp64_update_(
+        weight, gradient, grad_in, step, grad_norm_sq, skipped, hyper, apply,
+        grad_dtype=grad_dtype or weight.dtype, chunk_bytes=chunk_bytes,
+    )  # fmt: skip

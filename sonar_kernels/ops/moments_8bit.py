@@ -33,6 +33,8 @@ __all__ = [
     "BLOCK",
     "adamw_8bit_scalars",
     "adamw_8bit_update",
+    "adamw_fp64",
+    "chunked_fp64_update_",
     "dequantize",
     "exp_avg_magnitudes",
     "exp_avg_sq_levels",
@@ -185,12 +187,29 @@ def adamw_8bit_update(
 
     then m and v are requantized (:func:`quantize`). The caller rounds p to the weight's dtype.
     """
+    m = dequantize(*exp_avg, "exp_avg")
+    v = dequantize(*exp_avg_sq, "exp_avg_sq")
+    p, m, v = adamw_fp64(p, g, m, v, scalars, hyper)
+    return p, quantize(m, "exp_avg"), quantize(v, "exp_avg_sq")
+
+
+def adamw_fp64(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    scalars: torch.Tensor,
+    hyper: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One AdamW step in the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py`` (each line of
+    :func:`adamw_8bit_update`'s docstring one rounding to fp32), out of place: returns the new fp32
+    (p, m, v). ``p``: any float dtype, read as fp32; ``g``, ``m``, ``v``: fp32; ``scalars``:
+    :func:`adamw_8bit_scalars`; ``hyper``: [5] fp64. What the Triton kernels compute op for op, so both
+    backends give the same bits from the same operands."""
     lr, beta1, beta2, eps, weight_decay = hyper.unbind()
     p = p.to(torch.float32)
     p64 = p.to(torch.float64)
     p = torch.where(weight_decay != 0.0, (p64 - lr * weight_decay * p64).to(torch.float32), p)
-    m = dequantize(*exp_avg, "exp_avg")
-    v = dequantize(*exp_avg_sq, "exp_avg_sq")
     g64 = g.to(torch.float64)
     m = (beta1 * m.to(torch.float64) + (1.0 - beta1) * g64).to(torch.float32)
     v = (beta2 * v.to(torch.float64) + (1.0 - beta2) * g64 * g64).to(torch.float32)
@@ -200,7 +219,7 @@ def adamw_8bit_update(
     root = torch.sqrt(v.to(torch.float64)).to(torch.float32)
     denom = ((root / bc2_sqrt).to(torch.float64) + eps).to(torch.float32)
     p = p - (step_size * m) / denom
-    return p, quantize(m, "exp_avg"), quantize(v, "exp_avg_sq")
+    return p, m, v
 
 
 def adamw_8bit_triton_(
@@ -278,9 +297,8 @@ def adamw_8bit_(
         found: the skip decided by the caller (a 0-dim bool on the weight's device) in place of the
             gradient's own check, for a whole gradient only: a shard's update uses the whole tensor's.
     """
-    from sonar_kernels.ops.adamw import chunked_update_skipped, grad_limit
+    from sonar_kernels.ops.adamw import grad_limit
     from sonar_kernels.ops.common import inf_norm, whole
-    from sonar_kernels.ops.expert_gradient import ExpertGradient
 
     m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales = state
     limit = grad_limit(torch.float32)
@@ -301,10 +319,6 @@ def adamw_8bit_(
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
 
-    def total_of(grad: torch.Tensor, first: int, last: int) -> torch.Tensor:
-        grad = grad.to(dtype)
-        return grad if grad_in is None else grad_in[first:last] + grad.to(grad_in.dtype)
-
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
         """Update experts ``first`` to ``last - 1`` in place, :data:`UPDATE_ELEMENTS` at a time (whole rows
         of the last dimension: whole blocks), each slice unchanged where ``found`` (a device flag) is set."""
@@ -319,6 +333,45 @@ def adamw_8bit_(
             for target, new in zip((w, mc, ms, vc, vs), (p.to(weight.dtype), *m, *v), strict=True):
                 target.copy_(new if found is None else torch.where(found, target, new))
 
+    chunked_fp64_update_(
+        weight, gradient, grad_in, step, grad_norm_sq, skipped, hyper, apply,
+        grad_dtype=dtype, chunk_bytes=chunk_bytes, found=found,
+    )  # fmt: skip
+
+
+def chunked_fp64_update_(
+    weight: torch.Tensor,
+    gradient,
+    grad_in: torch.Tensor | None,
+    step: torch.Tensor,
+    grad_norm_sq: torch.Tensor,
+    skipped: torch.Tensor,
+    hyper: torch.Tensor,
+    apply,
+    *,
+    grad_dtype: torch.dtype,
+    chunk_bytes: int | None,
+    found: torch.Tensor | None = None,
+) -> None:
+    """The torch backend's driver of an update in the "fp64" arithmetic (:func:`adamw_fp64`): 8-bit moments
+    (:func:`adamw_8bit_`) and stochastic rounding (``ops/master_weights.py``). ``gradient`` (a tensor, or
+    an ``ExpertGradient`` computed by chunks of experts of at most ``chunk_bytes``) rounded to
+    ``grad_dtype``, plus ``grad_in`` rounded once more; the skip decided for the whole tensor (an entry not
+    finite or beyond ``ops.grad_limit(float32)``: on the device for a whole gradient, or ``found`` given;
+    before the first chunk otherwise); ``step`` incremented unless skipped; then ``apply(first, last,
+    grad, scalars, found)`` updates experts ``first`` to ``last - 1`` from their fp32 gradient with
+    :func:`adamw_8bit_scalars` (``found``: None, or the device flag where nothing may change);
+    ``grad_norm_sq`` and ``skipped`` as the exact update's."""
+    from sonar_kernels.ops.adamw import chunked_update_skipped, grad_limit
+    from sonar_kernels.ops.common import inf_norm
+    from sonar_kernels.ops.expert_gradient import ExpertGradient
+
+    limit = grad_limit(torch.float32)
+
+    def total_of(grad: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        grad = grad.to(grad_dtype)
+        return grad if grad_in is None else grad_in[first:last] + grad.to(grad_in.dtype)
+
     chunks = gradient.chunks(chunk_bytes) if isinstance(gradient, ExpertGradient) else [(0, weight.shape[0])]
     if found is not None and len(chunks) > 1:
         raise ValueError("found= is taken with a whole gradient only")
@@ -329,13 +382,8 @@ def adamw_8bit_(
             if found is None:
                 found = ~(inf_norm(grad) <= limit)
             step.add_((~found).float())
-            apply(
-                0,
-                weight.shape[0],
-                torch.where(found, 0.0, grad.float()),
-                adamw_8bit_scalars(step, hyper),
-                found,
-            )
+            scalars = adamw_8bit_scalars(step, hyper)
+            apply(0, weight.shape[0], torch.where(found, 0.0, grad.float()), scalars, found)
             norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
             grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
             skipped.add_(found.long())
@@ -346,7 +394,7 @@ def adamw_8bit_(
         def chunk_gradient(first: int, last: int) -> torch.Tensor:
             return total_of(gradient.compute(first, last, buffer[: last - first]), first, last)
 
-        if chunked_update_skipped(gradient, chunks, chunk_gradient, grad_in, limit, dtype):
+        if chunked_update_skipped(gradient, chunks, chunk_gradient, grad_in, limit, grad_dtype):
             grad_norm_sq.fill_(float("inf"))
             skipped.add_(1)
             return

@@ -10,7 +10,7 @@ import torch
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
-from sonar_kernels.ops.master_weights import element_index, remainder_adamw_, stochastic_adamw_
+from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
 
 __all__ = [
@@ -84,14 +84,24 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if done is not None:
             done()
         return
-    remainder, seed = remainder_of(state), seed_of(state)
+    if seed_of(state) is not None:  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
+        if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
+            hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
+        stochastic_adamw_(
+            weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
+            chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
+        )  # fmt: skip
+        if done is not None:
+            done()
+        return
+    remainder = remainder_of(state)
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state[: len(STATE_FIELDS)]
     hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
-            remainder=remainder, stochastic=seed,
+            remainder=remainder,
         )  # fmt: skip
     else:
         if grad_dtype is not None:
@@ -101,11 +111,6 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
             remainder_adamw_(
                 weight, remainder, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
                 foreach=foreach, fused=fused,
-            )  # fmt: skip
-        elif seed is not None:
-            stochastic_adamw_(
-                weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped, seed,
-                element_index(weight), foreach=foreach, fused=fused,
             )  # fmt: skip
         else:
             torch_adamw_(

@@ -353,7 +353,8 @@ def _wgrad(
     eight_bit = update.moments_8bit
     # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
     limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
-    arithmetic = "fp64" if eight_bit else adamw_arithmetic(weight.device)
+    # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too.
+    arithmetic = "fp64" if eight_bit or update.seed is not None else adamw_arithmetic(weight.device)
     state = (weight, update.exp_avg, update.exp_avg_sq, update.step)
     # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
     # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
@@ -387,11 +388,15 @@ def _wgrad(
     rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
     applied = False
     try:
-        # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments the
-        # torch ops that the torch backend's update reads too.
-        if eight_bit:
+        # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments and
+        # stochastic rounding the torch ops that the torch backend's update reads too.
+        if eight_bit or update.seed is not None:
             scalars = moments_8bit.adamw_8bit_scalars(update.step, hyper)
-            scales = (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit.tables(weight.device))
+            scales = (
+                (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit.tables(weight.device))
+                if eight_bit
+                else None
+            )
         else:
             scalars, scales = common.empty((2,), torch.float32, weight.device), None
             adamw_scalars_kernel[(1,)](

@@ -16,7 +16,7 @@ import weakref
 import torch
 
 from sonar_kernels import ops
-from sonar_kernels.ops.master_weights import element_index, remainder_adamw_, stochastic_adamw_
+from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.accumulation import MicroBatches
@@ -166,11 +166,12 @@ class InBackwardUpdates:
             self.micro_batches.consumed(p)
             self.updated[p] = True
             return
-        if "seed" in state:  # bf16 weights rounded stochastically: torch's AdamW in fp32, then the rounding
+        if "seed" in state:  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
+            tensors = [state["exp_avg"], state["exp_avg_sq"], state["step"], self.grad_norm_sq[p], self.skipped[p],
+                       state["seed"]]  # fmt: skip
             stochastic_adamw_(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], torch_hyperparameters(group),
-                self.grad_norm_sq[p], self.skipped[p], state["seed"], element_index(p), foreach=foreach, fused=fused,
-            )  # fmt: skip
+                p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
+            )
         elif "remainder" in state:  # bf16 master weights: torch's AdamW on the merged fp32 master
             remainder_adamw_(
                 p, state["remainder"], grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
