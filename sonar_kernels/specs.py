@@ -168,6 +168,10 @@ class ExpertUpdate:
         self.reduce_first = reduce_first
         self.exp_avg_scales = exp_avg_scales
         self.exp_avg_sq_scales = exp_avg_sq_scales
+        if remainder is not None and seed is not None:
+            raise ValueError("an update keeps a remainder or a stochastic rounding's seed, not both")
+        if exp_avg_scales is not None and (remainder is not None or seed is not None):
+            raise ValueError("8-bit moments do not take a remainder or a seed yet")
         self.remainder = remainder
         self.seed = seed
 

@@ -217,3 +217,28 @@ def test_the_remainders_adamw_is_torch_adamw_on_fp32_master_weights_bitwise(fuse
         assert torch.equal(weight.view(torch.int16), mw.split(reference.detach())[0].view(torch.int16))
     assert torch.equal(exp_avg, optimizer.state[reference]["exp_avg"])
     assert float(step) == 19.0
+
+
+@triton.jit
+def _merge_kernel(weight_ptr, remainder_ptr, merged_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    merged = kernels.merge_tile(
+        tl.load(weight_ptr + offsets, mask=mask), tl.load(remainder_ptr + offsets, mask=mask)
+    )
+    tl.store(merged_ptr + offsets, merged, mask=mask)
+
+
+def test_a_stale_remainder_on_a_signed_zero_merges_to_the_zero_not_to_nan(device):
+    # Pairs split never gives (a weight zeroed outside the optimizer, its old remainder kept): a remainder
+    # that would cross the sign merges to the weight itself, on both implementations; the rest as usual.
+    zeros = torch.tensor([0.0, -0.0, 0.0, -0.0, 1.0, -1.0], dtype=torch.bfloat16)
+    remainder = torch.tensor([-1, -32768, 5, 7, -3, -3], dtype=torch.int16)
+    merged = mw.merge(zeros, remainder)
+    want = torch.tensor([0.0, -0.0], dtype=torch.float32)
+    assert torch.equal(merged[:2].view(torch.int32), want.view(torch.int32))
+    assert bool(torch.isfinite(merged).all())
+    assert merged[2] > 0 and merged[3] < 0 and abs(float(merged[4]) - 1.0) < 2**-16
+    out = torch.empty(6, dtype=torch.float32, device=device)
+    _merge_kernel[(1,)](zeros.view(torch.int16).to(device), remainder.to(device), out, 6, BLOCK=8)
+    assert torch.equal(out.cpu().view(torch.int32), merged.view(torch.int32))

@@ -274,3 +274,39 @@ def test_stochastic_rounding_in_the_triton_epilogue_equals_its_split_path_and_th
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         assert torch.equal(a.detach().view(torch.int16), w.view(torch.int16))
         assert torch.equal(fused.state[a]["exp_avg"], m) and torch.equal(split.state[b]["exp_avg_sq"], v)
+
+
+def test_malformed_master_states_are_refused_before_anything_is_written():
+    from sonar_kernels.ops import library
+    from sonar_kernels.specs import ExpertUpdate
+
+    weight = torch.zeros(2, 8, 32, dtype=torch.bfloat16)
+    moments = [torch.zeros(2, 8, 32), torch.zeros(2, 8, 32)]
+    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)]
+    hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
+    grad = torch.ones_like(weight)
+    cases = [
+        (
+            [*moments, *counters, torch.zeros(32, dtype=torch.int16)],
+            weight,
+            ValueError,
+            "remainder has shape",
+        ),
+        (
+            [*moments, *counters, torch.tensor(3, dtype=torch.int32)],
+            weight,
+            ValueError,
+            "int16 remainder or a 0-dim",
+        ),
+        ([*moments, *counters, torch.tensor(3)], weight.float(), TypeError, "for a bf16 weight"),
+        ([m.bfloat16() for m in moments] + [*counters, torch.tensor(3)], weight, ValueError, "fp32 moments"),
+    ]
+    for state, w, error, message in cases:
+        before = [t.clone() for t in (w, *state)]
+        with pytest.raises(error, match=message):
+            library.expert_adamw_(w, grad, None, state, hyper, False, False)
+        assert all(torch.equal(a, b) for a, b in zip(before, (w, *state), strict=True))
+    with pytest.raises(ValueError, match="not both"):
+        ExpertUpdate(exp_avg=moments[0], exp_avg_sq=moments[1], step=counters[0], hyper=hyper, grad_norm_sq=counters[1],
+                     skipped=counters[2], grad_dtype=torch.bfloat16, remainder=torch.zeros(2, 8, 32, dtype=torch.int16),
+                     seed=torch.tensor(1))  # fmt: skip

@@ -29,8 +29,11 @@ def split_tile(master):
 
 @triton.jit
 def merge_tile(weight_bits, remainder):
-    """The fp32 master of a bf16 weight (its int16 bits) and its int16 remainder."""
-    bits = (weight_bits.to(tl.int32) << 16) + remainder.to(tl.int32)
+    """The fp32 master of a bf16 weight (its int16 bits) and its int16 remainder; a signed zero with a
+    remainder that would cross the sign (never split's) merges to the weight itself."""
+    high = weight_bits.to(tl.int32) << 16
+    bits = high + remainder.to(tl.int32)
+    bits = tl.where((bits < 0) != (high < 0), high, bits)
     return bits.to(tl.float32, bitcast=True)
 
 

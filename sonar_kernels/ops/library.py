@@ -23,7 +23,13 @@ from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
 from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
 from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
-from sonar_kernels.ops.torch_update import remainder_of, seed_of, torch_update, torch_update_of
+from sonar_kernels.ops.torch_update import (
+    check_master_state,
+    remainder_of,
+    seed_of,
+    torch_update,
+    torch_update_of,
+)
 from sonar_kernels.specs import RoutingMetadata
 
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
@@ -311,8 +317,11 @@ def check_expert_wgrad(
     layout="concatenated",
 ):
     """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
-    (the Triton backend's checks, ``ops.wgrad.check_wgrad``); the autograd layer checks every expert
-    tensor's plan before the first one runs."""
+    (the Triton backend's checks, ``ops.wgrad.check_wgrad``; the torch backend's of bf16 master weights'
+    state, ``ops.torch_update.check_master_state``); the autograd layer checks every expert tensor's plan
+    before the first one runs."""
+    if mode == "update":
+        check_master_state(name, weight, state)
     if backend == "triton":
         update, accumulator = _triton_plan(
             weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, None, None

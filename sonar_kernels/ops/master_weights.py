@@ -10,9 +10,9 @@ every update path:
   ``bits(W) = floor((bits(M) + 2**15) / 2**16)`` and so ``r`` in [-2**15, 2**15). ``W`` is ``M`` rounded to
   the nearest bf16, an exact tie away from zero (adding half of the dropped bits' range to the magnitude
   and truncating: a float's bits are its sign and magnitude, and the carry runs into the exponent as
-  rounding should). torch's ``M.to(torch.bfloat16)`` rounds a tie to even instead: the two differ exactly
-  at the ties (``r == -2**15``), where ties away from zero keeps the split in 16 bits, and round half to
-  even would need a 17th. :func:`split` and :func:`merge` are exact inverses.
+  rounding should). torch's ``M.to(torch.bfloat16)`` rounds a tie to even instead: the two differ only at
+  ties (``r == -2**15``) whose lower neighbour is even; ties away from zero keeps the split in 16 bits,
+  round half to even would need a 17th. :func:`split` and :func:`merge` are exact inverses.
 - **Stochastic rounding**: ``bits(W) = floor((bits(M) + u) / 2**16)``, ``u`` 16 random bits: the
   magnitude rounds up with probability (the dropped bits) / 2**16, so ``E[W] = M`` (unbiased; a NaN
   becomes torch's bf16 NaN). ``u`` is the upper half of :func:`hash32` of the element's index mixed with a stream
@@ -59,13 +59,18 @@ def split(master: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master of the bf16 ``weight`` and its int16 ``remainder`` (the inverse of :func:`split`)."""
+    """The fp32 master of the bf16 ``weight`` and its int16 ``remainder`` (the inverse of :func:`split`).
+    A pair :func:`split` never gives, a signed zero with a remainder that would cross the sign (a stale
+    remainder after the weight was changed outside the optimizer: zeroed, pruned, reloaded alone), merges
+    to the weight itself, not to a NaN."""
     if weight.dtype != torch.bfloat16 or remainder.dtype != torch.int16:
         raise TypeError(
             f"expected a bf16 weight and an int16 remainder, got {weight.dtype} and {remainder.dtype}"
         )
-    bits = (weight.view(torch.int16).to(torch.int64) << 16) + remainder.to(torch.int64)
-    return bits.to(torch.int32).view(torch.float32)
+    high = weight.view(torch.int16).to(torch.int32) << 16
+    bits = (high.to(torch.int64) + remainder.to(torch.int64)).to(torch.int32)
+    bits = torch.where((bits < 0) != (high < 0), high, bits)
+    return bits.view(torch.float32)
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:

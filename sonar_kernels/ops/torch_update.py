@@ -18,6 +18,7 @@ __all__ = [
     "STATE_FIELDS_8BIT",
     "STATE_FIELDS_REMAINDER",
     "STATE_FIELDS_STOCHASTIC",
+    "check_master_state",
     "remainder_of",
     "seed_of",
     "torch_update",
@@ -53,6 +54,40 @@ def seed_of(state: list) -> torch.Tensor | None:
     )
 
 
+def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
+    """Raise before anything is written when an update's ``state`` list of bf16 master weights
+    (:data:`STATE_FIELDS_REMAINDER` or :data:`STATE_FIELDS_STOCHASTIC`) cannot apply to ``weight``: a last
+    tensor that is neither an int16 remainder of the weight's shape nor a 0-dim int64 seed, on the weight's
+    device; a weight that is not bf16; moments that are not fp32.
+
+    Raises:
+        TypeError: the weight's dtype.
+        ValueError: the rest.
+    """
+    if len(state) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in state[5:]):
+        raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
+    if len(state) != len(STATE_FIELDS_REMAINDER):
+        return
+    extra = state[-1]
+    if remainder_of(state) is None and seed_of(state) is None:
+        raise ValueError(
+            f"{name}: the state's last tensor must be an int16 remainder or a 0-dim int64 seed, got "
+            f"{extra.dtype} of shape {tuple(extra.shape)}"
+        )
+    if remainder_of(state) is not None and extra.shape != weight.shape:
+        raise ValueError(
+            f"{name}: the remainder has shape {tuple(extra.shape)}, the weight {tuple(weight.shape)}"
+        )
+    if extra.device != weight.device:
+        raise ValueError(f"{name}: the remainder or seed is on {extra.device}, the weight on {weight.device}")
+    if weight.dtype != torch.bfloat16:
+        raise TypeError(
+            f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"
+        )
+    if state[0].dtype != torch.float32 or state[1].dtype != torch.float32:
+        raise ValueError(f"{name}: a remainder's or a stochastic rounding's update takes fp32 moments")
+
+
 def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
     """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
     through ``defer`` (see ``ops/library.py``'s ``run_expert_wgrad``)."""
@@ -84,6 +119,7 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if done is not None:
             done()
         return
+    check_master_state("weight", weight, state)
     if seed_of(state) is not None:  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
         if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)

@@ -146,6 +146,11 @@ def _check_master(name: str, weight, update: AdamWUpdate) -> None:
     """A remainder's or a stochastic rounding's update: a bf16 weight, fp32 moments, an int16 remainder of
     the weight's shape and strides or a 0-dim int64 seed, not both."""
     remainder, seed = update.remainder, update.seed
+    for extra in (remainder, seed):
+        if extra is not None and extra.device != weight.device:
+            raise ValueError(
+                f"{name}: the remainder or seed is on {extra.device}, the weight on {weight.device}"
+            )
     if weight.dtype != torch.bfloat16:
         raise TypeError(
             f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"

@@ -115,8 +115,8 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             torch.distributed was initialized after the optimizer was built).
         TypeError: a tensor of an unsupported dtype, or an unsupported moments_dtype / grad_dtype.
         ValueError: with 8-bit moments, a weight matrix whose last dimension is not a multiple of 32 or
-            that is not contiguous; a master_weights other than None or "remainder", or with moments
-            other than fp32.
+            that is not contiguous; a master_weights other than None, "remainder" or "stochastic", or with
+            moments other than fp32.
         TypeError: with master_weights, an expert tensor that is not bf16.
     """
 

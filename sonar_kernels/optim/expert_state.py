@@ -140,7 +140,7 @@ def _remainder(p: torch.Tensor, saved) -> torch.Tensor:
     """``p``'s int16 remainder: ``saved`` when it is one of ``p``'s shape, else zeros (the master is the bf16
     weight itself: what a checkpoint of bf16 weights alone, or torch.optim.AdamW's state, gives)."""
     if isinstance(saved, torch.Tensor) and saved.dtype == torch.int16 and saved.shape == p.shape:
-        return saved.to(p.device, copy=True)
+        return torch.empty_like(p, dtype=torch.int16).copy_(saved)  # p's strides, as the kernels read it
     return torch.zeros_like(p, dtype=torch.int16, memory_format=torch.preserve_format)
 
 
