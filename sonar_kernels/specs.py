@@ -170,14 +170,12 @@ class ExpertUpdate:
         self.exp_avg_sq_scales = exp_avg_sq_scales
         if remainder is not None and seed is not None:
             raise ValueError("an update keeps a remainder or a stochastic rounding's seed, not both")
-        if exp_avg_scales is not None and (remainder is not None or seed is not None):
-            raise ValueError("8-bit moments do not take a remainder or a seed yet")
         self.remainder = remainder
         self.seed = seed
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
-        passed apart: it is only read); the 8-bit moments' scales, or the remainder, or the seed, last."""
+        passed apart: it is only read); the 8-bit moments' scales, then the remainder or the seed, last."""
         state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
         if self.exp_avg_scales is not None:
             state += [self.exp_avg_scales, self.exp_avg_sq_scales]

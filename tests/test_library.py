@@ -177,20 +177,23 @@ def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
     assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].gt(0).all())
 
 
+@pytest.mark.parametrize("moments", ["fp32", "8bit"])
 @pytest.mark.parametrize("master", ["remainder", "stochastic"])
-def test_the_ops_pass_opcheck_with_bf16_master_weights(master):
+def test_the_ops_pass_opcheck_with_bf16_master_weights(master, moments):
     # The state lists of library.STATE_FIELDS_REMAINDER and STATE_FIELDS_STOCHASTIC (fp32 moments, step,
-    # norm, counter, then the int16 remainder or the int64 seed) through the forward op and the torch
-    # backend's update op.
+    # norm, counter, then the int16 remainder or the int64 seed), and their 8-bit forms (codes, step, norm,
+    # counter, scales, then the remainder or seed), through the forward op and the torch backend's update op.
     x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.bfloat16)
     extra = torch.zeros(w2.shape, dtype=torch.int16) if master == "remainder" else torch.tensor(5)
-    state = [
-        torch.zeros(w2.shape), torch.zeros(w2.shape), torch.zeros(()), torch.zeros(()),
-        torch.zeros((), dtype=torch.int64), extra,
-    ]  # fmt: skip
+    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)]
+    if moments == "8bit":
+        codes = [torch.zeros(w2.shape, dtype=torch.int8), torch.zeros(w2.shape, dtype=torch.uint8)]
+        state = [*codes, *counters, torch.zeros(3, 32, 1), torch.zeros(3, 32, 1), extra]
+    else:
+        state = [torch.zeros(w2.shape), torch.zeros(w2.shape), *counters, extra]
     hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64)
     forward = list(_forward_args(x, index, weights, w1, w2, "torch"))
-    forward[11:15] = [state, [0, 6, 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
+    forward[11:15] = [state, [0, len(state), 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
     _opcheck(library.moe_mlp_fwd, tuple(forward))
     out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, "torch"))
     core = _core_args(
@@ -205,7 +208,7 @@ def test_the_ops_pass_opcheck_with_bf16_master_weights(master):
     before = w2.clone()
     library.expert_wgrad_(*args)
     assert float(state[2]) == 1.0 and not torch.equal(w2, before)
-    assert bool(state[5].ne(0).any()) if master == "remainder" else int(state[5]) == 5
+    assert bool(state[-1].ne(0).any()) if master == "remainder" else int(state[-1]) == 5
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -147,10 +147,6 @@ def test_the_options_it_does_not_take_are_refused():
     bf16 = torch.nn.Parameter(torch.zeros(2, 8, 32, dtype=torch.bfloat16))
     with pytest.raises(TypeError, match="keeps bf16 expert tensors"):
         sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 8, 32))], master_weights="remainder")
-    with pytest.raises(ValueError, match="fp32 moments"):
-        sonar_kernels.ExpertAdamW([bf16], master_weights="remainder", moments_dtype="8bit")
-    with pytest.raises(ValueError, match="fp32 moments"):
-        sonar_kernels.ExpertAdamW([bf16], master_weights="stochastic", moments_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match='None, "remainder" or "stochastic"'):
         sonar_kernels.ExpertAdamW([bf16], master_weights="fp32")
     with pytest.raises(TypeError, match="rounding_seed must be an int"):
@@ -285,6 +281,9 @@ def test_malformed_master_states_are_refused_before_anything_is_written():
     counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)]
     hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
     grad = torch.ones_like(weight)
+    # 8-bit moments: int8 and uint8 codes, then their fp32 block scales after the counters.
+    codes = [torch.zeros(2, 8, 32, dtype=torch.int8), torch.zeros(2, 8, 32, dtype=torch.uint8)]
+    scales = [torch.zeros(2, 8, 1), torch.zeros(2, 8, 1)]
     cases = [
         (
             [*moments, *counters, torch.zeros(32, dtype=torch.int16)],
@@ -299,7 +298,19 @@ def test_malformed_master_states_are_refused_before_anything_is_written():
             "int16 remainder or a 0-dim",
         ),
         ([*moments, *counters, torch.tensor(3)], weight.float(), TypeError, "for a bf16 weight"),
-        ([m.bfloat16() for m in moments] + [*counters, torch.tensor(3)], weight, ValueError, "fp32 moments"),
+        (
+            [*codes, *counters, *scales, torch.zeros(32, dtype=torch.int16)],
+            weight,
+            ValueError,
+            "remainder has shape",
+        ),
+        (
+            [*codes, *counters, *(t.half() for t in scales), torch.tensor(3)],
+            weight,
+            ValueError,
+            "fp32 scales",
+        ),
+        ([*codes, *counters, *scales, torch.tensor(3)], weight.float(), TypeError, "for a bf16 weight"),
     ]
     for state, w, error, message in cases:
         before = [t.clone() for t in (w, *state)]

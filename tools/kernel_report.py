@@ -470,21 +470,27 @@ def _wgrad_8bit_specs() -> list[Spec]:
     uint8 codes, fp32 scales, slices of one 32-column block (EPILOGUE_SPLIT = BLOCK_N / 32)."""
     blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)
     out = []
-    for act_dtype, w_dtype in (("fp32", "fp32"), ("bf16", "bf16"), ("bf16", "fp32")):
+    # (activations, weight, bf16 master weights): the last two with the weight as its int16 bits.
+    variants = (("fp32", "fp32", None), ("bf16", "bf16", None), ("bf16", "fp32", None),
+                ("bf16", "bf16", "remainder"), ("bf16", "bf16", "stochastic"))  # fmt: skip
+    for act_dtype, w_dtype, master in variants:
         for role, (p_from_tokens, q_from_tokens) in {"dW2": (True, False), "dW1": (False, True)}.items():
             out.append(
                 Spec(
                     expert_wgrad.expert_mlp_bwd_dw_kernel,
-                    f"x={act_dtype} w={w_dtype} {role} adamw-8bit",
+                    f"x={act_dtype} w={w_dtype} {role} adamw-8bit" + (f" {master}" if master else ""),
                     {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
-                     "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
+                     "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype,
+                     "w_ptr": "i16" if master else w_dtype,
                      "exp_avg_ptr": "i8", "exp_avg_sq_ptr": "u8", "scalars_ptr": "fp32", "flag_ptr": "fp32",
                      "partial_ptr": "fp32", "hyper_ptr": "fp64", "exp_avg_scales_ptr": "fp32",
-                     "exp_avg_sq_scales_ptr": "fp32", "tables_ptr": "fp32", "remainder_ptr": "fp64",
-                     "rng_ptr": "fp64"},
+                     "exp_avg_sq_scales_ptr": "fp32", "tables_ptr": "fp32",
+                     "remainder_ptr": "i16" if master == "remainder" else "fp64",
+                     "rng_ptr": "i64" if master == "stochastic" else "fp64"},
                     _precision(act_dtype) | blocks
                     | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": True, "REMAINDER": False, "STOCHASTIC": False,
+                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": True,
+                       "REMAINDER": master == "remainder", "STOCHASTIC": master == "stochastic",
                        "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                     options | {"enable_fp_fusion": False},
                     unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
@@ -493,18 +499,20 @@ def _wgrad_8bit_specs() -> list[Spec]:
                 )
             )  # fmt: skip
     # bf16 master weights (a remainder, or stochastic rounding's key): the weight as its int16 bits, fp32
-    # moments, the 8-bit update's tiles (the exact update's spill on sm_80 with the remainder).
+    # or bf16 moments, the 8-bit update's tiles (the exact update's spill on sm_80 with the remainder).
     blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)
     roles = {"dW2": (True, False), "dW1": (False, True)}
-    for arithmetic, remainder, role in itertools.product(("fp64", "fp32"), (True, False), roles):
+    for arithmetic, remainder, m_dtype, role in itertools.product(
+        ("fp64", "fp32"), (True, False), ("fp32", "bf16"), roles
+    ):
         p_from_tokens, q_from_tokens = roles[role]
         out.append(
             Spec(
                 expert_wgrad.expert_mlp_bwd_dw_kernel,
-                f"x=bf16 w=bf16 m=fp32 {role} adamw-{arithmetic} {'remainder' if remainder else 'stochastic'}",
+                f"x=bf16 w=bf16 m={m_dtype} {role} adamw-{arithmetic} {'remainder' if remainder else 'stochastic'}",
                 {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
                  "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "i16",
-                 "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32", "scalars_ptr": "fp32", "flag_ptr": "fp32",
+                 "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "scalars_ptr": "fp32", "flag_ptr": "fp32",
                  "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS
                 | ({"remainder_ptr": "i16"} if remainder else {"rng_ptr": "i64"}),
                 _precision("bf16") | blocks
@@ -544,12 +552,14 @@ def _adamw_specs() -> list[Spec]:
     # The split path with bf16 master weights: the weight's int16 bits, the remainder (or stochastic
     # rounding's key), fp32 moments; its own launch configuration.
     ac = adamw.ADAMW_MASTER_CONFIG
-    for arithmetic, remainder in itertools.product(("fp64", "fp32"), (True, False)):
+    for arithmetic, remainder, m_dtype in itertools.product(
+        ("fp64", "fp32"), (True, False), ("fp32", "bf16")
+    ):
         out.append(
             Spec(
                 adamw.adamw_kernel,
-                f"w=bf16 m=fp32 {arithmetic} {'remainder' if remainder else 'stochastic'}",
-                {"w_ptr": "i16", "grad_ptr": "bf16", "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32",
+                f"w=bf16 m={m_dtype} {arithmetic} {'remainder' if remainder else 'stochastic'}",
+                {"w_ptr": "i16", "grad_ptr": "bf16", "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype,
                  "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64",
                  "remainder_ptr": "i16" if remainder else "fp64", "rng_ptr": "fp64" if remainder else "i64"},
                 {"BLOCK": ac["BLOCK"], "ARITHMETIC": arithmetic, "REMAINDER": remainder, "STOCHASTIC": not remainder,
@@ -560,15 +570,24 @@ def _adamw_specs() -> list[Spec]:
         )  # fmt: skip
     # The split path with 8-bit moments (ops/moments_8bit.py).
     c8 = moments_8bit.ADAMW_8BIT_CONFIG
-    for w_dtype in ("fp32", "bf16", "fp16"):
+    for w_dtype, master in (
+        ("fp32", None),
+        ("bf16", None),
+        ("fp16", None),
+        ("bf16", "remainder"),
+        ("bf16", "stochastic"),
+    ):
         out.append(
             Spec(
                 moments_8bit.adamw_8bit_kernel,
-                f"w={w_dtype} 8-bit moments",
-                {"w_ptr": w_dtype, "grad_ptr": w_dtype, "exp_avg_codes_ptr": "i8", "exp_avg_scales_ptr": "fp32",
-                 "exp_avg_sq_codes_ptr": "u8", "exp_avg_sq_scales_ptr": "fp32", "magnitudes_ptr": "fp32",
-                 "levels_ptr": "fp32", "scalars_ptr": "fp32", "skip_ptr": "fp32", "hyper_ptr": "fp64"},
-                {"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"], "INTERPRET": False},
+                f"w={w_dtype} 8-bit moments" + (f" {master}" if master else ""),
+                {"w_ptr": "i16" if master else w_dtype, "grad_ptr": w_dtype, "exp_avg_codes_ptr": "i8",
+                 "exp_avg_scales_ptr": "fp32", "exp_avg_sq_codes_ptr": "u8", "exp_avg_sq_scales_ptr": "fp32",
+                 "magnitudes_ptr": "fp32", "levels_ptr": "fp32", "scalars_ptr": "fp32", "skip_ptr": "fp32",
+                 "hyper_ptr": "fp64", "remainder_ptr": "i16" if master == "remainder" else "fp64",
+                 "rng_ptr": "i64" if master == "stochastic" else "fp64"},
+                {"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"], "REMAINDER": master == "remainder",
+                 "STOCHASTIC": master == "stochastic", "INTERPRET": False},
                 {"num_warps": c8["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"]},
             )

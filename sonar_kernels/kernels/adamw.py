@@ -46,7 +46,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from sonar_kernels.kernels.common import round_to
-from sonar_kernels.kernels.master_weights import merge_tile, random_bits, split_tile, stochastic_round_tile
+from sonar_kernels.kernels.master_weights import load_weight, store_weight
 
 # 8 elements per thread: with 8 warps (4 per thread) ptxas spilled 8 bytes in the fp16 fp64-arithmetic
 # build on sm_80 once the hyperparameters came from memory (make kernel-report).
@@ -176,27 +176,11 @@ def adamw_tile(
     bits and the remainder, stored split again; with STOCHASTIC the bf16 weight (read as fp32) is stored as
     its stochastic rounding (W through its int16 bits), the stream's key and counter at ``rng_ptr`` and
     ``index``."""
-    if REMAINDER:
-        bits = tl.load(w_ptr + offs, mask=mask, other=0)
-        p = merge_tile(bits, tl.load(remainder_ptr + offs, mask=mask, other=0))
-    elif STOCHASTIC:  # the bf16 weight's bits as the upper half of its fp32 value
-        p = (tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET)
-    if REMAINDER:
-        bits, remainder = split_tile(p)
-        tl.store(w_ptr + offs, bits, mask=mask)
-        tl.store(remainder_ptr + offs, remainder, mask=mask)
-    elif STOCHASTIC:
-        seed = tl.load(rng_ptr).to(tl.uint32)
-        step = tl.load(rng_ptr + 1).to(tl.uint32)
-        bits16 = random_bits(seed, step, index.to(tl.uint32))
-        tl.store(w_ptr + offs, stochastic_round_tile(p, bits16), mask=mask)
-    else:
-        tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    store_weight(p, w_ptr, offs, mask, remainder_ptr, rng_ptr, index, REMAINDER, STOCHASTIC, INTERPRET)
     tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
 

@@ -107,8 +107,8 @@ def _dw_epilogue_slice(
             scale_mask = (offs_m < M)[:, None] & (offs_b * MOMENTS_BLOCK < N)[None, :]
             adamw_8bit_tile(
                 grad32, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr,
-                exp_avg_sq_scales_ptr, tables_ptr, tables_ptr + 128, step_size, bc2_sqrt, hyper_ptr,
-                BLOCK_M, SLICE_N, INTERPRET,
+                exp_avg_sq_scales_ptr, tables_ptr, tables_ptr + 128, remainder_ptr, rng_ptr, base + offs, step_size,
+                bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, INTERPRET,
             )  # fmt: skip
         elif EPILOGUE == "adamw":
             adamw_tile(

@@ -10,6 +10,8 @@ writes a non-finite one: a non-finite gradient skips it), so ``bits + 2**15`` do
 import triton
 import triton.language as tl
 
+from sonar_kernels.kernels.common import round_to
+
 HALF: tl.constexpr = tl.constexpr(1 << 15)
 # The bf16 NaN torch's cast writes (c10::BFloat16's round_to_nearest_even: 0x7FC0).
 BF16_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC0)
@@ -62,3 +64,39 @@ def stochastic_round_tile(master, bits16):
     bits = master.to(tl.int32, bitcast=True)
     high = (bits + bits16.to(tl.int32)) >> 16
     return tl.where(master != master, BF16_NAN_BITS, high).to(tl.int16)
+
+
+@triton.jit
+def load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """The fp32 weight an AdamW tile updates: with REMAINDER the master merged from the bf16 weight's int16
+    bits at ``w_ptr`` and the remainder; with STOCHASTIC the bf16 weight (its int16 bits) read as fp32;
+    else the weight at ``w_ptr`` in its own dtype, as fp32."""
+    if REMAINDER:
+        bits = tl.load(w_ptr + offs, mask=mask, other=0)
+        return merge_tile(bits, tl.load(remainder_ptr + offs, mask=mask, other=0))
+    elif STOCHASTIC:  # the bf16 weight's bits as the upper half of its fp32 value
+        return (tl.load(w_ptr + offs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_weight(
+    p, w_ptr, offs, mask, remainder_ptr, rng_ptr, index, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """Store the updated fp32 weight ``p`` as :func:`load_weight` read it: split into the bf16 bits and the
+    remainder (REMAINDER), rounded stochastically with the stream of the [2] int64 (seed, step) at
+    ``rng_ptr`` and each element's counter ``index`` (STOCHASTIC), else rounded to nearest in W's dtype."""
+    if REMAINDER:
+        bits, remainder = split_tile(p)
+        tl.store(w_ptr + offs, bits, mask=mask)
+        tl.store(remainder_ptr + offs, remainder, mask=mask)
+    elif STOCHASTIC:
+        seed = tl.load(rng_ptr).to(tl.uint32)
+        step = tl.load(rng_ptr + 1).to(tl.uint32)
+        tl.store(
+            w_ptr + offs, stochastic_round_tile(p, random_bits(seed, step, index.to(tl.uint32))), mask=mask
+        )
+    else:
+        tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)

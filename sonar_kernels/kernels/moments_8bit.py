@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from sonar_kernels.kernels.adamw import _adamw_math
-from sonar_kernels.kernels.common import round_to
+from sonar_kernels.kernels.master_weights import load_weight, store_weight
 
 BLOCK: tl.constexpr = tl.constexpr(32)
 ADAMW_8BIT_CONFIG = {"BLOCK_R": 16, "BLOCK_C": 64, "num_warps": 4}
@@ -89,16 +89,23 @@ def adamw_8bit_tile(
     exp_avg_sq_scales_ptr,
     magnitudes_ptr,  # [128] fp32: exp_avg's table
     levels_ptr,  # [256] fp32: exp_avg_sq's table
+    remainder_ptr,  # REMAINDER: the int16 remainders (W's offsets; w_ptr: the bf16 weight's int16 bits)
+    rng_ptr,  # STOCHASTIC: [2] int64, the tensor's seed and the update's step (w_ptr: the int16 bits)
+    index,  # STOCHASTIC: [ROWS, COLS] int64, each element's offset in the tensor (the stream's counter)
     step_size,
     bc2_sqrt,
     hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
+    REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Load W and both moments (codes, scales) of the tile, dequantize, apply AdamW ("fp64" arithmetic,
-    kernels/adamw.py) with ``grad``, requantize and store all of them."""
-    p = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    kernels/adamw.py) with ``grad``, requantize and store all of them; W read and written as
+    ``kernels/master_weights.py``'s :func:`load_weight` and :func:`store_weight` do (bf16 master weights:
+    a remainder or stochastic rounding)."""
+    p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
     m = dequantize_tile(
         tl.load(exp_avg_codes_ptr + offs, mask=mask, other=0),
         tl.load(exp_avg_scales_ptr + scale_offs, mask=scale_mask, other=0.0),
@@ -110,7 +117,7 @@ def adamw_8bit_tile(
         levels_ptr, False, ROWS, COLS,
     )  # fmt: skip
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, "fp64", INTERPRET)
-    tl.store(w_ptr + offs, round_to(p, w_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    store_weight(p, w_ptr, offs, mask, remainder_ptr, rng_ptr, index, REMAINDER, STOCHASTIC, INTERPRET)
     codes, scales = quantize_tile(m, magnitudes_ptr, True, 128, 8, ROWS, COLS)
     tl.store(exp_avg_codes_ptr + offs, codes, mask=mask)
     tl.store(exp_avg_scales_ptr + scale_offs, scales, mask=scale_mask)
@@ -133,12 +140,16 @@ def adamw_8bit_kernel(
     scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (ops/moments_8bit.py, adamw_8bit_scalars)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read
+    remainder_ptr,  # REMAINDER: [R, C] int16, read and written (w_ptr: the bf16 weight's int16 bits)
+    rng_ptr,  # STOCHASTIC: [2] int64, read: the seed and the step (w_ptr: the bf16 weight's int16 bits)
     # sizes
     R,
     C,
     # meta-parameters
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
+    REMAINDER: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Standalone AdamW with 8-bit moments (the split path): the tensors seen as [R, C] rows of their
@@ -159,6 +170,7 @@ def adamw_8bit_kernel(
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     adamw_8bit_tile(
         grad, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr,
-        exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr,
-        tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, INTERPRET,
+        exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr, remainder_ptr, rng_ptr, offs,
+        tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, REMAINDER, STOCHASTIC,
+        INTERPRET,
     )  # fmt: skip

@@ -222,7 +222,7 @@ def torch_adamw_chunked_(
         hyperparameters, foreach, fused: as :func:`torch_adamw_`.
         chunk_bytes: the budget of one chunk's gradient (None: the whole tensor).
         remainder: the int16 remainder of a bf16 ``weight`` (docs/design.md, "bf16 master weights"): the
-            update runs on the fp32 master (each chunk's merged, the gradient as fp32, fp32 moments) and
+            update runs on the fp32 master (each chunk's merged, the gradient as fp32) and
             splits it again: :func:`sonar_kernels.ops.master_weights.remainder_adamw_`, chunk by chunk.
     """
     fp32_master = remainder is not None

@@ -25,6 +25,7 @@ from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-ex
 from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
 from sonar_kernels.ops.torch_update import (
     check_master_state,
+    moments_of,
     remainder_of,
     seed_of,
     torch_update,
@@ -283,8 +284,7 @@ def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
     remainder, seed = remainder_of(state), seed_of(state)
-    base = state if remainder is None and seed is None else state[:-1]
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = base
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = moments_of(state)
     exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
     return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,

@@ -125,16 +125,13 @@ def remainder_adamw_(
 ) -> None:
     """torch's AdamW on the fp32 master of a bf16 ``weight`` and its int16 ``remainder``, in place: the
     master merged (:func:`merge`), updated by :func:`sonar_kernels.ops.adamw.torch_adamw_` with ``grad``
-    as fp32 and fp32 moments, and split again (:func:`split`). So the master follows torch.optim.AdamW on
-    fp32 master weights bit for bit, and the weight is the master rounded to nearest (a tie away from
+    as fp32 (the moments fp32, or bf16: then torch's AdamW on fp32 copies, each moment rounded once at
+    the store), and split again (:func:`split`). So the master follows torch.optim.AdamW on fp32 master
+    weights bit for bit (fp32 moments), and the weight is the master rounded to nearest (a tie away from
     zero). A skipped update (a non-finite gradient) leaves weight, remainder, moments and step as they
     were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors)."""
     from sonar_kernels.ops.adamw import torch_adamw_
 
-    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        raise TypeError(
-            f"the remainder's update takes fp32 moments, got {exp_avg.dtype} and {exp_avg_sq.dtype}"
-        )
     with torch.no_grad():
         master = merge(weight, remainder)
         torch_adamw_(
@@ -175,7 +172,8 @@ def stochastic_adamw_(
 ) -> None:
     """The torch backend's update of a bf16 ``weight`` rounded stochastically, in place: AdamW on the
     weight read as fp32 in the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py`` (the Triton
-    kernels', op for op: :func:`sonar_kernels.ops.moments_8bit.adamw_fp64`, fp32 moments), the result
+    kernels', op for op: :func:`sonar_kernels.ops.moments_8bit.adamw_fp64`; moments fp32 or bf16, read as
+    fp32 and rounded to their dtype once at the store), the result
     rounded back with :func:`stochastic_round` at the tensor's seed, the update's step (incremented) and
     each element's offset (:func:`element_index`): given the same gradient, the same bits as the Triton
     epilogue and split path. ``state``: exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed
@@ -186,10 +184,6 @@ def stochastic_adamw_(
     from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
 
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed = state
-    if exp_avg.dtype != torch.float32 or exp_avg_sq.dtype != torch.float32:
-        raise TypeError(
-            f"stochastic rounding's update takes fp32 moments, got {exp_avg.dtype} and {exp_avg_sq.dtype}"
-        )
     start = weight.storage_offset()
 
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:

@@ -29,6 +29,8 @@ import functools
 
 import torch
 
+from sonar_kernels.ops.master_weights import element_index, merge, split, stochastic_round
+
 __all__ = [
     "BLOCK",
     "adamw_8bit_scalars",
@@ -230,18 +232,23 @@ def adamw_8bit_triton_(
     scalars: torch.Tensor,
     skip: torch.Tensor,
     hyper: torch.Tensor,
+    *,
+    remainder: torch.Tensor | None = None,
+    rng: torch.Tensor | None = None,
 ) -> None:
     """The split path's update on the Triton backend: ``weight`` and both moments' (codes, scales) updated
     in place by :func:`sonar_kernels.kernels.moments_8bit.adamw_8bit_kernel` from ``grad`` (the weight's
     shape, rounded to the gradient dtype), unless ``skip`` (a 0-dim fp32 device flag) is not 0: the
     arithmetic of :func:`adamw_8bit_update`, bit for bit. Every tensor contiguous, the last dimension a
-    multiple of :data:`BLOCK`."""
+    multiple of :data:`BLOCK`. A bf16 ``weight`` with its int16 ``remainder`` is updated as its fp32 master
+    (docs/design.md, "bf16 master weights"); with ``rng`` ([2] int64: the tensor's seed and the step) it is
+    rounded back stochastically, each element's counter its offset in the tensor."""
     import triton
 
     from sonar_kernels.kernels.moments_8bit import ADAMW_8BIT_CONFIG, adamw_8bit_kernel
     from sonar_kernels.ops.common import on_device, triton_interpreting
 
-    tensors = (weight, grad, *exp_avg, *exp_avg_sq)
+    tensors = (weight, grad, *exp_avg, *exp_avg_sq, *([] if remainder is None else [remainder]))
     if not all(t.is_contiguous() for t in tensors):
         raise ValueError("the 8-bit update's tensors must be contiguous")
     C = weight.shape[-1]
@@ -251,11 +258,14 @@ def adamw_8bit_triton_(
     grid = (triton.cdiv(R, config["BLOCK_R"]), triton.cdiv(C, config["BLOCK_C"]))
     table = tables(weight.device)
     magnitudes, levels = table[:128], table[128:]
+    bits = remainder is not None or rng is not None  # the weight through its int16 bits
     with on_device(weight.device):
         adamw_8bit_kernel[grid](
-            weight, grad, *exp_avg, *exp_avg_sq, magnitudes, levels, scalars, skip, hyper, R, C,
-            BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], INTERPRET=triton_interpreting(),
-            num_warps=config["num_warps"], enable_fp_fusion=False,
+            weight.view(torch.int16) if bits else weight, grad, *exp_avg, *exp_avg_sq, magnitudes, levels, scalars,
+            skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng, R, C,
+            BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], REMAINDER=remainder is not None,
+            STOCHASTIC=rng is not None, INTERPRET=triton_interpreting(), num_warps=config["num_warps"],
+            enable_fp_fusion=False,
         )  # fmt: skip
 
 
@@ -276,7 +286,10 @@ def adamw_8bit_(
 ) -> None:
     """The torch backend's update of one expert tensor with 8-bit moments, in place: ``state`` the update's
     tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, exp_avg's scales,
-    exp_avg_sq's scales; ``ops/library.py``'s order), ``hyper`` the [5] fp64 hyperparameters.
+    exp_avg_sq's scales; ``ops/library.py``'s order; then, for a bf16 weight with master weights
+    (docs/design.md, "bf16 master weights"), its int16 remainder, merged into the fp32 master before the
+    update and split from it after, or the 0-dim int64 seed of its stochastic rounding at the update's
+    step and each element's offset), ``hyper`` the [5] fp64 hyperparameters.
 
     ``gradient``: the gradient as a tensor, or an ``ExpertGradient`` (``ops/expert_gradient.py``) that
     computes it by chunks of experts of at most ``chunk_bytes`` (None: whole), each chunk updated before the
@@ -300,7 +313,9 @@ def adamw_8bit_(
     from sonar_kernels.ops.adamw import grad_limit
     from sonar_kernels.ops.common import inf_norm, whole
 
-    m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales = state
+    m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales, *master = state
+    remainder = master[0] if master and master[0].dtype == torch.int16 else None
+    seed = master[0] if master and remainder is None else None
     limit = grad_limit(torch.float32)
     dtype = grad_dtype or weight.dtype
     if _is_dtensor(weight):
@@ -319,18 +334,30 @@ def adamw_8bit_(
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
 
+    start_offset = weight.storage_offset()
+
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
         """Update experts ``first`` to ``last - 1`` in place, :data:`UPDATE_ELEMENTS` at a time (whole rows
         of the last dimension: whole blocks), each slice unchanged where ``found`` (a device flag) is set."""
         columns = weight.shape[-1]
-        held = [t[first:last].view(-1, t.shape[-1]) for t in (weight, m_codes, m_scales, v_codes, v_scales)]
+        tensors = (weight, m_codes, m_scales, v_codes, v_scales, *([] if remainder is None else [remainder]))
+        held = [t[first:last].view(-1, t.shape[-1]) for t in tensors]
         grad = grad.reshape(-1, columns)
         rows = max(1, UPDATE_ELEMENTS // columns)
         for start in range(0, grad.shape[0], rows):
             part = slice(start, start + rows)
-            w, mc, ms, vc, vs = (t[part] for t in held)
-            p, m, v = adamw_8bit_update(w, grad[part].float(), (mc, ms), (vc, vs), scalars, hyper)
-            for target, new in zip((w, mc, ms, vc, vs), (p.to(weight.dtype), *m, *v), strict=True):
+            w, mc, ms, vc, vs, *r = (t[part] for t in held)
+            master = merge(w, r[0]) if r else w
+            p, m, v = adamw_8bit_update(master, grad[part].float(), (mc, ms), (vc, vs), scalars, hyper)
+            if r:
+                new_w = split(p)
+            elif seed is not None:
+                new_w = (
+                    stochastic_round(p, seed, step, element_index(w) + (w.storage_offset() - start_offset)),
+                )
+            else:
+                new_w = (p.to(weight.dtype),)
+            for target, new in zip((w, *r, mc, ms, vc, vs), (*new_w, *m, *v), strict=True):
                 target.copy_(new if found is None else torch.where(found, target, new))
 
     chunked_fp64_update_(

@@ -16,9 +16,12 @@ from sonar_kernels.ops.moments_8bit import adamw_8bit_
 __all__ = [
     "STATE_FIELDS",
     "STATE_FIELDS_8BIT",
+    "STATE_FIELDS_8BIT_REMAINDER",
+    "STATE_FIELDS_8BIT_STOCHASTIC",
     "STATE_FIELDS_REMAINDER",
     "STATE_FIELDS_STOCHASTIC",
     "check_master_state",
+    "moments_of",
     "remainder_of",
     "seed_of",
     "torch_update",
@@ -30,45 +33,58 @@ STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
 # With 8-bit moments (docs/design.md, "8-bit moments"): exp_avg and exp_avg_sq are their int8 and uint8
 # codes, and their fp32 block scales follow.
 STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
-# With bf16 master weights kept as a 16-bit remainder (docs/design.md, "bf16 master weights"): the int16
-# remainder follows the exact moments' fields.
+# With bf16 master weights (docs/design.md, "bf16 master weights"), one more tensor follows the moments'
+# fields (STATE_FIELDS or STATE_FIELDS_8BIT): the int16 remainder, or the 0-dim int64 seed of the tensor's
+# stochastic rounding.
 STATE_FIELDS_REMAINDER = (*STATE_FIELDS, "remainder")
-# With bf16 weights rounded stochastically: the 0-dim int64 seed of the tensor's random stream follows.
 STATE_FIELDS_STOCHASTIC = (*STATE_FIELDS, "seed")
+STATE_FIELDS_8BIT_REMAINDER = (*STATE_FIELDS_8BIT, "remainder")
+STATE_FIELDS_8BIT_STOCHASTIC = (*STATE_FIELDS_8BIT, "seed")
 
 
-def remainder_of(state: list) -> torch.Tensor | None:
-    """The int16 remainder at the end of an update's ``state`` list (:data:`STATE_FIELDS_REMAINDER`), or
-    None."""
-    return state[-1] if len(state) == len(STATE_FIELDS_REMAINDER) and state[-1].dtype == torch.int16 else None
-
-
-def seed_of(state: list) -> torch.Tensor | None:
-    """The 0-dim int64 seed at the end of an update's ``state`` list (:data:`STATE_FIELDS_STOCHASTIC`), or
-    None."""
-    last = state[-1]
+def _master_of(state: list) -> torch.Tensor | None:
+    """The tensor that follows the moments' fields of an update's ``state`` list, or None."""
     return (
-        last
-        if len(state) == len(STATE_FIELDS_STOCHASTIC) and last.dtype == torch.int64 and last.dim() == 0
-        else None
+        state[-1] if len(state) in (len(STATE_FIELDS_REMAINDER), len(STATE_FIELDS_8BIT_REMAINDER)) else None
     )
 
 
+def remainder_of(state: list) -> torch.Tensor | None:
+    """The int16 remainder at the end of an update's ``state`` list (:data:`STATE_FIELDS_REMAINDER`,
+    :data:`STATE_FIELDS_8BIT_REMAINDER`), or None."""
+    last = _master_of(state)
+    return last if last is not None and last.dtype == torch.int16 else None
+
+
+def seed_of(state: list) -> torch.Tensor | None:
+    """The 0-dim int64 seed at the end of an update's ``state`` list (:data:`STATE_FIELDS_STOCHASTIC`,
+    :data:`STATE_FIELDS_8BIT_STOCHASTIC`), or None."""
+    last = _master_of(state)
+    return last if last is not None and last.dtype == torch.int64 and last.dim() == 0 else None
+
+
+def moments_of(state: list) -> list:
+    """An update's ``state`` list without its remainder or seed: :data:`STATE_FIELDS` or
+    :data:`STATE_FIELDS_8BIT`."""
+    return state if _master_of(state) is None else state[:-1]
+
+
 def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
-    """Raise before anything is written when an update's ``state`` list of bf16 master weights
-    (:data:`STATE_FIELDS_REMAINDER` or :data:`STATE_FIELDS_STOCHASTIC`) cannot apply to ``weight``: a last
+    """Raise before anything is written when an update's ``state`` list cannot apply to ``weight``: 8-bit
+    moments' scales that are not fp32; with bf16 master weights (a tensor after the moments' fields), a last
     tensor that is neither an int16 remainder of the weight's shape nor a 0-dim int64 seed, on the weight's
-    device; a weight that is not bf16; moments that are not fp32.
+    device, or a weight that is not bf16.
 
     Raises:
         TypeError: the weight's dtype.
         ValueError: the rest.
     """
-    if len(state) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in state[5:]):
+    moments = moments_of(state)
+    if len(moments) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in moments[5:]):
         raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
-    if len(state) != len(STATE_FIELDS_REMAINDER):
+    extra = _master_of(state)
+    if extra is None:
         return
-    extra = state[-1]
     if remainder_of(state) is None and seed_of(state) is None:
         raise ValueError(
             f"{name}: the state's last tensor must be an int16 remainder or a 0-dim int64 seed, got "
@@ -84,8 +100,6 @@ def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
         raise TypeError(
             f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"
         )
-    if state[0].dtype != torch.float32 or state[1].dtype != torch.float32:
-        raise ValueError(f"{name}: a remainder's or a stochastic rounding's update takes fp32 moments")
 
 
 def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
@@ -109,7 +123,8 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
     weight_decay) as it holds them (see ``ops/library.py``'s ``run_expert_wgrad``). ``grad_dtype``: the gradient is rounded
     to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
     ``grad_in`` (already in that dtype) is rounded once more."""
-    if len(state) == len(STATE_FIELDS_8BIT):  # 8-bit moments: the scheme's arithmetic, not torch's AdamW
+    check_master_state("weight", weight, state)
+    if len(moments_of(state)) == len(STATE_FIELDS_8BIT):  # 8-bit moments: the scheme's arithmetic
         if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
         adamw_8bit_(
@@ -119,7 +134,6 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if done is not None:
             done()
         return
-    check_master_state("weight", weight, state)
     if seed_of(state) is not None:  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
         if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)

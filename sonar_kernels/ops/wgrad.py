@@ -143,8 +143,8 @@ def check_wgrad(
 
 
 def _check_master(name: str, weight, update: AdamWUpdate) -> None:
-    """A remainder's or a stochastic rounding's update: a bf16 weight, fp32 moments, an int16 remainder of
-    the weight's shape and strides or a 0-dim int64 seed, not both."""
+    """A remainder's or a stochastic rounding's update: a bf16 weight, an int16 remainder of the weight's
+    shape and strides or a 0-dim int64 seed, not both (with any moments: fp32, bf16 or 8-bit)."""
     remainder, seed = update.remainder, update.seed
     for extra in (remainder, seed):
         if extra is not None and extra.device != weight.device:
@@ -166,12 +166,6 @@ def _check_master(name: str, weight, update: AdamWUpdate) -> None:
             f"{name}: the remainder must be int16 with the weight's shape {tuple(weight.shape)} and strides "
             f"{weight.stride()}, got {remainder.dtype} {tuple(remainder.shape)} {remainder.stride()}"
         )
-    if (
-        update.moments_8bit
-        or update.exp_avg.dtype != torch.float32
-        or update.exp_avg_sq.dtype != torch.float32
-    ):
-        raise ValueError(f"{name}: a remainder's or a stochastic rounding's update takes fp32 moments")
 
 
 def expert_wgrad(
@@ -425,7 +419,7 @@ def _wgrad(
         elif eight_bit:
             moments_8bit.adamw_8bit_triton_(
                 weight, grad, (update.exp_avg, update.exp_avg_scales), (update.exp_avg_sq, update.exp_avg_sq_scales),
-                scalars, skip, hyper,
+                scalars, skip, hyper, remainder=update.remainder, rng=rng,
             )  # fmt: skip
         else:
             remainder = update.remainder

@@ -91,24 +91,19 @@ def _local_values(p: torch.Tensor, value: torch.Tensor, name: str) -> torch.Tens
     return local.to(device=_local(p).device, dtype=torch.float32).contiguous()
 
 
-def check_master_weights(master_weights, moments_dtype) -> str | None:
+def check_master_weights(master_weights) -> str | None:
     """``master_weights`` when the optimizers implement it: None, "remainder" (docs/design.md, "bf16 master
     weights": the bf16 expert tensor and an int16 ``state[p]["remainder"]`` are the fp32 master) or
     "stochastic" (the bf16 expert tensor updated in fp32 and rounded back stochastically with the stream of
-    ``state[p]["seed"]``), with fp32 moments (``moments_dtype`` None or torch.float32).
+    ``state[p]["seed"]``), with any ``moments_dtype`` (fp32, bf16, "8bit").
 
     Raises:
-        ValueError: another value; other moments with either.
+        ValueError: another value.
     """
     if master_weights is None:
         return None
     if master_weights not in (REMAINDER, STOCHASTIC):
         raise ValueError(f'master_weights must be None, "remainder" or "stochastic", got {master_weights!r}')
-    if moments_dtype not in (None, torch.float32):
-        raise ValueError(
-            f'master_weights="{master_weights}" takes fp32 moments so far (moments_dtype None or torch.float32), '
-            f"got {moments_dtype!r}"
-        )
     return master_weights
 
 
@@ -116,8 +111,10 @@ def moment_tensors(state: dict) -> list[torch.Tensor]:
     """The tensors of ``state`` that an update writes besides ``step``: the moments, or their codes and
     scales."""
     if "exp_avg_codes" in state:
-        return [state[f"{key}_{part}"] for key in MOMENTS for part in ("codes", "scales")]
-    return [state[key] for key in MOMENTS] + [state[key] for key in ("remainder", "seed") if key in state]
+        moments = [state[f"{key}_{part}"] for key in MOMENTS for part in ("codes", "scales")]
+    else:
+        moments = [state[key] for key in MOMENTS]
+    return moments + [state[key] for key in ("remainder", "seed") if key in state]
 
 
 def _quantized(p: torch.Tensor, values: dict | None) -> dict:
@@ -230,14 +227,19 @@ def with_cpu_steps(saved: dict, param_groups: list[dict], managed: Callable[[tor
         state = saved["state"].get(param_id)
         if managed(p) and state is not None and isinstance(state.get("step"), torch.Tensor):
             if "exp_avg_codes" in state:
-                state = {"step": state["step"]} | {
-                    name: value
-                    for key in MOMENTS
-                    for name, value in (
-                        (key, _dequantized(p, state, key)),
-                        (f"{key}_codes", state[f"{key}_codes"]),
-                    )
-                }
+                master = {key: state[key] for key in ("remainder", "seed") if key in state}
+                state = (
+                    {"step": state["step"]}
+                    | {
+                        name: value
+                        for key in MOMENTS
+                        for name, value in (
+                            (key, _dequantized(p, state, key)),
+                            (f"{key}_codes", state[f"{key}_codes"]),
+                        )
+                    }
+                    | master
+                )
             saved["state"][param_id] = {**state, "step": state["step"].to("cpu", copy=True)}
     return saved
 
@@ -295,7 +297,7 @@ def _load_8bit(p: torch.Tensor, saved: dict) -> dict:
         value = _local_values(p, value, key)
         if isinstance(codes, torch.Tensor) and codes.dtype == CODES[key] and codes.shape == p.shape:
             scales = value.reshape(*scales_shape(tuple(value.shape)), -1).abs().amax(dim=-1)
-            codes = _local(codes).to(value.device).contiguous()
+            codes = _local(codes).to(value.device, copy=True).contiguous()
         else:
             codes, scales = quantize(value, key)
         state[f"{key}_codes"] = _like(p, codes, tuple(p.shape))
@@ -327,19 +329,19 @@ def load_expert_state(
         else:
             state[key] = torch.zeros_like(p, dtype=moments_dtype or p.dtype)
     step = saved.get("step")
-    state["step"] = (
-        torch.as_tensor(0.0 if step is None else step, dtype=torch.float32).to(p.device).reshape(())
+    state["step"] = (  # a copy: never the saved tensor (a live optimizer's state_dict holds its own)
+        torch.as_tensor(0.0 if step is None else step, dtype=torch.float32).to(p.device).reshape(()).clone()
     )
     kept = ("step", *MOMENTS)
+    if eight_bit:
+        state |= _load_8bit(p, saved)
+        kept = ("step", *(f"{key}_{part}" for key in MOMENTS for part in ("codes", "scales")))
     if master == REMAINDER:  # the saved remainder, else zeros (a checkpoint of bf16 weights alone)
         state["remainder"] = _remainder(p, saved.get("remainder"))
         kept = (*kept, "remainder")
     elif master == STOCHASTIC:  # the saved seed, else ``seed`` (the one this optimizer gives p)
         state["seed"] = _seed(p, saved.get("seed"), seed)
         kept = (*kept, "seed")
-    if eight_bit:
-        state |= _load_8bit(p, saved)
-        kept = ("step", *(f"{key}_{part}" for key in MOMENTS for part in ("codes", "scales")))
     for key in list(state):
         if key not in kept:
             del state[key]

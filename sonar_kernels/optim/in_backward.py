@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.master_weights import tensor_seed
+from sonar_kernels.ops.master_weights import REMAINDER, split, tensor_seed
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
@@ -110,7 +110,7 @@ class InBackwardAdamW:
                 raise TypeError(
                     f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
-        self.master_weights = check_master_weights(master_weights, moments_dtype)
+        self.master_weights = check_master_weights(master_weights)
         if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int):
             raise TypeError(f"rounding_seed must be an int, got {type(rounding_seed).__name__}")
         self.rounding_seed = rounding_seed
@@ -262,12 +262,8 @@ class InBackwardAdamW:
             moments = {"exp_avg": state["exp_avg_codes"], "exp_avg_sq": state["exp_avg_sq_codes"],
                        "exp_avg_scales": state["exp_avg_scales"], "exp_avg_sq_scales": state["exp_avg_sq_scales"]}  # fmt: skip
         else:
-            moments = {
-                "exp_avg": state["exp_avg"],
-                "exp_avg_sq": state["exp_avg_sq"],
-                "remainder": state.get("remainder"),
-                "seed": state.get("seed"),
-            }
+            moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+        moments |= {"remainder": state.get("remainder"), "seed": state.get("seed")}
         update = OwnedUpdate(
             self, record, p, **moments, step=state["step"],
             hyper=record.groups.tensor(p), grad_norm_sq=record.grad_norm_sq[p], skipped=record.skipped[p],
@@ -425,6 +421,62 @@ class InBackwardAdamW:
         its fused and capturable modes: loaded into a non-fused torch.optim.AdamW it then does not read a
         device scalar on the host at every step. Reading it syncs with the device (checkpoint time)."""
         return with_cpu_steps(super().state_dict(), self.param_groups, self._managed.__contains__)
+
+    def load_fp32_masters(self, masters) -> None:
+        """Give bf16 expert tensors of ``master_weights`` their fp32 masters, e.g. the weights of an fp32
+        checkpoint that torch.optim.AdamW trained (load its state_dict with :meth:`load_state_dict` too):
+        with "remainder" each weight and its ``state[p]["remainder"]`` become the master's split (the weight
+        the master rounded to nearest, a tie away from zero; together exactly the master,
+        docs/design.md, "bf16 master weights"); with "stochastic", which keeps no master, the weight becomes
+        the master rounded to nearest (torch's cast). Nothing else changes (moments, step, seeds).
+
+        Args:
+            masters: a mapping (or pairs) from expert tensors of this optimizer to float32 tensors of their
+                shapes; the tensors not named keep their state.
+        Raises:
+            ValueError: master_weights is None; a tensor this optimizer does not update in the backward; a
+                master of another shape, or with a non-finite entry. Checked for every tensor before any is
+                written.
+            TypeError: a master that is not a float32 tensor.
+            RuntimeError: called after a backward that updated expert tensors and before ``step()``.
+        """
+        name = type(self).__name__
+        if self.master_weights is None:
+            raise ValueError(f"{name}.load_fp32_masters: the optimizer was built with master_weights=None")
+        if any(p in self._managed for p in self._record.updated):
+            raise RuntimeError(
+                f"{name}.load_fp32_masters after a backward that updated expert tensors and before step()"
+            )
+        pairs = list(masters.items() if hasattr(masters, "items") else masters)
+        for p, master in pairs:
+            if p not in self._managed:
+                raise ValueError(
+                    f"{name}.load_fp32_masters: a tensor of shape {tuple(p.shape)} is not an expert tensor of "
+                    "this optimizer"
+                )
+            if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
+                raise TypeError(
+                    f"{name}.load_fp32_masters: a master must be a float32 tensor, got "
+                    f"{getattr(master, 'dtype', type(master).__name__)}"
+                )
+            if master.shape != p.shape:
+                raise ValueError(
+                    f"{name}.load_fp32_masters: a master of shape {tuple(master.shape)} for a tensor of shape "
+                    f"{tuple(p.shape)}"
+                )
+            if not bool(torch.isfinite(master).all()):
+                raise ValueError(
+                    f"{name}.load_fp32_masters: the master of shape {tuple(p.shape)} is not finite"
+                )
+        with torch.no_grad():
+            for p, master in pairs:
+                master = master.to(p.device)
+                if self.master_weights == REMAINDER:
+                    weight, remainder = split(master.contiguous())
+                    p.copy_(weight)
+                    self.state[p]["remainder"].copy_(remainder)
+                else:
+                    p.copy_(master)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch.optim.Optimizer.load_state_dict (a torch.optim.AdamW state_dict loads too), except for

@@ -160,6 +160,7 @@ class InBackwardUpdates:
         if "exp_avg_codes" in state:  # 8-bit moments: the scheme's update (skipped the same way)
             tensors = [state["exp_avg_codes"], state["exp_avg_sq_codes"], state["step"], self.grad_norm_sq[p],
                        self.skipped[p], state["exp_avg_scales"], state["exp_avg_sq_scales"]]  # fmt: skip
+            tensors += [state[key] for key in ("remainder", "seed") if key in state]  # bf16 master weights
             adamw_8bit_(
                 p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
             )
