@@ -475,3 +475,40 @@ def test_moments_8bit_adds_the_sonar_8bit_arm_with_its_heldout_statistics_and_sm
         )
         ratio = arms[arm]["peak_memory_bytes"] / arms["standard"]["peak_memory_bytes"]
         assert report[f"peak_memory_ratio_{suffix}"] == pytest.approx(ratio, rel=1e-12)
+
+
+def test_master_weights_add_their_arms_the_mixed_precision_reference_and_the_remainder_control(tmp_path):
+    argv = ["--steps", "3", "--seeds", "2", "--layers", "1", "--batch-size", "2", "--seq-len", "32",
+            "--heldout-batches", "2", "--out", str(tmp_path), "--name", "mw", "--quiet", "--backend", "torch",
+            "--timing-rounds", "0", "--arms", "standard", "--dtype", "bfloat16",
+            "--master-weights", "remainder", "stochastic"]  # fmt: skip
+    assert train.parse_args(argv).arms == [
+        "standard", "mixed-precision", "sonar-remainder", "remainder-control", "sonar-stochastic"
+    ]  # fmt: skip
+    with pytest.raises(SystemExit):  # fp32 weights: nothing to keep a master for
+        train.parse_args([a for a in argv if a not in ("--dtype", "bfloat16")])
+    assert train.main(argv) == 0
+    report = json.loads((tmp_path / "mw" / "report.json").read_text())
+    arms = report["arms"]
+    # The control: torch.optim.AdamW on fp32 copies of the experts, dense gradients clipped as SonarAdamW
+    # clips them; sonar-remainder's weight and remainder must be those masters bit for bit.
+    assert report["remainder_equals_control_bitwise"] is True and arms["remainder-control"]["seeds"] == [0]
+    versus = report["versus_mixed_precision"]
+    assert set(versus) == {"standard", "sonar-remainder", "sonar-stochastic"}
+    for name, entry in versus.items():
+        deltas = torch.tensor(arms[name]["heldout_losses"], dtype=torch.float64) - torch.tensor(
+            arms["mixed-precision"]["heldout_losses"], dtype=torch.float64
+        )
+        assert entry["heldout"]["deltas"] == pytest.approx(deltas.tolist(), abs=1e-15)
+        ratio = arms[name]["peak_memory_bytes"] / arms["mixed-precision"]["peak_memory_bytes"]
+        assert entry["peak_memory_ratio"] == pytest.approx(ratio, rel=1e-12)
+    # What each keeps: mixed precision an fp32 master of every parameter (2 + 4 bytes of parameters per
+    # bf16 one); the remainder 2 bytes per expert parameter in place of stochastic rounding's seeds.
+    params = arms["standard"]["peak_memory"]["parameters"]
+    assert arms["mixed-precision"]["peak_memory"]["parameters"] == 3 * params
+    experts = report["expert_parameters"]
+    state = {
+        name: arms[name]["peak_memory"]["optimizer_state"] for name in ("sonar-remainder", "sonar-stochastic")
+    }
+    seeds = 8 * 2 * report["layers"]  # stochastic rounding's 0-dim int64 seed per expert tensor
+    assert state["sonar-remainder"] - state["sonar-stochastic"] == 2 * experts - seeds

@@ -20,9 +20,25 @@ from sonar_kernels.train.data import ByteData, Preset
 ARMS = ("standard", "sonar", "standard-dense-clip")
 
 
-OTHER_ARMS = ("all-in-backward", "sonar-8bit", "torchao-8bit")
-# The arms that train with SonarAdamW: exact moments, and 8-bit moments (docs/design.md, "8-bit moments").
-SONAR_ARMS = ("sonar", "sonar-8bit")
+# bf16 master weights (docs/design.md, "bf16 master weights"; --dtype bfloat16): SonarAdamW with a
+# remainder or stochastic rounding for the experts (fp32 moments, or 8-bit), the reference of standard
+# mixed-precision AdamW (an fp32 master copy of every parameter) and the remainder's bitwise control.
+MASTER_ARMS = (
+    "mixed-precision",
+    "sonar-remainder",
+    "sonar-stochastic",
+    "sonar-remainder-8bit",
+    "sonar-stochastic-8bit",
+    "remainder-control",
+)
+OTHER_ARMS = ("all-in-backward", "sonar-8bit", "torchao-8bit", *MASTER_ARMS)
+# The arms that train with SonarAdamW: exact moments, 8-bit moments (docs/design.md, "8-bit moments"), bf16
+# master weights.
+SONAR_ARMS = ("sonar", "sonar-8bit", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
+              "sonar-stochastic-8bit")  # fmt: skip
+# Each sonar arm's control, run on the first seed only: its training with materialized gradients and a
+# separate step that must give the same bits (dense clipping, the experts' update as the sonar arm's).
+CONTROLS = {"sonar": "standard-dense-clip", "sonar-remainder": "remainder-control"}
 
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -146,6 +162,80 @@ class Torchao8bit:
             optimizer.zero_grad(set_to_none)
 
 
+class Fp32Masters:
+    """AdamW with fp32 master weights over a bf16 model: each chosen parameter's master (an fp32 copy)
+    updated by torch.optim.AdamW with ``flags`` (fp32 moments) from its bf16 gradient as fp32, the model's
+    bf16 tensor rewritten from it after each step; the other trainable parameters updated as they are by
+    the same optimizer.
+
+    ``experts_only=False``: standard mixed-precision AdamW ("mixed-precision", the reference of bf16 master
+    weights: every parameter has a master, the gradients are clipped over all masters at
+    ``max_grad_norm``, the bf16 copy is torch's cast, ties to even). ``experts_only=True``: the control of
+    SonarAdamW(master_weights="remainder") ("remainder-control"): masters for the expert tensors only,
+    rounded with the remainder's rule (``ops.master_weights.split``, ties away from zero), nothing clipped
+    here (the caller clips the dense gradients, as SonarAdamW does); its masters must equal the sonar
+    arm's reconstructed ones bit for bit."""
+
+    def __init__(self, model, hyper: dict, flags: dict, experts_only: bool, max_grad_norm: float | None):
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.pairs = [
+            (p, torch.nn.Parameter(p.detach().float()))
+            for n, p in named
+            if not experts_only or n.endswith(EXPERT_PARAMS)
+        ]
+        # A module, so that MemTracker counts the masters as parameters (sonar_kernels/train/memory.py).
+        self.masters = torch.nn.ParameterList([m for _, m in self.pairs])
+        mastered = {id(p) for p, _ in self.pairs}
+        rest = [p for _, p in named if id(p) not in mastered]
+        self.optimizer = torch.optim.AdamW([*self.masters, *rest], **hyper, **flags)
+        self.experts_only = experts_only
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm = None
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    def master_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """``p``'s fp32 master, or None (a parameter trained as it is)."""
+        return next((m for q, m in self.pairs if q is p), None)
+
+    def step(self) -> None:
+        from sonar_kernels.ops.master_weights import split
+
+        for p, master in self.pairs:  # one fp32 gradient at a time replaces its bf16 one
+            master.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        if self.max_grad_norm is not None:
+            self.last_grad_norm = torch.nn.utils.clip_grad_norm_(list(self.masters), self.max_grad_norm)
+        self.optimizer.step()
+        with torch.no_grad():
+            for p, master in self.pairs:
+                p.copy_(split(master.detach())[0] if self.experts_only else master.detach())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+def master_values(arm) -> list[torch.Tensor]:
+    """The arm's parameters in the model's order as it trains them, CPU copies: a tensor with an fp32
+    master (Fp32Masters) or a remainder (SonarAdamW with master_weights="remainder") as that master."""
+    from sonar_kernels.ops.master_weights import merge
+
+    values = []
+    for p in arm.model.parameters():
+        value = p.detach()
+        if isinstance(arm.optimizer, Fp32Masters):
+            master = arm.optimizer.master_of(p)
+            value = value if master is None else master.detach()
+        else:
+            state = arm.optimizer.state.get(p, {})
+            if "remainder" in state:
+                value = merge(value, state["remainder"])
+        values.append(value.to("cpu", copy=True))
+    return values
+
+
 def _all_in_backward_update(ref, p: torch.Tensor) -> None:
     owner = ref()
     if owner is not None:
@@ -194,11 +284,17 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
     flags = dict(zip(("foreach", "fused"), chosen, strict=True))
     clip = None
     if name in SONAR_ARMS:
+        master = next((m for m in ("remainder", "stochastic") if m in name), None)
         optimizer = sonar_kernels.SonarAdamW(
             model, **hyper, **flags, max_grad_norm=args.max_grad_norm,
             data_parallel_group=None if ep_experts is not None else distributed.group(),
-            moments_dtype="8bit" if name == "sonar-8bit" else None,
+            moments_dtype="8bit" if name.endswith("8bit") else None, master_weights=master,
         )  # fmt: skip
+    elif name in ("mixed-precision", "remainder-control"):
+        control = name == "remainder-control"
+        optimizer = Fp32Masters(model, hyper, flags, experts_only=control,
+                                max_grad_norm=None if control else args.max_grad_norm)  # fmt: skip
+        clip = dense_parameters(model) if control else None
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
     elif name == "torchao-8bit":
@@ -254,6 +350,8 @@ def train_step(
         arm.updates["step"] = arm.updates["step"] + (_expert_step_count(arm) - after_backward)
     if arm.name in SONAR_ARMS:
         norm = arm.optimizer.last_dense_grad_norm
+    elif arm.name == "mixed-precision":  # clipped over the fp32 masters' gradients, in its step
+        norm = arm.optimizer.last_grad_norm
     for scheduler in arm.schedulers:
         scheduler.step()
     arm.optimizer.zero_grad(set_to_none=True)

@@ -19,9 +19,11 @@ from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 from sonar_kernels.train import checkpoint, distributed
 from sonar_kernels.train.arms import (
+    CONTROLS,
     EXPERT_PARAMS,
     build_arm,
     build_model,
+    master_values,
     run_arm,
     time_interleaved,
 )
@@ -216,12 +218,12 @@ def _run(args) -> int:
     report["seeds"] = seeds
     report["seeds_run"] = len(seeds)
     results = {name: [] for name in args.arms}  # per arm, one run_arm result per seed it ran
-    # sonar and its control, when both run: the parameters of the first to train (first seed), on the CPU,
-    # until the other has trained.
-    compared = [name for name in args.arms if name in ("sonar", "standard-dense-clip")]
-    compared = compared if len(compared) == 2 else []
+    # A sonar arm and its control (arms.CONTROLS), when both run: the parameters of the first to train (first
+    # seed; with fp32 masters, the masters), on the CPU, until the other has trained.
+    pairs = {arm: control for arm, control in CONTROLS.items() if arm in args.arms and control in args.arms}
+    pair_of = {name: arm for arm, control in pairs.items() for name in (arm, control)}
     final = {}
-    equal = None  # sonar's parameters equal its control's, bit for bit (first seed)
+    equal = {}  # sonar arm -> its parameters equal its control's, bit for bit (first seed)
     updates = {"backward": 0, "step": 0, "expected": 0}
     for i, seed in enumerate(seeds):
         if i > 0:  # another batch order, and without --model another initialization
@@ -231,8 +233,8 @@ def _run(args) -> int:
                 initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
                 hf.set_backend(initial, args.backend)
         for name in args.arms:
-            if i > 0 and name == "standard-dense-clip":
-                continue  # the exactness control: compared bit for bit on the first seed
+            if i > 0 and name in CONTROLS.values():
+                continue  # the exactness controls: compared bit for bit on the first seed
             arm = build_arm(name, initial, args, steps, count_updates=True)
             label = f"seed {seed} {name}" if len(seeds) > 1 else name
             result = run_arm(arm, data, steps, args, device, heldout, label)
@@ -254,16 +256,16 @@ def _run(args) -> int:
             if i == 0 and name == "sonar" and args.save is not None and leader:
                 checkpoint.save_model(arm.model, args.save, settings, args.quiet)
                 report["saved"] = {"path": str(Path(args.save).resolve()), "arm": "sonar", "seed": seed}
-            if i == 0 and name in compared:
-                if not final:  # the first of the two: kept until the other has trained
-                    final[name] = [p.detach().to("cpu", copy=True) for p in arm.model.parameters()]
+            if i == 0 and name in pair_of:
+                key = pair_of[name]
+                if key not in final:  # the first of the two: kept until the other has trained
+                    final[key] = master_values(arm)
                 else:
-                    (kept,) = final.values()
-                    equal = all(
-                        torch.equal(a, b.detach().cpu())
-                        for a, b in zip(kept, arm.model.parameters(), strict=True)
+                    kept = final.pop(key)  # compared: no copy held through the other arms and the memory pass
+                    equal[key] = all(
+                        a.dtype == b.dtype and torch.equal(a, b)
+                        for a, b in zip(kept, master_values(arm), strict=True)
                     )
-                    final.clear()  # compared: no copy held through the other arms and the memory pass
             del arm
         if i == 0:
             memory = _memory_pass(args, initial, data, device)
@@ -280,10 +282,12 @@ def _run(args) -> int:
         report["sonar_expert_updates_in_backward"] = updates["backward"]
         report["sonar_expert_updates_in_step"] = updates["step"]
         report["sonar_expert_updates_expected"] = updates["expected"]
-    if equal is not None:
+    if "sonar" in equal:
         report["sonar_equals_control_bitwise"] = (
-            updates["backward"] == updates["expected"] and updates["step"] == 0 and equal
+            updates["backward"] == updates["expected"] and updates["step"] == 0 and equal["sonar"]
         )
+    if "sonar-remainder" in equal:  # its experts' fp32 masters (weight and remainder) and dense weights
+        report["remainder_equals_control_bitwise"] = equal["sonar-remainder"]
     if "sonar" in report["arms"] and "standard" in report["arms"]:
         sonar_arm, standard_arm = report["arms"]["sonar"], report["arms"]["standard"]
         report["heldout"] = heldout_statistics(standard_arm["heldout_losses"], sonar_arm["heldout_losses"])
@@ -292,6 +296,20 @@ def _run(args) -> int:
             1 - sonar_arm["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
         )
         report["speedup"], report["speedup_note"] = speedup(standard_arm["step_time"], sonar_arm["step_time"])
+    if "mixed-precision" in report["arms"]:  # bf16 arms against standard mixed-precision AdamW
+        reference = report["arms"]["mixed-precision"]
+        report["versus_mixed_precision"] = {
+            name: {
+                "heldout": heldout_statistics(
+                    reference["heldout_losses"], arm["heldout_losses"], name=name, reference="mixed-precision"
+                ),
+                "peak_memory_ratio": (
+                    arm["peak_memory_bytes"] / reference["peak_memory_bytes"] if args.memory else None
+                ),
+            }
+            for name, arm in report["arms"].items()
+            if name != "mixed-precision" and name not in CONTROLS.values()
+        }
     for arm, suffix in (("sonar-8bit", "8bit"), ("torchao-8bit", "torchao_8bit")):
         if arm in report["arms"] and "standard" in report["arms"]:
             eight_bit, standard_arm = report["arms"][arm], report["arms"]["standard"]

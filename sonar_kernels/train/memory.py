@@ -47,7 +47,10 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     step = functools.partial(train_step, arm, tokens, args.max_grad_norm)
-    result = track_step(arm.model, arm.optimizers, step, device)
+    masters = getattr(arm.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
+    result = track_step(
+        arm.model, arm.optimizers, step, device, modules=() if masters is None else (masters,)
+    )
     if device.type == "cuda":
         result["cuda_allocator_peak_bytes"] = int(torch.cuda.max_memory_allocated(device))
         result["cuda_allocated_before_step_bytes"] = int(base)
@@ -55,19 +58,20 @@ def measure_memory(name: str, initial, data: ByteData, args, device: torch.devic
     return result
 
 
-def track_step(model: torch.nn.Module, optimizers, step, device: torch.device) -> dict:
+def track_step(model: torch.nn.Module, optimizers, step, device: torch.device, modules=()) -> dict:
     """Run ``step()`` (one training step of ``model`` with ``optimizers``) under torch's MemTracker and
     return its peak on ``device``: ``peak_memory_bytes``, ``peak_memory`` (bytes per label of
     :data:`LABELS`; the optimizer state is what the optimizers hold after the step, counted once per
     storage, a DTensor by its local shard; the rest of what MemTracker files under optimizer state is the
-    step's temporaries) and ``peak_phase`` ("forward", "backward" or "optimizer step"). Also used by
+    step's temporaries; the parameters of ``modules``, e.g. fp32 master copies, among the parameters) and
+    ``peak_phase`` ("forward", "backward" or "optimizer step"). Also used by
     bench/memory_model/ for the layouts sonar-train does not run (FSDP2, EP x DP)."""
     from torch.distributed._tools.common_utils import get_untyped_storages
     from torch.distributed._tools.mem_tracker import MemTracker, _ModState
     from torch.distributed.tensor import DTensor
 
     tracker = MemTracker()
-    tracker.track_external(model, *optimizers)
+    tracker.track_external(model, *optimizers, *modules)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         # torch.compile does not run under a dispatch mode (MemTracker is one): a compiled optimizer step

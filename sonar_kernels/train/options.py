@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from sonar_kernels.train.arms import ARMS, OTHER_ARMS
+from sonar_kernels.train.arms import ARMS, MASTER_ARMS, OTHER_ARMS
 from sonar_kernels.train.data import PRESETS
 from sonar_kernels.train.report import TIMING_WARMUP
 
@@ -105,6 +105,12 @@ def parse_args(argv):
                         help="8bit: also train the sonar-8bit arm, SonarAdamW(moments_dtype=\"8bit\"), whose expert "
                         "moments are 8-bit codes and block scales updated in the backward (docs/usage.md), and, when torchao is "
                         "installed, the torchao-8bit arm")  # fmt: skip
+    parser.add_argument("--master-weights", nargs="+", choices=("remainder", "stochastic"), default=[],
+                        help="with --dtype bfloat16: also train sonar-remainder and/or sonar-stochastic, "
+                        "SonarAdamW(master_weights=...) whose bf16 experts keep an fp32 master as a 16-bit remainder or "
+                        "are rounded stochastically (docs/usage.md; with --moments 8bit also their 8-bit-moments arms), "
+                        "beside mixed-precision (standard AdamW on fp32 master copies of every parameter, their "
+                        "reference) and, for remainder, remainder-control (its bitwise control, first seed)")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -157,6 +163,16 @@ def parse_args(argv):
         if not torchao:
             print("sonar-train: torchao is not installed, so the torchao-8bit arm (the anchor of --moments 8bit) "
                   "does not run (pip install torchao)", file=sys.stderr)  # fmt: skip
+    for mode in args.master_weights:
+        wanted = ["mixed-precision", f"sonar-{mode}"] + (["remainder-control"] if mode == "remainder" else [])
+        wanted += [f"sonar-{mode}-8bit"] if args.moments == "8bit" else []
+        args.arms += [arm for arm in wanted if arm not in args.arms]
+    bf16_only = [arm for arm in args.arms if arm in MASTER_ARMS]
+    if bf16_only and args.dtype != "bfloat16":
+        parser.error(
+            f"{', '.join(bf16_only)} train{'s' if len(bf16_only) == 1 else ''} bf16 weights with fp32 masters: "
+            "add --dtype bfloat16"
+        )
     repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
     if repeated:
         parser.error(f"--arms: {', '.join(repeated)} given more than once")

@@ -49,12 +49,14 @@ def speedup(standard: dict, sonar: dict) -> tuple[float | None, str]:
     return ratio, f"ratio of median step times over {fewest}+ timed steps per arm"
 
 
-def heldout_statistics(standard: list[float], sonar: list[float], name: str = "sonar") -> dict:
+def heldout_statistics(
+    standard: list[float], sonar: list[float], name: str = "sonar", reference: str = "standard"
+) -> dict:
     """The held-out difference sonar - standard over paired seeds (same initialization and batches per
     seed): per-seed differences, their mean and its standard error (sample standard deviation / sqrt(n)),
     the standard arm's own seed-to-seed standard deviation, and a verdict in words: no difference
     detectable when |mean| <= 2 standard errors, otherwise which arm has the lower loss and by how much.
-    One seed gives no verdict."""
+    One seed gives no verdict. ``name`` and ``reference``: the two arms' names in the verdict."""
     deltas = [b - a for a, b in zip(standard, sonar, strict=True)]
     n = len(deltas)
     mean = statistics.fmean(deltas)
@@ -78,7 +80,7 @@ def heldout_statistics(standard: list[float], sonar: list[float], name: str = "s
             f"no difference detectable at this scale (|mean| {abs(mean):.4f} <= 2 standard errors, {2 * se:.4f})"
         )
     else:
-        better = name if mean < 0 else "standard"
+        better = name if mean < 0 else reference
         weak = f"; with {n} seeds a weak test, more seeds narrow it" if n < 5 else ""
         result["verdict"] = (
             f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f}{weak})"
@@ -197,6 +199,21 @@ def summary_table(report: dict) -> str:
         ratio = report.get(f"peak_memory_ratio_{suffix}")
         if ratio is not None:
             lines.append(f"  {arm} peak memory / standard's: {ratio:.3f}")
+    versus = report.get("versus_mixed_precision")
+    if versus:
+        lines.append("")
+        lines.append(
+            "against mixed-precision (standard AdamW on fp32 master copies of every parameter, fp32 moments; "
+            "held-out difference over paired seeds, peak memory ratio):"
+        )
+        for name, entry in versus.items():
+            held = entry["heldout"]
+            ratio = entry["peak_memory_ratio"]
+            memory = f"; peak memory {ratio:.3f}x" if ratio is not None else ""
+            lines.append(
+                f"  {name:<22} {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean {held['mean_delta']:+.4f}"
+                f"{memory}; verdict: {held['verdict']}"
+            )
     updates = report.get("sonar_expert_updates_in_backward")
     if updates is not None:
         lines.append("")
@@ -210,6 +227,13 @@ def summary_table(report: dict) -> str:
         lines.append(
             f"sonar and standard-dense-clip bitwise identical (all parameters after training, seed "
             f"{arms['standard-dense-clip']['seeds'][0]}): {verdict}"
+        )
+    verdict = report.get("remainder_equals_control_bitwise")
+    if verdict is not None:
+        lines.append(
+            "sonar-remainder's fp32 masters (bf16 weight and remainder) and dense weights and remainder-control's "
+            f"(torch.optim.AdamW on fp32 expert masters) bitwise identical (seed "
+            f"{arms['remainder-control']['seeds'][0]}): {verdict}"
         )
     dist = report.get("distributed")
     if dist is not None:
