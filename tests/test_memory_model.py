@@ -125,3 +125,30 @@ def test_8bit_moments_change_only_the_experts_optimizer_state():
     assert {k: v for k, v in exact.breakdown.items() if k != "optimizer_state"} == {
         k: v for k, v in eight.breakdown.items() if k != "optimizer_state"
     }
+
+
+def test_master_weights_add_the_remainder_or_the_seed_and_fp32_moments_to_the_experts_state():
+    import dataclasses
+
+    setup = mm.real_setup("olmoe-1b-7b", "sonar", mm.Layout(), "bf16")
+    tensors = mm.parameter_tensors(setup.dims)
+    experts = sum(mm.numel(shape) for _, shape, is_expert in tensors if is_expert)
+    n_experts = sum(1 for *_, is_expert in tensors if is_expert)
+    pure = mm.predict(setup).breakdown["optimizer_state"]
+    state = {
+        (master, moments): mm.predict(dataclasses.replace(setup, master=master, moments=moments)).breakdown[
+            "optimizer_state"
+        ]
+        for master in ("remainder", "stochastic")
+        for moments in ("exact", "8bit")
+    }
+    # bf16 moments (4 bytes per expert parameter) become fp32 (8) or 8-bit (2.25); the remainder adds 2
+    # bytes per expert parameter, stochastic rounding 8 bytes per expert tensor.
+    assert state["remainder", "exact"] - pure == experts * (8 - 4 + 2)
+    assert state["stochastic", "exact"] - pure == experts * (8 - 4) + 8 * n_experts
+    assert state["remainder", "8bit"] - pure == experts * 9 // 4 - experts * 4 + experts * 2
+    assert state["stochastic", "8bit"] - pure == experts * 9 // 4 - experts * 4 + 8 * n_experts
+    for bad in ({"method": "standard"}, {"param_bytes": 4}, {"master": "fp32"}):
+        with pytest.raises(ValueError, match="master"):
+            dataclasses.replace(setup, **({"master": "remainder"} | bad))
+    assert _readme_block("memory-model-master") == mm.real_table_master().strip()

@@ -62,6 +62,7 @@ from memory_model.report import (
     real_setup,
     real_table,
     real_table_8bit,
+    real_table_master,
     validation_summary,
 )
 from memory_model.validation import (
@@ -79,6 +80,6 @@ __all__ = [
     "ADAMW", "CATEGORIES", "METHODS", "PRECISIONS", "REAL_LAYOUTS", "REAL_PRESETS", "VALIDATION_LAYOUTS", "Case",
     "Layout", "Prediction", "Setup", "Tape", "adamw_temporaries", "compare", "gradient_order", "layer_of",
     "layer_saved", "local_shape", "logits_dtype_bytes", "main", "measure", "numel", "parameter_tensors", "predict",
-    "presets", "real_setup", "real_table", "real_table_8bit", "rms_norm_saved", "run_cases", "shared_saved", "torch_expert_backward",
+    "presets", "real_setup", "real_table", "real_table_8bit", "real_table_master", "rms_norm_saved", "run_cases", "shared_saved", "torch_expert_backward",
     "triton_expert_backward", "validate", "validation_cases", "validation_summary", "with_layers",
 ]  # fmt: skip

@@ -108,11 +108,16 @@ class Setup:
             as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/ops/moments_8bit.py``: 2.25
             bytes per expert parameter; the torch backend's update chunked whatever ``adamw``; validated
             against MemTracker on one rank, tests/test_memory_model.py).
+        master: None, or the expert tensors' bf16 master weights (``param_bytes`` 2, an in-backward
+            method; docs/design.md, "bf16 master weights"): "remainder" (fp32 moments, or 8-bit ones, and
+            an int16 remainder per element: 2 bytes) or "stochastic" (the moments as with "remainder" and a
+            0-dim int64 seed per tensor).
 
     Raises:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
             backend; parameter bytes other than 2 or 4, activations wider than the parameters; experts that
-            ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1.
+            ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1; master
+            weights with the standard method or fp32 parameters.
     """
 
     dims: Preset
@@ -129,8 +134,15 @@ class Setup:
     expert_rows: tuple[int, ...] | None = None
     collectives: str = "nccl"
     moments: str = "exact"
+    master: str | None = None
 
     def __post_init__(self):
+        if self.master not in (None, "remainder", "stochastic"):
+            raise ValueError(f"master must be None, 'remainder' or 'stochastic', got {self.master!r}")
+        if self.master is not None and (self.method == "standard" or self.param_bytes != 2):
+            raise ValueError(
+                "bf16 master weights are an in-backward update's (method paper or sonar), of bf16 weights"
+            )
         if self.moments not in ("exact", "8bit"):
             raise ValueError(f"moments must be 'exact' or '8bit', got {self.moments!r}")
         if self.moments == "8bit" and self.method == "standard":

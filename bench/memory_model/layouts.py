@@ -71,7 +71,9 @@ def predict(s: Setup) -> Prediction:
     static = {
         "parameters": sum(nbytes.values()),
         "buffers": 2 * (head_dim(d) // 2) * p,  # rotary inv_freq and original_inv_freq, cast with the model
-        "optimizer_state": optimizer_state_bytes(nbytes, is_expert, p, s.moments),  # moments, fp32 step
+        "optimizer_state": optimizer_state_bytes(
+            nbytes, is_expert, p, s.moments, s.master
+        ),  # moments, fp32 step
     }
     in_backward = s.method != "standard"  # expert gradients never reach .grad outside the backward
     reduce_first = in_backward and lay.dp > 1  # averaged over the data-parallel group before the update
@@ -266,7 +268,9 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     static = {
         "parameters": sum(shard.values()),
         "buffers": 2 * (head_dim(d) // 2) * p,
-        "optimizer_state": optimizer_state_bytes(shard, {n: n in expert_names for n in shard}, p, s.moments),
+        "optimizer_state": optimizer_state_bytes(
+            shard, {n: n in expert_names for n in shard}, p, s.moments, s.master
+        ),
     }
     gloo = s.collectives == "gloo"
     in_backward = s.method != "standard"

@@ -55,13 +55,24 @@ def layer_of(name: str) -> int | None:
     return int(name.split(".")[1]) if name.startswith("layers.") else None
 
 
-def optimizer_state_bytes(nbytes: dict, is_expert: dict, param_bytes: int, moments: str) -> int:
+def optimizer_state_bytes(
+    nbytes: dict, is_expert: dict, param_bytes: int, moments: str, master: str | None = None
+) -> int:
     """AdamW's state of the tensors ``nbytes`` (name -> this rank's parameter bytes): exp_avg and
     exp_avg_sq in the parameter dtype (``sonar_kernels/optim/expert_state.py``) and an fp32 step each; with
     ``moments`` "8bit" an expert tensor's moments are int8 and uint8 codes and one fp32 scale per 32
-    elements of each (``sonar_kernels/ops/moments_8bit.py``): 9 / 4 bytes per element."""
+    elements of each (``sonar_kernels/ops/moments_8bit.py``): 9 / 4 bytes per element. With bf16 master
+    weights (``master``) an expert tensor's exact moments are fp32 (8 bytes per element) and it keeps an
+    int16 remainder per element ("remainder") or a 0-dim int64 seed ("stochastic")."""
     total = 4 * len(nbytes)
     for name, size in nbytes.items():
         elements = size // param_bytes
-        total += elements * 9 // 4 if moments == "8bit" and is_expert[name] else 2 * size
+        if moments == "8bit" and is_expert[name]:
+            total += elements * 9 // 4
+        elif master is not None and is_expert[name]:
+            total += 8 * elements
+        else:
+            total += 2 * size
+        if master is not None and is_expert[name]:
+            total += 2 * elements if master == "remainder" else 8
     return total

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -90,6 +91,47 @@ def real_table_8bit() -> str:
     return "\n".join(lines) + "\n"
 
 
+# One GPU's memory (GiB, nominal): an RTX 4090, an L40S / RTX 6000 Ada, an A100 / H100 80 GB, an H200.
+GPU_SIZES = (24, 48, 80, 141)
+# The share of a GPU's memory a training step may take: the CUDA context, cuBLAS workspaces and the caching
+# allocator's fragmentation take the rest (an allowance, not a measurement).
+USABLE = 0.9
+# One GPU's configurations of bf16 master weights (docs/design.md, "bf16 master weights") against standard
+# training: (label, method, precision, moments, master), checkpointing on.
+MASTER_CONFIGS = (
+    ("standard mixed precision (fp32 master and moments)", "standard", "fp32 master, bf16 activations", "exact", None),
+    ("standard pure bf16", "standard", "bf16", "exact", None),
+    ("sonar pure bf16", "sonar", "bf16", "exact", None),
+    ("sonar bf16 + remainder, fp32 moments", "sonar", "bf16", "exact", "remainder"),
+    ("sonar bf16 + remainder, 8-bit moments", "sonar", "bf16", "8bit", "remainder"),
+    ("sonar bf16 + stochastic, fp32 moments", "sonar", "bf16", "exact", "stochastic"),
+    ("sonar bf16 + stochastic, 8-bit moments", "sonar", "bf16", "8bit", "stochastic"),
+)  # fmt: skip
+
+
+def real_table_master() -> str:
+    """The real presets' predicted peak on one GPU (the preset's batch, activation checkpointing on) with
+    bf16 master weights beside standard mixed precision and pure bf16, and which GPU sizes each fits
+    (peak <= :data:`USABLE` of the GPU's memory), as a markdown table."""
+    sizes = " | ".join(f"{g} GiB" for g in GPU_SIZES)
+    lines = [
+        f"| preset | configuration | peak GiB | vs mixed precision | {sizes} |",
+        "|---|---|---|---|" + "---|" * len(GPU_SIZES),
+    ]
+    for preset in REAL_PRESETS:
+        totals = {}
+        for label, method, precision, moments, master in MASTER_CONFIGS:
+            setup = real_setup(preset, method, Layout(), precision, moments=moments)
+            if master is not None:
+                setup = dataclasses.replace(setup, master=master)
+            totals[label] = predict(setup).total
+        reference = totals[MASTER_CONFIGS[0][0]]
+        for label, total in totals.items():
+            fits = " | ".join("fits" if total <= USABLE * g * 2**30 else "no" for g in GPU_SIZES)
+            lines.append(f"| {preset} | {label} | {total / 2**30:.1f} | {total / reference:.2f}x | {fits} |")
+    return "\n".join(lines) + "\n"
+
+
 def validation_summary(report: dict) -> str:
     rows = [
         "| layout | ranks | cases | worst error standard | worst error paper | worst error sonar |",
@@ -126,6 +168,11 @@ def main(argv: list[str] | None = None) -> int:
         print(real_table())
         print("With 8-bit moments (per-rank peak, GiB, activation checkpointing on):\n")
         print(real_table_8bit())
+        print(
+            f"bf16 master weights on one GPU (activation checkpointing on; fits: peak <= {USABLE:.0%} of the "
+            "GPU's memory):\n"
+        )
+        print(real_table_master())
         return 0
     report = validate(progress=lambda line: print(line, file=sys.stderr, flush=True))
     out = Path(args.out) if args.out else (
