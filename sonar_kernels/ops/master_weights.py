@@ -129,18 +129,63 @@ def remainder_adamw_(
     the store), and split again (:func:`split`). So the master follows torch.optim.AdamW on fp32 master
     weights bit for bit (fp32 moments), and the weight is the master rounded to nearest (a tie away from
     zero). A skipped update (a non-finite gradient) leaves weight, remainder, moments and step as they
-    were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors)."""
+    were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors). A DTensor
+    weight (FSDP2's shard; remainder, gradient and moments DTensors of its placements): each rank merges and
+    splits its own shard, torch's AdamW runs on the sharded master (the skip decided over the whole
+    gradient)."""
     from sonar_kernels.ops.adamw import torch_adamw_
 
     with torch.no_grad():
-        master = merge(weight, remainder)
+        local_weight, local_remainder = _local(weight), _local(remainder)
+        master = merge(local_weight, local_remainder)
+        if _is_dtensor(weight):  # FSDP2's shard: the master sharded as the weight
+            from torch.distributed.tensor import DTensor
+
+            master = DTensor.from_local(
+                master, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                stride=weight.stride(),
+            )  # fmt: skip
         torch_adamw_(
             master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             foreach=foreach, fused=fused,
         )  # fmt: skip
-        new_weight, new_remainder = split(master)
-        weight.copy_(new_weight)
-        remainder.copy_(new_remainder)
+        new_weight, new_remainder = split(_local(master))
+        local_weight.copy_(new_weight)
+        local_remainder.copy_(new_remainder)
+
+
+def _is_dtensor(t) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+def _local(t):
+    """This rank's part of a DTensor (FSDP2's shard); any other tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t
+
+
+def shard_index_base(t: torch.Tensor) -> int:
+    """The row-major position, in the whole tensor, of the first element of this rank's part of the DTensor
+    ``t`` sharded along its first dimension only (FSDP2's default): the stream's counter of that element
+    (:func:`element_index` of the unsharded tensor), so that a shard draws what one process draws there.
+
+    Raises:
+        ValueError: ``t`` is sharded along another dimension, or not contiguous.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not isinstance(q, Replicate) and not (isinstance(q, Shard) and q.dim == 0) for q in t.placements):
+        raise ValueError(
+            f"stochastic rounding of a sharded tensor needs it sharded along its first dimension only (FSDP2's "
+            f"default), got placements {t.placements}"
+        )
+    if not t.to_local().is_contiguous():
+        raise ValueError("stochastic rounding of a sharded tensor needs a contiguous shard")
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    rest = 1
+    for size in t.shape[1:]:
+        rest *= size
+    return int(offset[0]) * rest
 
 
 def element_index(t: torch.Tensor) -> torch.Tensor:
@@ -169,6 +214,8 @@ def stochastic_adamw_(
     *,
     grad_dtype: torch.dtype | None,
     chunk_bytes: int | None,
+    found: torch.Tensor | None = None,
+    index_base: int = 0,
 ) -> None:
     """The torch backend's update of a bf16 ``weight`` rounded stochastically, in place: AdamW on the
     weight read as fp32 in the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py`` (the Triton
@@ -180,10 +227,37 @@ def stochastic_adamw_(
     (``ops/torch_update.py``'s STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters;
     ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes`` and the skip as
     :func:`sonar_kernels.ops.moments_8bit.chunked_fp64_update_` takes them (a skipped update leaves weight,
-    moments and step unchanged). Temporaries: fp64 copies of :data:`UPDATE_ELEMENTS` elements at a time."""
+    moments and step unchanged). Temporaries: fp64 copies of :data:`UPDATE_ELEMENTS` elements at a time.
+
+    A DTensor ``weight`` (FSDP2's shard along the first dimension; its gradient and moments DTensors of its
+    placements): each rank rounds its own shard with the counters of those elements in the whole tensor
+    (:func:`shard_index_base`), the skip and ``grad_norm_sq`` decided over the whole gradient: the bits one
+    process gives on the unsharded tensor.
+
+    Args:
+        found: the skip decided by the caller (a 0-dim bool), for a whole gradient only.
+        index_base: added to every element's counter (a shard's position in the whole tensor).
+    """
+    from sonar_kernels.ops.adamw import grad_limit
+    from sonar_kernels.ops.common import inf_norm, whole
     from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
 
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed = state
+    if _is_dtensor(weight):
+        if not _is_dtensor(gradient) or grad_in is not None:
+            raise ValueError("a sharded (DTensor) weight's update takes its whole gradient as a DTensor")
+        base = shard_index_base(weight)
+        with torch.no_grad():
+            grad = gradient.to(grad_dtype or weight.dtype)
+            decided = ~(whole(inf_norm(grad)) <= grad_limit(torch.float32))
+            norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
+            local = [_local(t) for t in (weight, grad, *state)]
+            stochastic_adamw_(
+                local[0], local[1], None, local[2:], hyper, grad_dtype=grad.dtype, chunk_bytes=None, found=decided,
+                index_base=base,
+            )  # fmt: skip
+            grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
+        return
     start = weight.storage_offset()
 
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
@@ -197,12 +271,12 @@ def stochastic_adamw_(
                 w, m, v = (t[part] for t in (weight, exp_avg, exp_avg_sq))
                 g = grad[(e - first, *part[1:])] if weight.dim() > 2 else grad[e - first : e - first + 1]
                 p, m_new, v_new = adamw_fp64(w, g.float(), m, v, scalars, hyper)
-                index = element_index(w) + (w.storage_offset() - start)
+                index = element_index(w) + (w.storage_offset() - start + index_base)
                 new_w = stochastic_round(p, seed, step, index)
                 for target, new in ((w, new_w), (m, m_new), (v, v_new)):
                     target.copy_(new if found is None else torch.where(found, target, new))
 
     chunked_fp64_update_(
         weight, gradient, grad_in, step, grad_norm_sq, skipped, hyper, apply,
-        grad_dtype=grad_dtype or weight.dtype, chunk_bytes=chunk_bytes,
+        grad_dtype=grad_dtype or weight.dtype, chunk_bytes=chunk_bytes, found=found,
     )  # fmt: skip

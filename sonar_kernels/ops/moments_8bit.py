@@ -29,7 +29,7 @@ import functools
 
 import torch
 
-from sonar_kernels.ops.master_weights import element_index, merge, split, stochastic_round
+from sonar_kernels.ops.master_weights import element_index, merge, shard_index_base, split, stochastic_round
 
 __all__ = [
     "BLOCK",
@@ -283,6 +283,7 @@ def adamw_8bit_(
     grad_dtype: torch.dtype | None,
     chunk_bytes: int | None,
     found: torch.Tensor | None = None,
+    index_base: int = 0,
 ) -> None:
     """The torch backend's update of one expert tensor with 8-bit moments, in place: ``state`` the update's
     tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, exp_avg's scales,
@@ -309,6 +310,8 @@ def adamw_8bit_(
     Args:
         found: the skip decided by the caller (a 0-dim bool on the weight's device) in place of the
             gradient's own check, for a whole gradient only: a shard's update uses the whole tensor's.
+        index_base: added to every element's stream counter with stochastic rounding (a shard's position in
+            the whole tensor).
     """
     from sonar_kernels.ops.adamw import grad_limit
     from sonar_kernels.ops.common import inf_norm, whole
@@ -328,8 +331,17 @@ def adamw_8bit_(
             decided = ~(whole(inf_norm(grad)) <= limit)
             norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
             local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
+            base = shard_index_base(weight) if seed is not None else 0  # the shard's stream counters
             adamw_8bit_(
-                local[0], local[1], None, local[2:], hyper, grad_dtype=dtype, chunk_bytes=None, found=decided
+                local[0],
+                local[1],
+                None,
+                local[2:],
+                hyper,
+                grad_dtype=dtype,
+                chunk_bytes=None,
+                found=decided,
+                index_base=base,
             )
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
@@ -352,9 +364,8 @@ def adamw_8bit_(
             if r:
                 new_w = split(p)
             elif seed is not None:
-                new_w = (
-                    stochastic_round(p, seed, step, element_index(w) + (w.storage_offset() - start_offset)),
-                )
+                index = element_index(w) + (w.storage_offset() - start_offset + index_base)
+                new_w = (stochastic_round(p, seed, step, index),)
             else:
                 new_w = (p.to(weight.dtype),)
             for target, new in zip((w, *r, mc, ms, vc, vs), (*new_w, *m, *v), strict=True):

@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.master_weights import REMAINDER, split, tensor_seed
+from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC, shard_index_base, split, tensor_seed
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
@@ -155,11 +155,8 @@ class InBackwardAdamW:
                 raise TypeError(f"{name}: expert tensors must be float32, bfloat16 or float16, got {p.dtype}")
             if not ops.is_dense(p):
                 raise ValueError(f"{name}: expert tensors must be dense tensors, got strides {p.stride()}")
-            if self.master_weights is not None and isinstance(p, DTensor):
-                raise ValueError(
-                    f'{name}: master_weights="{self.master_weights}" does not take FSDP2\'s sharded (DTensor) '
-                    "parameters yet; use master_weights=None there"
-                )
+            if self.master_weights == STOCHASTIC and isinstance(p, DTensor):
+                shard_index_base(p)  # a shard along the first dimension only: ValueError otherwise
             if self.master_weights is not None and p.dtype != torch.bfloat16:
                 raise TypeError(
                     f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; got one of '
