@@ -127,6 +127,18 @@ def _fsdp_rank(rank, world_size, out, mode, moments):
             merged = mw.merge(p.detach().to_local(), remainder.to_local())
             assert torch.equal(merged.view(torch.int32), master.chunk(world_size)[rank].view(torch.int32))
             assert bool(remainder.to_local().ne(0).any())
+    if mode == "remainder":  # fp32 masters given as DTensors of the parameter's placements
+        shifted = [m + 2.0**-20 for m in masters]
+        optimizer.load_fp32_masters(
+            {p: DTensor.from_local(m.chunk(world_size)[rank], p.device_mesh, p.placements, run_check=False,
+                                   shape=m.shape, stride=m.stride())
+             for p, m in zip(owned, shifted, strict=True)}
+        )  # fmt: skip
+        for p, m in zip(owned, shifted, strict=True):
+            merged = mw.merge(p.detach().to_local(), optimizer.state[p]["remainder"].to_local())
+            assert torch.equal(merged, m.chunk(world_size)[rank])
+        with pytest.raises(ValueError, match="DTensor of its placements"):
+            optimizer.load_fp32_masters({owned[0]: shifted[0]})
     # A checkpoint restores the sharded remainder or seed exactly.
     saved = optimizer.state_dict()
     key = "remainder" if mode == "remainder" else "seed"

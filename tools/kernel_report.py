@@ -169,7 +169,8 @@ def _candidate_specs() -> list[Spec]:
             for config in configs.CANDIDATES[family][("16bit", major)]:
                 if config == default:
                     continue
-                for pair in os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES)).split(","):
+                chosen = os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES))
+                for pair in filter(None, chosen.split(",")):  # empty: --candidate-dtypes with no pair
                     act_dtype, w_dtype = pair.split("/")
                     for name in names:
                         spec = base[(kernel.fn.__name__, f"x={act_dtype} w={w_dtype} {name}")]
@@ -723,7 +724,7 @@ def main(argv=None) -> int:
         choices=CANDIDATE_DTYPES,
         default=CANDIDATE_DTYPES,
         help="the (activation/weight) dtype pairs the tuning candidates are built for (default: every 16-bit "
-        "pair; the test suite builds bf16/fp32 only, to save time)",
+        "pair; none: no candidates; the test suite builds bf16/fp32 only, to save time)",
     )
     args = parser.parse_args(argv)
     os.environ[CANDIDATE_DTYPES_ENV] = ",".join(args.candidate_dtypes)

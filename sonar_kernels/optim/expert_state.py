@@ -14,7 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from sonar_kernels import ops
-from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC
+from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC, split
 from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
 from sonar_kernels.optim.param_groups import check_group_options
 
@@ -24,6 +24,7 @@ __all__ = [
     "check_master_weights",
     "expert_state",
     "load_expert_state",
+    "load_fp32_masters",
     "moment_tensors",
     "uses_8bit",
     "with_cpu_steps",
@@ -345,3 +346,65 @@ def load_expert_state(
     for key in list(state):
         if key not in kept:
             del state[key]
+
+
+def load_fp32_masters(
+    owner: str, states: dict, managed: Callable[[torch.Tensor], bool], master, masters
+) -> None:
+    """The body of ``load_fp32_masters`` (optim/in_backward.py): every (tensor, fp32 master) pair of
+    ``masters`` (a mapping or pairs) checked, then each bf16 tensor and its ``states[p]["remainder"]`` set to
+    the master's split (``master`` "remainder"), or the tensor to the master rounded to nearest
+    ("stochastic"). A sharded (DTensor) tensor takes a master sharded as it (each rank writes its shard).
+
+    Raises:
+        ValueError: ``master`` None; a tensor ``managed`` refuses; a master of another shape or placements,
+            or not finite.
+        TypeError: a master that is not a float32 tensor.
+    """
+    if master is None:
+        raise ValueError(f"{owner}.load_fp32_masters: the optimizer was built with master_weights=None")
+    pairs = list(masters.items() if hasattr(masters, "items") else masters)
+    for p, value in pairs:
+        if not managed(p):
+            raise ValueError(
+                f"{owner}.load_fp32_masters: a tensor of shape {tuple(p.shape)} is not an expert tensor of this "
+                "optimizer"
+            )
+        if not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
+            kind = getattr(value, "dtype", type(value).__name__)
+            raise TypeError(f"{owner}.load_fp32_masters: a master must be a float32 tensor, got {kind}")
+        if value.shape != p.shape:
+            raise ValueError(
+                f"{owner}.load_fp32_masters: a master of shape {tuple(value.shape)} for a tensor of shape "
+                f"{tuple(p.shape)}"
+            )
+        if isinstance(p, DTensor) != isinstance(value, DTensor) or (
+            isinstance(p, DTensor) and value.placements != p.placements
+        ):
+            raise ValueError(
+                f"{owner}.load_fp32_masters: the master of a sharded tensor must be a DTensor of its placements "
+                f"({getattr(p, 'placements', None)}), and that of a plain tensor a plain tensor"
+            )
+        if not bool(whole_finite(value)):
+            raise ValueError(f"{owner}.load_fp32_masters: the master of shape {tuple(p.shape)} is not finite")
+    with torch.no_grad():
+        for p, value in pairs:
+            value = _local(value).to(_local(p).device).contiguous()
+            if master == REMAINDER:
+                weight, remainder = split(value)
+                _local(p).copy_(weight)
+                _local(states[p]["remainder"]).copy_(remainder)
+            else:
+                _local(p).copy_(value)
+
+
+def whole_finite(t: torch.Tensor) -> torch.Tensor:
+    """Whether every entry of ``t`` is finite (a DTensor: over its mesh), a 0-dim bool."""
+    finite = torch.isfinite(_local(t)).all()
+    if isinstance(t, DTensor):
+        import torch.distributed as dist
+
+        flag = finite.to(torch.int64)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
+        return flag.bool()
+    return finite

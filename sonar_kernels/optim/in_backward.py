@@ -39,7 +39,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC, shard_index_base, split, tensor_seed
+from sonar_kernels.ops.master_weights import STOCHASTIC, shard_index_base, tensor_seed
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
@@ -47,6 +47,7 @@ from sonar_kernels.optim.expert_state import (
     check_master_weights,
     expert_state,
     load_expert_state,
+    load_fp32_masters,
     with_cpu_steps,
 )
 from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
@@ -438,42 +439,11 @@ class InBackwardAdamW:
             RuntimeError: called after a backward that updated expert tensors and before ``step()``.
         """
         name = type(self).__name__
-        if self.master_weights is None:
-            raise ValueError(f"{name}.load_fp32_masters: the optimizer was built with master_weights=None")
         if any(p in self._managed for p in self._record.updated):
             raise RuntimeError(
                 f"{name}.load_fp32_masters after a backward that updated expert tensors and before step()"
             )
-        pairs = list(masters.items() if hasattr(masters, "items") else masters)
-        for p, master in pairs:
-            if p not in self._managed:
-                raise ValueError(
-                    f"{name}.load_fp32_masters: a tensor of shape {tuple(p.shape)} is not an expert tensor of "
-                    "this optimizer"
-                )
-            if not isinstance(master, torch.Tensor) or master.dtype != torch.float32:
-                raise TypeError(
-                    f"{name}.load_fp32_masters: a master must be a float32 tensor, got "
-                    f"{getattr(master, 'dtype', type(master).__name__)}"
-                )
-            if master.shape != p.shape:
-                raise ValueError(
-                    f"{name}.load_fp32_masters: a master of shape {tuple(master.shape)} for a tensor of shape "
-                    f"{tuple(p.shape)}"
-                )
-            if not bool(torch.isfinite(master).all()):
-                raise ValueError(
-                    f"{name}.load_fp32_masters: the master of shape {tuple(p.shape)} is not finite"
-                )
-        with torch.no_grad():
-            for p, master in pairs:
-                master = master.to(p.device)
-                if self.master_weights == REMAINDER:
-                    weight, remainder = split(master.contiguous())
-                    p.copy_(weight)
-                    self.state[p]["remainder"].copy_(remainder)
-                else:
-                    p.copy_(master)
+        load_fp32_masters(name, self.state, self._managed.__contains__, self.master_weights, masters)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch.optim.Optimizer.load_state_dict (a torch.optim.AdamW state_dict loads too), except for
