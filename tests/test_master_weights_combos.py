@@ -58,25 +58,31 @@ def _moments_of(state: dict, moments) -> tuple:
     return state["exp_avg"], state["exp_avg_sq"]
 
 
-def _rule(mode, moments, steps, backend):
-    """(the bf16 weights, their remainders or None, their moments as _moments_of gives them) after
-    ``steps`` steps of the documented rule, fed the gradients ``backend`` computes from the rule's own
-    bf16 weights."""
-    x, index, weights, w1, w2, grads = _inputs(steps)
+def _rule_start(tensors, moments):
+    """The rule's state before its first step for ``tensors`` (the bf16 weights): the [5] fp64
+    hyperparameters, zero remainders, zero moments (bf16 or fp32, or 8-bit codes and scales), and for a
+    remainder with exact moments torch.optim.AdamW(fused=True) on fp32 masters (ExpertAdamW's default on the
+    CPU), the bf16 weights their first values."""
     hyper = torch.tensor(
         [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
     )
-    tensors = [w1.clone(), w2.clone()]
     remainders = [torch.zeros(w.shape, dtype=torch.int16) for w in tensors]
     if moments == "8bit":
         state = [(*q8.quantize(torch.zeros(w.shape), "exp_avg"), *q8.quantize(torch.zeros(w.shape), "exp_avg_sq"))
                  for w in tensors]  # fmt: skip
     else:
         state = [(torch.zeros(w.shape, dtype=moments), torch.zeros(w.shape, dtype=moments)) for w in tensors]
-    # A remainder with bf16 moments: torch's AdamW on fp32 masters (fused, as ExpertAdamW's default on the
-    # CPU), the moments held at their bf16 values.
     masters = [torch.nn.Parameter(w.float()) for w in tensors]
-    torch_adamw = torch.optim.AdamW(masters, **HYPER, fused=True)
+    return hyper, remainders, state, masters, torch.optim.AdamW(masters, **HYPER, fused=True)
+
+
+def _rule(mode, moments, steps, backend):
+    """(the bf16 weights, their remainders or None, their moments as _moments_of gives them) after
+    ``steps`` steps of the documented rule, fed the gradients ``backend`` computes from the rule's own
+    bf16 weights."""
+    x, index, weights, w1, w2, grads = _inputs(steps)
+    tensors = [w1.clone(), w2.clone()]
+    hyper, remainders, state, masters, torch_adamw = _rule_start(tensors, moments)
     for step, grad_out in enumerate(grads, start=1):
         copies = [w.clone().requires_grad_() for w in tensors]
         sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grad_out)

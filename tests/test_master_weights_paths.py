@@ -17,6 +17,7 @@ import ranks
 import torch
 from cases import Case
 from numerics import rel_err
+from test_master_weights_combos import _moments_of, _rule_start
 
 import sonar_kernels
 from sonar_kernels import specs
@@ -91,33 +92,13 @@ def _train(
     return params, optimizer
 
 
-def _moments_of(state: dict, moments) -> tuple:
-    if moments == "8bit":
-        return tuple(
-            state[f"{key}_{part}"] for key in ("exp_avg", "exp_avg_sq") for part in ("codes", "scales")
-        )
-    return state["exp_avg"], state["exp_avg_sq"]
-
-
 def _rule(mode, moments, *, layout="concatenated", backend="torch", micro=1, steps=2, shape=SHAPE):
     """(bf16 weights, remainders or None, moments as _moments_of gives them) after ``steps`` steps of the
     documented rule, each fed the sum of ``micro`` gradients that ``backend`` computes from the rule's
     bf16 weights: ``micro`` backward passes into the same leaves, autograd summing ``.grad`` in bf16."""
     x, index, weights, w1, w2, grads = _inputs(shape, steps * micro)
-    hyper = torch.tensor(
-        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
-    )
     tensors = _layout_tensors(w1, w2, layout)
-    remainders = [torch.zeros(w.shape, dtype=torch.int16) for w in tensors]
-    if moments == "8bit":
-        state = [(*q8.quantize(torch.zeros(w.shape), "exp_avg"), *q8.quantize(torch.zeros(w.shape), "exp_avg_sq"))
-                 for w in tensors]  # fmt: skip
-    else:
-        state = [(torch.zeros(w.shape, dtype=moments), torch.zeros(w.shape, dtype=moments)) for w in tensors]
-    # A remainder with fp32 or bf16 moments: torch's AdamW (fused, ExpertAdamW's default on the CPU) on
-    # fp32 masters, the bf16 weights being their first values (bf16 moments: held at their bf16 values).
-    masters = [torch.nn.Parameter(w.float()) for w in tensors]
-    torch_adamw = torch.optim.AdamW(masters, **HYPER, fused=True)
+    hyper, remainders, state, masters, torch_adamw = _rule_start(tensors, moments)
     for step in range(1, steps + 1):
         leaves = [w.clone().requires_grad_() for w in tensors]
         for micro_batch in range(micro):
@@ -381,6 +362,39 @@ def _sonar_result(optimizer, experts, mode):
     )
 
 
+def _step(arm, model, experts, stepper) -> None:
+    """The step after a backward: SonarAdamW's (the experts were updated in the backward, from their averaged
+    or complete gradient), or the reference's: the dense gradients clipped and stepped by torch.optim.AdamW,
+    the experts by _ExpertRule."""
+    from test_distributed import MAX_NORM, _dense
+    from torch import nn
+
+    if arm == "sonar":
+        assert all(p.grad is None for p in experts)
+        stepper.step()
+        stepper.zero_grad()
+    else:
+        dense, rule = stepper
+        nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
+        dense.step()
+        dense.zero_grad()
+        rule.step()
+
+
+def _save(arm, mode, model, experts, owner, path) -> None:
+    """Save the experts' masters and moments and every parameter of a rank's run (``owner``: the SonarAdamW
+    or the _ExpertRule)."""
+    from test_distributed import STEPS
+
+    if arm == "sonar":
+        masters, moments, steps = _sonar_result(owner, experts, mode)
+        assert steps == [float(STEPS)] * len(experts)
+    else:
+        masters, moments = owner.result()
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch.save({"masters": masters, "moments": moments, "params": params}, path)
+
+
 def _dp_rank(rank, world_size, arm, mode, out):
     """``arm`` "sonar": SonarAdamW(master_weights=mode, data_parallel_group=the world), DDP on the dense
     parameters; "standard": DDP on every parameter, torch.optim.AdamW on the dense ones, _ExpertRule on
@@ -404,22 +418,8 @@ def _dp_rank(rank, world_size, arm, mode, out):
     for step in range(STEPS):
         x, y = (t.to(torch.bfloat16) for t in _batch(step, rank))
         nn.functional.mse_loss(wrapped(x), y).backward()
-        if arm == "sonar":
-            assert all(p.grad is None for p in experts)  # averaged, then updated in the backward
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
-            dense.step()
-            dense.zero_grad()
-            rule.step()
-    if arm == "sonar":
-        masters, moments, steps = _sonar_result(optimizer, experts, mode)
-        assert steps == [float(STEPS)] * len(experts)
-    else:
-        masters, moments = rule.result()
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.save({"masters": masters, "moments": moments, "params": params}, out / f"{arm}-{rank}.pt")
+        _step(arm, model, experts, optimizer if arm == "sonar" else (dense, rule))
+    _save(arm, mode, model, experts, optimizer if arm == "sonar" else rule, out / f"{arm}-{rank}.pt")
 
 
 def _dp_single_process(mode, world_size):
@@ -517,22 +517,8 @@ def _ep_rank(rank, world_size, arm, mode, out):
         x, y, mask = _ep_batch(step, rank, world_size)
         x, y, mask = (t.to(torch.bfloat16) for t in (x, y, mask))
         nn.functional.mse_loss(wrapped(x, mask), y).backward()
-        if arm == "sonar":
-            assert all(p.grad is None for p in experts)
-            optimizer.step()
-            optimizer.zero_grad()
-        else:
-            nn.utils.clip_grad_norm_(_dense(model), MAX_NORM)
-            dense.step()
-            dense.zero_grad()
-            rule.step()
-    if arm == "sonar":
-        masters, moments, steps = _sonar_result(optimizer, experts, mode)
-        assert steps == [float(STEPS)] * len(experts)
-    else:
-        masters, moments = rule.result()
-    params = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.save({"masters": masters, "moments": moments, "params": params}, out / f"ep-{arm}-{rank}.pt")
+        _step(arm, model, experts, optimizer if arm == "sonar" else (dense, rule))
+    _save(arm, mode, model, experts, optimizer if arm == "sonar" else rule, out / f"ep-{arm}-{rank}.pt")
 
 
 @pytest.mark.timeout(180)
