@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from sonar_kernels import ops
+from sonar_kernels.ops.common import inf_norm, whole
 from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC, split
 from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
 from sonar_kernels.optim.param_groups import check_group_options
@@ -385,7 +386,7 @@ def load_fp32_masters(
                 f"{owner}.load_fp32_masters: the master of a sharded tensor must be a DTensor of its placements "
                 f"({getattr(p, 'placements', None)}), and that of a plain tensor a plain tensor"
             )
-        if not bool(whole_finite(value)):
+        if not bool(whole(inf_norm(value)) < float("inf")):  # NaN or inf (a DTensor: over its mesh)
             raise ValueError(f"{owner}.load_fp32_masters: the master of shape {tuple(p.shape)} is not finite")
     with torch.no_grad():
         for p, value in pairs:
@@ -396,15 +397,3 @@ def load_fp32_masters(
                 _local(states[p]["remainder"]).copy_(remainder)
             else:
                 _local(p).copy_(value)
-
-
-def whole_finite(t: torch.Tensor) -> torch.Tensor:
-    """Whether every entry of ``t`` is finite (a DTensor: over its mesh), a 0-dim bool."""
-    finite = torch.isfinite(_local(t)).all()
-    if isinstance(t, DTensor):
-        import torch.distributed as dist
-
-        flag = finite.to(torch.int64)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=t.device_mesh.get_group())
-        return flag.bool()
-    return finite
