@@ -145,7 +145,7 @@ class SonarGroupedExperts(GroupedExperts):
                     f"{name} is a DTensor; SonarGroupedExperts, as torchtitan's GroupedExperts, takes local tensors "
                     "(torchtitan's RoutedExperts runs it inside local_map)"
                 )
-        claim_expert_tensors(*self.expert_tensors())
+        claim_expert_tensors(*self.expert_tensors(), module=self)
         gate, down, up = _local_weights(self)
         compute = torch.bfloat16 if self.compute_dtype == "bfloat16" else x_RD.dtype
         # Weights of one dtype, the compute dtype or float32 (rounded inside the GEMMs), are used as they are;

@@ -215,7 +215,7 @@ def sonar_experts_forward(
     expert-parallel sentinels, are dropped), [T, top_k] routing weights -> [T, H] in the dtype of
     ``hidden_states``."""
     activation = check_experts_module(self)
-    claim_expert_tensors(*(getattr(self, name) for name in expert_weight_names(self)))
+    claim_expert_tensors(*(getattr(self, name) for name in expert_weight_names(self)), module=self)
     w1 = getattr(self, expert_weight_names(self)[0])  # gate_up_proj, or up_proj without a gate
     group = getattr(self, EP_GROUP_ATTRIBUTE, None)
     if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all

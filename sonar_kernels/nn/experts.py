@@ -111,7 +111,7 @@ class SonarExperts(nn.Module):
     ) -> torch.Tensor:
         """Args and errors as :func:`sonar_kernels.moe_mlp`: [T, H], [T, top_k], [T, top_k] -> [T, H]
         (with ``ep_group``: this rank's tokens, global expert ids)."""
-        claim_expert_tensors(self.gate_up_proj, self.down_proj)
+        claim_expert_tensors(self.gate_up_proj, self.down_proj, module=self)
         if self.ep_group is not None:
             backend = check_moe_mlp_args(
                 hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,

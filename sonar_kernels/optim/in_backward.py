@@ -143,6 +143,8 @@ class InBackwardAdamW:
         # Managed tensor -> weak reference to the optimizer that owned it before this one (it takes the
         # tensor back when this one is garbage-collected).
         self._previous = {}
+        # Whether an expert tensor was replaced and adopted since the last step() (adopt_replacement).
+        self._replaced_since_step = False
         weakref.finalize(self, _release, self._entries, self._previous)
 
     # -- Ownership: which tensors this optimizer updates, and their update handles -----------------------
@@ -222,6 +224,79 @@ class InBackwardAdamW:
         check_group_options(name, self._record.groups.group(p), True)
         self._check_managed([p])
         self._manage([p])
+
+    def adopt_replacement(self, old: torch.Tensor, new: torch.Tensor) -> bool:
+        """``new`` replaced ``old``, a tensor this optimizer updates in the backward, in its experts module
+        after training started (``load_state_dict(assign=True)``, ``to_empty()`` or a conversion that makes
+        new Parameter objects, an assignment; called by
+        :func:`sonar_kernels.optim.ownership.claim_expert_tensors` at the module's next forward): ``new``
+        takes ``old``'s place in its parameter group (the same index, so ``state_dict()`` ids are unchanged)
+        with its state, step, seed and telemetry, and is updated in the backward from then on; ``old`` is
+        let go (no update, no hook, no entry of this optimizer keeps it). The state is kept as it is when
+        ``new`` has ``old``'s dtype, device and strides (the run equals one without the replacement, bit
+        for bit, when ``new`` holds ``old``'s values), else converted as for a conversion of the tensor
+        (:meth:`_rebuild`). torch.optim.AdamW keeps training the old objects instead (PyTorch's advice:
+        build the optimizer after such a load); the dense parameters of SonarAdamW follow torch's rule.
+
+        Returns:
+            False, with nothing changed, when ``old`` is no longer a tensor of this optimizer, ``new``
+            already is one, or their shapes differ (the state cannot follow); True when adopted.
+        Raises:
+            RuntimeError: the replacement came between a backward and ``step()`` (``old`` was updated or
+                holds micro-batches of this step), or ``new`` has a gradient; raised before any change.
+            TypeError, ValueError: ``new`` is not a tensor the update takes (:meth:`_check_managed`).
+        """
+        if old not in self._managed or tuple(new.shape) != tuple(old.shape):
+            return False
+        where = [
+            (group, i)
+            for group in self.param_groups
+            for i, q in enumerate(group["params"])
+            if q is old or q is new
+        ]
+        if len(where) != 1 or where[0][0]["params"][where[0][1]] is not old:
+            return False
+        name = type(self).__name__
+        record = self._record
+        if old in record.updated or old in record.micro_batches.counts or old.grad is not None:
+            raise RuntimeError(
+                f"{name}: the expert tensor of shape {tuple(old.shape)} was replaced by a new tensor (e.g. "
+                "load_state_dict(assign=True)) between a backward that updated or accumulated it and step(); "
+                "replace the model's parameters after step() (nothing was changed)"
+            )
+        if new.grad is not None:
+            raise RuntimeError(
+                f"{name}: the expert tensor of shape {tuple(new.shape)} that replaced one this optimizer updates "
+                "has a gradient already; call zero_grad() before its experts module's forward (nothing was changed)"
+            )
+        self._check_managed([new])
+        # Nothing has changed so far.
+        group, index = where[0]
+        update = self._updates.get(old)
+        before = update.signature[0] if update is not None else old.dtype
+        same = (old.dtype, old.device, old.stride()) == (new.dtype, new.device, new.stride())
+        state = self.state.pop(old)
+        previous = self._previous.pop(old, None)
+        seed = self._seeds.pop(old, None)
+        self._let_go(old)
+        specs.attach_update(old, None)
+        group["params"][index] = new
+        if previous is not None:
+            self._previous[new] = previous
+        if seed is not None:
+            self._seeds[new] = seed
+        record.move(old, new)
+        specs.set_holder(new, self)
+        self._managed[new] = True
+        self.state[new] = state if same else expert_state(
+            new, state, self.moments_dtype, follows=before, master=self.master_weights,
+            seed=self._seeds.get(new, 0),
+        )  # fmt: skip
+        record.add(new)
+        self._attach(new)
+        self._register_hooks()
+        self._replaced_since_step = True
+        return True
 
     def _rebuild(self, p: torch.Tensor) -> None:
         """The update of managed ``p`` after a conversion of ``p`` (``module.to(...)``: its dtype or device

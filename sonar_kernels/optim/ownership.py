@@ -71,27 +71,68 @@ def owner_of(t: torch.Tensor):
     return None
 
 
-def claim_expert_tensors(*tensors: torch.Tensor | None) -> None:
+def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module | None = None) -> None:
     """Called by an experts module running "sonar" at each forward, with the expert tensors it holds
-    (None entries are skipped): marks them, and hands each to its owner's :meth:`claim` (the optimizer
-    adopts a tensor it held as dense, and rebuilds the update of one converted since). Eager mode only:
-    under torch.compile the ownership of the eager steps (or of the optimizer's construction) holds.
+    (None entries are skipped) and itself: marks them, and hands each to its owner's :meth:`claim` (the
+    optimizer adopts a tensor it held as dense, and rebuilds the update of one converted since). Eager mode
+    only: under torch.compile the ownership of the eager steps (or of the optimizer's construction) holds.
+
+    A tensor with no owner that replaced, in the same place of ``module``, a tensor an optimizer updated
+    in the backward at an earlier forward (``load_state_dict(assign=True)``, ``to_empty()`` or a conversion
+    that makes new Parameter objects, an assignment, after training started) is handed to that optimizer,
+    which puts it in the old one's place with its state (:meth:`InBackwardAdamW.adopt_replacement`); when it
+    cannot (the old tensor is no longer among its parameters, another shape), :class:`UnownedExpertsWarning`
+    says so at that forward. The module keeps the update handles of its last forward (``_sonar_claimed``),
+    never the tensors.
 
     Raises:
         ValueError, TypeError, RuntimeError: the optimizer that holds a tensor cannot update it in the
-            backward (its message names why); raised before anything is updated.
+            backward (its message names why), or a tensor was replaced between a backward and ``step()``;
+            raised before anything is updated.
     """
     if torch.compiler.is_compiling():
         return
     _install_step_check()
-    for t in tensors:
+    before = getattr(module, _CLAIMED, None) if module is not None else None
+    for index, t in enumerate(tensors):
         if t is None:
             continue
         if not specs.is_expert_tensor(t):
             specs.mark_expert_tensors(t)
         owner = owner_of(t)
+        if owner is None and before is not None and index < len(before) and before[index] is not None:
+            _replaced(before[index], t)
+            owner = owner_of(t)
         if owner is not None:
             owner.claim(t)
+    if module is not None:
+        module.__dict__[_CLAIMED] = [None if t is None else specs.update_of(t) for t in tensors]
+
+
+# The attribute of an experts module that holds the update handles of the tensors of its last forward.
+_CLAIMED = "_sonar_claimed"
+
+
+def _replaced(update, t: torch.Tensor) -> None:
+    """``t`` (no owner) is where the tensor of ``update`` was at the module's last forward: its optimizer
+    adopts it, or a warning says that it cannot (when ``t`` would be trained: it requires grad, grad mode
+    on). An optimizer garbage-collected since leaves nothing to say."""
+    optimizer = getattr(update, "optimizer", None)
+    old = update.tensor() if optimizer is not None and hasattr(update, "tensor") else None
+    if old is None or old is t:
+        return
+    if optimizer.adopt_replacement(old, t):
+        return
+    if t.requires_grad and torch.is_grad_enabled():
+        warnings.warn(
+            f"an expert tensor of shape {tuple(t.shape)} replaced one that {type(optimizer).__name__} updated in "
+            f"the backward (of shape {tuple(old.shape)}), and that optimizer no longer holds the old one or cannot "
+            "take the new one in its place: the new tensor has no in-backward owner, so it is trained by whichever "
+            "optimizer holds it, or not at all. Build the optimizer after replacing the model's parameters "
+            "(and load its state_dict) (docs/usage.md, Ownership).",
+            UnownedExpertsWarning,
+            stacklevel=4,
+        )
 
 
 def mark_fsdp_expert_tensors() -> None:

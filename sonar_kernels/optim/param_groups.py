@@ -161,6 +161,10 @@ class GroupHyperparameters:
             return tensor
         return cached[1]
 
+    def forget_tensor(self, p: torch.Tensor) -> None:
+        """Drop what is remembered of ``p`` (it left the optimizer's groups)."""
+        self._index.pop(p, None)
+
     def forget(self) -> None:
         """Drop the tensors: ``load_state_dict`` built new group dicts (the updates get new tensors)."""
         self._tensors = {}

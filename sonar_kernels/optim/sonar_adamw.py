@@ -259,6 +259,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         # torch.optim.AdamW.__init__ sets it from its fused argument; here it follows the groups (above).
         pass
 
+    def _warn_replaced_dense(self) -> None:
+        """After a step in which expert tensors replaced by new objects were adopted: warn (once per
+        optimizer) when dense parameters that require grad got no gradient, the sign that they were replaced
+        too and are no longer trained (the optimizer holds the old objects, as torch.optim.AdamW would)."""
+        self._replaced_since_step = False
+        stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
+        if stale and not getattr(self, "_warned_replaced_dense", False):
+            self._warned_replaced_dense = True
+            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=3)
+
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
         return [
@@ -326,6 +336,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 decoupled_weight_decay=False.
         """
         loss = self._run_closure_and_end_step(closure)
+        if self._replaced_since_step and not torch.compiler.is_compiling():
+            self._warn_replaced_dense()
         if not self._managed and not self._warned_no_experts and not torch.compiler.is_compiling():
             self._warned_no_experts = True
             warnings.warn(
@@ -390,6 +402,16 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             skipped = found
         self.dense_skipped_steps += skipped.long()
         return loss
+
+
+def _replaced_dense_message(count: int) -> str:
+    return (
+        f"SonarAdamW: expert tensors replaced by new Parameter objects (load_state_dict(assign=True), to_empty(), "
+        f"an assignment) were adopted with their state, but {count} dense parameter(s) it holds got no gradient "
+        "in the step that followed: if they were replaced too, this optimizer still holds the old objects and "
+        "no longer trains them (torch.optim.AdamW's rule). Build the optimizer after such a load and load its "
+        "state_dict(), or load with copies (assign=False) (docs/usage.md, Ownership)."
+    )
 
 
 def _initial_dense_state(p: torch.Tensor, group: dict) -> dict:

@@ -42,6 +42,10 @@ class OwnedUpdate(specs.ExpertUpdate):
     def optimizer(self):
         return self._optimizer()
 
+    def tensor(self) -> torch.Tensor | None:
+        """The tensor this update was built for, while its optimizer lives and holds it; else None."""
+        return self._lookup()[1]
+
     def _lookup(self):
         """(the record, the tensor), or Nones once the optimizer was garbage-collected."""
         record = self._record()

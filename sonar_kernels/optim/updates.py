@@ -82,6 +82,17 @@ class InBackwardUpdates:
             self.grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
             self.skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
 
+    def move(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` takes the place of managed ``old`` (:meth:`InBackwardAdamW.adopt_replacement`): its
+        telemetry moves over, and nothing keyed by ``old`` stays (it would keep the old tensor alive). Only
+        between a ``step()`` and the next backward: nothing of the step is pending."""
+        self.grad_norm_sq[new] = self.grad_norm_sq.pop(old).to(new.device)
+        self.skipped[new] = self.skipped.pop(old).to(new.device)
+        self.tensors_by_id.pop(id(old), None)
+        self.groups.forget_tensor(old)
+        for table in (self.held.without_graph, self.held.held, self.held.arrived_in):
+            table.pop(old, None)
+
     # -- The checks ----------------------------------------------------------------------------------------
 
     def check_not_updated(self, p: torch.Tensor) -> None:

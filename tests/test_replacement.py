@@ -1,0 +1,229 @@
+"""Expert tensors replaced by new Parameter objects after training started (docs/usage.md, "Ownership"):
+``load_state_dict(assign=True)``, ``to_empty()`` (plain, and with torch's overwrite and swap conversion
+modes), ``torch.utils.swap_tensors``. The optimizer that updated the old tensor adopts the new one with
+its state, on both backends and every state kind: the run equals, bit for bit, the same run without the
+replacement (weights and optimizer state). Where it cannot (another shape), a warning says so at that
+forward; a replacement between a backward and ``step()`` is refused before anything changes.
+
+The reference is the same training without the replacement, itself tested against torch.optim.AdamW in
+test_sonar_adamw.py, test_moments_8bit_optim.py and test_master_weights_optim.py.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+import sonar_kernels
+from sonar_kernels.optim.ownership import UnownedExpertsWarning
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+BACKENDS = ["torch", "triton"]
+# The state kinds: (the parameters' dtype, SonarAdamW's options).
+KINDS = {
+    "fp32": (torch.float32, {}),
+    "8bit": (torch.float32, {"moments_dtype": "8bit"}),
+    "bf16": (torch.bfloat16, {}),
+    "bf16-remainder": (torch.bfloat16, {"master_weights": "remainder"}),
+    "bf16-stochastic": (torch.bfloat16, {"master_weights": "stochastic", "rounding_seed": 3}),
+    "bf16-8bit-remainder": (torch.bfloat16, {"moments_dtype": "8bit", "master_weights": "remainder"}),
+}
+# Steps before the replacement, and in all.
+BEFORE, STEPS = 2, 4
+
+
+class Tiny(torch.nn.Module):
+    """A router, SonarExperts and a dense head; H and I multiples of the 8-bit moments' block (32)."""
+
+    def __init__(self, backend="torch", hidden=32):
+        super().__init__()
+        torch.manual_seed(0)
+        self.router = torch.nn.Linear(hidden, 4)
+        self.experts = sonar_kernels.SonarExperts(4, hidden, 32, backend=backend)
+        self.head = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        weights, index = torch.softmax(self.router(x), -1).topk(2, dim=-1)
+        return self.head(self.experts(x, index, weights.to(x.dtype)))
+
+
+def _batch(step, dtype):
+    generator = torch.Generator().manual_seed(100 + step)
+    return torch.randn(12, 32, generator=generator).to(dtype)
+
+
+def _assign(model):
+    """model.experts.load_state_dict(assign=True) with copies of its own values (a checkpoint just saved)."""
+    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
+    model.experts.load_state_dict(state, assign=True)
+
+
+def _to_empty_overwrite(model):
+    """to_empty() with torch's overwrite mode (new Parameter objects), then the saved values loaded."""
+    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
+    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    try:
+        model.experts.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    model.experts.load_state_dict(state)
+
+
+def _to_empty_swap(model):
+    """to_empty() in swap mode (the Parameter objects kept, their contents swapped), then the values loaded."""
+    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.experts.to_empty(device="cpu")
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    model.experts.load_state_dict(state)
+
+
+def _to_empty(model):
+    """Plain to_empty() (``param.data`` replaced), then the values loaded."""
+    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
+    model.experts.to_empty(device="cpu")
+    model.experts.load_state_dict(state)
+
+
+def _swap_tensors(model):
+    """torch.utils.swap_tensors of each expert Parameter with a new one holding its values."""
+    for p in model.experts.parameters():
+        torch.utils.swap_tensors(p, torch.nn.Parameter(p.detach().clone()))
+
+
+WAYS = {
+    "assign": _assign,
+    "to_empty-overwrite": _to_empty_overwrite,
+    "to_empty-swap": _to_empty_swap,
+    "to_empty": _to_empty,
+    "swap_tensors": _swap_tensors,
+}
+
+
+def _run(backend, kind, replace=None):
+    dtype, options = KINDS[kind]
+    model = Tiny(backend=backend).to(dtype)
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER, **options, max_grad_norm=0.5)
+    for step in range(STEPS):
+        if replace is not None and step == BEFORE:
+            replace(model)
+        model(_batch(step, dtype)).square().mean().backward()
+        for p in model.experts.parameters():
+            assert p.grad is None, "an expert tensor kept its gradient: no in-backward owner"
+            assert float(optimizer.state[p]["step"]) == step + 1
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _assert_same_run(a, b):
+    (model_a, optimizer_a), (model_b, optimizer_b) = a, b
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
+    saved_a, saved_b = optimizer_a.state_dict(), optimizer_b.state_dict()
+    assert saved_a["state"].keys() == saved_b["state"].keys()
+    for index, state in saved_a["state"].items():
+        for key, value in state.items():
+            other = saved_b["state"][index][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), f"state {index} {key}"
+
+
+# Under the Triton interpreter one new-object path and one swap path (the others share their code).
+CASES = [
+    (backend, kind, way)
+    for backend in BACKENDS
+    for kind in KINDS
+    for way in WAYS
+    if backend == "torch" or way in ("assign", "swap_tensors")
+]
+
+
+@pytest.mark.parametrize(("backend", "kind", "way"), CASES)
+def test_a_replacement_after_training_started_equals_no_replacement_bitwise(backend, kind, way):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # none of ours: the optimizer keeps training the experts
+        replaced = _run(backend, kind, WAYS[way])
+    _assert_same_run(replaced, _run(backend, kind))
+    model, optimizer = replaced
+    assert [id(p) for p in optimizer.expert_tensors] == [id(p) for p in model.experts.parameters()]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_whole_model_assign_load_keeps_the_experts_trained_and_names_the_dense_parameters(backend):
+    # The dense parameters follow torch.optim.AdamW's rule (the optimizer holds the old objects): the
+    # experts are adopted, and the dense parameters left behind are named once.
+    model = Tiny(backend=backend)
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    model(_batch(0, torch.float32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    before = {id(p): optimizer.state[p] for p in model.experts.parameters()}
+    model.load_state_dict({key: value.clone() for key, value in model.state_dict().items()}, assign=True)
+    model(_batch(1, torch.float32)).square().mean().backward()
+    for p in model.experts.parameters():
+        assert p.grad is None and float(optimizer.state[p]["step"]) == 2.0
+    assert [optimizer.state[p] for p in model.experts.parameters()] == list(before.values())
+    with pytest.warns(UserWarning, match=r"4 dense parameter\(s\) it holds got no gradient"):
+        optimizer.step()
+    optimizer.zero_grad()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # once per optimizer
+        model(_batch(2, torch.float32)).square().mean().backward()
+        optimizer.step()
+
+
+def test_a_transformers_model_reloaded_with_assign_keeps_its_experts_trained():
+    transformers = pytest.importorskip("transformers", minversion="5.13")
+    from test_expert_identity import EXPERT_NAMES, _olmoe
+
+    model = _olmoe("torch")
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    tokens = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    model(tokens, labels=tokens).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    model.load_state_dict({key: value.clone() for key, value in model.state_dict().items()}, assign=True)
+    model(tokens, labels=tokens).loss.backward()
+    experts = [p for name, p in model.named_parameters() if name.endswith(EXPERT_NAMES)]
+    assert len(experts) == 4 and isinstance(model, transformers.PreTrainedModel)
+    for p in experts:
+        assert p.grad is None and float(optimizer.state[p]["step"]) == 2.0
+        assert any(p is q for q in optimizer.expert_tensors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replacement_the_optimizer_cannot_take_is_named_at_that_forward(backend):
+    model = Tiny(backend=backend)
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    model(_batch(0, torch.float32)).square().mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    # Two experts fewer: the state of the old tensor cannot follow.
+    model.experts.gate_up_proj = torch.nn.Parameter(model.experts.gate_up_proj.detach()[:2].clone())
+    model.experts.down_proj = torch.nn.Parameter(model.experts.down_proj.detach()[:2].clone())
+    router = model.router
+    model.router = torch.nn.Linear(32, 2)
+    with pytest.warns(UnownedExpertsWarning, match=r"shape \(2, 64, 32\) replaced one that SonarAdamW"):
+        model(_batch(1, torch.float32)).square().mean().backward()
+    assert model.experts.gate_up_proj.grad is not None  # not updated: nobody owns it, as the warning says
+    assert all(not any(p is q for q in optimizer.expert_tensors) for p in model.experts.parameters())
+    del router
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_replacement_between_a_backward_and_step_is_refused_before_anything(backend):
+    model = Tiny(backend=backend)
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
+    model(_batch(0, torch.float32)).square().mean().backward()  # experts updated; step() not called yet
+    old = list(model.experts.parameters())
+    states = [{key: value.clone() for key, value in optimizer.state[p].items()} for p in old]
+    _assign(model)
+    new = list(model.experts.parameters())
+    with pytest.raises(RuntimeError, match=r"replaced by a new tensor .* between a backward"):
+        model(_batch(1, torch.float32))
+    for p, q, state in zip(old, new, states, strict=True):
+        assert torch.equal(p, q) and q.grad is None
+        assert any(p is r for r in optimizer.expert_tensors)
+        assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())
