@@ -348,6 +348,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 stacklevel=2,
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
+        _follow_conversions(self.state, dense)
         # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
         # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
         grad_scale = getattr(self, "grad_scale", None)
@@ -402,6 +403,28 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             skipped = found
         self.dense_skipped_steps += skipped.long()
         return loss
+
+
+def _follow_conversions(state: dict, params: list[torch.Tensor]) -> None:
+    """The dense state of ``params`` after a conversion of the model since their last step
+    (``model.to(torch.bfloat16)``, ``model.to(device)`` with the optimizer kept): moments (and amsgrad's
+    ``max_exp_avg_sq``) take the parameter's dtype and device, as torch.optim.AdamW creates them and as its
+    ``load_state_dict`` casts them, and a ``step`` kept on the old device moves with them (a CPU ``step``
+    stays). The expert tensors' state follows at their module's forward, before any update of the step
+    (:meth:`InBackwardAdamW.claim`), so the step is applied whole; nothing is copied when nothing changed.
+    docs/usage.md, "Casting the model after building the optimizer"."""
+    for p in params:
+        entries = state.get(p)
+        if not entries:
+            continue
+        for key, value in entries.items():
+            if not isinstance(value, torch.Tensor):
+                continue
+            if key == "step":
+                if value.device.type != "cpu" and value.device != p.device:
+                    entries[key] = value.to(p.device)
+            elif value.is_floating_point() and (value.dtype, value.device) != (p.dtype, p.device):
+                entries[key] = value.to(device=p.device, dtype=p.dtype)
 
 
 def _replaced_dense_message(count: int) -> str:
