@@ -4,6 +4,7 @@ import pytest
 import torch
 from cases import CASES, Case
 from numerics import SAME_ROUNDING_TOLERANCE, assert_close, to_double
+from test_expert_adamw import ULP_BOUND, _ulps
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import sonar_kernels
@@ -193,8 +194,7 @@ def test_gradients_match_float64_reference(case, out_grad, device):
             assert_close(leaf.grad, leaf64.grad, torch.float32, what=f"grad of {name}")
 
 
-@pytest.mark.parametrize("shape", ["all-dropped", "T0", "top_k0"])
-def test_gradients_when_no_slot_reaches_an_expert(shape, device):
+def _no_slot(shape, device):
     x, index, w, w1, w2 = Case(9, 32, 16, 4, 2).make(torch.float32, device=device)
     if shape == "all-dropped":
         index = torch.full_like(index, -1)
@@ -202,13 +202,52 @@ def test_gradients_when_no_slot_reaches_an_expert(shape, device):
         x, index, w = x[:0], index[:0], w[:0]
     else:
         index, w = index[:, :0], w[:, :0]
+    return x, index, w, w1, w2
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("shape", ["all-dropped", "T0", "top_k0"])
+def test_gradients_when_no_slot_reaches_an_expert(shape, backend, device):
+    if backend == "torch":
+        device = "cpu"
+    x, index, w, w1, w2 = _no_slot(shape, device)
     leaves = [t.clone().requires_grad_() for t in (x, w, w1, w2)]
-    out = sonar_kernels.moe_mlp(leaves[0], index, leaves[1], leaves[2], leaves[3], backend="triton")
-    assert torch.equal(out, torch.zeros_like(out))
+    out = sonar_kernels.moe_mlp(leaves[0], index, leaves[1], leaves[2], leaves[3], backend=backend)
+    expected = reference.moe_mlp(*to_double(x, index, w, w1, w2))
+    assert out.shape == expected.shape == x.shape and out.dtype == x.dtype
+    assert torch.equal(out, torch.zeros_like(out)) and torch.equal(expected, torch.zeros_like(expected))
     out.sum().backward()
     for leaf in leaves:
         # No slot reaches an expert: every gradient is zero (None where autograd had nothing to add).
         assert leaf.grad is None or torch.equal(leaf.grad, torch.zeros_like(leaf))
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_top_k_0_updates_the_experts_with_a_zero_gradient_as_torch_adamw(backend, device):
+    # A router that selects no expert: every expert gets AdamW's update of a zero gradient (weight decay,
+    # the moments' decay), as torch.optim.AdamW(fused=True) gives a batched tensor whose gradient is zero.
+    if backend == "torch":
+        device = "cpu"
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    x, index, w, w1, w2 = _no_slot("top_k0", device)
+    params = [torch.nn.Parameter(t.clone()) for t in (w1, w2)]
+    references = [torch.nn.Parameter(t.clone()) for t in (w1, w2)]
+    optimizer = sonar_kernels.ExpertAdamW(params, **hyper)
+    torch_adamw = torch.optim.AdamW(references, **hyper, fused=True)
+    for _ in range(2):
+        sonar_kernels.moe_mlp(x, index, w, *params, backend=backend).sum().backward()
+        optimizer.step()
+        for r in references:
+            r.grad = torch.zeros_like(r)
+        torch_adamw.step()
+    for p, r, before in zip(params, references, (w1, w2), strict=True):
+        assert p.grad is None and float(optimizer.state[p]["step"]) == 2.0 and not torch.equal(p, before)
+        if backend == "torch":
+            assert torch.equal(p, r)
+        else:  # the decay rounded as docs/design.md's arithmetic (torch's fused CUDA AdamW) rounds it
+            assert float(_ulps(p, r, torch.maximum(p.abs(), r.abs())).max()) <= ULP_BOUND["W"]
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(optimizer.state[p][key], torch_adamw.state[r][key])
 
 
 @pytest.mark.parametrize("backend", ["triton", "torch"])

@@ -164,6 +164,8 @@ def _combine(rows: torch.Tensor, meta: RoutingMetadata, weights: torch.Tensor | 
             part.masked_fill_(~kept[:, j : j + 1], 0.0)
         out = part if out is None else out.add_(part)
         del part
+    if out is None:  # top_k 0: no slot, a zero sum
+        out = torch.zeros(T, rows.shape[1], dtype=torch.float32, device=rows.device)
     return out
 
 
