@@ -17,10 +17,10 @@ it (an older one lets it go), and both are removed when their optimizer is garba
 
 The parts, by concern (each module's public names are its seam; none reads another's underscore names):
 
-- here: ownership (:meth:`InBackwardAdamW._manage`, :meth:`~InBackwardAdamW.claim`, conversions, an older
-  owner letting go and taking back), the telemetry (``expert_grad_norm``, ``expert_skipped_updates``),
-  and torch.optim.Optimizer's ``zero_grad``, ``state_dict``, ``load_state_dict``;
+- here: ownership (:meth:`InBackwardAdamW._manage`, :meth:`~InBackwardAdamW.claim`, conversions, a tensor
+  replaced by a new object, an older owner letting go and taking back), and torch.optim.Optimizer's ``zero_grad``, ``state_dict``, ``load_state_dict``;
 - optim/update_handle.py: the update handle attached to each tensor (what the autograd layer calls);
+- optim/telemetry.py: ``expert_grad_norm`` and ``expert_skipped_updates``;
 - optim/updates.py: what this step's updates did, the checks before each, the ``.grad`` path, the step's end;
 - optim/accumulation.py: micro-batch accumulation (``accumulation_steps``, buffers of ``grad_dtype``);
 - optim/reentrant.py: reentrant activation checkpointing's held gradients;
@@ -52,6 +52,7 @@ from sonar_kernels.optim.expert_state import (
 )
 from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
+from sonar_kernels.optim.telemetry import ExpertTelemetry
 from sonar_kernels.optim.update_handle import OwnedUpdate, signature
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
@@ -81,7 +82,7 @@ def _release(entries: list, previous: dict) -> None:
     entries.clear()
 
 
-class InBackwardAdamW:
+class InBackwardAdamW(ExpertTelemetry):
     """Mixin for a torch.optim.Optimizer whose managed tensors are updated in the backward pass.
 
     The host-class protocol (the underscore names its subclasses use, and only they): the host calls
@@ -386,66 +387,6 @@ class InBackwardAdamW:
     def expert_tensors(self) -> list[torch.Tensor]:
         """The tensors this optimizer updates in the backward (it owns them), in param_groups order."""
         return [p for group in self.param_groups for p in group["params"] if p in self._managed]
-
-    def expert_grad_norm(self, params=None) -> torch.Tensor:
-        """L2 norm of the expert gradients of the current step (read it after the backward, or after
-        ``step()``, until the next step's backward writes new values): a 0-dim float32 tensor on the
-        tensors' device, summed in param_groups order from per-tensor squared norms that the wgrad
-        kernels sum deterministically. A tensor that got no gradient in that step counts as 0; one whose
-        update was skipped (see :meth:`expert_skipped_updates`) as inf. Reading it (``float()``) syncs
-        with the device.
-
-        With several ranks it is the norm of the whole model's expert gradients, the same on every rank:
-        expert-parallel tensors (each rank holds other experts) add their squared norms over their
-        expert-parallel group (a collective: call it on every rank); data-parallel ones are averaged
-        before their update and sharded ones (FSDP2) are reduced over their mesh already.
-
-        Args:
-            params: the expert tensors to include (e.g. one layer's ``SonarExperts.parameters()``); None:
-                all of this optimizer's expert tensors.
-        Raises:
-            ValueError: a tensor this optimizer does not update in the backward.
-        """
-        return distributed.sum_over_expert_parallel_groups(
-            self._record.grad_norm_sq, self._ordered(params), torch.float32
-        ).sqrt()
-
-    def expert_skipped_updates(self, params=None) -> torch.Tensor:
-        """How many in-backward updates were skipped because the gradient had an entry that was NaN,
-        infinite, or beyond ``sonar_kernels.ops.grad_limit`` (the update is then not applied at all:
-        weights, moments and step stay as they were; see ``ops.AdamWUpdate``). Counted on the device
-        since this optimizer was built (not saved in ``state_dict()``): a 0-dim int64 tensor, summed over
-        ``params`` (None: all expert tensors of this optimizer). Reading it syncs with the device.
-
-        Raises:
-            ValueError: a tensor this optimizer does not update in the backward.
-        """
-        ordered = self._ordered(params)
-        if not ordered:
-            return torch.zeros((), dtype=torch.int64)
-        skipped = self._record.skipped
-        total = skipped[ordered[0]].clone()
-        for p in ordered[1:]:
-            total += skipped[p].to(total.device)
-        return total
-
-    def _ordered(self, params) -> list[torch.Tensor]:
-        """``params`` (None: all managed tensors) in param_groups order.
-
-        Raises:
-            ValueError: a tensor this optimizer does not update in the backward.
-        """
-        chosen = None if params is None else list(params)
-        if chosen is not None:
-            for p in chosen:
-                if p not in self._managed:
-                    raise ValueError(
-                        f"a tensor of shape {tuple(p.shape)} is not an expert tensor of this optimizer"
-                    )
-        ordered = self.expert_tensors
-        if chosen is not None:
-            ordered = [p for p in ordered if any(p is q for q in chosen)]
-        return ordered
 
     # -- The step, and torch.optim.Optimizer's methods -----------------------------------------------------
 

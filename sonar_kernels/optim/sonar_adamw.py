@@ -405,6 +405,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         return loss
 
 
+@torch.compiler.disable  # per-tensor bookkeeping, eager also under torch.compile(optimizer.step)
 def _follow_conversions(state: dict, params: list[torch.Tensor]) -> None:
     """The dense state of ``params`` after a conversion of the model since their last step
     (``model.to(torch.bfloat16)``, ``model.to(device)`` with the optimizer kept): moments (and amsgrad's
