@@ -55,6 +55,10 @@ OVERRIDES = {
     "dots1": {"n_shared_experts": 1}, "zaya": {"num_experts_per_tok": 1},  # zaya supports top-1 only
     "mimo_v2_flash": {"num_key_value_heads": 2},  # its sliding-window layers have twice the key-value heads
     "mistral4": {"head_dim": 32},  # qk_nope_head_dim + qk_rope_head_dim
+    "kolibri1_1": {"index_num_heads": 1},  # at most the query heads per key head (4 / 4)
+    "step3p7": {"mlp_layer_types": ["dense", "sparse"]},  # MoE from layer 3 by default
+    # num_hidden_layers is 2 * num_layers; 256 identity ("zero") experts by default beside 4 routed ones
+    "longcat_flash": {"num_layers": 1, "zero_expert_num": 2},
     "gemma4": {"enable_moe_block": True, "layer_types": ["sliding_attention", "full_attention"],
                "sliding_window": 8, "vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8,
                "per_layer_config": {}},
@@ -75,12 +79,12 @@ OVERRIDES = {
 # moe_num_experts, dense first layers, shared experts, latent attention, Mamba and linear-attention hybrids,
 # transposed experts, biases and a clamped SwiGLU, experts without a gate, base models without a causal LM).
 MATCH = [
-    "afmoe", "aria", "axk1", "axk2", "bailing_hybrid", "cohere2_moe", "deepseek_ocr2", "deepseek_v2",
-    "deepseek_v3", "deepseek_v32", "diffusion_gemma", "dots1", "dots3_note", "ernie4_5_moe",
+    "afmoe", "aria", "axk1", "axk2", "cohere2_moe", "deepseek_ocr2", "deepseek_v2",
+    "deepseek_v3", "deepseek_v32", "diffusion_gemma", "dots1", "dots3_note", "ergo", "ernie4_5_moe",
     "ernie4_5_vl_moe", "exaone_moe", "flex_olmo", "flint", "gemma4", "glm4_moe", "glm4_moe_lite", "glm4v_moe",
     "glm_moe_dsa", "gpt_oss", "granitemoe", "granitemoe_swa", "granitemoehybrid", "granitemoeshared",
-    "hunyuan_v1_moe", "hy_v3", "inkling", "jamba", "kimi_linear", "kolibri1", "laguna", "lara_mini",
-    "lfm2_moe", "mellum", "mimo_v2_flash", "minimax", "minimax_m2", "mistral4", "mistral_large4", "mixtral",
+    "hunyuan_v1_moe", "hy_v3", "inkling", "jamba", "kimi_linear", "kolibri1", "kolibri1_1", "laguna", "lara_mini",
+    "lfm2_moe", "longcat_flash", "mellum", "mimo_v2_flash", "minicpm5_moe", "minimax", "minimax_m2", "mistral4", "mistral_large4", "mixtral",
     "nemotron_h", "olmoe", "openai_privacy_filter", "phimoe", "qwen2_moe", "qwen3_5_moe", "qwen3_moe",
     "qwen3_next", "qwen3_omni_moe", "qwen3_vl_moe", "qwen4_exp", "solar_open", "unlimited_ocr", "zaya",
 ]  # fmt: skip
@@ -90,10 +94,10 @@ MATCH = [
 GATE = "defines its own _apply_gate"
 REFUSED = {
     "muse_spark": "has_post_expert_norm=True",  # a norm after each expert
-    "beam": GATE, "deepseek_v4": GATE, "glm5_next": GATE, "hy_v4": GATE, "hy_v4_vl": GATE, "inkling2": GATE,
-    "inkling2_loop": GATE, "minimax_m3_vl": GATE,
+    "bailing_hybrid": GATE, "beam": GATE, "deepseek_v4": GATE, "glm5_next": GATE, "hy_v4": GATE, "hy_v4_vl": GATE, "inkling2": GATE,
+    "inkling2_loop": GATE, "minimax_m3_vl": GATE, "step3p7": GATE,
 }  # fmt: skip
-# Families that cannot be built at tiny size for reasons unrelated to sonar (none in transformers 5.24).
+# Families that cannot be built at tiny size for reasons unrelated to sonar (none in transformers 5.25).
 NOT_BUILDABLE: dict[str, str] = {}
 
 
@@ -107,7 +111,13 @@ _DISPATCH = transformers.integrations.moe.use_experts_implementation(_Probe).for
 
 
 def _dispatches(obj) -> bool:
-    return isinstance(obj, type) and issubclass(obj, torch.nn.Module) and obj.forward.__code__ is _DISPATCH
+    """Whether the class ``obj`` runs the dispatch: its forward, or a base class's that its own forward calls
+    (ergo's ErgoExperts normalizes each route after ErgoExpertProjections' dispatched forward)."""
+    return (
+        isinstance(obj, type)
+        and issubclass(obj, torch.nn.Module)
+        and any(getattr(c.__dict__.get("forward"), "__code__", None) is _DISPATCH for c in obj.__mro__)
+    )
 
 
 @functools.cache
