@@ -262,6 +262,7 @@ def _update(weight, state, step, hyper, fused):
     )  # fmt: skip
 
 
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_fused_epilogue_equals_the_split_path_and_the_torch_update(dtype, device):
     # H = 96: W1 [E, 64, 96] has a partial column tile of the wgrad kernel (64 + 32 columns).

@@ -16,18 +16,18 @@ SHAPE = Case(16, 96, 32, 2, 2)
 STEPS = 2
 
 
-def _inputs(device, dtype=torch.float32):
+def _inputs(device, dtype=torch.float32, shape=SHAPE):
     torch.manual_seed(0)
-    x, index, weights, w1, w2 = SHAPE.make(dtype, device=device)
+    x, index, weights, w1, w2 = shape.make(dtype, device=device)
     grads = [
-        torch.randn(SHAPE.T, SHAPE.H, generator=torch.Generator().manual_seed(s)).to(dtype).to(device)
+        torch.randn(shape.T, shape.H, generator=torch.Generator().manual_seed(s)).to(dtype).to(device)
         for s in range(STEPS)
     ]
     return x, index, weights, w1, w2, grads
 
 
-def _train(backend, device, dtype=torch.float32, **options):
-    x, index, weights, w1, w2, grads = _inputs(device, dtype)
+def _train(backend, device, dtype=torch.float32, shape=SHAPE, **options):
+    x, index, weights, w1, w2, grads = _inputs(device, dtype, shape)
     p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
     optimizer = sonar_kernels.ExpertAdamW([p1, p2], moments_dtype="8bit", **HYPER, **options)
     for grad_out in grads:
@@ -69,6 +69,7 @@ def _state_of(optimizer, p):
     return ((s["exp_avg_codes"], s["exp_avg_scales"]), (s["exp_avg_sq_codes"], s["exp_avg_sq_scales"]))
 
 
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_each_backend_applies_the_scheme_to_its_own_gradient(backend, device):
     params, optimizer = _train(backend, device)
@@ -80,9 +81,12 @@ def test_each_backend_applies_the_scheme_to_its_own_gradient(backend, device):
         assert float(optimizer.state[p]["step"]) == STEPS and p.grad is None
 
 
-def test_the_fused_epilogue_equals_the_split_path(device):
-    fused_params, fused = _train("triton", device, fused_epilogue=True)
-    split_params, split = _train("triton", device, fused_epilogue=False)
+# The tests' shape, and issue 48's (E 4, H 128, I 64, 48 tokens, top-2, fp32), where the split path's wgrad
+# on other tiles than the fused epilogue's differed in the last bits: neither pins the tiles.
+@pytest.mark.parametrize("shape", [SHAPE, Case(48, 128, 64, 4, 2)], ids=["T16-H96-I32-E2", "T48-H128-I64-E4"])
+def test_the_fused_epilogue_equals_the_split_path(shape, device):
+    fused_params, fused = _train("triton", device, shape=shape, fused_epilogue=True)
+    split_params, split = _train("triton", device, shape=shape, fused_epilogue=False)
     for a, b in zip(fused_params, split_params, strict=True):
         assert torch.equal(a, b)
         for x, y in zip(_state_of(fused, a), _state_of(split, b), strict=True):
@@ -136,6 +140,7 @@ def test_a_checkpoint_restores_codes_and_scales_exactly_and_converts_to_and_from
         assert float(restored.state[q]["step"]) == 3.0
 
 
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_accumulated_micro_batches_equal_the_scheme_on_their_summed_gradient(backend, device):
     # Two micro-batches per step: the last one's update adds the first one's gradient (in .grad).
@@ -207,6 +212,7 @@ def test_the_torch_backends_chunks_give_the_same_bits_and_skip_as_a_whole(chunk_
         )
 
 
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_scheduled_tensor_lr_and_the_expert_grad_norm_with_8bit_moments(backend, device):
     # A tensor lr (torch.optim.AdamW's "lr as a Tensor") halved, then thirded, by LambdaLR between the

@@ -374,9 +374,16 @@ def _wgrad(
         grad = None
     else:
         grad = like(weight, update.grad_dtype)
+        # The GEMM on the tiles of the fused epilogue it must equal bit for bit: the 8-bit update's and the
+        # bf16 master weights' own (configs.WGRAD_8BIT), else the chosen ones (a tile shape sums in its own
+        # order, on a GPU and under the interpreter alike).
+        own = eight_bit or update.remainder is not None or update.seed is not None
+        cfg = configs.WGRAD_8BIT if own else chosen
+        if own:
+            partial = common.empty(grid_of(cfg), torch.float32, weight.device)
         launch(
             "store", grad, update.grad_in, update.step, partial, *state, hyper, limit, update.grad_dtype,
-            arithmetic, update.grad_norm_sq is not None,
+            arithmetic, update.grad_norm_sq is not None, cfg=cfg,
         )  # fmt: skip
         skip = (~(inf_norm(grad) <= limit)).float()
     # torch's AdamW increments the step before it computes the bias corrections; a skipped update
