@@ -15,7 +15,7 @@ NUMPY_SPEC ?= numpy<2.4
 TORCHTITAN_VERSION ?= 0.3.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu clean
+.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu bench-gpu-rehearse gpu-wheels clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -67,10 +67,30 @@ bench: install
 	$(BIN)/python -m pytest bench/test_layer.py -p no:cacheprovider --benchmark-only \
 		--benchmark-json=runs/bench/layer.json
 
-# On one CUDA GPU: correctness at the real shapes, then every provider at the OLMoE-1B-7B and Granite
-# layer shapes against torch.mm and the copy bandwidth; writes bench/results/<date>-<gpu>.json and .md.
-bench-gpu: install
-	$(BIN)/python bench/gpu_bench.py
+# On one CUDA GPU whose Python already has torch and triton (no venv, no package index): bench/gpu_run.sh
+# installs the wheels of .whl/ (make gpu-wheels, beforehand, where an index is reachable) and runs
+# bench/gpu_bench.py's sections under a deadline, writing GPU_BENCH_OUT and its .md after every unit
+# (bench/README.md). Without CUDA it says so: `make bench-gpu-rehearse` runs the CPU rehearsal.
+GPU_BENCH_OUT ?= runs/bench-gpu/gpu_bench.json
+GPU_BENCH_DEADLINE ?= 420
+bench-gpu:
+	@if $(PYTHON) -c "import sys, torch; sys.exit(not torch.cuda.is_available())" 2>/dev/null; then \
+		bash bench/gpu_run.sh $(GPU_BENCH_OUT) $(GPU_BENCH_DEADLINE); \
+	else \
+		echo "make bench-gpu: $(PYTHON) has no CUDA torch; on a CUDA machine it runs bench/gpu_run.sh," \
+			"here 'make bench-gpu-rehearse' runs the CPU rehearsal of the same script"; exit 1; \
+	fi
+
+# The wheels bench/gpu_run.sh installs on the GPU machine (bench/gpu_wheels.txt), for its Python 3.12.
+gpu-wheels:
+	mkdir -p .whl
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl -r bench/gpu_wheels.txt
+
+# bench/gpu_bench.py --rehearse: every section at tiny shapes on the CPU (tests/test_gpu_bench.py runs it).
+bench-gpu-rehearse: install
+	$(BIN)/python bench/gpu_bench.py --rehearse --out runs/bench-gpu/rehearsal.json
 
 # One SonarExperts layer under the Triton interpreter: the forward vs float64, the backward, ExpertAdamW
 # steps (fused == split bitwise).

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # name: (tokens T, hidden H, expert intermediate I, experts E, top_k)
 SHAPES = {
     "olmoe-1b-7b": (4096, 2048, 1024, 64, 8),
+    "granite-3.1-3b-a800m": (4096, 1536, 512, 40, 8),
     "small": (48, 96, 40, 6, 2),
 }
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}

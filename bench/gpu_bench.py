@@ -1,23 +1,35 @@
-"""The GPU benchmark in one run: correctness at the real shapes first; then one expert-MLP layer by every
-provider (forward, forward+backward, training step), each sonar kernel's own time and TFLOP/s against
-torch.mm on the same GEMM shape (the dense roofline) and the copy bandwidth, all measured in the same run;
-then full training steps of OLMoE-1B-7B and Granite-3.1-3B-A800M with a few layers: standard, sonar and
-all-in-backward (every parameter updated in the backward, no clipping).
+"""The GPU benchmark as one prepared run that cannot lose what it measured (bench/README.md).
 
-Usage (one CUDA machine, no network; the package on PYTHONPATH or installed with
-``pip install --no-deps --no-build-isolation -e .``):
+Sections, each a list of units run in order (``--sections`` picks sections):
 
-    python bench/gpu_bench.py            # OLMoE-1B-7B and Granite-3.1-3B-A800M layers, bf16
-    python bench/gpu_bench.py --small    # tiny shapes; on CPU the Triton interpreter (the tests run it)
-    python bench/gpu_bench.py --no-check # without the correctness checks (check_backward.py runs them alone)
+- ``correctness``: at the OLMoE-1B-7B and Granite-3.1-3B-A800M layer shapes, bf16 and fp32 weights: the
+  fused AdamW epilogue against the split path (bitwise) and against torch.optim.AdamW(fused=True) fed the
+  split path's gradient (bench/check_backward.py);
+- ``layers``: one expert-MLP layer of each model in bf16 at 4096 and 16384 routed tokens, the training
+  step (forward, backward, AdamW) of standard (transformers' grouped_mm experts + ``clip_grad_norm_`` +
+  torch's fused AdamW), the paper's method, sonar, and sonar with 8-bit moments, with the 16-bit remainder
+  and with stochastic rounding (bench/providers.py): median time and its p10-p90, TFLOP/s, peak memory;
+- ``gemms``: at 4096 tokens, sonar's step kernel by kernel, every grouped GEMM against torch.mm on its
+  shape (bench/kernel_times.py), and the device's copy bandwidth;
+- ``full-steps``: whole training steps of OLMoE-1B-7B and Granite-3.1-3B-A800M at reduced depth
+  (``--full-step-layers``), sonar-train's standard, sonar and all-in-backward arms.
 
-Writes ``bench/results/<date>-<gpu>.json`` and a markdown table next to it (on a CPU,
-``runs/bench/gpu_bench-cpu.json``; ``--out`` changes the JSON path). On CUDA the kernels' tile
-configurations are tuned at the first launch of each layer shape (sonar_kernels/ops/configs.py; the
-correctness checks at the real shapes run first, so the timed runs use the tuned choices), and the results
-file records every choice ("configs"); ``SONAR_KERNELS_TUNING=0`` pins the defaults. Exit code 1 when a correctness check fails. The full training steps need transformers
-(>= 5.13); where it is missing they are skipped and the results say so (bench/README.md: bringing it to
-a machine without network as wheels).
+The JSON and a readable .md are written after every unit (a temporary file renamed over the last one), so
+the files always hold every unit finished so far. A unit that raises is recorded with its traceback and
+the run goes on. ``--deadline SECONDS`` starts no unit whose estimated time would end past the deadline
+(those are recorded as not run); SIGTERM or Ctrl-C (what a timeout sends) marks the unit under way as
+interrupted, writes the files and exits. Exit status: 0 every unit done and every check passed; 1 a unit
+failed or a correctness check did not pass; 2 units left not run (deadline, interrupted).
+
+``--rehearse`` runs every section on the CPU at tiny shapes, with the same code except the device seam
+(:class:`Rehearsal` for :class:`Cuda`: timing, peak memory, device facts): the torch backend for the layer
+steps and the Triton interpreter where a kernel is measured. The test suite runs it, so a broken GPU path
+fails CI here.
+
+Usage (the repository root is found from this file; no install, no PYTHONPATH):
+
+    python3 bench/gpu_bench.py --out $OUT/gpu_bench.json --deadline 420
+    python3 bench/gpu_bench.py --rehearse --out runs/bench/rehearsal.json
 """
 
 from __future__ import annotations
@@ -26,39 +38,171 @@ import argparse
 import datetime
 import json
 import os
+import platform
+import signal
 import statistics
+import subprocess
 import sys
 import time
+import traceback
+import warnings
 from pathlib import Path
 
-import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before sonar_kernels is imported
-
-import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import check_backward
-import kernel_times
-import providers
-
-from sonar_kernels.ops import configs
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+import torch  # noqa: E402
+
+if "--rehearse" in sys.argv or not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton and sonar_kernels are imported
+
+import check_backward  # noqa: E402
+import kernel_times  # noqa: E402
+import providers  # noqa: E402
+import triton  # noqa: E402
+
+from sonar_kernels.ops import configs  # noqa: E402
+
+SECTIONS = ("correctness", "layers", "gemms", "full-steps")
+MODELS = ("olmoe-1b-7b", "granite-3.1-3b-a800m")
+TOKENS = (4096, 16384)
+LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
+# Estimated seconds of each unit on an H200, Triton compilations included (bench/README.md, "Budget"):
+# --deadline starts no unit that would end past it.
+ESTIMATES = {"correctness": 40, "layers": 45, "gemms": 35, "full-steps": 75}
 
 
-def _median_seconds(fn, device: str, rounds: int) -> float:
-    """Median wall time of ``fn`` in seconds: triton.testing.do_bench on CUDA (after its warm-up),
-    ``rounds`` timed calls on the CPU."""
-    if device == "cuda":
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1000
-    times = []
-    for _ in range(rounds):
+class Cuda:
+    """The device seam on a CUDA GPU: everything of the run that only a GPU reaches."""
+
+    kind = "cuda"
+    dtype = torch.bfloat16
+
+    def info(self) -> dict:
+        props = torch.cuda.get_device_properties(0)
+        return {
+            "device": torch.cuda.get_device_name(),
+            "capability": list(torch.cuda.get_device_capability()),
+            "multiprocessors": props.multi_processor_count,
+            "memory_bytes": props.total_memory,
+            "cuda": torch.version.cuda,
+            "driver": _driver(),
+        }
+
+    def seconds(self, fn) -> dict:
+        """triton.testing.do_bench's p10, median and p90 of ``fn`` in seconds (after its warm-up)."""
+        p10, median, p90 = triton.testing.do_bench(fn, warmup=25, rep=100, quantiles=[0.1, 0.5, 0.9])
+        return {"median_s": median / 1000, "p10_s": p10 / 1000, "p90_s": p90 / 1000}
+
+    def peak_bytes(self, step, phase: str) -> int:
+        return providers.peak_bytes(step, phase)  # the CUDA allocator's peak
+
+    def peak_during(self, fn) -> int:
+        """The CUDA allocator's peak while ``fn`` runs (everything allocated, not only ``fn``'s)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        fn()
+        torch.cuda.synchronize()
+        return int(torch.cuda.max_memory_allocated())
+
+    def sync(self) -> None:
+        torch.cuda.synchronize()
+
+
+class Rehearsal(Cuda):
+    """The device seam of ``--rehearse``: the CPU, one timed call (times mean nothing here), torch's
+    MemTracker for the peaks."""
+
+    kind = "cpu"
+
+    def info(self) -> dict:
+        return {"device": f"cpu ({platform.processor() or platform.machine()}), rehearsal", "cuda": None}
+
+    def seconds(self, fn) -> dict:
         start = time.perf_counter()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        elapsed = time.perf_counter() - start
+        return {"median_s": elapsed, "p10_s": elapsed, "p90_s": elapsed}
+
+    def peak_bytes(self, step, phase: str) -> int:
+        return providers.peak_bytes(step, phase)  # MemTracker on the CPU
+
+    def peak_during(self, fn) -> int:
+        """The peak of the tensors allocated while ``fn`` runs (torch's MemTracker)."""
+        from torch.distributed._tools.mem_tracker import MemTracker
+
+        tracker = MemTracker()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with tracker:
+                fn()
+        return int(sum(d["Total"] for d in tracker.get_tracker_snapshot("peak").values()))
+
+    def sync(self) -> None:
+        pass
+
+
+def _driver() -> str | None:
+    try:
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        )  # fmt: skip
+        return done.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return None
+
+
+def _versions() -> dict:
+    import importlib.metadata as metadata
+
+    out = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__}
+    for name in ("transformers", "numpy", "huggingface_hub", "tokenizers", "safetensors"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _commit(given: str | None) -> str:
+    """``--commit``, else the SONAR_COMMIT variable, else git's HEAD here (with "+changes" when tracked files
+    differ from it), else "unknown" (a copy of the tree without .git)."""
+    if given or os.environ.get("SONAR_COMMIT"):
+        return given or os.environ["SONAR_COMMIT"]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD"], cwd=ROOT, check=False).returncode != 0
+        return head.stdout.strip() + ("+changes" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# --- What is measured ---------------------------------------------------------------------------------
+
+
+class Plan:
+    """The shapes of a run: the real ones, or the rehearsal's tiny stand-ins under the same names."""
+
+    def __init__(self, rehearse: bool, full_step_layers: int):
+        self.rehearse = rehearse
+        self.full_step_layers = full_step_layers
+        if rehearse:
+            # H and I multiples of 32 (the 8-bit moments' blocks); Granite's expert count is not a power of 2.
+            self.layer_shapes = {"olmoe-1b-7b": (64, 32, 8, 2), "granite-3.1-3b-a800m": (32, 32, 5, 2)}
+            self.tokens = (16, 32)
+            self.check_shape = {name: "small" for name in MODELS}
+            self.presets = {"olmoe-1b-7b": "tiny-olmoe", "granite-3.1-3b-a800m": "tiny-granitemoe"}
+        else:
+            self.layer_shapes = {name: tuple(providers.SHAPES[name])[1:] for name in MODELS}
+            self.tokens = TOKENS
+            self.check_shape = {name: name for name in MODELS}
+            self.presets = {name: name for name in MODELS}
+
+    def shape(self, model: str, tokens: int) -> providers.Shape:
+        return providers.Shape(tokens, *self.layer_shapes[model])
 
 
 def gemm_shapes(shape: providers.Shape) -> dict[str, tuple[int, int, int]]:
@@ -76,283 +220,373 @@ def gemm_shapes(shape: providers.Shape) -> dict[str, tuple[int, int, int]]:
     }
 
 
-def roofline(shape: providers.Shape, dtype: torch.dtype, device: str, rounds: int) -> dict:
-    """torch.mm on each GEMM shape of the layer: seconds and TFLOP/s, and their total."""
-    out = {}
-    for name, (M, K, N) in gemm_shapes(shape).items():
-        a = torch.randn(M, K, device=device, dtype=dtype)
-        b = torch.randn(K, N, device=device, dtype=dtype)
-        seconds = _median_seconds(lambda a=a, b=b: torch.mm(a, b), device, rounds)
-        out[name] = {"seconds": seconds, "tflops": 2 * M * K * N / seconds / 1e12}
-    out["total_seconds"] = sum(v["seconds"] for v in out.values())
-    return out
+def correctness(plan: Plan, device, model: str, weight_dtype: torch.dtype) -> dict:
+    row = check_backward.check(plan.check_shape[model], weight_dtype, device.kind)
+    row["passed"] = bool(row["fused_equals_split_bitwise"])
+    return row
 
 
-def bandwidth(device: str, nbytes: int, rounds: int) -> float:
-    """Device-to-device copy bandwidth in GB/s (read + write)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = _median_seconds(lambda: dst.copy_(src), device, rounds)
-    return 2 * nbytes / seconds / 1e9
-
-
-def layer_table(shape_name: str, dtype: torch.dtype, device: str, rounds: int) -> dict:
-    """Every provider's phases (providers.PHASES) at one layer shape, both routings; then the roofline
-    and the sonar kernels one by one (the fused and the unfused step, uniform routing)."""
-    shape = providers.SHAPES[shape_name]
-    roof = roofline(shape, dtype, device, rounds)
-    rows, kernels = {}, {}
-    for routing in ("uniform", "skewed"):
-        inputs = providers.make_inputs(shape, dtype, device, routing=routing)
-        for name in providers.PROVIDERS:
-            step = providers.build(name, inputs, backend="triton")
-            step.run()  # compile, create the optimizer state
-            for phase in (p for p in providers.PHASES if name in providers.phase_providers(p)):
-                fn = step.phase(phase)
-                fn()
-                seconds = _median_seconds(fn, device, rounds)
-                rows[f"{phase} {name} {routing}"] = {
-                    "phase": phase,
-                    "provider": name,
-                    "routing": routing,
-                    "seconds": seconds,
-                    "tflops": shape.phase_flops(phase) / seconds / 1e12,
-                    "peak_bytes": providers.peak_bytes(step, phase),
-                    "experts": step.experts,
-                }
-            if name in ("sonar", "sonar-unfused") and routing == "uniform":
-                mm = {k: v["seconds"] for k, v in roof.items() if k != "total_seconds"}
-                kernels[name] = kernel_times.kernel_table(
-                    step, gemm_shapes(shape), mm, device == "cuda", 5 if device == "cuda" else rounds
-                )
-            del step
-    for row in rows.values():
-        base = rows[f"{row['phase']} {providers.BASELINE} {row['routing']}"]
-        # The ratios of the tables: provider / standard-fused (the *_vs_standard keys), below 1 is better
-        # (the speedup is its inverse).
-        row["time_vs_standard"] = row["seconds"] / base["seconds"]
-        row["speedup_vs_standard"] = base["seconds"] / row["seconds"]
+def layer(plan: Plan, device, model: str, tokens: int) -> dict:
+    """Every provider of LAYER_PROVIDERS: one training step of the layer, uniform routing."""
+    shape = plan.shape(model, tokens)
+    inputs = providers.make_inputs(shape, device.dtype, device.kind)
+    rows = {}
+    for name in LAYER_PROVIDERS:
+        step = providers.build(name, inputs, backend="auto")
+        step.run()  # compile, create the optimizer state
+        timing = device.seconds(step.run)
+        rows[name] = {
+            **timing,
+            "tflops": shape.phase_flops("step") / timing["median_s"] / 1e12,
+            "peak_bytes": device.peak_bytes(step, "step"),
+            "experts": step.experts,
+            "update": step.update,
+        }
+        del step
+    base = rows[providers.BASELINE]
+    for row in rows.values():  # every ratio provider / standard-fused: below 1 is better
+        row["time_vs_standard"] = row["median_s"] / base["median_s"]
         row["memory_vs_standard"] = row["peak_bytes"] / base["peak_bytes"]
     return {
-        "shape": shape_name,
-        "T_H_I_E_top_k": tuple(shape),
+        "shape": model,
+        "T_H_I_E_top_k": list(shape),
+        "dtype": str(device.dtype),
+        "expert_grad_bytes": shape.expert_grad_bytes(device.dtype),
         "rows": rows,
-        "roofline": roof,
-        "kernels": kernels,
     }
 
 
-def goals(table: dict) -> dict:
-    """The issue's goals read against one layer table (benchmarks, not tests)."""
-    rows = table["rows"]
-    # GEMM launches only: the fused AdamW epilogue also moves W and both moments (reported, not a GEMM).
-    gemm_fractions = {
-        f"{provider}: {label}": row["fraction_of_torch_mm"]
-        for provider, kernels in table["kernels"].items()
-        for label, row in kernels.items()
-        if row.get("gemm_only")
-    }
+def gemms(plan: Plan, device, model: str) -> dict:
+    """sonar's step kernel by kernel against torch.mm on each GEMM's shape (the dense roofline)."""
+    shape = plan.shape(model, plan.tokens[0])
+    roof = {}
+    for name, (M, K, N) in gemm_shapes(shape).items():
+        a = torch.randn(M, K, device=device.kind, dtype=device.dtype)
+        b = torch.randn(K, N, device=device.kind, dtype=device.dtype)
+        seconds = device.seconds(lambda a=a, b=b: torch.mm(a, b))["median_s"]
+        roof[name] = {"seconds": seconds, "tflops": 2 * M * K * N / seconds / 1e12}
+    inputs = providers.make_inputs(shape, device.dtype, device.kind)
+    step = providers.build("sonar", inputs, backend="triton")
+    step.run()
+    kernels = kernel_times.kernel_table(
+        step, gemm_shapes(shape), {k: v["seconds"] for k, v in roof.items()}, device.kind == "cuda",
+        5 if device.kind == "cuda" else 1,
+    )  # fmt: skip
+    fractions = {label: row["fraction_of_torch_mm"] for label, row in kernels.items() if row.get("gemm_only")}
     return {
-        "step_speedup_sonar_fused_vs_standard": rows["step sonar uniform"]["speedup_vs_standard"],
-        "goal_step_speedup": 1.3,
-        # The same goal as the tables read it: step time sonar / standard-fused at most 1 / 1.3.
-        "step_time_sonar_fused_vs_standard": rows["step sonar uniform"]["time_vs_standard"],
-        "goal_step_time_vs_standard": 1 / 1.3,
-        "min_gemm_fraction_of_torch_mm": min(gemm_fractions.values(), default=float("nan")),
-        "goal_gemm_fraction": 0.6,
-        "gemm_fractions": gemm_fractions,
-        "per_expert_over_batched_step_time": rows["step per-expert-inbwd uniform"]["seconds"]
-        / rows["step paper-inbwd uniform"]["seconds"],
+        "shape": model,
+        "T_H_I_E_top_k": list(shape),
+        "torch_mm": roof,
+        "kernels": kernels,
+        "min_gemm_fraction_of_torch_mm": min(fractions.values(), default=float("nan")),
     }
 
 
-def full_steps(presets: dict[str, int], device: str, small: bool, steps: int) -> dict:
-    """Median step time and peak memory of whole-model training steps, per preset (name -> layers), for
-    the arms standard, sonar and all-in-backward of sonar-train (bf16 on CUDA, activation checkpointing
-    on). Skipped, with the reason, where transformers is missing."""
-    try:
-        from sonar_kernels import train
-        from sonar_kernels.integrations import transformers as hf
+def bandwidth(plan: Plan, device) -> dict:
+    """Device-to-device copy bandwidth in GB/s (read + write)."""
+    nbytes = 2**20 if plan.rehearse else 2**30
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device.kind)
+    dst = torch.empty_like(src)
+    seconds = device.seconds(lambda: dst.copy_(src))["median_s"]
+    return {"bytes": nbytes, "gbs": 2 * nbytes / seconds / 1e9}
 
-        hf.register()  # the models' experts use the "auto" backend (no set_backend)
-    except ImportError as e:
-        return {"skipped": f"transformers is needed for the full training step: {e}"}
-    out = {}
-    for preset_name, layers in presets.items():
-        preset = train.PRESETS[preset_name]
-        argv = ["--preset", preset_name, "--layers", str(layers), "--device", device, "--quiet"]
-        argv += ["--fused"] if device == "cuda" else []
-        args = train.parse_args(argv)
-        dtype = torch.bfloat16 if device == "cuda" else torch.float32
-        batch, seq = (2, 32) if small else (preset.batch_size, preset.sequence_length)
-        data = train.ByteData(train.default_text(), seq, batch, seed=0)
-        arms = {}
-        for name in ("standard", "sonar", "all-in-backward"):
-            # The same initial weights (same seed, same device) for each arm; no copy stays alive.
-            initial = train.build_model(preset, layers, 0, dtype, args.device_obj)
-            arm = train.build_arm(name, initial, args, steps=steps + 2)
-            del initial
-            tokens = [data.batch(i).to(device) for i in range(steps + 2)]
-            for t in tokens[:2]:  # compile, create the optimizer state
-                train.train_step(arm, t, args.max_grad_norm)
-            times = []
-            for t in tokens[2:]:
-                train.sync(args.device_obj)
-                start = time.perf_counter()
-                train.train_step(arm, t, args.max_grad_norm)
-                train.sync(args.device_obj)
-                times.append(time.perf_counter() - start)
-            row = {"step_time_s": statistics.median(times)}
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-                train.train_step(arm, tokens[-1], args.max_grad_norm)
-                torch.cuda.synchronize()
-                row["peak_bytes"] = int(torch.cuda.max_memory_allocated())
-            arms[name] = row
-            del arm
-        for row in arms.values():
-            row["time_vs_standard"] = row["step_time_s"] / arms["standard"]["step_time_s"]
-            row["speedup_vs_standard"] = arms["standard"]["step_time_s"] / row["step_time_s"]
-            if "peak_bytes" in row:
-                row["memory_vs_standard"] = row["peak_bytes"] / arms["standard"]["peak_bytes"]
-        out[preset_name] = {"layers": layers, "batch": batch, "sequence_length": seq, "arms": arms}
+
+def full_step(plan: Plan, device, model: str) -> dict:
+    """Median step time (and the peak, through the seam) of sonar-train's standard, sonar and
+    all-in-backward arms on ``model`` at ``plan.full_step_layers`` layers (bf16 on CUDA, activation
+    checkpointing on)."""
+    from sonar_kernels import train
+    from sonar_kernels.integrations import transformers as hf
+    from sonar_kernels.optim.ownership import UnownedExpertsWarning
+
+    hf.register()
+    preset_name = plan.presets[model]
+    preset = train.PRESETS[preset_name]
+    layers = 1 if plan.rehearse else plan.full_step_layers
+    argv = ["--preset", preset_name, "--layers", str(layers), "--device", device.kind, "--quiet"]
+    argv += ["--fused"] if device.kind == "cuda" else []
+    args = train.parse_args(argv)
+    dtype = torch.bfloat16 if device.kind == "cuda" else torch.float32
+    batch, seq = (2, 32) if plan.rehearse else (preset.batch_size, preset.sequence_length)
+    data = train.ByteData(train.default_text(), seq, batch, seed=0)
+    steps = 2 if plan.rehearse else 5
+    arms = {}
+    for name in ("standard", "sonar", "all-in-backward"):
+        with warnings.catch_warnings():
+            if name == "standard":  # trains the sonar experts as dense parameters, deliberately
+                warnings.simplefilter("ignore", UnownedExpertsWarning)
+            arms[name] = _arm_steps(train, name, preset, layers, dtype, args, data, steps, device)
+    for row in arms.values():
+        row["time_vs_standard"] = row["step_time_s"] / arms["standard"]["step_time_s"]
+        row["memory_vs_standard"] = row["peak_bytes"] / arms["standard"]["peak_bytes"]
+    return {"preset": preset_name, "layers": layers, "batch": batch, "sequence_length": seq, "arms": arms}
+
+
+def _arm_steps(train, name, preset, layers, dtype, args, data, steps, device) -> dict:
+    """Arm ``name``'s two warm-up steps (compilation, optimizer state), ``steps`` timed ones and one more
+    under the seam's peak."""
+    initial = train.build_model(preset, layers, 0, dtype, args.device_obj)
+    arm = train.build_arm(name, initial, args, steps=steps + 2)
+    del initial
+    tokens = [data.batch(i).to(device.kind) for i in range(steps + 2)]
+    for t in tokens[:2]:
+        train.train_step(arm, t, args.max_grad_norm)
+    times = []
+    for t in tokens[2:]:
+        device.sync()
+        start = time.perf_counter()
+        train.train_step(arm, t, args.max_grad_norm)
+        device.sync()
+        times.append(time.perf_counter() - start)
+    peak = device.peak_during(lambda: train.train_step(arm, tokens[-1], args.max_grad_norm))
+    return {"step_time_s": statistics.median(times), "step_times_s": times, "peak_bytes": peak}
+
+
+def units(plan: Plan, device, sections: tuple[str, ...]) -> list[tuple[str, str, object]]:
+    """(section, unit name, callable) in run order."""
+    out = []
+    if "correctness" in sections:
+        for model in MODELS:
+            for dtype in (torch.bfloat16, torch.float32):
+                name = f"{model} {str(dtype).removeprefix('torch.')}"
+                out.append(("correctness", name, lambda m=model, d=dtype: correctness(plan, device, m, d)))
+    if "layers" in sections:
+        for tokens in plan.tokens:
+            for model in MODELS:
+                out.append(
+                    ("layers", f"{model} T{tokens}", lambda m=model, t=tokens: layer(plan, device, m, t))
+                )
+    if "gemms" in sections:
+        for model in MODELS:
+            out.append(("gemms", model, lambda m=model: gemms(plan, device, m)))
+        out.append(("gemms", "copy bandwidth", lambda: bandwidth(plan, device)))
+    if "full-steps" in sections:
+        for model in MODELS:
+            out.append(("full-steps", model, lambda m=model: full_step(plan, device, m)))
     return out
+
+
+# --- The run: one unit at a time, the files written after each ------------------------------------------
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived (a timeout's kill): the unit under way is abandoned and the files written."""
+
+
+def _on_sigterm(signum, frame):
+    raise Terminated()
+
+
+def run(plan: Plan, device, sections, out: Path, deadline: float | None, meta: dict) -> int:
+    """Run the units of ``sections``, writing ``out`` (JSON) and its .md after each; returns the exit
+    status (module docstring)."""
+    started = time.monotonic()
+    todo = units(plan, device, sections)
+    result = {
+        "schema": 2,
+        "mode": "rehearsal" if plan.rehearse else "gpu",
+        "meta": meta,
+        "sections": {s: {"status": "not run", "seconds": 0.0, "units": {}} for s in sections},
+        "seconds": 0.0,
+        "finished": False,
+    }
+    for section, name, _ in todo:
+        result["sections"][section]["units"][name] = {"status": "pending"}
+    _write(result, out)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    stop = None
+    try:
+        for section, name, fn in todo:
+            entry = result["sections"][section]["units"][name]
+            elapsed = time.monotonic() - started
+            if stop is not None:
+                entry.update(status="not run", reason=stop)
+                continue
+            estimate = ESTIMATES[section]  # the GPU's, in the rehearsal too (it tests the same decision)
+            if deadline is not None and elapsed + estimate > deadline:
+                entry.update(
+                    status="not run",
+                    reason=f"deadline: {elapsed:.0f} s spent + {estimate:.0f} s estimated > {deadline:.0f} s",
+                )
+                _finish(result, started, out)
+                continue
+            print(f"[{elapsed:6.0f} s] {section}: {name}", flush=True)
+            unit_start = time.monotonic()
+            try:
+                entry.update(status="done", result=fn())
+            except (Terminated, KeyboardInterrupt) as e:
+                stop = f"{type(e).__name__}: the run was stopped during {section}: {name}"
+                entry.update(status="interrupted", reason=stop)
+            except Exception as e:  # recorded; the next unit goes on
+                entry.update(
+                    status="failed", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc()
+                )
+                print(entry["traceback"], file=sys.stderr, flush=True)
+            entry["seconds"] = time.monotonic() - unit_start
+            _finish(result, started, out)
+    except (Terminated, KeyboardInterrupt) as e:  # between units, or while writing
+        for section, name, _ in todo:
+            entry = result["sections"][section]["units"][name]
+            if entry["status"] == "pending":
+                entry.update(status="not run", reason=f"{type(e).__name__}: the run was stopped")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        result["finished"] = True
+        _finish(result, started, out)
+    return _status(result)
+
+
+def _finish(result: dict, started: float, out: Path) -> None:
+    """Section statuses and times, the tuning choices so far, then the files."""
+    for section in result["sections"].values():
+        states = [u["status"] for u in section["units"].values()]
+        section["seconds"] = sum(u.get("seconds", 0.0) for u in section["units"].values())
+        if states and all(s == "done" for s in states):
+            section["status"] = "done"
+        elif "failed" in states:
+            section["status"] = "failed"
+        elif "done" in states:
+            section["status"] = "partial"
+        else:
+            section["status"] = "not run"
+    result["seconds"] = time.monotonic() - started
+    result["meta"]["configs"] = {key: config._asdict() for key, config in configs.chosen().items()}
+    _write(result, out)
+
+
+def _status(result: dict) -> int:
+    entries = [u for s in result["sections"].values() for u in s["units"].values()]
+    failed = any(u["status"] == "failed" for u in entries) or any(
+        not u["result"].get("passed", True)
+        for u in entries
+        if u["status"] == "done" and isinstance(u["result"], dict)
+    )
+    if failed:
+        return 1
+    return 0 if all(u["status"] == "done" for u in entries) else 2
+
+
+def _write(result: dict, out: Path) -> None:
+    """The JSON and the .md, each through a temporary file renamed over the last one (never half written)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for path, text in (
+        (out, json.dumps(result, indent=1, default=str)),
+        (out.with_suffix(".md"), markdown(result)),
+    ):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
+
+
+# --- The readable report ----------------------------------------------------------------------------------
 
 
 def markdown(result: dict) -> str:
-    lines = [f"# {result['device']}, {result['date']} (torch {result['torch']}, triton {result['triton']}, "
-             f"commit {result['commit'][:9]}, {result['dtype']})", ""]  # fmt: skip
-    lines.append(f"Copy bandwidth: {result['bandwidth_gbs']:.0f} GB/s. Whole run: {result['seconds']:.0f} s.")
-    if not result["correctness"]:
-        lines.append("- correctness: not checked in this run (--no-check)")
-    for check in result["correctness"]:
-        lines.append(
-            f"- {check['shape']} {check['weight_dtype']}: fused == split bitwise: {check['fused_equals_split_bitwise']}"
-        )
-    for table in result["layers"]:
-        roof = table["roofline"]
-        lines += ["", f"## {table['shape']} (T, H, I, E, top_k) = {table['T_H_I_E_top_k']}", "",
-                  f"torch.mm on the layer's GEMM shapes: {1000 * roof['total_seconds']:.3f} ms in all.", "",
-                  "Ratios: provider / standard-fused, below 1 is better.", "",
-                  "| phase | provider | routing | ms | TFLOP/s | time / standard-fused | peak MiB | memory / standard-fused |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for row in table["rows"].values():
+    meta = result["meta"]
+    versions = ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if v)
+    lines = [
+        f"# gpu_bench {result['mode']}: {meta['device']['device']}, {meta['date']}",
+        "",
+        f"Commit {meta['commit']}; {versions}; driver {meta['device'].get('driver')}, CUDA {meta['device'].get('cuda')}. "
+        f"{result['seconds']:.0f} s{'' if result['finished'] else ' so far'}. Every ratio is provider / "
+        "standard-fused: below 1 is better.",
+    ]
+    for section_name, section in result["sections"].items():
+        lines += ["", f"## {section_name}: {section['status']} ({section['seconds']:.0f} s)", ""]
+        for name, unit in section["units"].items():
+            if unit["status"] != "done":
+                why = unit.get("error") or unit.get("reason") or ""
+                lines.append(f"- {name}: **{unit['status']}** {why}".rstrip())
+                continue
+            lines += _unit_lines(section_name, name, unit)
+    return "\n".join(lines) + "\n"
+
+
+def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
+    r = unit["result"]
+    if section == "correctness":
+        worst = max(v["max_ulps"] for v in r["vs_torch_adamw_fused"].values())
+        return [
+            f"- {name}: fused == split bitwise: {r['fused_equals_split_bitwise']}; against "
+            f"torch.optim.AdamW(fused=True) worst {worst:.1f} ulp ({unit['seconds']:.0f} s)"
+        ]
+    if section == "layers":
+        lines = [
+            "", f"{name}: (T, H, I, E, top_k) = {tuple(r['T_H_I_E_top_k'])}, {r['dtype']} ({unit['seconds']:.0f} s)", "",
+            "| provider | step ms (p10-p90) | TFLOP/s | time / standard | peak MiB | memory / standard |",
+            "|---|---|---|---|---|---|",
+        ]  # fmt: skip
+        for provider, row in r["rows"].items():
             lines.append(
-                f"| {row['phase']} | {row['provider']} | {row['routing']} | {1000 * row['seconds']:.3f} | "
-                f"{row['tflops']:.3f} | {row['time_vs_standard']:.2f} | {row['peak_bytes'] / 2**20:.1f} | "
+                f"| {provider} | {1000 * row['median_s']:.3f} ({1000 * row['p10_s']:.3f}-{1000 * row['p90_s']:.3f}) | "
+                f"{row['tflops']:.1f} | {row['time_vs_standard']:.2f} | {row['peak_bytes'] / 2**20:.1f} | "
                 f"{row['memory_vs_standard']:.2f} |"
             )
-        experts = next(r["experts"] for r in table["rows"].values() if r["provider"] == providers.BASELINE)
-        lines += ["", f"standard's experts: {experts}. forward and forward+backward of sonar-unfused are those "
-                  "of all four sonar providers (the same kernels).", ""]  # fmt: skip
-        for provider, kernels in table["kernels"].items():
-            lines += [f"{provider} (uniform routing), kernel by kernel:", "",
-                      "| launch | ms | TFLOP/s | of torch.mm on the same GEMM |", "|---|---|---|---|"]  # fmt: skip
-            for label, row in kernels.items():
-                gemm = (
-                    f"{row['tflops']:.3f} | {row['fraction_of_torch_mm']:.2f}" if "tflops" in row else " | "
-                )
-                what = label if row.get("gemm_only", True) else f"{label} (GEMM + AdamW)"
-                lines.append(f"| {what} | {1000 * row['seconds']:.3f} | {gemm} |")
-            lines.append("")
-        g = table["goals"]
-        lines += [
-            "Goals (read, not asserted): training step time sonar / standard-fused "
-            f"{g['step_time_sonar_fused_vs_standard']:.2f} (goal <= {g['goal_step_time_vs_standard']:.2f}, "
-            f"i.e. {g['goal_step_speedup']}x faster); slowest "
-            f"grouped GEMM at {g['min_gemm_fraction_of_torch_mm']:.2f} of torch.mm (goal >= {g['goal_gemm_fraction']}); "
-            f"a training step with per-expert in-backward updates (per-expert-inbwd) takes "
-            f"{g['per_expert_over_batched_step_time']:.2f}x the time of one with batched ones (paper-inbwd)."
-        ]
-    full = result["full_steps"]
-    lines += ["", "## Full training steps (sonar-train's arms)", ""]
-    if "skipped" in full:
-        lines.append(f"Skipped: {full['skipped']}")
-    else:
-        lines += ["| preset | layers | batch x seq | arm | step ms | time / standard | peak MiB | memory / standard |",
-                  "|---|---|---|---|---|---|---|---|"]  # fmt: skip
-        for preset, entry in full.items():
-            for arm, row in entry["arms"].items():
-                peak = (
-                    f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f}"
-                    if "peak_bytes" in row
-                    else "(CUDA only) | "
-                )
-                lines.append(
-                    f"| {preset} | {entry['layers']} | {entry['batch']} x {entry['sequence_length']} | {arm} | "
-                    f"{1000 * row['step_time_s']:.1f} | {row['time_vs_standard']:.2f} | {peak} |"
-                )
-    return "\n".join(lines) + "\n"
+        return [*lines, ""]
+    if section == "gemms":
+        if "gbs" in r:
+            return [f"- copy bandwidth: {r['gbs']:.0f} GB/s"]
+        lines = [
+            "", f"{name}: sonar's step kernel by kernel, (T, H, I, E, top_k) = {tuple(r['T_H_I_E_top_k'])}; slowest "
+            f"GEMM at {r['min_gemm_fraction_of_torch_mm']:.2f} of torch.mm", "",
+            "| launch | ms | TFLOP/s | of torch.mm on the same GEMM |", "|---|---|---|---|",
+        ]  # fmt: skip
+        for label, row in r["kernels"].items():
+            gemm = f"{row['tflops']:.1f} | {row['fraction_of_torch_mm']:.2f}" if "tflops" in row else " | "
+            what = label if row.get("gemm_only", True) else f"{label} (GEMM + AdamW)"
+            lines.append(f"| {what} | {1000 * row['seconds']:.3f} | {gemm} |")
+        return [*lines, ""]
+    lines = [
+        "", f"{name} ({r['preset']}, {r['layers']} layers, batch {r['batch']} x {r['sequence_length']}):", "",
+        "| arm | step ms | time / standard | peak MiB | memory / standard |", "|---|---|---|---|---|",
+    ]  # fmt: skip
+    for arm, row in r["arms"].items():
+        lines.append(
+            f"| {arm} | {1000 * row['step_time_s']:.1f} | {row['time_vs_standard']:.2f} | "
+            f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="tiny shapes (CPU interpreter, tests)")
-    parser.add_argument("--out", type=Path, help="JSON output path (the markdown table goes next to it)")
-    parser.add_argument("--full-step-layers", type=int, default=4,
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the JSON's path (the .md goes beside it); on the GPU machine, under $OUT")  # fmt: skip
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
+                        help="the sections to run, in the order of %(choices)s (default: all)")  # fmt: skip
+    parser.add_argument("--deadline", type=float, help="seconds: start no unit that would end past it")
+    parser.add_argument("--rehearse", action="store_true",
+                        help="every section at tiny shapes on the CPU (the torch backend, the Triton interpreter)")  # fmt: skip
+    parser.add_argument("--full-step-layers", type=int, default=2,
                         help="decoder layers of the full-step models (default: %(default)s)")  # fmt: skip
-    parser.add_argument("--no-check", dest="check", action="store_false",
-                        help="skip the correctness checks (bench/check_backward.py runs them alone)")  # fmt: skip
-    parser.add_argument("--no-full-step", dest="full_step", action="store_false",
-                        help="skip the full training steps")  # fmt: skip
+    parser.add_argument("--tune", action="store_true",
+                        help="tune the kernels' tile configurations at their first launch (default: the pinned "
+                        "defaults, SONAR_KERNELS_TUNING=0: no tuning runs in the budget)")  # fmt: skip
+    parser.add_argument("--commit", help="the commit measured (default: SONAR_COMMIT, else git's HEAD)")
     args = parser.parse_args(argv)
     if args.full_step_layers < 1:
         parser.error(f"--full-step-layers must be >= 1, got {args.full_step_layers}")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    small = args.small or device == "cpu"
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    # On a CPU the kernels run under the interpreter: its times mean nothing, so each is taken once (a smoke
-    # test of the script); on CUDA triton.testing.do_bench decides the repetitions.
-    rounds = 1 if device == "cpu" else 0
-    device_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
-    started = time.perf_counter()
-    correctness = [
-        check_backward.check("small" if small else "olmoe-1b-7b", weight_dtype, device)
-        for weight_dtype in (torch.bfloat16, torch.float32)
-        if args.check
-    ]
-    shapes = ("cpu-tiny",) if small else ("olmoe-1b-7b", "granite-3.1-3b-a800m")
-    layers = []
-    for name in shapes:
-        table = layer_table(name, dtype, device, rounds)
-        table["goals"] = goals(table)
-        layers.append(table)
-    if not args.full_step:
-        full = {"skipped": "--no-full-step"}
-    elif small:
-        full = full_steps({"tiny-olmoe": 1}, device, small=True, steps=3)
-    else:
-        presets = {"olmoe-1b-7b": args.full_step_layers, "granite-3.1-3b-a800m": args.full_step_layers}
-        full = full_steps(presets, device, small=False, steps=5)
-    result = {
+    if args.deadline is not None and args.deadline <= 0:
+        parser.error(f"--deadline must be > 0 seconds, got {args.deadline}")
+    if not args.rehearse and not torch.cuda.is_available():
+        parser.error("no CUDA device: run on a GPU machine, or pass --rehearse for the CPU rehearsal")
+    if not args.tune:
+        os.environ["SONAR_KERNELS_TUNING"] = "0"
+    device = Rehearsal() if args.rehearse else Cuda()
+    sections = tuple(s for s in SECTIONS if s in args.sections)
+    meta = {
         "date": datetime.date.today().isoformat(),
-        "device": device_name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": check_backward._commit(),
-        "dtype": str(dtype),
-        "correctness": correctness,
-        "bandwidth_gbs": bandwidth(device, 2**20 if small else 2**30, rounds),
-        "layers": layers,
-        "full_steps": full,
-        # The tile configuration tuned for each kernel family and layer shape (empty when nothing was tuned).
-        "tuning": configs.tuning_enabled(torch.device(device)),
-        "configs": {key: config._asdict() for key, config in configs.chosen().items()},
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "device": device.info(),
+        "versions": _versions(),
+        "commit": _commit(args.commit),
+        "deadline_s": args.deadline,
+        "tuning": configs.tuning_enabled(torch.device(device.kind)),
     }
-    result["seconds"] = time.perf_counter() - started
-    # GPU results go to bench/results/ (to be committed; README's table is built from them); a CPU run is
-    # a smoke test and goes to runs/.
-    if device == "cuda":
-        default = ROOT / "bench" / "results" / f"{result['date']}-{device_name.split()[-1].lower()}.json"
-    else:
-        default = ROOT / "runs" / "bench" / "gpu_bench-cpu.json"
-    out = args.out or default
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    out.with_suffix(".md").write_text(markdown(result))
-    print(markdown(result))
-    print(f"wrote {out} and {out.with_suffix('.md')} in {result['seconds']:.0f} s")
-    return 0 if all(c["fused_equals_split_bitwise"] for c in correctness) else 1
+    status = run(Plan(args.rehearse, args.full_step_layers), device, sections, args.out, args.deadline, meta)
+    print(args.out.with_suffix(".md").read_text())
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}; exit status {status}")
+    return status
 
 
 if __name__ == "__main__":

@@ -45,6 +45,15 @@ from torch.optim.adamw import adamw as torch_adamw
 import sonar_kernels
 
 PROVIDERS = ("sonar", "sonar-unfused", "paper-inbwd", "per-expert-inbwd", "standard-fused", "standard")
+# sonar with the state kinds beyond the paper (docs/design.md): 8-bit moments, and bf16 weights with the
+# 16-bit remainder (their fp32 master) or rounded stochastically. Built by :func:`build` like the others but
+# not in PROVIDERS: they do not take the same steps (8-bit moments, other roundings), and `make bench`
+# times PROVIDERS. bench/gpu_bench.py times them beside the others.
+STATE_KIND_PROVIDERS = {
+    "sonar-8bit": {"moments_dtype": "8bit"},
+    "sonar-remainder": {"master_weights": "remainder"},
+    "sonar-stochastic": {"master_weights": "stochastic"},
+}
 # The provider every ratio divides by.
 BASELINE = "standard-fused"
 PHASES = ("forward", "forward+backward", "step")
@@ -249,10 +258,12 @@ def build(provider: str, inputs: Inputs, backend: str = "auto") -> Step:
         backend: the moe_mlp backend of sonar, sonar-unfused and the paper's providers ("auto": Triton on
             CUDA, torch on the CPU; "triton" under the interpreter is for correctness only).
     Raises:
-        ValueError: an unknown provider.
+        ValueError: an unknown provider, or sonar-remainder / sonar-stochastic on weights that are not bf16.
     """
-    if provider not in PROVIDERS:
-        raise ValueError(f"provider must be one of {PROVIDERS}, got {provider!r}")
+    if provider not in PROVIDERS and provider not in STATE_KIND_PROVIDERS:
+        raise ValueError(
+            f"provider must be one of {PROVIDERS + tuple(STATE_KIND_PROVIDERS)}, got {provider!r}"
+        )
     w1, w2 = _params(inputs)
     if provider in ("standard-fused", "standard"):
         return _standard(inputs, w1, w2, fused=provider == "standard-fused" and fused_adamw_runs(w1))
@@ -272,6 +283,19 @@ def _sonar(provider: str, inputs: Inputs, w1, w2, backend: str) -> Step:
             optimizer.step()
 
         return Step(inputs, run, (w1, w2), optimizer, update="sonar_kernels.ExpertAdamW in the backward")
+
+    if provider in STATE_KIND_PROVIDERS:
+        options = STATE_KIND_PROVIDERS[provider]
+        if "master_weights" in options and w1.dtype != torch.bfloat16:
+            raise ValueError(f"{provider} keeps bf16 weights with an fp32 master; got {w1.dtype} weights")
+        optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER, **options)
+
+        def run():
+            _forward_backward(inputs, w1, w2, backend)
+            optimizer.step()
+
+        update = f"sonar_kernels.ExpertAdamW({', '.join(f'{k}={v!r}' for k, v in options.items())}) in the backward"
+        return Step(inputs, run, (w1, w2), optimizer, update=update)
 
     if provider == "sonar-unfused":
         optimizer = torch.optim.AdamW([w1, w2], **HYPER, fused=fused)

@@ -23,7 +23,8 @@ BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 
 def _benchmark_files(results: Path) -> list[Path]:
     """gpu_bench.py's JSON files under ``results`` that git tracks (every JSON file there when it is not
-    in a git checkout); check_backward.py's ``*-backward-check.json`` are not tables."""
+    in a git checkout); check_backward.py's ``*-backward-check.json`` are not tables; files of
+    gpu_bench.py's first schema (before its sections) are not read."""
     try:
         listed = subprocess.run(
             ["git", "ls-files", "--", "*.json"], cwd=results, capture_output=True, text=True, check=True
@@ -35,41 +36,54 @@ def _benchmark_files(results: Path) -> list[Path]:
 
 
 def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
-    """The markdown table; ``include_cpu`` renders CPU smoke runs too (tests)."""
+    """The markdown table; ``include_cpu`` renders CPU rehearsals too (tests)."""
     rows = []
     for path in _benchmark_files(results) if results.is_dir() else []:
         r = json.loads(path.read_text())
-        if r["device"] == "cpu" and not include_cpu:
+        if r.get("schema") != 2 or (r["mode"] != "gpu" and not include_cpu):
             continue
-        where = f"{r['device']}, {r['date']}, torch {r['torch']}, triton {r['triton']}, {r['commit'][:9]}"
-        for layer in r["layers"]:
-            step = {
-                k.split()[1]: v
-                for k, v in layer["rows"].items()
-                if k.startswith("step ") and k.endswith(" uniform")
-            }
-            g = layer["goals"]
+        meta = r["meta"]
+        versions = meta["versions"]
+        where = (
+            f"{meta['device']['device']}, {meta['date']}, torch {versions['torch']}, triton {versions['triton']}, "
+            f"{meta['commit'][:9]}"
+        )
+        link = f"[{path.name}](bench/results/{path.name})"
+        sections = r["sections"]
+        slowest = {
+            name: unit["result"]["min_gemm_fraction_of_torch_mm"]
+            for name, unit in sections.get("gemms", {}).get("units", {}).items()
+            if unit["status"] == "done" and "min_gemm_fraction_of_torch_mm" in unit["result"]
+        }
+        for name, unit in sections.get("layers", {}).get("units", {}).items():
+            if unit["status"] != "done":
+                continue
+            layer = unit["result"]
+            step = layer["rows"]
+            gemm = slowest.get(layer["shape"])
             rows.append(
-                f"| {where} | layer {layer['shape']}; standard: {step['standard-fused']['experts']}, AdamW, clipping | "
-                f"{1000 * step['standard-fused']['seconds']:.2f} | "
-                f"{1000 * step['sonar']['seconds']:.2f} | {1 / g['step_speedup_sonar_fused_vs_standard']:.2f} | "
-                f"{step['sonar']['memory_vs_standard']:.2f} | {g['min_gemm_fraction_of_torch_mm']:.2f} | "
-                f"{g['per_expert_over_batched_step_time']:.2f}x | [{path.name}](bench/results/{path.name}) |"
+                f"| {where} | layer {name}; standard: {step['standard-fused']['experts']}, AdamW, clipping | "
+                f"{1000 * step['standard-fused']['median_s']:.2f} | {1000 * step['sonar']['median_s']:.2f} | "
+                f"{step['sonar']['time_vs_standard']:.2f} | {step['sonar']['memory_vs_standard']:.2f} | "
+                f"{step['sonar-8bit']['time_vs_standard']:.2f} / {step['sonar-8bit']['memory_vs_standard']:.2f} | "
+                f"{'' if gemm is None else f'{gemm:.2f}'} | {link} |"
             )
-        for preset, entry in r["full_steps"].items() if "skipped" not in r["full_steps"] else ():
+        for name, unit in sections.get("full-steps", {}).get("units", {}).items():
+            if unit["status"] != "done":
+                continue
+            entry = unit["result"]
             arms = entry["arms"]
             rows.append(
-                f"| {where} | full step {preset}, {entry['layers']} layers; standard: the sonar experts, AdamW, "
+                f"| {where} | full step {name}, {entry['layers']} layers; standard: the sonar experts, AdamW, "
                 f"global clipping | {1000 * arms['standard']['step_time_s']:.1f} | "
-                f"{1000 * arms['sonar']['step_time_s']:.1f} | {1 / arms['sonar']['speedup_vs_standard']:.2f} | "
-                f"{arms['sonar'].get('memory_vs_standard', float('nan')):.2f} | | | "
-                f"[{path.name}](bench/results/{path.name}) |"
+                f"{1000 * arms['sonar']['step_time_s']:.1f} | {arms['sonar']['time_vs_standard']:.2f} | "
+                f"{arms['sonar']['memory_vs_standard']:.2f} | | | {link} |"
             )
     if not rows:
         return "No GPU results are committed yet (bench/results/ holds none), so this table is empty."
     head = [
-        "| device, date, versions, commit | what | standard ms | sonar ms | time sonar / standard | peak memory sonar / standard "
-        "| slowest GEMM / torch.mm | per-expert / batched step | file |",
+        "| device, date, versions, commit | what | standard ms | sonar ms | time sonar / standard | peak memory "
+        "sonar / standard | sonar-8bit time / peak vs standard | slowest GEMM / torch.mm | file |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     return "\n".join(head + rows)

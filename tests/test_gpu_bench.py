@@ -1,0 +1,161 @@
+"""bench/gpu_bench.py's rehearsal (--rehearse: every section at tiny shapes on the CPU, the same code as the
+GPU run but for the device seam) runs in the suite, so the first GPU run cannot fail on a path the CPU
+reaches; its deadline, SIGTERM and per-unit error handling leave a valid report (bench/README.md)."""
+
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "bench" / "gpu_bench.py"
+UNITS = {
+    "correctness": [
+        f"{m} {d}" for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m") for d in ("bfloat16", "float32")
+    ],
+    "layers": [f"{m} T{t}" for t in (16, 32) for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m")],
+    "gemms": ["olmoe-1b-7b", "granite-3.1-3b-a800m", "copy bandwidth"],
+    "full-steps": ["olmoe-1b-7b", "granite-3.1-3b-a800m"],
+}
+
+
+def _module(name, path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(tmp_path, *args, **kwargs):
+    # From another directory and without PYTHONPATH, as on the GPU machine.
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--rehearse", *args], cwd=tmp_path, capture_output=True, text=True,
+        check=False, **kwargs,
+    )  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp_path):
+    out = tmp_path / "results" / "rehearsal.json"
+    done = _run(tmp_path, "--out", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["schema"] == 2 and result["mode"] == "rehearsal" and result["finished"]
+    meta = result["meta"]
+    assert {"date", "device", "versions", "commit", "deadline_s", "tuning", "configs"} <= set(meta)
+    assert meta["commit"] and meta["versions"]["torch"] and meta["versions"]["triton"]
+    assert meta["tuning"] is False  # tuning off unless --tune
+    for section, names in UNITS.items():
+        assert result["sections"][section]["status"] == "done", section
+        assert list(result["sections"][section]["units"]) == names
+        assert all(
+            u["status"] == "done" and u["seconds"] > 0 for u in result["sections"][section]["units"].values()
+        )
+    units = {s: {n: u["result"] for n, u in v["units"].items()} for s, v in result["sections"].items()}
+    for check in units["correctness"].values():
+        assert check["passed"] is True and check["fused_equals_split_bitwise"] is True
+    for layer in units["layers"].values():
+        rows = layer["rows"]
+        assert list(rows) == [
+            "standard-fused", "paper-inbwd", "sonar", "sonar-8bit", "sonar-remainder", "sonar-stochastic",
+        ]  # fmt: skip
+        assert layer["dtype"] == "torch.bfloat16"
+        for row in rows.values():
+            assert 0 < row["p10_s"] <= row["median_s"] <= row["p90_s"] and row["peak_bytes"] > 0
+        assert rows["standard-fused"]["time_vs_standard"] == 1.0
+    gemms = ["up", "down", "dgrad G", "dgrad dX"]
+    for name in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
+        kernels = units["gemms"][name]["kernels"]
+        assert {*gemms, "wgrad dW2 adamw", "wgrad dW1 adamw", "combine"} <= set(kernels)
+        for label in [*gemms, "wgrad dW2 adamw", "wgrad dW1 adamw"]:
+            assert kernels[label]["seconds"] > 0 and kernels[label]["fraction_of_torch_mm"] > 0, label
+        assert set(units["gemms"][name]["torch_mm"]) == {*gemms, "wgrad dW2", "wgrad dW1"}
+    assert units["gemms"]["copy bandwidth"]["gbs"] > 0
+    for full in units["full-steps"].values():
+        assert set(full["arms"]) == {"standard", "sonar", "all-in-backward"}
+        assert all(a["step_time_s"] > 0 and a["peak_bytes"] > 0 for a in full["arms"].values())
+    md = out.with_suffix(".md").read_text()
+    for heading in ("## correctness: done", "## layers: done", "## gemms: done", "## full-steps: done"):
+        assert heading in md
+    assert "| sonar-stochastic |" in md and "| wgrad dW1 adamw (GEMM + AdamW) |" in md
+    # README's results table renders such a file; a rehearsal is not a GPU result.
+    table = _module("results_table", ROOT / "bench" / "results_table.py")
+    assert "No GPU results" in table.table(out.parent)
+    rendered = table.table(out.parent, include_cpu=True)
+    layer = units["layers"]["olmoe-1b-7b T16"]["rows"]
+    assert (
+        f"| {1000 * layer['standard-fused']['median_s']:.2f} | {1000 * layer['sonar']['median_s']:.2f} |"
+        in rendered
+    )
+    assert "| full step granite-3.1-3b-a800m, 1 layers;" in rendered
+
+
+def test_a_deadline_too_short_for_any_unit_writes_a_report_that_marks_them_not_run(tmp_path):
+    out = tmp_path / "deadline.json"
+    done = _run(tmp_path, "--out", str(out), "--deadline", "1")
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["finished"]
+    for section in result["sections"].values():
+        assert section["status"] == "not run"
+        assert all(
+            u["status"] == "not run" and u["reason"].startswith("deadline") for u in section["units"].values()
+        )
+    assert "**not run** deadline" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.timeout(600)
+def test_sigterm_mid_run_leaves_a_valid_report_of_what_finished(tmp_path):
+    out = tmp_path / "term.json"
+    process = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--rehearse", "--sections", "layers", "full-steps", "--out", str(out)],
+        cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 500
+        while time.monotonic() < deadline:
+            if out.exists():
+                units = json.loads(out.read_text())["sections"]["layers"]["units"].values()
+                if any(u["status"] == "done" for u in units):
+                    break
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 2
+    finally:
+        process.kill()
+    result = json.loads(out.read_text())
+    entries = [u for s in result["sections"].values() for u in s["units"].values()]
+    statuses = [u["status"] for u in entries]
+    assert result["finished"] and statuses[0] == "done"
+    assert "pending" not in statuses and statuses.count("interrupted") <= 1
+    assert all(u["reason"].startswith(("Terminated", "deadline")) for u in entries if u["status"] != "done")
+    assert "not run" in statuses or "interrupted" in statuses
+
+
+def test_a_unit_that_raises_is_recorded_with_its_traceback_and_the_run_goes_on(tmp_path, monkeypatch):
+    bench = _module("gpu_bench_under_test", SCRIPT)
+
+    def broken():
+        raise RuntimeError("a kernel failed")
+
+    monkeypatch.setattr(
+        bench, "units",
+        lambda plan, device, sections: [("layers", "first", broken), ("layers", "second", lambda: {"passed": True})],
+    )  # fmt: skip
+    monkeypatch.setattr(bench, "_unit_lines", lambda section, name, unit: [f"- {name}: ok"])
+    out = tmp_path / "raise.json"
+    meta = {"date": "today", "device": {"device": "cpu"}, "versions": {}, "commit": "x"}
+    status = bench.run(bench.Plan(True, 1), bench.Rehearsal(), ("layers",), out, None, meta)
+    assert status == 1
+    units = json.loads(out.read_text())["sections"]["layers"]["units"]
+    assert (
+        units["first"]["status"] == "failed"
+        and "RuntimeError: a kernel failed" in units["first"]["traceback"]
+    )
+    assert units["second"]["status"] == "done"
+    assert "**failed** RuntimeError: a kernel failed" in out.with_suffix(".md").read_text()
