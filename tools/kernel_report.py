@@ -499,6 +499,35 @@ def _wgrad_8bit_specs() -> list[Spec]:
                     config=blocks,
                 )
             )  # fmt: skip
+    # The split path of the 8-bit update and of bf16 master weights: the gradient written (its norm summed)
+    # on the fused epilogue's tiles, which it must equal bit for bit (ops.wgrad); the moments' pointers are
+    # passed though not read (int8 and uint8 codes, or fp32 / bf16 moments).
+    for (act_dtype, w_dtype, m_avg, m_sq), role in itertools.product(
+        (("fp32", "fp32", "i8", "u8"), ("bf16", "bf16", "i8", "u8"), ("bf16", "fp32", "i8", "u8"),
+         ("bf16", "bf16", "fp32", "fp32"), ("bf16", "bf16", "bf16", "bf16")),
+        ("dW2", "dW1"),
+    ):  # fmt: skip
+        p_from_tokens, q_from_tokens = role == "dW2", role == "dW1"
+        moments = "8bit" if m_avg == "i8" else f"master m={m_avg}"
+        out.append(
+            Spec(
+                expert_wgrad.expert_mlp_bwd_dw_kernel,
+                f"x={act_dtype} w={w_dtype} {role} split on the {moments} tiles",
+                {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+                 "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
+                 "exp_avg_ptr": m_avg, "exp_avg_sq_ptr": m_sq, "scalars_ptr": "fp32", "flag_ptr": "fp32",
+                 "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
+                _precision(act_dtype) | blocks
+                | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "store",
+                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": False,
+                   "REMAINDER": False, "STOCHASTIC": False, "GRAD_DTYPE": TL_DTYPES[w_dtype],
+                   "DOT_DTYPE": TL_DTYPES[act_dtype]},
+                options,
+                unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                is_gemm=True,
+                config=blocks,
+            )
+        )  # fmt: skip
     # bf16 master weights (a remainder, or stochastic rounding's key): the weight as its int16 bits, fp32
     # or bf16 moments, the 8-bit update's tiles (the exact update's spill on sm_80 with the remainder).
     blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.optim.optimizer import _get_scalar_dtype
 
-from sonar_kernels import ops, specs
+from sonar_kernels import specs
+from sonar_kernels.optim import dense as dense_step
 from sonar_kernels.optim import distributed, ownership
 from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
@@ -294,7 +293,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         for param_id, (p, group) in zip(ids, owned, strict=True):
             if param_id not in saved["state"] and p.requires_grad and p not in self._managed:
                 fused = torch_adamw_flags(group, self._dense_of(group, with_grad=False))[1]
-                saved["state"][param_id] = _initial_dense_state(p, {**group, "fused": fused})
+                saved["state"][param_id] = dense_step.initial_dense_state(p, {**group, "fused": fused})
         return saved
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -348,13 +347,13 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 stacklevel=2,
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
-        _follow_conversions(self.state, dense)
+        dense_step.follow_conversions(self.state, dense)
         # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
         # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
         grad_scale = getattr(self, "grad_scale", None)
         caller_found_inf = getattr(self, "found_inf", None)
         if grad_scale is not None and self.max_grad_norm is not None and dense:
-            _unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
+            dense_step.unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
             grad_scale = None
         norm = None
         if self.max_grad_norm is not None:
@@ -369,7 +368,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 self.last_dense_grad_norm = norm
         if not dense:
             return loss
-        found = _found_inf(dense, norm, grad_scale).to(self.dense_skipped_steps.device)
+        found = dense_step.found_inf(dense, norm, grad_scale).to(self.dense_skipped_steps.device)
         # torch.optim.AdamW's own step without the hooks Optimizer wraps it in (they already ran around this
         # step()); its own wrapper, which sets the grad mode for differentiable, stays.
         adamw_step = torch.optim.AdamW.step
@@ -391,41 +390,18 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             if caller_found_inf is not None:
                 combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
             with (
-                _attributes(self, found_inf=combined, grad_scale=grad_scale),
-                _flags(self.param_groups, flags),
+                dense_step.attributes(self, found_inf=combined, grad_scale=grad_scale),
+                dense_step.step_flags(self.param_groups, flags),
             ):
                 adamw_step(self)
             skipped = (combined == 1).to(found.device)
         else:
             if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
-                with _flags(self.param_groups, flags):
+                with dense_step.step_flags(self.param_groups, flags):
                     adamw_step(self)
             skipped = found
         self.dense_skipped_steps += skipped.long()
         return loss
-
-
-@torch.compiler.disable  # per-tensor bookkeeping, eager also under torch.compile(optimizer.step)
-def _follow_conversions(state: dict, params: list[torch.Tensor]) -> None:
-    """The dense state of ``params`` after a conversion of the model since their last step
-    (``model.to(torch.bfloat16)``, ``model.to(device)`` with the optimizer kept): moments (and amsgrad's
-    ``max_exp_avg_sq``) take the parameter's dtype and device, as torch.optim.AdamW creates them and as its
-    ``load_state_dict`` casts them, and a ``step`` kept on the old device moves with them (a CPU ``step``
-    stays). The expert tensors' state follows at their module's forward, before any update of the step
-    (:meth:`InBackwardAdamW.claim`), so the step is applied whole; nothing is copied when nothing changed.
-    docs/usage.md, "Casting the model after building the optimizer"."""
-    for p in params:
-        entries = state.get(p)
-        if not entries:
-            continue
-        for key, value in entries.items():
-            if not isinstance(value, torch.Tensor):
-                continue
-            if key == "step":
-                if value.device.type != "cpu" and value.device != p.device:
-                    entries[key] = value.to(p.device)
-            elif value.is_floating_point() and (value.dtype, value.device) != (p.dtype, p.device):
-                entries[key] = value.to(device=p.device, dtype=p.dtype)
 
 
 def _replaced_dense_message(count: int) -> str:
@@ -438,96 +414,9 @@ def _replaced_dense_message(count: int) -> str:
     )
 
 
-def _initial_dense_state(p: torch.Tensor, group: dict) -> dict:
-    """The state torch.optim.AdamW creates for ``p`` at its first step (torch/optim/adam.py,
-    Adam._init_group): ``step`` on the parameter's device when fused or capturable, else on the CPU."""
-    on_device = bool(group.get("capturable")) or bool(group.get("fused"))
-    state = {
-        "step": torch.zeros(
-            (), dtype=_get_scalar_dtype(is_fused=group.get("fused")), device=p.device if on_device else "cpu"
-        ),
-        "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-        "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-    }
-    if group.get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-    return state
-
-
 def _selects_sonar(model: nn.Module) -> bool:
     """Whether a config of ``model`` (or of a submodule) selects experts_implementation "sonar"."""
     return any(
         getattr(getattr(m, "config", None), "_experts_implementation", None) == specs.IMPLEMENTATION
         for m in model.modules()
     )
-
-
-@contextlib.contextmanager
-def _attributes(obj, **values):
-    """Set the attributes ``values`` of ``obj`` for the block, then restore those it had and remove the
-    others (the caller's ``found_inf`` and ``grad_scale`` stay theirs: GradScaler deletes them itself)."""
-    missing = object()
-    saved = {name: getattr(obj, name, missing) for name in values}
-    for name, value in values.items():
-        setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is missing:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
-
-
-@contextlib.contextmanager
-def _flags(groups: list[dict], flags: list[tuple[bool | None, bool | None]]):
-    """Set each group's ``foreach`` and ``fused`` to ``flags`` for the block (torch.optim.AdamW.step reads
-    them there), then give the groups back their own."""
-    saved = [(group["foreach"], group["fused"]) for group in groups]
-    for group, (foreach, fused) in zip(groups, flags, strict=True):
-        group["foreach"], group["fused"] = foreach, fused
-    try:
-        yield
-    finally:
-        for group, (foreach, fused) in zip(groups, saved, strict=True):
-            group["foreach"], group["fused"] = foreach, fused
-
-
-def _unscale(grads: list[torch.Tensor], grad_scale: torch.Tensor) -> None:
-    """Divide ``grads`` by ``grad_scale`` in place exactly as ``torch.amp.GradScaler.unscale_`` does (a
-    multiplication by the float32 reciprocal computed in float64)."""
-    by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
-        by_device.setdefault(g.device, []).append(g)
-    for device, device_grads in by_device.items():
-        inv_scale = grad_scale.double().reciprocal().float().to(device)
-        found = torch.zeros(1, dtype=torch.float32, device=device)  # the caller's found_inf decides
-        for dtype in {g.dtype for g in device_grads}:
-            torch._amp_foreach_non_finite_check_and_unscale_(
-                [g for g in device_grads if g.dtype == dtype], found, inv_scale
-            )
-
-
-def _found_inf(
-    params: list[torch.Tensor], norm: torch.Tensor | None, grad_scale: torch.Tensor | None = None
-) -> torch.Tensor:
-    """A 0-dim bool tensor on the first parameter's device: True when a gradient of ``params`` (divided by
-    ``grad_scale`` when given) has an entry that is NaN, infinite, or beyond ``ops.grad_limit`` of the
-    parameter's dtype (torch.optim.AdamW keeps the moments in it), or when ``norm`` is given and not
-    finite."""
-    device = params[0].grad.device
-    found = torch.zeros((), dtype=torch.bool, device=device)
-    groups: dict[tuple, list[torch.Tensor]] = {}
-    for p in params:
-        groups.setdefault((p.grad.device, p.dtype), []).append(p.grad)
-    for (_, dtype), grads in groups.items():
-        # A DTensor gradient (FSDP2's shard) is reduced over its mesh.
-        largest = torch.stack([ops.whole(n).float() for n in torch._foreach_norm(grads, float("inf"))]).amax()
-        limit = ops.grad_limit(dtype)
-        if grad_scale is not None:
-            limit = grad_scale.to(largest.device, torch.float64) * limit
-        found |= (~(largest <= limit)).to(device)
-    if norm is not None:
-        found |= ~torch.isfinite(ops.whole(norm)).to(device)
-    return found
