@@ -58,32 +58,22 @@ def _assign(model):
     model.experts.load_state_dict(state, assign=True)
 
 
-def _to_empty_overwrite(model):
-    """to_empty() with torch's overwrite mode (new Parameter objects), then the saved values loaded."""
+def _to_empty(model, mode=None):
+    """to_empty() then the saved values loaded: plain (``param.data`` replaced), or in torch's "overwrite"
+    mode (new Parameter objects) or "swap" mode (the Parameter objects kept, their contents swapped)."""
     state = {key: value.clone() for key, value in model.experts.state_dict().items()}
-    torch.__future__.set_overwrite_module_params_on_conversion(True)
+    flag = {
+        None: None,
+        "overwrite": torch.__future__.set_overwrite_module_params_on_conversion,
+        "swap": torch.__future__.set_swap_module_params_on_conversion,
+    }[mode]
+    if flag is not None:
+        flag(True)
     try:
         model.experts.to_empty(device="cpu")
     finally:
-        torch.__future__.set_overwrite_module_params_on_conversion(False)
-    model.experts.load_state_dict(state)
-
-
-def _to_empty_swap(model):
-    """to_empty() in swap mode (the Parameter objects kept, their contents swapped), then the values loaded."""
-    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        model.experts.to_empty(device="cpu")
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(False)
-    model.experts.load_state_dict(state)
-
-
-def _to_empty(model):
-    """Plain to_empty() (``param.data`` replaced), then the values loaded."""
-    state = {key: value.clone() for key, value in model.experts.state_dict().items()}
-    model.experts.to_empty(device="cpu")
+        if flag is not None:
+            flag(False)
     model.experts.load_state_dict(state)
 
 
@@ -95,8 +85,8 @@ def _swap_tensors(model):
 
 WAYS = {
     "assign": _assign,
-    "to_empty-overwrite": _to_empty_overwrite,
-    "to_empty-swap": _to_empty_swap,
+    "to_empty-overwrite": lambda model: _to_empty(model, "overwrite"),
+    "to_empty-swap": lambda model: _to_empty(model, "swap"),
     "to_empty": _to_empty,
     "swap_tensors": _swap_tensors,
 }

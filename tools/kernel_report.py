@@ -397,10 +397,7 @@ def _backward_specs() -> list[Spec]:
                     Spec(
                         expert_wgrad.expert_mlp_bwd_dw_kernel,
                         f"x={act_dtype} w={w_dtype}{moments} {role} {kind}",
-                        {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
-                         "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
-                         "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "scalars_ptr": "fp32", "flag_ptr": "fp32",
-                         "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
+                        _wgrad_pointers(act_dtype, w_dtype, m_dtype, m_dtype),
                         _precision(act_dtype) | blocks
                         | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": epilogue,
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
@@ -466,6 +463,17 @@ def _backward_specs() -> list[Spec]:
     return out
 
 
+def _wgrad_pointers(act_dtype: str, w_dtype: str, exp_avg: str, exp_avg_sq: str) -> dict:
+    """The wgrad kernel's pointer types for a launch without 8-bit moments' scales or bf16 master weights
+    (those pointers are passed, not read)."""
+    return {
+        "p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+        "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
+        "exp_avg_ptr": exp_avg, "exp_avg_sq_ptr": exp_avg_sq, "scalars_ptr": "fp32", "flag_ptr": "fp32",
+        "partial_ptr": "fp32", "hyper_ptr": "fp64",
+    } | NO_8BIT_POINTERS  # fmt: skip
+
+
 def _wgrad_8bit_specs() -> list[Spec]:
     """The fused update with 8-bit moments (ops.wgrad with an AdamWUpdate of codes and scales): int8 and
     uint8 codes, fp32 scales, slices of one 32-column block (EPILOGUE_SPLIT = BLOCK_N / 32)."""
@@ -513,10 +521,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
             Spec(
                 expert_wgrad.expert_mlp_bwd_dw_kernel,
                 f"x={act_dtype} w={w_dtype} {role} split on the {moments} tiles",
-                {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
-                 "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
-                 "exp_avg_ptr": m_avg, "exp_avg_sq_ptr": m_sq, "scalars_ptr": "fp32", "flag_ptr": "fp32",
-                 "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
+                _wgrad_pointers(act_dtype, w_dtype, m_avg, m_sq),
                 _precision(act_dtype) | blocks
                 | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "store",
                    "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": "fp64", "MOMENTS_8BIT": False,
