@@ -18,7 +18,8 @@ it (an older one lets it go), and both are removed when their optimizer is garba
 The parts, by concern (each module's public names are its seam; none reads another's underscore names):
 
 - here: ownership (:meth:`InBackwardAdamW._manage`, :meth:`~InBackwardAdamW.claim`, conversions, a tensor
-  replaced by a new object, an older owner letting go and taking back), and torch.optim.Optimizer's ``zero_grad``, ``state_dict``, ``load_state_dict``;
+  replaced by a new object, an older owner letting go and taking back), and torch.optim.Optimizer's
+  ``zero_grad``, ``state_dict``, ``load_state_dict``;
 - optim/update_handle.py: the update handle attached to each tensor (what the autograd layer calls);
 - optim/telemetry.py: ``expert_grad_norm`` and ``expert_skipped_updates``;
 - optim/updates.py: what this step's updates did, the checks before each, the ``.grad`` path, the step's end;

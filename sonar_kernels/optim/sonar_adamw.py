@@ -266,7 +266,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
         if stale and not getattr(self, "_warned_replaced_dense", False):
             self._warned_replaced_dense = True
-            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=3)
+            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=5)  # the caller of step()
 
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
