@@ -36,6 +36,9 @@ SHAPES = {
     "olmoe-1b-7b": (4096, 2048, 1024, 64, 8),
     "granite-3.1-3b-a800m": (4096, 1536, 512, 40, 8),
     "small": (48, 96, 40, 6, 2),
+    # gpu_bench.py --rehearse's stand-ins of the two models (H and I multiples of the 8-bit moments' block).
+    "rehearsal-olmoe": (48, 96, 64, 6, 2),
+    "rehearsal-granite": (40, 64, 32, 5, 2),
 }
 HYPER = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
@@ -110,6 +113,51 @@ def check(shape_name: str, dtype: torch.dtype, device: str) -> dict:
         "weight_dtype": str(dtype),
         "fused_equals_split_bitwise": fused_equals_split,
         "vs_torch_adamw_fused": vs_torch,
+    }
+
+
+# The state kinds beyond the paper (docs/design.md): ExpertAdamW's options for each.
+STATE_KINDS = {
+    "8bit": {"moments_dtype": "8bit"},
+    "remainder": {"master_weights": "remainder"},
+    "stochastic": {"master_weights": "stochastic", "rounding_seed": 7},
+}
+
+
+def check_state_kinds(shape_name: str, device: str) -> dict:
+    """bf16 weights with each of :data:`STATE_KINDS`: one update through the fused epilogue and one through
+    the split path from the same weights and gradient give the same bits (weights and every state tensor:
+    8-bit codes and scales, the remainder, moments), the project's rule for every state kind."""
+    x, index, weights, w1, w2, grad_out = _inputs(SHAPES[shape_name], torch.bfloat16, device)
+    kinds = {}
+    for kind, options in STATE_KINDS.items():
+        runs = {}
+        for fused in (True, False):
+            p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+            optimizer = sonar_kernels.ExpertAdamW([p1, p2], **HYPER, **options, fused_epilogue=fused)
+            sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grad_out)
+            assert p1.grad is None and p2.grad is None
+            runs[fused] = [p.detach().clone() for p in (p1, p2)] + [
+                t.clone()
+                for p in (p1, p2)
+                for t in optimizer.state[p].values()
+                if isinstance(t, torch.Tensor)
+            ]
+            del optimizer
+        moved = not torch.equal(runs[True][0], w1)
+        kinds[kind] = {
+            "fused_equals_split_bitwise": all(
+                torch.equal(a, b) for a, b in zip(runs[True], runs[False], strict=True)
+            ),
+            "weights_changed": moved,
+            "finite": all(bool(torch.isfinite(t.float()).all()) for t in runs[True][:2]),
+        }
+    return {
+        "shape": shape_name,
+        "T_H_I_E_top_k": SHAPES[shape_name],
+        "weight_dtype": "torch.bfloat16",
+        "kinds": kinds,
+        "passed": all(all(v.values()) for v in kinds.values()),
     }
 
 

@@ -4,7 +4,8 @@ Sections, each a list of units run in order (``--sections`` picks sections):
 
 - ``correctness``: at the OLMoE-1B-7B and Granite-3.1-3B-A800M layer shapes, bf16 and fp32 weights: the
   fused AdamW epilogue against the split path (bitwise) and against torch.optim.AdamW(fused=True) fed the
-  split path's gradient (bench/check_backward.py);
+  split path's gradient; and bf16 weights with 8-bit moments, the remainder and stochastic rounding, fused
+  against split, bitwise (bench/check_backward.py);
 - ``layers``: one expert-MLP layer of each model in bf16 at 4096 and 16384 routed tokens, the training
   step (forward, backward, AdamW) of standard (transformers' grouped_mm experts + ``clip_grad_norm_`` +
   torch's fused AdamW), the paper's method, sonar, and sonar with 8-bit moments, with the 16-bit remainder
@@ -69,7 +70,7 @@ TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
 # Estimated seconds of each unit on an H200, Triton compilations included (bench/README.md, "Budget"):
 # --deadline starts no unit that would end past it.
-ESTIMATES = {"correctness": 40, "layers": 45, "gemms": 35, "full-steps": 75}
+ESTIMATES = {"correctness": 35, "layers": 45, "gemms": 35, "full-steps": 75}
 
 
 class Cuda:
@@ -193,7 +194,7 @@ class Plan:
             # H and I multiples of 32 (the 8-bit moments' blocks); Granite's expert count is not a power of 2.
             self.layer_shapes = {"olmoe-1b-7b": (64, 32, 8, 2), "granite-3.1-3b-a800m": (32, 32, 5, 2)}
             self.tokens = (16, 32)
-            self.check_shape = {name: "small" for name in MODELS}
+            self.check_shape = {"olmoe-1b-7b": "rehearsal-olmoe", "granite-3.1-3b-a800m": "rehearsal-granite"}
             self.presets = {"olmoe-1b-7b": "tiny-olmoe", "granite-3.1-3b-a800m": "tiny-granitemoe"}
         else:
             self.layer_shapes = {name: tuple(providers.SHAPES[name])[1:] for name in MODELS}
@@ -350,6 +351,10 @@ def units(plan: Plan, device, sections: tuple[str, ...]) -> list[tuple[str, str,
             for dtype in (torch.bfloat16, torch.float32):
                 name = f"{model} {str(dtype).removeprefix('torch.')}"
                 out.append(("correctness", name, lambda m=model, d=dtype: correctness(plan, device, m, d)))
+            out.append(
+                ("correctness", f"{model} bfloat16 state kinds",
+                 lambda m=model: check_backward.check_state_kinds(plan.check_shape[m], device.kind))
+            )  # fmt: skip
     if "layers" in sections:
         for tokens in plan.tokens:
             for model in MODELS:
@@ -504,6 +509,12 @@ def markdown(result: dict) -> str:
 
 def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
     r = unit["result"]
+    if section == "correctness" and "kinds" in r:
+        kinds = "; ".join(
+            f"{kind}: fused == split bitwise {v['fused_equals_split_bitwise']}"
+            for kind, v in r["kinds"].items()
+        )
+        return [f"- {name}: {kinds} ({unit['seconds']:.0f} s)"]
     if section == "correctness":
         worst = max(v["max_ulps"] for v in r["vs_torch_adamw_fused"].values())
         return [

@@ -16,7 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_bench.py"
 UNITS = {
     "correctness": [
-        f"{m} {d}" for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m") for d in ("bfloat16", "float32")
+        f"{m} {d}"
+        for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m")
+        for d in ("bfloat16", "float32", "bfloat16 state kinds")
     ],
     "layers": [f"{m} T{t}" for t in (16, 32) for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m")],
     "gemms": ["olmoe-1b-7b", "granite-3.1-3b-a800m", "copy bandwidth"],
@@ -57,8 +59,13 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
             u["status"] == "done" and u["seconds"] > 0 for u in result["sections"][section]["units"].values()
         )
     units = {s: {n: u["result"] for n, u in v["units"].items()} for s, v in result["sections"].items()}
-    for check in units["correctness"].values():
-        assert check["passed"] is True and check["fused_equals_split_bitwise"] is True
+    for name, check in units["correctness"].items():
+        assert check["passed"] is True, name
+        if name.endswith("state kinds"):
+            assert set(check["kinds"]) == {"8bit", "remainder", "stochastic"}
+            assert all(all(v.values()) for v in check["kinds"].values()), check["kinds"]
+        else:
+            assert check["fused_equals_split_bitwise"] is True
     for layer in units["layers"].values():
         rows = layer["rows"]
         assert list(rows) == [
