@@ -96,7 +96,7 @@ class Cuda:
         return {"median_s": median / 1000, "p10_s": p10 / 1000, "p90_s": p90 / 1000}
 
     def peak_bytes(self, step, phase: str) -> int:
-        return providers.peak_bytes(step, phase)  # the CUDA allocator's peak
+        return providers.peak_bytes(step, phase)  # the CUDA allocator's peak (MemTracker on the CPU)
 
     def peak_during(self, fn) -> int:
         """The CUDA allocator's peak while ``fn`` runs (everything allocated, not only ``fn``'s)."""
@@ -124,9 +124,6 @@ class Rehearsal(Cuda):
         fn()
         elapsed = time.perf_counter() - start
         return {"median_s": elapsed, "p10_s": elapsed, "p90_s": elapsed}
-
-    def peak_bytes(self, step, phase: str) -> int:
-        return providers.peak_bytes(step, phase)  # MemTracker on the CPU
 
     def peak_during(self, fn) -> int:
         """The peak of the tensors allocated while ``fn`` runs (torch's MemTracker)."""

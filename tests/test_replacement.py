@@ -140,21 +140,29 @@ def test_a_replacement_after_training_started_equals_no_replacement_bitwise(back
     assert [id(p) for p in optimizer.expert_tensors] == [id(p) for p in model.experts.parameters()]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_whole_model_assign_load_keeps_the_experts_trained_and_names_the_dense_parameters(backend):
-    # The dense parameters follow torch.optim.AdamW's rule (the optimizer holds the old objects): the
-    # experts are adopted, and the dense parameters left behind are named once.
+def _trained_one_step(backend):
+    """Tiny with SonarAdamW after one whole step (fp32)."""
     model = Tiny(backend=backend)
     optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
     model(_batch(0, torch.float32)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-    before = {id(p): optimizer.state[p] for p in model.experts.parameters()}
+    return model, optimizer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_whole_model_assign_load_keeps_the_experts_trained_and_names_the_dense_parameters(backend):
+    # The dense parameters follow torch.optim.AdamW's rule (the optimizer holds the old objects): the
+    # experts are adopted, and the dense parameters left behind are named once.
+    model, optimizer = _trained_one_step(backend)
+    before = [optimizer.state[p] for p in model.experts.parameters()]
     model.load_state_dict({key: value.clone() for key, value in model.state_dict().items()}, assign=True)
     model(_batch(1, torch.float32)).square().mean().backward()
     for p in model.experts.parameters():
         assert p.grad is None and float(optimizer.state[p]["step"]) == 2.0
-    assert [optimizer.state[p] for p in model.experts.parameters()] == list(before.values())
+    assert all(
+        optimizer.state[p] is state for p, state in zip(model.experts.parameters(), before, strict=True)
+    )
     with pytest.warns(UserWarning, match=r"4 dense parameter\(s\) it holds got no gradient"):
         optimizer.step()
     optimizer.zero_grad()
@@ -185,21 +193,15 @@ def test_a_transformers_model_reloaded_with_assign_keeps_its_experts_trained():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_replacement_the_optimizer_cannot_take_is_named_at_that_forward(backend):
-    model = Tiny(backend=backend)
-    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER)
-    model(_batch(0, torch.float32)).square().mean().backward()
-    optimizer.step()
-    optimizer.zero_grad()
+    model, optimizer = _trained_one_step(backend)
     # Two experts fewer: the state of the old tensor cannot follow.
     model.experts.gate_up_proj = torch.nn.Parameter(model.experts.gate_up_proj.detach()[:2].clone())
     model.experts.down_proj = torch.nn.Parameter(model.experts.down_proj.detach()[:2].clone())
-    router = model.router
     model.router = torch.nn.Linear(32, 2)
     with pytest.warns(UnownedExpertsWarning, match=r"shape \(2, 64, 32\) replaced one that SonarAdamW"):
         model(_batch(1, torch.float32)).square().mean().backward()
     assert model.experts.gate_up_proj.grad is not None  # not updated: nobody owns it, as the warning says
     assert all(not any(p is q for q in optimizer.expert_tensors) for p in model.experts.parameters())
-    del router
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

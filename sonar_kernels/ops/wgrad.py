@@ -358,8 +358,13 @@ def _wgrad(
     # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
     # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
     no_fusion = {"enable_fp_fusion": False}
+    # The 8-bit update and bf16 master weights run their GEMM on their own tiles (configs.WGRAD_8BIT), in the
+    # fused epilogue and, so that both give the same bits, on the split path (a tile shape sums in its own
+    # order, on a GPU and under the interpreter alike).
+    own = eight_bit or update.remainder is not None or update.seed is not None
+    split_cfg = configs.WGRAD_8BIT if own else chosen
     # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
-    partial = common.empty(grid, torch.float32, weight.device)
+    partial = common.empty(grid if update.fused else grid_of(split_cfg), torch.float32, weight.device)
     if update.fused:
         if bound is None:
             raise ValueError("a fused update needs the bound of its gradient")
@@ -374,16 +379,9 @@ def _wgrad(
         grad = None
     else:
         grad = like(weight, update.grad_dtype)
-        # The GEMM on the tiles of the fused epilogue it must equal bit for bit: the 8-bit update's and the
-        # bf16 master weights' own (configs.WGRAD_8BIT), else the chosen ones (a tile shape sums in its own
-        # order, on a GPU and under the interpreter alike).
-        own = eight_bit or update.remainder is not None or update.seed is not None
-        cfg = configs.WGRAD_8BIT if own else chosen
-        if own:
-            partial = common.empty(grid_of(cfg), torch.float32, weight.device)
         launch(
             "store", grad, update.grad_in, update.step, partial, *state, hyper, limit, update.grad_dtype,
-            arithmetic, update.grad_norm_sq is not None, cfg=cfg,
+            arithmetic, update.grad_norm_sq is not None, cfg=split_cfg,
         )  # fmt: skip
         skip = (~(inf_norm(grad) <= limit)).float()
     # torch's AdamW increments the step before it computes the bias corrections; a skipped update
@@ -415,8 +413,7 @@ def _wgrad(
                 **no_fusion,
             )
         if update.fused:
-            if eight_bit or update.remainder is not None or update.seed is not None:
-                # Their own tiles (configs.WGRAD_8BIT): one sum of squares per program of its grid.
+            if own:  # one sum of squares per program of their own tiles' grid
                 partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
             launch(
                 "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
