@@ -44,9 +44,13 @@ fmt: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-# Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma.
+# Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma. Then
+# every variant the GPU benchmark compiles, in both AdamW arithmetics (bench/gpu_bench.py --dry-run).
 kernel-report: install
 	env -u TRITON_INTERPRET $(BIN)/python tools/kernel_report.py
+	for a in fp64 fp32; do env -u TRITON_INTERPRET $(BIN)/python bench/gpu_bench.py --dry-run --compile-times \
+		--arithmetic $$a --out runs/kernel-report/gpu-bench-$$a.json > /dev/null \
+		&& sed -n '/^## Compilations/,$$p' runs/kernel-report/gpu-bench-$$a.md || exit 1; done
 
 # The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by
 # side over 3 seeds; writes runs/tiny-olmoe/report.json and report.png (runs/tiny-olmoe-2/ ... when taken).

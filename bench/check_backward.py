@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # before sonar_kernels is imported
+if __name__ == "__main__" and not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before sonar_kernels is imported (run as a script)
 
 import triton
 

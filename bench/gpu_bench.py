@@ -36,6 +36,7 @@ Usage (the repository root is found from this file; no install, no PYTHONPATH):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -54,7 +55,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 import torch  # noqa: E402
 
-if "--rehearse" in sys.argv or not torch.cuda.is_available():
+if "--dry-run" not in sys.argv and ("--rehearse" in sys.argv or not torch.cuda.is_available()):
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton and sonar_kernels are imported
 
 import check_backward  # noqa: E402
@@ -69,15 +70,28 @@ MODELS = ("olmoe-1b-7b", "granite-3.1-3b-a800m")
 TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
 # Estimated seconds of each unit on an H200, Triton compilations included (bench/README.md, "Budget"):
-# --deadline starts no unit that would end past it.
+# --deadline starts no unit that would end past it. A unit's compilations are counted by --dry-run (at most
+# 21, in the first correctness units; none after the first layer unit).
 ESTIMATES = {"correctness": 35, "layers": 45, "gemms": 35, "full-steps": 75}
+# Seconds of one kernel's cold build for sm_90a, with a margin: --dry-run --compile-times measured a mean of
+# 0.7 s and a longest of 3.3 s per build on a 2-core CPU (bench/README.md, "Budget").
+COMPILE_S = 1.5
 
 
 class Cuda:
     """The device seam on a CUDA GPU: everything of the run that only a GPU reaches."""
 
-    kind = "cuda"
+    mode = "gpu"
+    kind = "cuda"  # where the tensors are
+    gpu = True  # the GPU's choices (bf16 full steps, torch's fused AdamW)
     dtype = torch.bfloat16
+
+    def begin(self, section: str, name: str) -> None:
+        """A unit starts (the dry run files its launches under it)."""
+
+    def report(self) -> dict:
+        """What the seam adds to the results beyond the units (the dry run: its compilations)."""
+        return {}
 
     def info(self) -> dict:
         props = torch.cuda.get_device_properties(0)
@@ -114,7 +128,9 @@ class Rehearsal(Cuda):
     """The device seam of ``--rehearse``: the CPU, one timed call (times mean nothing here), torch's
     MemTracker for the peaks."""
 
+    mode = "rehearsal"
     kind = "cpu"
+    gpu = False
 
     def info(self) -> dict:
         return {"device": f"cpu ({platform.processor() or platform.machine()}), rehearsal", "cuda": None}
@@ -138,6 +154,59 @@ class Rehearsal(Cuda):
 
     def sync(self) -> None:
         pass
+
+
+class DryRun(Rehearsal):
+    """The device seam of ``--dry-run``: the real shapes on the CPU inside bench/dry_run.py's
+    :func:`dry_run` (fake tensors, every Triton launch recorded as the compilation the JIT would make for
+    sm_90a, nothing computed), the GPU's choices, one call per timed function; times, peaks and checks
+    mean nothing. It reports the compilations of each unit, and with ``compile_times`` how long each takes
+    to build for sm_90a on this machine's CPU (bench/README.md, "Budget")."""
+
+    mode = "dry-run"
+    gpu = True
+
+    def __init__(self, launches, compile_times: bool = False):
+        self.launches, self.compile_times = launches, compile_times
+        arch = launches.target.arch
+        self.target = f"sm_{arch}{'a' if arch == 90 else ''}"  # Triton builds sm_90a for capability 9.0
+
+    def info(self) -> dict:
+        return {"device": f"dry run on the cpu ({platform.processor() or platform.machine()}): fake tensors, "
+                          f"Triton launches recorded for {self.target}", "cuda": None}  # fmt: skip
+
+    def peak_bytes(self, step, phase: str) -> int:
+        return 1
+
+    def peak_during(self, fn) -> int:
+        fn()
+        return 1
+
+    def begin(self, section: str, name: str) -> None:
+        self.launches.unit = f"{section}: {name}"
+
+    def report(self) -> dict:
+        variants = list(self.launches.variants.values())
+        out = {"target": self.target, "compilations": len(variants), "by_unit": self.launches.by_unit(),
+               "library_host_reads": sorted(set(self.launches.library_reads)), "variants": []}  # fmt: skip
+        for v in variants:
+            row = {"kernel": v.name, "launches": v.launches, "units": v.units,
+                   "constexprs": {k: str(x) for k, x in v.named_constexprs().items() if k.isupper()},
+                   "num_warps": v.options.num_warps, "num_stages": v.options.num_stages,
+                   "identity": v.identity()}  # fmt: skip
+            if self.compile_times:
+                row.update(self.launches.compile(v))
+            out["variants"].append(row)
+        if self.compile_times and variants:
+            seconds = sorted(row["compile_s"] for row in out["variants"])
+            out["compile_s"] = {
+                "total": sum(seconds),
+                "median": statistics.median(seconds),
+                "max": seconds[-1],
+            }
+            spills = [r for r in out["variants"] if r["spill_stores"] or r["spill_loads"]]
+            out["spilling"] = [f"{r['kernel']} {r['constexprs']}" for r in spills]
+        return out
 
 
 def _driver() -> str | None:
@@ -302,9 +371,9 @@ def full_step(plan: Plan, device, model: str) -> dict:
     preset = train.PRESETS[preset_name]
     layers = 1 if plan.rehearse else plan.full_step_layers
     argv = ["--preset", preset_name, "--layers", str(layers), "--device", device.kind, "--quiet"]
-    argv += ["--fused"] if device.kind == "cuda" else []
+    argv += ["--fused"] if device.gpu else []
     args = train.parse_args(argv)
-    dtype = torch.bfloat16 if device.kind == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device.gpu else torch.float32
     batch, seq = (2, 32) if plan.rehearse else (preset.batch_size, preset.sequence_length)
     data = train.ByteData(train.default_text(), seq, batch, seed=0)
     steps = 2 if plan.rehearse else 5
@@ -386,7 +455,7 @@ def run(plan: Plan, device, sections, out: Path, deadline: float | None, meta: d
     todo = units(plan, device, sections)
     result = {
         "schema": 2,
-        "mode": "rehearsal" if plan.rehearse else "gpu",
+        "mode": device.mode,
         "meta": meta,
         "sections": {s: {"status": "not run", "seconds": 0.0, "units": {}} for s in sections},
         "seconds": 0.0,
@@ -413,6 +482,7 @@ def run(plan: Plan, device, sections, out: Path, deadline: float | None, meta: d
                 _finish(result, started, out)
                 continue
             print(f"[{elapsed:6.0f} s] {section}: {name}", flush=True)
+            device.begin(section, name)
             unit_start = time.monotonic()
             try:
                 entry.update(status="done", result=fn())
@@ -433,6 +503,7 @@ def run(plan: Plan, device, sections, out: Path, deadline: float | None, meta: d
                 entry.update(status="not run", reason=f"{type(e).__name__}: the run was stopped")
     finally:
         signal.signal(signal.SIGTERM, previous)
+        result.update(device.report())
         result["finished"] = True
         _finish(result, started, out)
     return _status(result)
@@ -458,8 +529,9 @@ def _finish(result: dict, started: float, out: Path) -> None:
 
 def _status(result: dict) -> int:
     entries = [u for s in result["sections"].values() for u in s["units"].values()]
+    checked = result["mode"] != "dry-run"  # a dry run's checks compare placeholders
     failed = any(u["status"] == "failed" for u in entries) or any(
-        not u["result"].get("passed", True)
+        checked and not u["result"].get("passed", True)
         for u in entries
         if u["status"] == "done" and isinstance(u["result"], dict)
     )
@@ -501,6 +573,15 @@ def markdown(result: dict) -> str:
                 lines.append(f"- {name}: **{unit['status']}** {why}".rstrip())
                 continue
             lines += _unit_lines(section_name, name, unit)
+    if "compilations" in result:
+        lines += ["", f"## Compilations for {result['target']}: {result['compilations']}", ""]
+        lines += [f"- {unit or '(outside the units)'}: {n}" for unit, n in result["by_unit"].items()]
+        reads = result["library_host_reads"]
+        lines += ["", f"Host reads on the library's kernel path: {', '.join(reads) if reads else 'none'}."]
+        if "compile_s" in result:
+            c = result["compile_s"]
+            lines += ["", f"Cold builds on this CPU: {c['total']:.0f} s in all, median {c['median']:.2f} s, "
+                          f"longest {c['max']:.2f} s; {len(result['spilling'])} spill."]  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -565,6 +646,13 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds: start no unit that would end past it")
     parser.add_argument("--rehearse", action="store_true",
                         help="every section at tiny shapes on the CPU (the torch backend, the Triton interpreter)")  # fmt: skip
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every section at the real shapes on the CPU, computing nothing (bench/dry_run.py): "
+                        "counts the kernels the GPU run compiles, unit by unit")  # fmt: skip
+    parser.add_argument("--compile-times", action="store_true",
+                        help="with --dry-run: build each of those kernels for sm_90a here and time it")  # fmt: skip
+    parser.add_argument("--arithmetic", choices=("fp32", "fp64"),
+                        help="with --dry-run: the GPU torch's AdamW arithmetic (default: the CPU's, fp64)")  # fmt: skip
     parser.add_argument("--full-step-layers", type=int, default=2,
                         help="decoder layers of the full-step models (default: %(default)s)")  # fmt: skip
     parser.add_argument("--tune", action="store_true",
@@ -576,11 +664,31 @@ def main(argv=None) -> int:
         parser.error(f"--full-step-layers must be >= 1, got {args.full_step_layers}")
     if args.deadline is not None and args.deadline <= 0:
         parser.error(f"--deadline must be > 0 seconds, got {args.deadline}")
-    if not args.rehearse and not torch.cuda.is_available():
+    if args.rehearse and args.dry_run:
+        parser.error("--rehearse and --dry-run are two different CPU runs: pass one")
+    if (args.compile_times or args.arithmetic) and not args.dry_run:
+        parser.error("--compile-times and --arithmetic go with --dry-run")
+    if args.dry_run and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        parser.error("--dry-run records GPU compilations: unset TRITON_INTERPRET")
+    if not (args.rehearse or args.dry_run) and not torch.cuda.is_available():
         parser.error("no CUDA device: run on a GPU machine, or pass --rehearse for the CPU rehearsal")
     if not args.tune:
         os.environ["SONAR_KERNELS_TUNING"] = "0"
-    device = Rehearsal() if args.rehearse else Cuda()
+    with contextlib.ExitStack() as stack:
+        if args.dry_run:
+            import dry_run
+
+            launches = stack.enter_context(dry_run.dry_run(arithmetic=args.arithmetic))
+            device = DryRun(launches, args.compile_times)
+        else:
+            device = Rehearsal() if args.rehearse else Cuda()
+        status = _main(args, device, argv)
+    print(args.out.with_suffix(".md").read_text())
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}; exit status {status}")
+    return status
+
+
+def _main(args, device, argv) -> int:
     sections = tuple(s for s in SECTIONS if s in args.sections)
     meta = {
         "date": datetime.date.today().isoformat(),
@@ -591,10 +699,7 @@ def main(argv=None) -> int:
         "deadline_s": args.deadline,
         "tuning": configs.tuning_enabled(torch.device(device.kind)),
     }
-    status = run(Plan(args.rehearse, args.full_step_layers), device, sections, args.out, args.deadline, meta)
-    print(args.out.with_suffix(".md").read_text())
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}; exit status {status}")
-    return status
+    return run(Plan(args.rehearse, args.full_step_layers), device, sections, args.out, args.deadline, meta)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ reaches; its deadline, SIGTERM and per-unit error handling leave a valid report 
 
 import importlib.util
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -166,3 +167,46 @@ def test_a_unit_that_raises_is_recorded_with_its_traceback_and_the_run_goes_on(t
     )
     assert units["second"]["status"] == "done"
     assert "**failed** RuntimeError: a kernel failed" in out.with_suffix(".md").read_text()
+
+
+@pytest.mark.timeout(900)
+def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_budget(tmp_path):
+    """--dry-run: the GPU run's own code at the real shapes under FakeTensorMode, every Triton launch
+    recorded as the JIT's sm_90a compilation; --compile-times builds each one here (ptxas included). The
+    counts are what the budget in bench/README.md is made of."""
+    out = tmp_path / "dry.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled, not interpreted
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dry-run", "--compile-times", "--arithmetic", "fp32", "--out", str(out)],
+        cwd=tmp_path, capture_output=True, text=True, check=False, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["mode"] == "dry-run" and result["target"] == "sm_90a" and result["finished"]
+    units = {f"{s}: {n}": u for s, v in result["sections"].items() for n, u in v["units"].items()}
+    assert len(units) == 15 and all(u["status"] == "done" for u in units.values())
+    variants = result["variants"]
+    identities = {json.dumps(v["identity"], sort_keys=True) for v in variants}
+    assert result["compilations"] == len(variants) == len(identities)
+    # Every kernel the run launches, each variant launched at least once and built for sm_90a without spills.
+    assert {v["kernel"] for v in variants} == {
+        "routing_histogram_kernel", "routing_scan_kernel", "routing_scatter_kernel", "expert_mlp_fwd_up_kernel",
+        "expert_mlp_grouped_mm_kernel", "expert_mlp_combine_kernel", "expert_mlp_bwd_dhpre_kernel",
+        "expert_mlp_bwd_dweights_kernel", "expert_mlp_bwd_dw_kernel", "adamw_kernel", "adamw_scalars_kernel",
+        "adamw_8bit_kernel",
+    }  # fmt: skip
+    assert all(v["launches"] >= 1 and v["compile_s"] > 0 and v["registers"] > 0 for v in variants)
+    assert result["spilling"] == []
+    # The layer of the other model (Granite: 40 experts, not a multiple of 16) and the other token count
+    # reuse every build: no kernel is specialised on the expert count.
+    new = result["by_unit"]
+    for unit in units:
+        if "granite" in unit or "T16384" in unit or unit.startswith(("gemms", "full-steps")):
+            assert new.get(unit, 0) == 0, (unit, new.get(unit))
+    # The deadline's estimates cover each unit's builds at the budget's seconds per build.
+    bench = _module("gpu_bench_budget", SCRIPT)
+    assert max(v["compile_s"] for v in variants) < 3 * bench.COMPILE_S
+    for unit, count in new.items():
+        assert count * bench.COMPILE_S < bench.ESTIMATES[unit.split(":")[0]], unit
+    # The library's kernel path reads nothing back to the host at the real shapes.
+    assert result["library_host_reads"] == []

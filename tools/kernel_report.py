@@ -6,8 +6,9 @@ and shared memory. The interpreter accepts code that the compiler rejects, so th
 kernels are GPU code.
 
 Each kernel is compiled in two specialisations, as Triton's JIT would compile it:
-- ``aligned``: pointers 16-byte aligned, integer sizes and strides multiples of 16, unit innermost
-  strides: the real model shapes (OLMoE-1B-7B, Granite-3.1-3B-A800M). These must not spill.
+- ``aligned``: pointers 16-byte aligned, integer sizes and strides multiples of 16 (but top_k and the
+  routing tensors' row strides, :data:`TOP_K_INTS`), unit innermost strides: the real model shapes
+  (OLMoE-1B-7B, Granite-3.1-3B-A800M). These must not spill.
 - ``unaligned``: no divisibility known (H or I not a multiple of 16): correct but slow code whose spills
   are reported, not gated.
 
@@ -46,6 +47,10 @@ from sonar_kernels import ops
 from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, expert_wgrad, moments_8bit, routing
 from sonar_kernels.specs import ACTIVATIONS
 
+# Integers that are never multiples of 16, even at aligned shapes: top_k (1 to 8 in the models) and the row
+# strides of the [T, top_k] routing tensors.
+TOP_K_INTS = ("top_k", "stride_wt", "stride_index_t")
+
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
@@ -81,7 +86,8 @@ class Spec:
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
     """The kernel as the JIT would specialise it: pointers from ``spec.pointers``, scalars i32 unless
-    annotated (``lr: tl.float64`` -> "fp64"), divisibility 16 on pointers and, if aligned, on integers."""
+    annotated (``lr: tl.float64`` -> "fp64"), divisibility 16 on pointers and, if aligned, on the integers
+    the JIT specialises (not those in the kernel's ``do_not_specialize``)."""
     fn = spec.kernel
     constexprs = dict(spec.constexprs)
     constexprs.update({name: 1 for name in spec.unit_strides})
@@ -97,7 +103,12 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
             signature[name] = f"*{spec.pointers[name]}"
         else:
             signature[name] = "i64" if name in spec.wide_ints else param.annotation or "i32"
-        if name in spec.pointers or (aligned and signature[name] in ("i32", "i64")):
+        if name in spec.pointers or (
+            aligned
+            and signature[name] in ("i32", "i64")
+            and not param.do_not_specialize
+            and name not in TOP_K_INTS
+        ):
             attrs[(param.num,)] = [["tt.divisibility", 16]]
     return ASTSource(fn, signature, constexprs, attrs)
 

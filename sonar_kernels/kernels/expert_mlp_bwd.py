@@ -71,7 +71,7 @@ def _absmax(x, mask):
     return tl.max(tl.where(mask, tl.where(x == x, tl.abs(x), float("inf")), 0.0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def expert_mlp_bwd_dhpre_kernel(
     # pointers
     grad_out_ptr,  # [T, H] activation dtype, read (rows gathered by token; any strides, 0 included)
@@ -192,7 +192,7 @@ def expert_mlp_bwd_dhpre_kernel(
         tl.store(absmax_ptr + 2 * pid + 1, 0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_partials",))  # a loop bound: one build for every count
 def expert_mlp_bwd_dweights_kernel(
     # pointers
     dw_partial_ptr,  # [num_partials, S] fp32, read at kept rows

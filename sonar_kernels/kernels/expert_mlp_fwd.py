@@ -66,7 +66,7 @@ def gelu_tanh_inner(x):
     return tl.where(u >= 0, t, -t)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def expert_mlp_fwd_up_kernel(
     # pointers
     x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
@@ -170,7 +170,7 @@ def expert_mlp_fwd_up_kernel(
     )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def expert_mlp_grouped_mm_kernel(
     # pointers
     a_ptr,  # [S, I] activation dtype, read

@@ -120,7 +120,7 @@ def _dw_epilogue_slice(
     return result
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def expert_mlp_bwd_dw_kernel(
     # pointers
     p_ptr,  # left operand rows: grad_out [T, H] (P_FROM_TOKENS) or grad_hpre [S, 2I]; activation dtype

@@ -36,7 +36,7 @@ def _slot_block(
     return offs_s, kept, onehot.to(tl.int32)  # [BLOCK_S], [BLOCK_S], [BLOCK_S, BLOCK_E]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def routing_histogram_kernel(
     top_k_index_ptr,  # [T, top_k] int32/int64, read
     block_rows_ptr,  # [num_blocks, E] int32, written: kept slots of each expert in each block
@@ -57,7 +57,7 @@ def routing_histogram_kernel(
     tl.store(block_rows_ptr + block * E + offs_e, tl.sum(onehot, axis=0), mask=offs_e < E)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def routing_scan_kernel(
     block_rows_ptr,  # [num_blocks, E] int32, read, then overwritten with each block's first row per expert
     expert_offsets_ptr,  # [E + 1] int32, written
@@ -101,7 +101,7 @@ def routing_scan_kernel(
         tl.store(ptrs, tl.load(ptrs, mask=mask, other=0) + starts[None, :], mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
 def routing_scatter_kernel(
     top_k_index_ptr,  # [T, top_k] int32/int64, read
     block_rows_ptr,  # [num_blocks, E] int32, read: the row of each block's first slot per expert

@@ -73,9 +73,9 @@ def merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def hash32(x: torch.Tensor) -> torch.Tensor:
+def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
     """A 32-bit integer hash (``lowbias32``, C. Wellons' hash-prospector: two multiply-xorshift rounds)
-    of the low 32 bits of the int64 tensor ``x``, as int64 in [0, 2**32)."""
+    of the low 32 bits of the int64 tensor (or Python int) ``x``, as int64 in [0, 2**32) (an int)."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
@@ -202,7 +202,7 @@ def element_index(t: torch.Tensor) -> torch.Tensor:
 def tensor_seed(seed: int, ordinal: int) -> int:
     """The seed of the ``ordinal``-th tensor an optimizer with ``seed`` manages (its stream's key):
     ``hash32(hash32(seed) ^ ordinal)``, so that tensors, and optimizers with other seeds, draw apart."""
-    return int(hash32(hash32(torch.tensor(seed & MASK32)) ^ (ordinal & MASK32)))
+    return hash32(hash32(seed & MASK32) ^ (ordinal & MASK32))  # Python ints: no tensor, no host read
 
 
 def stochastic_adamw_(

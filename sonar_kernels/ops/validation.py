@@ -4,6 +4,7 @@ ValueError or TypeError naming the argument, before any kernel runs."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from sonar_kernels.ops.common import is_dense, laid_out_like, triton_interpreting
 from sonar_kernels.specs import (
@@ -282,7 +283,7 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
         ValueError: moments whose shape, strides or device differ from the weight's, a weight that is
             not dense, a step, norm or counter that is not 0-dim on the weight's device, hyperparameters
             not of shape [5] on the weight's device or outside torch.optim.AdamW's ranges (checked only
-            on the CPU, where reading them costs no sync).
+            on the CPU, where reading them costs no sync, and not on fake tensors).
     """
     if weight.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} must be float32, bfloat16 or float16 to be updated, got {weight.dtype}")
@@ -311,7 +312,7 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
         raise TypeError(f"hyper of {name} must be a float64 tensor (lr, beta1, beta2, eps, weight_decay)")
     if hyper.shape != (5,) or hyper.device != weight.device:
         raise ValueError(f"hyper of {name} must have shape [5] on {weight.device}, got {tuple(hyper.shape)}")
-    if hyper.device.type == "cpu":
+    if hyper.device.type == "cpu" and not is_fake(hyper):  # a fake tensor (FakeTensorMode) has no values
         lr, beta1, beta2, eps, weight_decay = hyper.tolist()
         check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, where=f" of {name}")
     if update.grad_dtype not in SUPPORTED_DTYPES:
