@@ -9,7 +9,9 @@ Inside :func:`dry_run`:
   alignment, integers divisible by 16 or equal to 1, the constexprs, the launch options), and no kernel
   runs. Two launches with one key are one compilation;
 - the library takes the Triton backend on the CPU, as it would on CUDA (its device check and its "auto"
-  choice are told so; the launchers already pass ``INTERPRET=False`` outside the interpreter);
+  choice are told so; the launchers already pass ``INTERPRET=False`` outside the interpreter), and runs its
+  eager path: the autograd.Function, its custom ops called as the Python functions they wrap (their
+  launchers and allocations), never their fake implementations;
 - a host read of a fake value (``.item()``, ``torch.equal``: the benchmark's comparisons and logs) returns a
   placeholder (0, True), so the run goes on; one made by the library's kernel path (which promises none)
   is recorded with its file and line (``Launches.library_reads``).
@@ -36,7 +38,7 @@ from dataclasses import dataclass, field
 from unittest import mock
 
 import torch
-from torch._library.custom_ops import OPDEFS
+from torch._library.custom_ops import CustomOpDef
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from triton.backends.compiler import GPUTarget
 from triton.runtime import jit
@@ -167,19 +169,15 @@ class _Pointer:
 
 
 class _HostReads(FakeTensorMode):
-    """FakeTensorMode whose host reads return placeholders, and in which the library's custom ops run their
-    own implementation (the launchers, with their allocations) instead of their fake one (see the module
-    docstring). A host read made by the library's kernels' path (sonar_kernels outside its training CLI) is
-    recorded in ``library_reads``: the hot path promises none."""
+    """FakeTensorMode whose host reads return placeholders (see the module docstring). A host read made by
+    the library's kernels' path (sonar_kernels outside its training CLI) is recorded in ``library_reads``:
+    the hot path promises none."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.library_reads: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "sonar_kernels":
-            with self:  # the implementation's tensors are fake as well
-                return OPDEFS[func._schema.name]._init_fn(*args, **(kwargs or {}))
         if func in (aten._local_scalar_dense.default, aten.equal.default):
             package = f"{os.sep}sonar_kernels{os.sep}"
             for frame in reversed(traceback.extract_stack()):
@@ -205,6 +203,7 @@ def _deepcopy(tensor, memo):
 
 
 _SWAP_TENSORS = torch.utils.swap_tensors
+_CALL = CustomOpDef.__call__
 
 
 def _swap_tensors(t1, t2):
@@ -216,10 +215,13 @@ def _swap_tensors(t1, t2):
 
 
 @contextlib.contextmanager
-def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None):
+def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool = True):
     """Within the block, the benchmark's code runs as described in the module docstring; yields the
     :class:`Launches` it records. ``arithmetic``: the in-backward AdamW arithmetic of the GPU's torch
-    ("fp32" or "fp64", ``sonar_kernels.ops.adamw.torch_fused_adamw_arithmetic`` there); None keeps the CPU's."""
+    ("fp32" or "fp64", ``sonar_kernels.ops.adamw.torch_fused_adamw_arithmetic`` there); None keeps the CPU's.
+    ``fake`` False: real CPU tensors instead of fake ones (every allocation real, the kernels still not run:
+    what they write is left uninitialised), the check of a fake trace against real allocations."""
+    from sonar_kernels.autograd import formula
     from sonar_kernels.ops import validation, wgrad
 
     launches = Launches(target)
@@ -230,8 +232,18 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None):
     def resolve_backend(backend, device):
         return "triton" if backend == "auto" else backend
 
+    def call(op, *args, **kwargs):
+        if op._namespace == "sonar_kernels":
+            return op._init_fn(*args, **kwargs)
+        return _CALL(op, *args, **kwargs)
+
     patches = [
         mock.patch.object(jit.JITFunction, "run", run),
+        # The library's custom ops run their implementation as plain Python (the launchers and what they
+        # allocate), in eager mode's autograd.Function, not through the dispatcher to their fake
+        # implementation: a tracker entered inside the block (MemTracker) sees every allocation.
+        mock.patch.object(formula, "plain_eager", lambda inputs: True),
+        mock.patch.object(CustomOpDef, "__call__", call),
         mock.patch.object(torch.utils, "swap_tensors", _swap_tensors),
         mock.patch.object(FakeTensor, "__deepcopy__", _deepcopy, create=True),
         mock.patch.object(validation, "triton_interpreting", lambda: True),
@@ -242,6 +254,7 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None):
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)
-        mode = stack.enter_context(_HostReads(allow_non_fake_inputs=True))
-        launches.library_reads = mode.library_reads
+        if fake:
+            mode = stack.enter_context(_HostReads(allow_non_fake_inputs=True))
+            launches.library_reads = mode.library_reads
         yield launches

@@ -11,7 +11,9 @@ sonar kernels (transformers' experts_implementation "sonar"), so only the optimi
   same math as ``sonar`` with standard machinery, so the two must agree bit for bit.
 
 ``--arms all-in-backward`` adds the paper's other comparison (not run by default): every parameter
-updated in the backward and no clipping anywhere (:class:`AllInBackward`).
+updated in the backward and no clipping anywhere (:class:`AllInBackward`); ``--arms paper`` the paper's
+method itself: SonarAdamW's split path (``fused_epilogue=False``: each expert gradient written as a tensor,
+applied in the backward, released; the same bits as ``sonar``, more memory on the Triton backend).
 
 ``--model PATH`` loads a local transformers checkpoint (a folder saved by ``save_pretrained``) of any MoE
 family the sonar experts run, with ``from_pretrained`` (local files only), and every arm and seed starts

@@ -31,10 +31,12 @@ MASTER_ARMS = (
     "sonar-stochastic-8bit",
     "remainder-control",
 )
-OTHER_ARMS = ("all-in-backward", "sonar-8bit", "torchao-8bit", *MASTER_ARMS)
+OTHER_ARMS = ("all-in-backward", "paper", "sonar-8bit", "torchao-8bit", *MASTER_ARMS)
 # The arms that train with SonarAdamW: exact moments, 8-bit moments (docs/design.md, "8-bit moments"), bf16
 # master weights.
-SONAR_ARMS = ("sonar", "sonar-8bit", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
+# "paper": the Sonar-MoE paper's method, SonarAdamW's split path (fused_epilogue=False): each expert
+# tensor's gradient written as a tensor and applied in the backward, then released (the same bits as sonar).
+SONAR_ARMS = ("sonar", "paper", "sonar-8bit", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
               "sonar-stochastic-8bit")  # fmt: skip
 # Each sonar arm's control, run on the first seed only: its training with materialized gradients and a
 # separate step that must give the same bits (dense clipping, the experts' update as the sonar arm's).
@@ -71,6 +73,10 @@ def build_model(preset: Preset, layers: int | None, seed: int, dtype: torch.dtyp
     if preset.family == "olmoe":
         config = transformers.OlmoeConfig(num_experts=preset.num_experts, **common)
         cls = transformers.OlmoeForCausalLM
+    elif preset.family == "qwen3_moe":  # every layer sparse; intermediate_size: the experts'
+        common["moe_intermediate_size"] = common.pop("intermediate_size")
+        config = transformers.Qwen3MoeConfig(num_experts=preset.num_experts, **common)
+        cls = transformers.Qwen3MoeForCausalLM
     else:
         config = transformers.GraniteMoeConfig(num_local_experts=preset.num_experts, **common)
         cls = transformers.GraniteMoeForCausalLM
@@ -289,6 +295,7 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
             model, **hyper, **flags, max_grad_norm=args.max_grad_norm,
             data_parallel_group=None if ep_experts is not None else distributed.group(),
             moments_dtype="8bit" if name.endswith("8bit") else None, master_weights=master,
+            fused_epilogue=name != "paper",
         )  # fmt: skip
     elif name in ("mixed-precision", "remainder-control"):
         control = name == "remainder-control"

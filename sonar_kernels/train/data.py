@@ -13,7 +13,7 @@ import torch
 class Preset:
     """A model family and its dimensions; ``sequence_length`` and ``batch_size`` are the defaults."""
 
-    family: str  # "olmoe" or "granitemoe"
+    family: str  # "olmoe", "granitemoe" or "qwen3_moe"
     hidden_size: int
     intermediate_size: int  # per expert
     num_experts: int
@@ -55,6 +55,27 @@ PRESETS = {
             "logits_scaling": 6.0,
             "residual_multiplier": 0.22,
             "attention_multiplier": 0.015625,
+        },
+    ),
+    # Qwen3-30B-A3B's published configuration (its config.json): 48 layers, all sparse; head_dim 128.
+    "qwen3-30b-a3b": Preset(
+        "qwen3_moe",
+        2048,
+        768,
+        128,
+        8,
+        48,
+        32,
+        4,
+        151936,
+        steps=20,
+        batch_size=4,
+        sequence_length=1024,
+        extra={
+            "head_dim": 128,
+            "norm_topk_prob": True,
+            "rms_norm_eps": 1e-6,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
         },
     ),
 }

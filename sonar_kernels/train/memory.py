@@ -93,7 +93,9 @@ def track_step(model: torch.nn.Module, optimizers, step, device: torch.device, m
                 if isinstance(t, torch.Tensor) and t.device.type == device.type:
                     # A tensor subclass's (torchao's 8-bit state) are its inner tensors' storages.
                     for storage in get_untyped_storages(t):
-                        storages[t.device, storage.data_ptr()] = storage.nbytes()
+                        # Keyed by the storage itself (its C++ object), not its address: every fake
+                        # tensor's (FakeTensorMode, bench/dry_run.py) is 0.
+                        storages[storage._cdata] = storage.nbytes()
     breakdown[STEP_TEMPORARIES] = max(0, breakdown["optimizer_state"] - sum(storages.values()))
     breakdown["optimizer_state"] -= breakdown[STEP_TEMPORARIES]
     total = int(peak["Total"])

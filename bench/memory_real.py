@@ -1,0 +1,239 @@
+"""Peak memory of one training step at the real sizes, traced on a CPU without allocating it (issue 44).
+
+``make memory-real`` (``python bench/memory_real.py``): for each preset at its published configuration
+(OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B; random initialisation, full depth) and each arm, one
+training step of sonar-train's code on one rank, traced by torch's MemTracker under FakeTensorMode
+(bench/dry_run.py: tensors with shapes and no storage; the library's Triton backend takes its GPU path,
+its custom ops run their launchers and allocate what they allocate on a GPU, and no kernel runs). The
+step traced is the second (the first creates the optimizer state), activation checkpointing on and off,
+4 x 1024 tokens (the presets' batch).
+
+Arms (sonar-train's, docs/sonar-train.md), every model in bf16:
+
+- ``standard mixed precision``: ``mixed-precision``, fp32 master copies and fp32 moments of every
+  parameter, global-norm clipping;
+- ``standard bf16``: ``standard``, torch.optim.AdamW on the bf16 parameters (bf16 moments), global clipping;
+- ``paper``: the Sonar-MoE paper's method (SonarAdamW's split path: each expert gradient a tensor, applied
+  in the backward, released);
+- ``sonar``: AdamW fused into the wgrad epilogue (no expert gradient);
+- ``sonar 8-bit``, ``sonar remainder``, ``sonar stochastic``, ``sonar remainder 8-bit``,
+  ``sonar stochastic 8-bit``: the state kinds (docs/design.md).
+
+``--real`` runs the same code with real CPU tensors (kernels still not run: every allocation is real and
+what the kernels would write is left uninitialised), the check of the fake trace against allocations; use
+it at reduced depth (``--layers``). The traces run in ``--jobs`` processes.
+
+Writes ``runs/memory-real/report.json`` (``--out``): ``{"rows": [...], "commit", "versions", "date"}``, each
+row with ``preset``, ``layers``, ``layout`` ("1 gpu"), ``world_size``, ``precision``, ``arm``,
+``checkpointing``, ``peak_bytes`` (the trace), ``model_peak_bytes`` (bench/memory_model's prediction, where
+it models the arm; else null), ``parameters``, ``mode`` ("fake" or "real"), the peak's ``breakdown`` by
+MemTracker's categories and its ``phase``, and the ``seconds`` the trace took; and ``report.md``, the
+table. Its limits (docs/distributed.md): an allocation trace, not the CUDA caching allocator (rounding,
+fragmentation), and no NCCL buffers or cuBLAS workspaces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+import warnings
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+PRESETS = ("olmoe-1b-7b", "granite-3.1-3b-a800m", "qwen3-30b-a3b")
+# Row name: (sonar-train's arm, precision label, the memory model's method and options, or None).
+ARMS = {
+    "standard mixed precision": ("mixed-precision", "bf16 model, fp32 masters and moments", None),
+    "standard bf16": ("standard", "bf16", {"method": "standard"}),
+    "paper": ("paper", "bf16", {"method": "paper"}),
+    "sonar": ("sonar", "bf16", {"method": "sonar"}),
+    "sonar 8-bit": ("sonar-8bit", "bf16, 8-bit expert moments", {"method": "sonar", "moments": "8bit"}),
+    "sonar remainder": ("sonar-remainder", "bf16 + 16-bit remainder", {"method": "sonar", "master": "remainder"}),
+    "sonar stochastic": ("sonar-stochastic", "bf16, stochastic rounding", {"method": "sonar", "master": "stochastic"}),
+    "sonar remainder 8-bit": ("sonar-remainder-8bit", "bf16 + remainder, 8-bit moments",
+                              {"method": "sonar", "master": "remainder", "moments": "8bit"}),
+    "sonar stochastic 8-bit": ("sonar-stochastic-8bit", "bf16 stochastic, 8-bit moments",
+                               {"method": "sonar", "master": "stochastic", "moments": "8bit"}),
+}  # fmt: skip
+
+
+def trace(preset_name: str, arm: str, layers: int | None, checkpointing: bool, fake: bool = True) -> dict:
+    """One row: the second training step of ``arm`` on ``preset_name`` (``layers`` decoder layers, all when
+    None) under MemTracker, in bf16 on one rank (see the module docstring)."""
+    os.environ["SONAR_KERNELS_TUNING"] = "0"
+    warnings.simplefilter("ignore")
+    import dry_run
+    import torch
+
+    from sonar_kernels import train
+    from sonar_kernels.integrations import transformers as hf
+    from sonar_kernels.train.memory import track_step
+
+    hf.register()
+    start = time.perf_counter()
+    preset = train.PRESETS[preset_name]
+    depth = layers or preset.num_layers
+    sonar_arm, precision, _ = ARMS[arm]
+    argv = ["--preset", preset_name, "--layers", str(depth), "--device", "cpu", "--dtype", "bfloat16",
+            "--quiet", "--fused", *([] if checkpointing else ["--no-checkpointing"])]  # fmt: skip
+    args = train.parse_args(argv)
+    with dry_run.dry_run(fake=fake) as launches:
+        data = train.ByteData(train.default_text(), preset.sequence_length, preset.batch_size, seed=0)
+        initial = train.build_model(preset, depth, 0, torch.bfloat16, args.device_obj)
+        parameters = sum(p.numel() for p in initial.parameters())
+        built = train.build_arm(sonar_arm, initial, args, steps=2)
+        del initial
+        train.train_step(built, data.batch(0), args.max_grad_norm)  # creates the optimizer state
+        masters = getattr(built.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
+        step = functools.partial(train.train_step, built, data.batch(1), args.max_grad_norm)
+        result = track_step(built.model, built.optimizers, step, torch.device("cpu"),
+                            modules=() if masters is None else (masters,))  # fmt: skip
+    return {
+        "preset": preset_name, "layers": depth, "layout": "1 gpu", "world_size": 1, "precision": precision,
+        "arm": arm, "checkpointing": checkpointing, "peak_bytes": result["peak_memory_bytes"],
+        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing), "parameters": parameters,
+        "mode": "fake" if fake else "real", "breakdown": result["peak_memory"], "phase": result["peak_phase"],
+        "library_host_reads": sorted(set(launches.library_reads)), "seconds": time.perf_counter() - start,
+    }  # fmt: skip
+
+
+def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool) -> int | None:
+    """bench/memory_model's prediction of the row (one rank, bf16, the Triton backend, torch's fused AdamW,
+    allocations as the trace sees them), or None where it does not model the preset or the arm."""
+    options = ARMS[arm][2]
+    if options is None or preset_name not in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
+        return None
+    import dataclasses
+
+    from memory_model import Layout, predict
+    from memory_model.report import real_setup
+
+    setup = real_setup(
+        preset_name, options["method"], Layout(), "bf16", checkpointing, options.get("moments", "exact")
+    )
+    setup = dataclasses.replace(
+        setup, master=options.get("master"), dims=dataclasses.replace(setup.dims, num_layers=layers)
+    )
+    return predict(setup).total
+
+
+def _run(task: tuple) -> dict:
+    try:
+        return trace(*task)
+    except Exception as error:  # recorded in the report; the other rows go on
+        preset, arm, layers, checkpointing, fake = task
+        return {"preset": preset, "arm": arm, "layers": layers, "checkpointing": checkpointing,
+                "mode": "fake" if fake else "real", "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+
+
+def run(tasks: list[tuple], jobs: int) -> list[dict]:
+    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake) each), in ``jobs`` spawned processes
+    (nothing inherited; each trace inside its own dry run, whose patches it undoes), in the order given."""
+    env_interpret = os.environ.pop("TRITON_INTERPRET", None)  # the GPU path, not the interpreter
+    try:
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            rows = []
+            for row in pool.map(_run, tasks):
+                rows.append(row)
+                _print_row(row)
+            return rows
+    finally:
+        if env_interpret is not None:
+            os.environ["TRITON_INTERPRET"] = env_interpret
+
+
+def _print_row(row: dict) -> None:
+    if "error" in row:
+        print(
+            f"{row['preset']:22} {row['arm']:24} ck={row['checkpointing']!s:5} {row['mode']}: {row['error']}",
+            flush=True,
+        )
+        return
+    model = (
+        ""
+        if row["model_peak_bytes"] is None
+        else f"  model {row['model_peak_bytes'] / 2**30:8.2f} GiB ({row['model_peak_bytes'] / row['peak_bytes'] - 1:+.1%})"
+    )
+    print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} ck={row['checkpointing']!s:5} {row['mode']}: "
+          f"{row['peak_bytes'] / 2**30:8.2f} GiB ({row['phase']}, {row['seconds']:.0f} s){model}", flush=True)  # fmt: skip
+
+
+def table(rows: list[dict]) -> str:
+    """The report as markdown: per preset and checkpointing, each arm's peak and its ratio to standard bf16."""
+    lines = []
+    for preset in dict.fromkeys(r["preset"] for r in rows):
+        for ck in (True, False):
+            part = [
+                r for r in rows if r["preset"] == preset and r["checkpointing"] == ck and "error" not in r
+            ]
+            if not part:
+                continue
+            base = next((r["peak_bytes"] for r in part if r["arm"] == "standard bf16"), None)
+            lines += [f"**{preset}**, {part[0]['layers']} layers, one GPU, activation checkpointing "
+                      f"{'on' if ck else 'off'} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
+                      "", "| arm | precision | peak GiB | vs standard bf16 | memory model GiB |", "|---|---|---|---|---|"]  # fmt: skip
+            for r in part:
+                ratio = f"{r['peak_bytes'] / base - 1:+.1%}" if base else ""
+                model = "" if r["model_peak_bytes"] is None else f"{r['model_peak_bytes'] / 2**30:.2f}"
+                lines.append(
+                    f"| {r['arm']} | {r['precision']} | {r['peak_bytes'] / 2**30:.2f} | {ratio} | {model} |"
+                )
+            lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
+    parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, full depth)")
+    parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
+    parser.add_argument(
+        "--real", action="store_true", help="real CPU tensors instead of fake ones (reduced depth)"
+    )
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces at once (processes)")
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "memory-real" / "report.json")
+    args = parser.parse_args(argv)
+    cks = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
+    # The largest preset first, so that the processes finish together.
+    presets = sorted(args.presets, key=PRESETS.index, reverse=True)
+    tasks = [(p, a, args.layers, ck, not args.real) for p in presets for ck in cks for a in args.arms]
+    start = time.perf_counter()
+    rows = run(tasks, args.jobs)
+    report = {"rows": rows, "commit": _commit(), "versions": _versions(), "date": datetime.date.today().isoformat(),
+              "seconds": time.perf_counter() - start}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    args.out.with_suffix(".md").write_text(table(rows))
+    print(table(rows))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')} in {report['seconds']:.0f} s")
+    return 1 if any("error" in r for r in rows) else 0
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def _versions() -> dict:
+    import importlib.metadata as metadata
+
+    return {name: metadata.version(name) for name in ("torch", "triton", "transformers")}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

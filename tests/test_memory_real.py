@@ -1,0 +1,63 @@
+"""bench/memory_real.py (make memory-real): the fake-tensor trace of a training step's peak memory agrees
+with the same step's real allocations, arm by arm, on the tiny presets (the full-size rows cannot be
+allocated here; docs/distributed.md)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("memory_real", ROOT / "bench" / "memory_real.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["memory_real"] = module  # its traces run in spawned processes, which import it by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.timeout(900)
+def test_the_fake_trace_equals_the_real_allocations_within_one_percent():
+    memory_real = _module()
+    cases = [("tiny-olmoe", arm, None, True) for arm in memory_real.ARMS]
+    cases += [
+        ("tiny-granitemoe", arm, 2, False) for arm in ("standard bf16", "sonar", "sonar remainder 8-bit")
+    ]
+    rows = memory_real.run([(*case, fake) for case in cases for fake in (True, False)], jobs=2)
+    assert all("error" not in row for row in rows), [row for row in rows if "error" in row]
+    by_case = {(r["preset"], r["arm"], r["checkpointing"], r["mode"]): r for r in rows}
+    for preset, arm, _, checkpointing in cases:
+        fake, real = (by_case[(preset, arm, checkpointing, mode)] for mode in ("fake", "real"))
+        assert abs(fake["peak_bytes"] / real["peak_bytes"] - 1) < 0.01, (preset, arm, fake, real)
+        assert fake["parameters"] == real["parameters"] and fake["phase"] == real["phase"], (preset, arm)
+        assert fake["library_host_reads"] == [], (preset, arm)
+    # The arms differ where they should (one rank, checkpointing on): the fused update keeps no expert
+    # gradient, the paper's method one at a time, standard all of them.
+    peak = {r["arm"]: r["peak_bytes"] for r in rows if r["preset"] == "tiny-olmoe" and r["mode"] == "fake"}
+    assert peak["sonar"] < peak["paper"] < peak["standard bf16"] < peak["standard mixed precision"]
+    assert peak["sonar 8-bit"] < peak["sonar"]
+
+
+def test_the_qwen3_preset_is_qwen3_30b_a3b_as_published():
+    """The preset against Qwen3-30B-A3B's published configuration (its model card: 30.5 B parameters, 48
+    layers, 128 experts of which 8 active, 32 query and 4 key-value heads of 128 dimensions), built on the
+    meta device."""
+    import torch
+
+    from sonar_kernels import train
+    from sonar_kernels.integrations import transformers as hf
+
+    hf.register()
+    model = train.build_model(train.PRESETS["qwen3-30b-a3b"], None, 0, torch.bfloat16, torch.device("meta"))
+    config = model.config
+    assert (config.num_hidden_layers, config.num_experts, config.num_experts_per_tok) == (48, 128, 8)
+    assert (config.hidden_size, config.moe_intermediate_size, config.vocab_size) == (2048, 768, 151936)
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (32, 4, 128)
+    assert config.norm_topk_prob and not config.tie_word_embeddings and config.mlp_only_layers == []
+    assert model.model.layers[0].self_attn.q_proj.weight.shape == (32 * 128, 2048)
+    assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
+    assert config._experts_implementation == "sonar"
+    assert abs(sum(p.numel() for p in model.parameters()) / 30.5e9 - 1) < 0.005
