@@ -40,7 +40,6 @@ import functools
 import json
 import multiprocessing
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -210,6 +209,8 @@ def main(argv=None) -> int:
     tasks = [(p, a, args.layers, ck, not args.real) for p in presets for ck in cks for a in args.arms]
     start = time.perf_counter()
     rows = run(tasks, args.jobs)
+    from check_backward import _commit  # git's HEAD, or "unknown"
+
     report = {"rows": rows, "commit": _commit(), "versions": _versions(), "date": datetime.date.today().isoformat(),
               "seconds": time.perf_counter() - start}  # fmt: skip
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -218,15 +219,6 @@ def main(argv=None) -> int:
     print(table(rows))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} in {report['seconds']:.0f} s")
     return 1 if any("error" in r for r in rows) else 0
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _versions() -> dict:
