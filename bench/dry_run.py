@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import io
 import os
-import re
 import tempfile
 import time
 import traceback
@@ -56,7 +55,6 @@ class Variant:
     constexprs: dict  # argument path -> value (the JIT's: BLOCK_* and the integers equal to 1 included)
     attrs: dict  # argument path -> [["tt.divisibility", 16]] (aligned pointers, integers divisible by 16)
     options: object  # the backend's parsed options (num_warps, num_stages, enable_fp_fusion, ...)
-    specialization: list  # the JIT's, per argument: (type, "D" divisible by 16 / "" / a constexpr's value)
     launches: int = 0
     units: list = field(default_factory=list)  # where it was launched (gpu_bench's unit names)
 
@@ -94,6 +92,12 @@ class Launches:
 
         self._backend = make_backend(target)
 
+    @property
+    def target_name(self) -> str:
+        """ "sm_90a" for capability 9.0 (Triton builds the arch-specific target there), else "sm_XY"."""
+        arch = self.target.arch
+        return f"sm_{arch}{'a' if arch == 90 else ''}"
+
     def record(self, kernel: jit.JITFunction, args: tuple, kwargs: dict) -> None:
         """What ``kernel[grid](*args, **kwargs)`` would compile (JITFunction.run's first half)."""
         kwargs = {"debug": kernel.debug, **kwargs}
@@ -108,9 +112,7 @@ class Launches:
             parsed, signature, constexprs, attrs = kernel._pack_args(
                 self._backend, kwargs, bound, specialization, options
             )
-            variant = self.variants[key] = Variant(
-                kernel, signature, constexprs, attrs, parsed, specialization
-            )
+            variant = self.variants[key] = Variant(kernel, signature, constexprs, attrs, parsed)
         variant.launches += 1
         if self.unit and self.unit not in variant.units:
             variant.units.append(self.unit)
@@ -137,19 +139,22 @@ class Launches:
             knobs.nvidia.dump_ptxas_log = True  # ptxas -v's report, printed
             start = time.perf_counter()
             with contextlib.redirect_stdout(log):
-                triton.compile(source, target=self.target, options=variant.options.__dict__)
+                compiled = triton.compile(source, target=self.target, options=variant.options.__dict__)
             seconds = time.perf_counter() - start
+        return {"compile_s": seconds, **_ptxas_stats(compiled.asm["ptx"], self.target_name, log.getvalue())}
 
-        def grab(pattern: str) -> int:
-            found = re.search(pattern, log.getvalue())
-            return int(found.group(1)) if found else 0
 
-        return {
-            "compile_s": seconds,
-            "registers": grab(r"Used (\d+) registers"),
-            "spill_stores": grab(r"(\d+) bytes spill stores"),
-            "spill_loads": grab(r"(\d+) bytes spill loads"),
-        }
+def _ptxas_stats(ptx: str, arch: str, log: str) -> dict:
+    """tools/kernel_report.py's reading of ``ptxas -v``: registers, spill stores and loads (bytes)."""
+    import sys
+    from pathlib import Path
+
+    tools = str(Path(__file__).resolve().parents[1] / "tools")
+    if tools not in sys.path:
+        sys.path.append(tools)
+    import kernel_report
+
+    return kernel_report._ptxas_stats(ptx, arch, log)
 
 
 class _Pointer:

@@ -168,8 +168,7 @@ class DryRun(Rehearsal):
 
     def __init__(self, launches, compile_times: bool = False):
         self.launches, self.compile_times = launches, compile_times
-        arch = launches.target.arch
-        self.target = f"sm_{arch}{'a' if arch == 90 else ''}"  # Triton builds sm_90a for capability 9.0
+        self.target = launches.target_name
 
     def info(self) -> dict:
         return {"device": f"dry run on the cpu ({platform.processor() or platform.machine()}): fake tensors, "
@@ -190,10 +189,7 @@ class DryRun(Rehearsal):
         out = {"target": self.target, "compilations": len(variants), "by_unit": self.launches.by_unit(),
                "library_host_reads": sorted(set(self.launches.library_reads)), "variants": []}  # fmt: skip
         for v in variants:
-            row = {"kernel": v.name, "launches": v.launches, "units": v.units,
-                   "constexprs": {k: str(x) for k, x in v.named_constexprs().items() if k.isupper()},
-                   "num_warps": v.options.num_warps, "num_stages": v.options.num_stages,
-                   "identity": v.identity()}  # fmt: skip
+            row = {"kernel": v.name, "launches": v.launches, "units": v.units, "identity": v.identity()}
             if self.compile_times:
                 row.update(self.launches.compile(v))
             out["variants"].append(row)
@@ -205,7 +201,7 @@ class DryRun(Rehearsal):
                 "max": seconds[-1],
             }
             spills = [r for r in out["variants"] if r["spill_stores"] or r["spill_loads"]]
-            out["spilling"] = [f"{r['kernel']} {r['constexprs']}" for r in spills]
+            out["spilling"] = [f"{r['kernel']} {r['identity']['constexprs']}" for r in spills]
         return out
 
 

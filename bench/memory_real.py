@@ -114,15 +114,13 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool) -> 
         return None
     import dataclasses
 
-    from memory_model import Layout, predict
+    from memory_model import Layout, predict, with_layers
     from memory_model.report import real_setup
 
     setup = real_setup(
         preset_name, options["method"], Layout(), "bf16", checkpointing, options.get("moments", "exact")
     )
-    setup = dataclasses.replace(
-        setup, master=options.get("master"), dims=dataclasses.replace(setup.dims, num_layers=layers)
-    )
+    setup = dataclasses.replace(setup, master=options.get("master"), dims=with_layers(setup.dims, layers))
     return predict(setup).total
 
 

@@ -75,7 +75,7 @@ def merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 def hash32(x: torch.Tensor | int) -> torch.Tensor | int:
     """A 32-bit integer hash (``lowbias32``, C. Wellons' hash-prospector: two multiply-xorshift rounds)
-    of the low 32 bits of the int64 tensor (or Python int) ``x``, as int64 in [0, 2**32) (an int)."""
+    of the low 32 bits of ``x``, in [0, 2**32): an int64 tensor for an int64 tensor, an int for an int."""
     x = x & MASK32
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & MASK32
