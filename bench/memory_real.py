@@ -66,13 +66,22 @@ ARMS = {
 }  # fmt: skip
 
 
-def trace(preset_name: str, arm: str, layers: int | None, checkpointing: bool, fake: bool = True) -> dict:
+def trace(
+    preset_name: str,
+    arm: str,
+    layers: int | None,
+    checkpointing: bool,
+    fake: bool = True,
+    world_size: int = 1,
+) -> dict:
     """One row: the second training step of ``arm`` on ``preset_name`` (``layers`` decoder layers, all when
-    None) under MemTracker, in bf16 on one rank (see the module docstring)."""
+    None) under MemTracker, in bf16, on one rank of ``world_size`` (FSDP2 when above 1; see the module
+    docstring)."""
     os.environ["SONAR_KERNELS_TUNING"] = "0"
     warnings.simplefilter("ignore")
     import dry_run
     import torch
+    import torch.distributed as dist
 
     from sonar_kernels import train
     from sonar_kernels.integrations import transformers as hf
@@ -86,30 +95,92 @@ def trace(preset_name: str, arm: str, layers: int | None, checkpointing: bool, f
     argv = ["--preset", preset_name, "--layers", str(depth), "--device", "cpu", "--dtype", "bfloat16",
             "--quiet", "--fused", *([] if checkpointing else ["--no-checkpointing"])]  # fmt: skip
     args = train.parse_args(argv)
-    with dry_run.dry_run(fake=fake) as launches:
-        data = train.ByteData(train.default_text(), preset.sequence_length, preset.batch_size, seed=0)
-        initial = train.build_model(preset, depth, 0, torch.bfloat16, args.device_obj)
-        parameters = sum(p.numel() for p in initial.parameters())
-        built = train.build_arm(sonar_arm, initial, args, steps=2)
-        del initial
-        train.train_step(built, data.batch(0), args.max_grad_norm)  # creates the optimizer state
-        masters = getattr(built.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
-        step = functools.partial(train.train_step, built, data.batch(1), args.max_grad_norm)
-        result = track_step(built.model, built.optimizers, step, torch.device("cpu"),
-                            modules=() if masters is None else (masters,))  # fmt: skip
+    if world_size > 1:  # one rank of world_size; the collectives do nothing (their outputs are allocated)
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+        mesh = init_device_mesh("cpu", (world_size,))  # real tensors: before the fake mode
+    try:
+        with dry_run.dry_run(fake=fake) as launches:
+            data = train.ByteData(train.default_text(), preset.sequence_length, preset.batch_size, seed=0)
+            mixed_fsdp = world_size > 1 and sonar_arm == "mixed-precision"
+            dtype = torch.float32 if mixed_fsdp else torch.bfloat16
+            initial = train.build_model(preset, depth, 0, dtype, args.device_obj)
+            parameters = sum(p.numel() for p in initial.parameters())
+            if world_size > 1:
+                built = fsdp2_arm(sonar_arm, initial, args, mesh)
+            else:
+                built = train.build_arm(sonar_arm, initial, args, steps=2)
+            del initial
+            train.train_step(built, data.batch(0), args.max_grad_norm)  # creates the optimizer state
+            masters = getattr(built.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
+            step = functools.partial(train.train_step, built, data.batch(1), args.max_grad_norm)
+            result = track_step(built.model, built.optimizers, step, torch.device("cpu"),
+                                modules=() if masters is None else (masters,))  # fmt: skip
+    finally:
+        if world_size > 1:
+            dist.destroy_process_group()
     return {
-        "preset": preset_name, "layers": depth, "layout": "1 gpu", "world_size": 1, "precision": precision,
-        "arm": arm, "checkpointing": checkpointing, "peak_bytes": result["peak_memory_bytes"],
-        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing), "parameters": parameters,
-        "mode": "fake" if fake else "real", "breakdown": result["peak_memory"], "phase": result["peak_phase"],
-        "library_host_reads": sorted(set(launches.library_reads)), "seconds": time.perf_counter() - start,
+        "preset": preset_name, "layers": depth, "layout": "fsdp2" if world_size > 1 else "1 gpu",
+        "world_size": world_size,
+        "precision": "fp32 sharded, bf16 compute, fp32 moments" if mixed_fsdp else precision, "arm": arm,
+        "checkpointing": checkpointing, "peak_bytes": result["peak_memory_bytes"],
+        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing, world_size),
+        "parameters": parameters, "mode": "fake" if fake else "real", "breakdown": result["peak_memory"],
+        "phase": result["peak_phase"], "library_host_reads": sorted(set(launches.library_reads)),
+        "seconds": time.perf_counter() - start,
     }  # fmt: skip
 
 
-def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool) -> int | None:
-    """bench/memory_model's prediction of the row (one rank, bf16, the Triton backend, torch's fused AdamW,
-    allocations as the trace sees them), or None where it does not model the preset or the arm."""
+def fsdp2_arm(name: str, model, args, mesh):
+    """sonar-train's arm ``name`` on ``model`` sharded by FSDP2 over the 1-D device ``mesh``, as
+    docs/distributed.md's recipe shards it: activation checkpointing first, then ``fully_shard`` of every
+    experts module, every decoder layer and the model. ``standard``: torch.optim.AdamW and global-norm
+    clipping over the sharded parameters; ``mixed-precision``: the same over fp32 sharded parameters with
+    FSDP2's MixedPrecisionPolicy (bf16 all-gathered parameters and compute, fp32 gradient reduction: the
+    usual FSDP2 recipe, torchtitan's default); the others: SonarAdamW with sonar-train's options, which
+    updates each expert shard from FSDP2's reduce-scattered gradient."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    import sonar_kernels
+    from sonar_kernels.train.arms import SONAR_ARMS, Arm, enable_checkpointing
+
+    if args.checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    policy = MixedPrecisionPolicy()
+    if name == "mixed-precision":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.model.layers:
+        experts = next(m for m in layer.modules() if type(m).__name__.endswith("Experts"))
+        fully_shard(experts, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if name in SONAR_ARMS:
+        master = next((m for m in ("remainder", "stochastic") if m in name), None)
+        optimizer = sonar_kernels.SonarAdamW(
+            model, **hyper, fused=True, max_grad_norm=args.max_grad_norm,
+            moments_dtype="8bit" if name.endswith("8bit") else None, master_weights=master,
+            fused_epilogue=name != "paper",
+        )  # fmt: skip
+        return Arm(name, model, optimizer, [], None, model)
+    optimizer = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
+    return Arm("standard", model, optimizer, [], list(model.parameters()), model)
+
+
+def model_peak(
+    preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1
+) -> int | None:
+    """bench/memory_model's prediction of the row (one rank of ``world_size``, FSDP2 above 1; the Triton
+    backend, torch's fused AdamW, allocations as the trace sees them), or None where it does not model the
+    preset or the arm."""
     options = ARMS[arm][2]
+    fsdp_mixed = world_size > 1 and arm == "standard mixed precision"
+    if fsdp_mixed:
+        options = {"method": "standard"}
     if options is None or preset_name not in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
         return None
     import dataclasses
@@ -117,8 +188,10 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool) -> 
     from memory_model import Layout, predict, with_layers
     from memory_model.report import real_setup
 
+    precision = "fp32 master, bf16 activations" if fsdp_mixed else "bf16"
+    layout = Layout(fsdp=world_size) if world_size > 1 else Layout()
     setup = real_setup(
-        preset_name, options["method"], Layout(), "bf16", checkpointing, options.get("moments", "exact")
+        preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )
     setup = dataclasses.replace(setup, master=options.get("master"), dims=with_layers(setup.dims, layers))
     return predict(setup).total
@@ -128,13 +201,14 @@ def _run(task: tuple) -> dict:
     try:
         return trace(*task)
     except Exception as error:  # recorded in the report; the other rows go on
-        preset, arm, layers, checkpointing, fake = task
+        preset, arm, layers, checkpointing, fake, world_size = task
         return {"preset": preset, "arm": arm, "layers": layers, "checkpointing": checkpointing,
-                "mode": "fake" if fake else "real", "error": f"{type(error).__name__}: {error}"}  # fmt: skip
+                "world_size": world_size, "mode": "fake" if fake else "real",
+                "error": f"{type(error).__name__}: {error}"}  # fmt: skip
 
 
 def run(tasks: list[tuple], jobs: int) -> list[dict]:
-    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake) each), in ``jobs`` spawned processes
+    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size) each), in ``jobs`` spawned processes
     (nothing inherited; each trace inside its own dry run, whose patches it undoes), in the order given."""
     env_interpret = os.environ.pop("TRITON_INTERPRET", None)  # the GPU path, not the interpreter
     try:
@@ -152,7 +226,8 @@ def run(tasks: list[tuple], jobs: int) -> list[dict]:
 def _print_row(row: dict) -> None:
     if "error" in row:
         print(
-            f"{row['preset']:22} {row['arm']:24} ck={row['checkpointing']!s:5} {row['mode']}: {row['error']}",
+            f"{row['preset']:22} {row['arm']:24} W={row['world_size']} ck={row['checkpointing']!s:5} {row['mode']}: "
+            f"{row['error']}",
             flush=True,
         )
         return
@@ -161,31 +236,34 @@ def _print_row(row: dict) -> None:
         if row["model_peak_bytes"] is None
         else f"  model {row['model_peak_bytes'] / 2**30:8.2f} GiB ({row['model_peak_bytes'] / row['peak_bytes'] - 1:+.1%})"
     )
-    print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} ck={row['checkpointing']!s:5} {row['mode']}: "
+    print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} W={row['world_size']} ck={row['checkpointing']!s:5} {row['mode']}: "
           f"{row['peak_bytes'] / 2**30:8.2f} GiB ({row['phase']}, {row['seconds']:.0f} s){model}", flush=True)  # fmt: skip
 
 
 def table(rows: list[dict]) -> str:
-    """The report as markdown: per preset and checkpointing, each arm's peak and its ratio to standard bf16."""
+    """The report as markdown: per preset, layout and checkpointing, each arm's peak per rank and its ratio
+    to standard bf16."""
     lines = []
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        for ck in (True, False):
-            part = [
-                r for r in rows if r["preset"] == preset and r["checkpointing"] == ck and "error" not in r
-            ]
-            if not part:
-                continue
-            base = next((r["peak_bytes"] for r in part if r["arm"] == "standard bf16"), None)
-            lines += [f"**{preset}**, {part[0]['layers']} layers, one GPU, activation checkpointing "
-                      f"{'on' if ck else 'off'} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
-                      "", "| arm | precision | peak GiB | vs standard bf16 | memory model GiB |", "|---|---|---|---|---|"]  # fmt: skip
-            for r in part:
-                ratio = f"{r['peak_bytes'] / base - 1:+.1%}" if base else ""
-                model = "" if r["model_peak_bytes"] is None else f"{r['model_peak_bytes'] / 2**30:.2f}"
-                lines.append(
-                    f"| {r['arm']} | {r['precision']} | {r['peak_bytes'] / 2**30:.2f} | {ratio} | {model} |"
-                )
-            lines.append("")
+        for world in sorted({r["world_size"] for r in rows if r["preset"] == preset}):
+            for ck in (True, False):
+                part = [r for r in rows if r["preset"] == preset and r["world_size"] == world
+                        and r["checkpointing"] == ck and "error" not in r]  # fmt: skip
+                if not part:
+                    continue
+                layout = "one GPU" if world == 1 else f"FSDP2 over {world} ranks, per rank"
+                base = next((r["peak_bytes"] for r in part if r["arm"] == "standard bf16"), None)
+                lines += [f"**{preset}**, {part[0]['layers']} layers, {layout}, activation checkpointing "
+                          f"{'on' if ck else 'off'} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
+                          "", "| arm | precision | peak GiB | vs standard bf16 | memory model GiB |",
+                          "|---|---|---|---|---|"]  # fmt: skip
+                for r in part:
+                    ratio = f"{r['peak_bytes'] / base - 1:+.1%}" if base else ""
+                    model = "" if r["model_peak_bytes"] is None else f"{r['model_peak_bytes'] / 2**30:.2f}"
+                    lines.append(
+                        f"| {r['arm']} | {r['precision']} | {r['peak_bytes'] / 2**30:.2f} | {ratio} | {model} |"
+                    )
+                lines.append("")
     return "\n".join(lines)
 
 
@@ -195,6 +273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
     parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, full depth)")
     parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
+    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 4, 8],
+                        help="ranks: 1 (one GPU) and FSDP2 over each larger size (a fake process group)")  # fmt: skip
     parser.add_argument(
         "--real", action="store_true", help="real CPU tensors instead of fake ones (reduced depth)"
     )
@@ -204,7 +284,8 @@ def main(argv=None) -> int:
     cks = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
     # The largest preset first, so that the processes finish together.
     presets = sorted(args.presets, key=PRESETS.index, reverse=True)
-    tasks = [(p, a, args.layers, ck, not args.real) for p in presets for ck in cks for a in args.arms]
+    tasks = [(p, a, args.layers, ck, not args.real, w) for p in presets for w in args.world_sizes for ck in cks
+             for a in args.arms]  # fmt: skip
     start = time.perf_counter()
     rows = run(tasks, args.jobs)
     from check_backward import _commit  # git's HEAD, or "unknown"

@@ -172,7 +172,6 @@ def shard_index_base(t: torch.Tensor) -> int:
         ValueError: ``t`` is sharded along another dimension, or not contiguous.
     """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if any(not isinstance(q, Replicate) and not (isinstance(q, Shard) and q.dim == 0) for q in t.placements):
         raise ValueError(
@@ -181,11 +180,22 @@ def shard_index_base(t: torch.Tensor) -> int:
         )
     if not t.to_local().is_contiguous():
         raise ValueError("stochastic rounding of a sharded tensor needs a contiguous shard")
-    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    # DTensor's Shard(0) split, torch.chunk's (ceil(rows / parts) rows a part), nested over the mesh's
+    # dimensions in order, in Python ints from the mesh coordinate (torch's own helper builds index
+    # tensors and reads them back)
+    coordinate = t.device_mesh.get_coordinate()
+    first, rows = 0, t.shape[0]
+    for dim, placement in enumerate(t.placements):
+        if isinstance(placement, Shard):
+            chunk = -(-rows // t.device_mesh.size(dim))
+            start = min(coordinate[dim] * chunk, rows)
+            first, rows = first + start, min(chunk, rows - start)
+    if rows != t.to_local().shape[0]:  # DTensor's split changed
+        raise AssertionError(f"shard of {rows} rows computed, {t.to_local().shape[0]} held")
     rest = 1
     for size in t.shape[1:]:
         rest *= size
-    return int(offset[0]) * rest
+    return first * rest
 
 
 def element_index(t: torch.Tensor) -> torch.Tensor:
