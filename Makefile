@@ -15,7 +15,7 @@ NUMPY_SPEC ?= numpy<2.4
 TORCHTITAN_VERSION ?= 0.3.0
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu bench-gpu-rehearse gpu-wheels memory-real clean
+.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu bench-gpu-rehearse gpu-wheels memory-real memory-real-check clean
 
 $(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -53,10 +53,16 @@ kernel-report: install
 		&& sed -n '/^## Compilations/,$$p' runs/kernel-report/gpu-bench-$$a.md || exit 1; done
 
 # The peak memory of one training step at the real sizes (OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B,
-# full depth, one GPU, every arm, checkpointing on and off), traced by torch's MemTracker under FakeTensorMode
-# on this CPU: nothing allocated, no kernel run (bench/memory_real.py); writes runs/memory-real/report.json.
+# full depth, one GPU and FSDP2 over 4 and 8 ranks, every arm, checkpointing on and off), traced by torch's
+# MemTracker under FakeTensorMode on this CPU: nothing allocated, no kernel run (bench/memory_real.py);
+# writes runs/memory-real/report.json. memory-real-check: the same rows at 1 and 2 layers, fake against
+# real tensors (where they fit this machine); writes runs/memory-real/check.json.
 memory-real: install
 	env -u TRITON_INTERPRET $(BIN)/python bench/memory_real.py
+
+memory-real-check: install
+	env -u TRITON_INTERPRET $(BIN)/python bench/memory_real.py --check --layers 1 2 \
+		--out runs/memory-real/check.json
 
 # The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by
 # side over 3 seeds; writes runs/tiny-olmoe/report.json and report.png (runs/tiny-olmoe-2/ ... when taken).

@@ -39,6 +39,8 @@ from unittest import mock
 import torch
 from torch._library.custom_ops import CustomOpDef
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 from triton.backends.compiler import GPUTarget
 from triton.runtime import jit
 
@@ -195,6 +197,30 @@ class _HostReads(FakeTensorMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+class _UncomputedProducts(TorchDispatchMode):
+    """Real tensors (``dry_run(fake=False)``): torch's matrix products and CPU attention allocate their
+    outputs as the op would (its meta kernel's shapes, strides and dtypes), zero-filled, and compute
+    nothing. An OLMoE-1B-7B layer's step is some 3 TFLOP, hours in bf16 on this CPU, and the allocations
+    are what is checked."""
+
+    PRODUCTS = (aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
+                aten._grouped_mm.default, aten._scaled_dot_product_flash_attention_for_cpu.default,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward.default)  # fmt: skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in self.PRODUCTS:
+            return func(*args, **kwargs)
+        meta_args, meta_kwargs = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+        meta = func(*meta_args, **meta_kwargs)
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        return tree_map_only(
+            torch.Tensor,
+            lambda m: torch.empty_strided(m.shape, m.stride(), dtype=m.dtype, device=device).zero_(),
+            meta,
+        )
+
+
 def _deepcopy(tensor, memo):
     """copy.deepcopy of a fake tensor (the training arms copy their initial model): a fake clone with the
     parameter and buffer marks. torch 2.13's Tensor.__deepcopy__ copies a subclass's ``__dict__``, here the
@@ -224,8 +250,9 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool
     """Within the block, the benchmark's code runs as described in the module docstring; yields the
     :class:`Launches` it records. ``arithmetic``: the in-backward AdamW arithmetic of the GPU's torch
     ("fp32" or "fp64", ``sonar_kernels.ops.adamw.torch_fused_adamw_arithmetic`` there); None keeps the CPU's.
-    ``fake`` False: real CPU tensors instead of fake ones (every allocation real, the kernels still not run:
-    what they write is left uninitialised), the check of a fake trace against real allocations."""
+    ``fake`` False: real CPU tensors instead of fake ones (every allocation real; the kernels still not run,
+    what they write left uninitialised; torch's matrix products not computed, their outputs zeros:
+    :class:`_UncomputedProducts`), the check of a fake trace against real allocations."""
     from sonar_kernels.autograd import formula
     from sonar_kernels.ops import validation, wgrad
 
@@ -262,4 +289,6 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool
         if fake:
             mode = stack.enter_context(_HostReads(allow_non_fake_inputs=True))
             launches.library_reads = mode.library_reads
+        else:
+            stack.enter_context(_UncomputedProducts())
         yield launches

@@ -171,29 +171,27 @@ def fsdp2_arm(name: str, model, args, mesh):
     return Arm("standard", model, optimizer, [], list(model.parameters()), model)
 
 
-def model_peak(
-    preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1
-) -> int | None:
+def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1) -> int:
     """bench/memory_model's prediction of the row (one rank of ``world_size``, FSDP2 above 1; the Triton
-    backend, torch's fused AdamW, allocations as the trace sees them), or None where it does not model the
-    preset or the arm."""
-    options = ARMS[arm][2]
-    fsdp_mixed = world_size > 1 and arm == "standard mixed precision"
-    if fsdp_mixed:
-        options = {"method": "standard"}
-    if options is None or preset_name not in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
-        return None
+    backend, torch's fused AdamW, allocations as the trace sees them); it models every preset and arm."""
     import dataclasses
 
     from memory_model import Layout, predict, with_layers
     from memory_model.report import real_setup
 
-    precision = "fp32 master, bf16 activations" if fsdp_mixed else "bf16"
+    options, precision, masters = ARMS[arm][2], "bf16", False
+    if arm == "standard mixed precision":
+        # FSDP2: fp32 shards under MixedPrecisionPolicy (bf16 compute, fp32 reduction); one GPU: the bf16
+        # model with Fp32Masters' fp32 copies and moments (sonar_kernels/train/arms.py).
+        options = {"method": "standard"}
+        precision, masters = ("fp32 master, bf16 activations", False) if world_size > 1 else ("bf16", True)
     layout = Layout(fsdp=world_size) if world_size > 1 else Layout()
     setup = real_setup(
         preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )
-    setup = dataclasses.replace(setup, master=options.get("master"), dims=with_layers(setup.dims, layers))
+    setup = dataclasses.replace(
+        setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers)
+    )
     return predict(setup).total
 
 
@@ -267,35 +265,111 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# What a real trace holds besides its peak: the interpreter, torch, transformers and the model's build.
+REAL_HEADROOM = 3 * 2**30
+
+
+def check(presets, arms, depths, cks, jobs: int) -> tuple[list[dict], list[dict]]:
+    """The fake trace against real allocations (``--check``): each row at the reduced ``depths`` on one
+    rank, fake (``jobs`` processes), then real (one process at a time) where the fake peak and
+    :data:`REAL_HEADROOM` fit this machine's available memory. Returns (rows of both modes, the real rows
+    left out, each with its reason)."""
+    import torch
+
+    from sonar_kernels.train.memory import available_memory
+
+    fakes = run([(p, a, d, ck, True, 1) for d in depths for p in presets for ck in cks for a in arms], jobs)
+    available = available_memory(torch.device("cpu"))["host"] or 0
+    tasks, skipped = [], []
+    for row in fakes:
+        if "error" in row:
+            continue
+        task = (row["preset"], row["arm"], row["layers"], row["checkpointing"], False, 1)
+        if row["peak_bytes"] + REAL_HEADROOM > available:
+            need = (row["peak_bytes"] + REAL_HEADROOM) / 2**30
+            skipped.append(
+                {"task": task, "reason": f"needs {need:.1f} GiB, {available / 2**30:.1f} GiB available"}
+            )
+        else:
+            tasks.append(task)
+    for entry in skipped:
+        print(f"real {entry['task'][:4]} left out: {entry['reason']}", flush=True)
+    return fakes + run(tasks, 1), skipped
+
+
+def check_table(rows: list[dict], skipped: list[dict]) -> str:
+    """Fake against real, row by row, as markdown."""
+    by = {
+        (r["preset"], r["arm"], r["layers"], r["checkpointing"], r["mode"]): r
+        for r in rows
+        if "error" not in r
+    }
+    lines = [
+        "| preset | layers | checkpointing | arm | fake GiB | real GiB | fake vs real |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (preset, arm, layers, ck, mode), fake in by.items():
+        if mode != "fake":
+            continue
+        real = by.get((preset, arm, layers, ck, "real"))
+        cells = (
+            ("not run (memory)", "")
+            if real is None
+            else (f"{real['peak_bytes'] / 2**30:.3f}", f"{fake['peak_bytes'] / real['peak_bytes'] - 1:+.2%}")
+        )
+        lines.append(
+            f"| {preset} | {layers} | {'on' if ck else 'off'} | {arm} | {fake['peak_bytes'] / 2**30:.3f} | "
+            f"{cells[0]} | {cells[1]} |"
+        )
+    lines += [
+        "",
+        *(f"- real {e['task'][0]} {e['task'][1]}, {e['task'][2]} layers: {e['reason']}" for e in skipped),
+    ]
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--presets", nargs="+", choices=PRESETS, default=list(PRESETS))
     parser.add_argument("--arms", nargs="+", choices=tuple(ARMS), default=list(ARMS))
-    parser.add_argument("--layers", type=int, help="decoder layers (default: the preset's, full depth)")
+    parser.add_argument("--layers", type=int, nargs="+", default=[None],
+                        help="decoder layers, one or more depths (default: the preset's, full depth)")  # fmt: skip
     parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
     parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 4, 8],
                         help="ranks: 1 (one GPU) and FSDP2 over each larger size (a fake process group)")  # fmt: skip
     parser.add_argument(
         "--real", action="store_true", help="real CPU tensors instead of fake ones (reduced depth)"
     )
+    parser.add_argument("--check", action="store_true",
+                        help="fake and real traces of every row at --layers, one rank, compared (check())")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces at once (processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "memory-real" / "report.json")
     args = parser.parse_args(argv)
     cks = {"on": (True,), "off": (False,), "both": (True, False)}[args.checkpointing]
     # The largest preset first, so that the processes finish together.
     presets = sorted(args.presets, key=PRESETS.index, reverse=True)
-    tasks = [(p, a, args.layers, ck, not args.real, w) for p in presets for w in args.world_sizes for ck in cks
-             for a in args.arms]  # fmt: skip
     start = time.perf_counter()
-    rows = run(tasks, args.jobs)
+    skipped = None
+    if args.check:
+        if None in args.layers:
+            parser.error("--check needs --layers (reduced depths whose real tensors fit this machine)")
+        rows, skipped = check(presets, args.arms, args.layers, cks, args.jobs)
+        text = check_table(rows, skipped)
+    else:
+        tasks = [(p, a, d, ck, not args.real, w) for d in args.layers for p in presets for w in args.world_sizes
+                 for ck in cks for a in args.arms]  # fmt: skip
+        rows = run(tasks, args.jobs)
+        text = table(rows)
     from check_backward import _commit  # git's HEAD, or "unknown"
 
     report = {"rows": rows, "commit": _commit(), "versions": _versions(), "date": datetime.date.today().isoformat(),
               "seconds": time.perf_counter() - start}  # fmt: skip
+    if skipped is not None:
+        report["real_left_out"] = skipped
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    args.out.with_suffix(".md").write_text(table(rows))
-    print(table(rows))
+    args.out.with_suffix(".md").write_text(text)
+    print(text)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} in {report['seconds']:.0f} s")
     return 1 if any("error" in r for r in rows) else 0
 
