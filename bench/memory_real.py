@@ -1,35 +1,40 @@
 """Peak memory of one training step at the real sizes, traced on a CPU without allocating it (issue 44).
 
 ``make memory-real`` (``python bench/memory_real.py``): for each preset at its published configuration
-(OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B; random initialisation, full depth) and each arm, one
-training step of sonar-train's code on one rank, traced by torch's MemTracker under FakeTensorMode
-(bench/dry_run.py: tensors with shapes and no storage; the library's Triton backend takes its GPU path,
-its custom ops run their launchers and allocate what they allocate on a GPU, and no kernel runs). The
-step traced is the second (the first creates the optimizer state), activation checkpointing on and off,
-4 x 1024 tokens (the presets' batch).
+(OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B; random initialisation, full depth), each arm and each
+layout (one GPU; FSDP2 over 4 and 8 ranks, one rank of a fake process group traced), one training step of
+sonar-train's code, traced by torch's MemTracker under FakeTensorMode (bench/dry_run.py: tensors with
+shapes and no storage; the library's Triton backend takes its GPU path, its custom ops run their
+launchers and allocate what they allocate on a GPU, and no kernel runs). The step traced is the second
+(the first creates the optimizer state), activation checkpointing on and off, 4 x 1024 tokens per rank
+(the presets' batch).
 
 Arms (sonar-train's, docs/sonar-train.md), every model in bf16:
 
-- ``standard mixed precision``: ``mixed-precision``, fp32 master copies and fp32 moments of every
-  parameter, global-norm clipping;
+- ``standard mixed precision``: on one GPU sonar-train's ``mixed-precision`` (fp32 master copies and
+  fp32 moments of every parameter); under FSDP2 FSDP2's own recipe (fp32 shards,
+  ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); global-norm clipping;
 - ``standard bf16``: ``standard``, torch.optim.AdamW on the bf16 parameters (bf16 moments), global clipping;
 - ``paper``: the Sonar-MoE paper's method (SonarAdamW's split path: each expert gradient a tensor, applied
   in the backward, released);
 - ``sonar``: AdamW fused into the wgrad epilogue (no expert gradient);
 - ``sonar 8-bit``, ``sonar remainder``, ``sonar stochastic``, ``sonar remainder 8-bit``,
-  ``sonar stochastic 8-bit``: the state kinds (docs/design.md).
+  ``sonar stochastic 8-bit``: the state kinds (docs/design.md); under FSDP2 the 8-bit and stochastic ones
+  are not traced (:data:`FSDP2_UNTRACED`).
 
-``--real`` runs the same code with real CPU tensors (kernels still not run: every allocation is real and
-what the kernels would write is left uninitialised), the check of the fake trace against allocations; use
-it at reduced depth (``--layers``). The traces run in ``--jobs`` processes.
+``--real`` runs the same code with real CPU tensors (kernels not run, matrix products not computed:
+every allocation is real, the values are not); ``--check`` (``make memory-real-check``) runs every row at
+reduced depth (``--layers 1 2``) fake and real and compares them (:func:`check`). The traces run in
+``--jobs`` processes.
 
 Writes ``runs/memory-real/report.json`` (``--out``): ``{"rows": [...], "commit", "versions", "date"}``, each
-row with ``preset``, ``layers``, ``layout`` ("1 gpu"), ``world_size``, ``precision``, ``arm``,
-``checkpointing``, ``peak_bytes`` (the trace), ``model_peak_bytes`` (bench/memory_model's prediction, where
-it models the arm; else null), ``parameters``, ``mode`` ("fake" or "real"), the peak's ``breakdown`` by
-MemTracker's categories and its ``phase``, and the ``seconds`` the trace took; and ``report.md``, the
-table. Its limits (docs/distributed.md): an allocation trace, not the CUDA caching allocator (rounding,
-fragmentation), and no NCCL buffers or cuBLAS workspaces.
+row with ``preset``, ``layers``, ``layout`` ("1 gpu" or "fsdp2"), ``world_size``, ``precision``, ``arm``,
+``checkpointing``, ``peak_bytes`` (the trace), ``model_peak_bytes`` (bench/memory_model's prediction),
+``parameters``, ``mode`` ("fake" or "real"), the peak's ``breakdown`` by MemTracker's categories and its
+``phase``, and the ``seconds`` the trace took; and ``report.md``: the README's table
+(:func:`decision_table`), then every row (:func:`table`). Its limits (docs/distributed.md, "Traced at full
+size"): an allocation trace, not the CUDA caching allocator (rounding, fragmentation), and no NCCL buffers
+or cuBLAS workspaces.
 """
 
 from __future__ import annotations
@@ -63,6 +68,16 @@ ARMS = {
                               {"method": "sonar", "master": "remainder", "moments": "8bit"}),
     "sonar stochastic 8-bit": ("sonar-stochastic-8bit", "bf16 stochastic, 8-bit moments",
                                {"method": "sonar", "master": "stochastic", "moments": "8bit"}),
+}  # fmt: skip
+
+
+# Arms not traced under FSDP2: their update of a sharded expert tensor (the .grad path's 8-bit moments and
+# stochastic rounding, sonar_kernels/ops/moments_8bit.py adamw_8bit_ and ops/master_weights.py
+# stochastic_adamw_) runs as torch ops over slices of UPDATE_ELEMENTS (16384) elements, some 40 ops a
+# slice: a Qwen3-30B-A3B expert shard is ~6000 slices, hours of fake dispatch per step (and as many kernel
+# launches on a GPU, the speed issue 48 owns). The memory model predicts them.
+FSDP2_UNTRACED = {
+    "sonar 8-bit", "sonar stochastic", "sonar remainder 8-bit", "sonar stochastic 8-bit",
 }  # fmt: skip
 
 
@@ -189,9 +204,12 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, wor
     setup = real_setup(
         preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )
+    # The fake trace's causal mask (memory_model's Setup.causal_mask: transformers cannot rule out packed
+    # sequences in fake position ids, so it materializes the mask a real step leaves to SDPA's is_causal).
     setup = dataclasses.replace(
-        setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers)
-    )
+        setup, master=options.get("master"), fp32_masters=masters, causal_mask=True,
+        dims=with_layers(setup.dims, layers),
+    )  # fmt: skip
     return predict(setup).total
 
 
@@ -236,6 +254,44 @@ def _print_row(row: dict) -> None:
     )
     print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} W={row['world_size']} ck={row['checkpointing']!s:5} {row['mode']}: "
           f"{row['peak_bytes'] / 2**30:8.2f} GiB ({row['phase']}, {row['seconds']:.0f} s){model}", flush=True)  # fmt: skip
+
+
+# GPU memory sizes a reader chooses between (GB, 10^9 bytes, as sold) and the share of one a step may
+# take (the rest: the CUDA context, the caching allocator's rounding and fragmentation, NCCL's buffers).
+GPU_SIZES_GB = (24, 48, 80, 141)
+USABLE = 0.9
+DECISION_ARMS = ("standard mixed precision", "standard bf16", "sonar", "sonar 8-bit")
+
+
+def smallest_gpu(peak_bytes: int) -> str:
+    """The smallest of :data:`GPU_SIZES_GB` whose :data:`USABLE` share holds ``peak_bytes``, or "none"."""
+    return next((f"{size} GB" for size in GPU_SIZES_GB if peak_bytes <= USABLE * size * 1e9), "none")
+
+
+def decision_table(rows: list[dict]) -> str:
+    """Per preset and layout (checkpointing on), the peak per GPU of :data:`DECISION_ARMS` and the smallest
+    GPU each fits (:func:`smallest_gpu`), as markdown; a cell the trace lacks shows the memory model's
+    prediction, marked."""
+    lines = [
+        "| model | GPUs | " + " | ".join(DECISION_ARMS) + " |",
+        "|---|---|" + "---|" * len(DECISION_ARMS),
+    ]
+    for preset in PRESETS:
+        for world in sorted({r["world_size"] for r in rows if r["preset"] == preset}):
+            cells = []
+            for arm in DECISION_ARMS:
+                row = next((r for r in rows if (r["preset"], r["world_size"], r["arm"]) == (preset, world, arm)
+                            and r["checkpointing"] and "error" not in r), None)  # fmt: skip
+                if row is not None:
+                    cells.append(f"{row['peak_bytes'] / 2**30:.1f} GiB, {smallest_gpu(row['peak_bytes'])}")
+                    continue
+                model = model_peak(preset, arm, None, True, world)
+                cells.append(
+                    "" if model is None else f"{model / 2**30:.1f} GiB, {smallest_gpu(model)} (model)"
+                )
+            layout = "1" if world == 1 else f"{world}, FSDP2"
+            lines.append(f"| {preset} | {layout} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def table(rows: list[dict]) -> str:
@@ -357,9 +413,9 @@ def main(argv=None) -> int:
         text = check_table(rows, skipped)
     else:
         tasks = [(p, a, d, ck, not args.real, w) for d in args.layers for p in presets for w in args.world_sizes
-                 for ck in cks for a in args.arms]  # fmt: skip
+                 for ck in cks for a in args.arms if w == 1 or a not in FSDP2_UNTRACED]  # fmt: skip
         rows = run(tasks, args.jobs)
-        text = table(rows)
+        text = decision_table(rows) + "\n\n" + table(rows)
     from check_backward import _commit  # git's HEAD, or "unknown"
 
     report = {"rows": rows, "commit": _commit(), "versions": _versions(), "date": datetime.date.today().isoformat(),

@@ -71,3 +71,11 @@ def test_the_qwen3_preset_is_qwen3_30b_a3b_as_published():
     assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"
     assert config._experts_implementation == "sonar"
     assert abs(sum(p.numel() for p in model.parameters()) / 30.5e9 - 1) < 0.005
+
+
+def test_the_smallest_gpu_is_the_first_whose_usable_share_holds_the_peak():
+    memory_real = _module()
+    assert memory_real.smallest_gpu(int(0.9 * 24e9)) == "24 GB"
+    assert memory_real.smallest_gpu(int(0.9 * 24e9) + 1) == "48 GB"
+    assert memory_real.smallest_gpu(int(0.9 * 80e9)) == "80 GB"
+    assert memory_real.smallest_gpu(int(0.9 * 141e9) + 1) == "none"
