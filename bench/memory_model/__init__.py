@@ -1,12 +1,13 @@
 """bench/memory_model: a memory model of one training step: the per-rank peak, predicted from the model's dimensions.
 
 What it predicts: the peak bytes per rank of one step (forward, backward, optimizer step) of sonar-train's
-transformers models (``sonar_kernels.train.data.PRESETS``: OLMoE, Granite MoE), split as torch's
+transformers models (``sonar_kernels.train.data.PRESETS``: OLMoE, Granite MoE, Qwen3-MoE), split as torch's
 MemTracker splits it (parameters, buffers, gradients, optimizer state, the optimizer step's temporaries,
 activations and temporaries), for three methods:
 
 - ``standard``: torch.optim.AdamW over every parameter, global-norm clipping (sonar-train's ``standard``
-  arm): every gradient is kept until the step.
+  arm): every gradient is kept until the step; with ``Setup.fp32_masters`` sonar-train's
+  ``mixed-precision`` arm (fp32 master copies and moments of a bf16 model).
 - ``paper``: the Sonar-MoE paper's method: each expert tensor's gradient is computed as a tensor and
   applied by AdamW in the backward, then released (one expert gradient alive at a time; sonar-train's
   ``sonar`` arm on the torch backend, ``SonarAdamW(fused_epilogue=False)`` on the Triton one).
@@ -19,13 +20,15 @@ E / ep experts, tokens by all-to-all), expert parallel x data parallel, FSDP2 (`
 experts module, every decoder layer and the model: docs/distributed.md's recipe).
 
 How: an analytic account of what is alive at each candidate moment of the step (the end of the forward,
-the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the optimizer step),
-derived from the code that runs (transformers' modeling files, ``sonar_kernels/ops/torch_backend.py``,
+the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the embedding's backward,
+the optimizer step), derived from the code that runs (transformers' modeling files, ``sonar_kernels/ops/torch_backend.py``,
 ``sonar_kernels/ops/backward.py``, ``sonar_kernels/ops/wgrad.py``, ``sonar_kernels/autograd/formula.py``,
 ``sonar_kernels/optim/distributed.py``, torch's AdamW, DDP and FSDP2, and autograd's rules: which tensors
 each op saves for its backward); the peak is the largest moment. No coefficient is fitted to measurements; one term was found
 by measuring and is marked so (FSDP2: down_proj's gradient output alive during the experts'
-reduce-scatter). ``--validate`` measures the tiny presets with MemTracker on gloo ranks and compares.
+reduce-scatter). ``--validate`` measures the tiny presets with MemTracker on gloo ranks and compares;
+``bench/memory_real.py`` traces the real presets at full size (``Setup.causal_mask``: what its fake trace
+materializes and a real step does not).
 
 Command line::
 

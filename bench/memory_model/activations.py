@@ -22,26 +22,35 @@ def rms_norm_saved(T: int, width: int, a: int) -> int:
     return T * FP32 + T * width * a + (T * width * FP32 if a != FP32 else 0)
 
 
-def layer_saved(d: Preset, T: int, a: int, layout: Layout, rows: int) -> tuple[dict, dict, dict]:
+def layer_saved(
+    d: Preset, T: int, a: int, layout: Layout, rows: int, mask_length: int = 0
+) -> tuple[dict, dict, dict]:
     """What one decoder layer's forward saves for its backward, besides its input, as byte counts by name:
     (kept, moe, combine). ``moe``: the tensors the expert MLP's backward node alone holds (released when
     it has run, before the deferred in-backward updates); ``combine``: expert parallelism's combine, whose
     backward runs before the experts'. T tokens of this rank, ``a`` bytes per element, ``rows`` rows of
-    this rank's experts (T * top_k on one rank; under expert parallelism the rows it receives).
+    this rank's experts (T * top_k on one rank; under expert parallelism the rows it receives);
+    ``mask_length``: the sequence length of a materialized causal mask (``Setup.causal_mask``), 0 without.
 
-    Derived from transformers 5's modeling_olmoe.py / modeling_granitemoe.py, sonar_kernels/nn/
-    expert_parallel.py and autograd's rules (``a * b`` saves b for a's gradient only when b requires
-    grad: rotary's ``q * cos`` keeps cos, not q)."""
+    Derived from transformers 5's modeling_olmoe.py / modeling_granitemoe.py / modeling_qwen3_moe.py,
+    sonar_kernels/nn/expert_parallel.py and autograd's rules (``a * b`` saves b for a's gradient only when
+    b requires grad: rotary's ``q * cos`` keeps cos, not q)."""
     H, I, E, k = d.hidden_size, d.intermediate_size, d.num_experts, d.top_k
     Hq, Hkv, nh = d.num_heads * head_dim(d), d.num_kv_heads * head_dim(d), d.num_heads
     S = T * k
     fp32 = a == FP32
+    # k and v as the attention gets them: with a mask, grouped-query k and v repeated to every query head
+    # (transformers' sdpa_attention.py: repeat_kv unless use_gqa_in_sdpa, which needs no mask).
+    Hk = Hq if mask_length else Hkv
     kept = {
         "input_layernorm": rms_norm_saved(T, H, a) + T * H * a,  # + its output, saved by q/k/v_proj
         # v saved by attention; q and k kept by OLMoE's q_norm/k_norm in fp32 (their input), not in bf16.
-        "v": T * Hkv * a,
-        "q_k_rotated": T * (Hq + Hkv) * a,  # saved by attention
+        "v": T * Hk * a,
+        "q_k_rotated": T * (Hq + Hk) * a,  # saved by attention
         "attention_out_lse": T * Hq * a + T * nh * FP32,  # its output (also o_proj's input) and logsumexp
+        # a bool mask becomes an additive [B, 1, S, S] one in a (aten's scaled_dot_product_attention,
+        # convert_boolean_attn_mask), which the CPU flash attention saves
+        "attention_mask": T * mask_length * a,
         # the residual after attention: post_attention_layernorm's input, kept in fp32 only
         "attention_residual": T * H * a if fp32 else 0,
         "post_attention_layernorm": rms_norm_saved(T, H, a) + T * H * a,  # + its output: router's, experts' X
@@ -50,10 +59,19 @@ def layer_saved(d: Preset, T: int, a: int, layout: Layout, rows: int) -> tuple[d
         # deferred updates hold them past the node
         "routing_metadata": 3 * rows * INT32 + 2 * (E // layout.ep + 1) * INT32,
     }
-    if d.family == "olmoe":
-        kept["q_norm_k_norm"] = rms_norm_saved(T, Hq, a) + rms_norm_saved(T, Hkv, a)
+    if d.family in ("olmoe", "qwen3_moe"):
+        if d.family == "olmoe":
+            kept["q_norm_k_norm"] = rms_norm_saved(T, Hq, a) + rms_norm_saved(T, Hkv, a)
+        else:  # Qwen3-MoE's q_norm and k_norm over each head: an rsqrt per token and head
+            hd, nkv = Hq // nh, d.num_kv_heads
+            kept["q_norm_k_norm"] = rms_norm_saved(T * nh, hd, a) + rms_norm_saved(T * nkv, hd, a)
         kept["q_k"] = T * (Hq + Hkv) * a if fp32 else 0
-        kept["router_softmax"] = T * E * FP32  # softmax(logits, dtype=float) saves its output
+        # The same router (OlmoeTopKRouter, Qwen3MoeTopKRouter): softmax(logits, dtype=float) saves its output
+        kept["router_softmax"] = T * E * FP32
+        if d.extra.get("norm_topk_prob"):
+            # ``router_top_value /= router_top_value.sum(-1, keepdim=True)``: the in-place division saves the
+            # divisor [T, 1] and the dividend as it was [T, k] (autograd's copy of an overwritten self), fp32
+            kept["router_norm_topk"] = T * FP32 + T * k * FP32
         moe_weights = T * k * (FP32 if fp32 else a)  # top-k of the fp32 softmax, cast to a: experts only
     else:  # Granite: topk of the fp32 logits, then softmax over the k (saved), cast to a
         kept["router_softmax"] = T * k * FP32
@@ -73,11 +91,17 @@ def layer_saved(d: Preset, T: int, a: int, layout: Layout, rows: int) -> tuple[d
     return kept, moe, combine
 
 
-def shared_saved(d: Preset, batch_size: int, seq: int, a: int) -> int:
-    """Tensors every layer shares: rotary cos and sin [1, seq, head_dim] and the position ids."""
-    return 2 * seq * head_dim(d) * a + seq * INT64
+def shared_saved(
+    d: Preset, batch_size: int, seq: int, a: int, checkpointing: bool = True, mask: bool = False
+) -> int:
+    """Tensors every layer shares: rotary cos and sin [1, seq, head_dim] (saved by each layer's rotary
+    products); with ``checkpointing`` also the checkpoints' other arguments: the position ids [1, seq] and,
+    with ``mask``, the materialized causal mask, bool [batch_size, 1, seq, seq] (``Setup.causal_mask``).
+    Without checkpointing no node saves those, and they go when the model's forward returns."""
+    held = seq * INT64 + (batch_size * seq * seq if mask else 0)
+    return 2 * seq * head_dim(d) * a + (held if checkpointing else 0)
 
 
 def logits_dtype_bytes(d: Preset, a: int) -> int:
-    """The router logits' dtype: OLMoE's in a, Granite's cast to fp32 (.float())."""
-    return a if d.family == "olmoe" else FP32
+    """The router logits' dtype: OLMoE's and Qwen3-MoE's in a, Granite's cast to fp32 (.float())."""
+    return a if d.family in ("olmoe", "qwen3_moe") else FP32

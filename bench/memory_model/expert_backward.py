@@ -29,6 +29,16 @@ def adamw_temporaries(adamw: str, sizes: list[int]) -> int:
     return 0
 
 
+def remainder_update_temporaries(elements: int) -> int:
+    """Bytes ``sonar_kernels/ops/master_weights.py``'s ``remainder_adamw_`` holds at its peak on a tensor of
+    ``elements`` bf16 weights with an int16 remainder, not chunked (SonarAdamW's update of an FSDP2 shard
+    from its reduced gradient, ``optim/updates.py`` ``apply_grad``): ``split`` of the merged fp32 master (4
+    bytes per element), with the master's bits as int64, their rounded high half, that half shifted back
+    and the difference (8 bytes each) alive together. (merge's int64 sum and torch's AdamW on the master
+    with the gradient as fp32 hold less.)"""
+    return elements * (FP32 + 4 * INT64)
+
+
 class Tape:
     """Allocations and frees in program order, by name, in bytes; :attr:`peak` is the largest sum of the
     live tensors (with a :meth:`moment`'s transient ones) and :attr:`at_peak` those tensors then."""

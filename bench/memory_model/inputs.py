@@ -40,7 +40,10 @@ def with_layers(preset: Preset, layers: int | None = None) -> Preset:
 
 
 def head_dim(d: Preset) -> int:
-    return d.hidden_size // d.num_heads
+    """The attention heads' width: the config's ``head_dim`` where the preset sets it (Qwen3-30B-A3B's 128,
+    ``sonar_kernels/train/data.py``), else hidden_size / num_heads, as the transformers attention modules read
+    it (``getattr(config, "head_dim", hidden_size // num_attention_heads)``)."""
+    return d.extra.get("head_dim") or d.hidden_size // d.num_heads
 
 
 @dataclass(frozen=True)
@@ -89,7 +92,9 @@ class Setup:
             parameter's dtype): 4 (fp32), 2 (bf16).
         compute_bytes: bytes per activation element; None: ``param_bytes`` (the model run in its own
             dtype, as sonar-train runs it: what the op-by-op account and the validation cover). 2 with
-            ``param_bytes`` 4: fp32 master weights with bf16 activations, composed from the two (the
+            ``param_bytes`` 4: fp32 master weights with bf16 activations. Under FSDP2 that is
+            ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` over fp32 sharded parameters,
+            modelled op by op (``_predict_fsdp``); in the other layouts it is composed from the two (the
             parameter-shaped terms in fp32, the activation terms of the bf16 model; autocast's bf16
             weight copies and fp32 residual stream are not modelled).
         checkpointing: non-reentrant activation checkpointing of every decoder layer (sonar-train's
@@ -108,6 +113,21 @@ class Setup:
             as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/ops/moments_8bit.py``: 2.25
             bytes per expert parameter; the torch backend's update chunked whatever ``adamw``; validated
             against MemTracker on one rank, tests/test_memory_model.py).
+        fp32_masters: standard mixed precision as sonar-train's ``mixed-precision`` arm runs it
+            (``sonar_kernels/train/arms.py``, ``Fp32Masters(experts_only=False)``): the model and its
+            gradients in bf16 (``param_bytes`` 2), an fp32 master copy of every parameter (a ParameterList:
+            MemTracker counts it among the parameters) with fp32 AdamW moments; in the step each bf16
+            gradient is replaced by its master's fp32 gradient, one at a time, then clipping over the
+            masters, AdamW's step and the copy back. The standard method, not under FSDP2 (whose mixed
+            precision is ``param_bytes`` 4 with ``compute_bytes`` 2).
+        causal_mask: the causal mask materialized, as in a step traced under FakeTensorMode
+            (bench/memory_real.py): transformers' ``find_packed_sequence_indices`` (masking_utils.py) cannot
+            rule out packed sequences in fake position ids (``is_tracing`` is true of a FakeTensor), so
+            ``create_causal_mask`` builds a bool [B, 1, S, S] mask instead of returning None. Each layer's
+            SDPA then converts it to an additive mask in the activations' dtype and saves it, and grouped
+            query attention repeats k and v to every query head (``repeat_kv``: ``use_gqa_in_sdpa`` wants
+            no mask); the checkpoints hold the bool mask. False: a real step (no mask: SDPA's
+            ``is_causal``, GQA inside SDPA).
         master: None, or the expert tensors' bf16 master weights (``param_bytes`` 2, an in-backward
             method; docs/design.md, "bf16 master weights"): "remainder" (fp32 moments, or 8-bit ones, and
             an int16 remainder per element: 2 bytes) or "stochastic" (the moments as with "remainder" and a
@@ -117,7 +137,8 @@ class Setup:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
             backend; parameter bytes other than 2 or 4, activations wider than the parameters; experts that
             ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1; master
-            weights with the standard method or fp32 parameters.
+            weights with the standard method or fp32 parameters; fp32 masters with another method, fp32
+            parameters or FSDP2.
     """
 
     dims: Preset
@@ -135,8 +156,15 @@ class Setup:
     collectives: str = "nccl"
     moments: str = "exact"
     master: str | None = None
+    fp32_masters: bool = False
+    causal_mask: bool = False
 
     def __post_init__(self):
+        if self.fp32_masters and (self.method != "standard" or self.param_bytes != 2 or self.layout.fsdp > 1):
+            raise ValueError(
+                "fp32 masters (sonar-train's mixed-precision arm) train a bf16 model with the standard method, "
+                "not under FSDP2 (param_bytes 4, compute_bytes 2 there)"
+            )
         if self.master not in (None, "remainder", "stochastic"):
             raise ValueError(f"master must be None, 'remainder' or 'stochastic', got {self.master!r}")
         if self.master is not None and (self.method == "standard" or self.param_bytes != 2):

@@ -11,8 +11,10 @@ if TYPE_CHECKING:
 
 from memory_model.activations import layer_saved, logits_dtype_bytes, rms_norm_saved, shared_saved
 from memory_model.expert_backward import (
+    UPDATE_8BIT_BYTES_PER_ELEMENT,
     Tape,
     adamw_temporaries,
+    remainder_update_temporaries,
     torch_expert_backward,
     triton_expert_backward,
 )
@@ -75,6 +77,10 @@ def predict(s: Setup) -> Prediction:
             nbytes, is_expert, p, s.moments, s.master
         ),  # moments, fp32 step
     }
+    if s.fp32_masters:  # Fp32Masters: an fp32 copy of every bf16 parameter, AdamW's moments over the copies
+        static["fp32_masters"] = 2 * static["parameters"]
+        fp32 = {name: 2 * size for name, size in nbytes.items()}
+        static["optimizer_state"] = optimizer_state_bytes(fp32, is_expert, FP32, "exact")
     in_backward = s.method != "standard"  # expert gradients never reach .grad outside the backward
     reduce_first = in_backward and lay.dp > 1  # averaged over the data-parallel group before the update
 
@@ -98,9 +104,10 @@ def predict(s: Setup) -> Prediction:
     # The rows of this rank's experts per layer: T * top_k on one rank or data parallel; under expert
     # parallelism the rows it receives (balanced routing: T * top_k on average, unless given).
     rows = list(s.expert_rows or [T * d.top_k] * L)
-    saved = [layer_saved(d, T, a, lay, rows[layer]) for layer in range(L)]
+    mask = s.sequence_length if s.causal_mask else 0
+    saved = [layer_saved(d, T, a, lay, rows[layer], mask) for layer in range(L)]
     x = T * H * a  # one layer's input (the residual stream)
-    shared = shared_saved(d, s.batch_size, s.sequence_length, a)
+    shared = shared_saved(d, s.batch_size, s.sequence_length, a, s.checkpointing, s.causal_mask)
     ld = logits_dtype_bytes(d, a)
     # Layer inputs stay alive: as checkpoints, or (fp32, no checkpointing) as input_layernorm's input.
     inputs_kept = s.checkpointing or a == FP32
@@ -193,13 +200,28 @@ def predict(s: Setup) -> Prediction:
         layer_names = [n for n in names if layer_of(n) == layer]
         ready |= set(layer_names)
         grads += sum(nbytes[n] for n in layer_names if kept_grad(n))
+    # The embedding's backward: its weight's gradient [V, H] made while the gradient reaching it (the
+    # first layer's input's, [T, H]) is still held; every other gradient kept so far.
+    add("backward", {"gradients": grads + nbytes["embed_tokens"], "ddp_buckets": ddp_bytes(ready),
+                     "incoming_gradient": x})  # fmt: skip
     ready.add("embed_tokens")
     grads += nbytes["embed_tokens"]
     # The optimizer step: torch.optim.AdamW over the parameters that have a gradient (all in standard,
     # the dense ones otherwise), after clipping; the loss and the norm are 0-dim fp32 tensors.
     stepped = [nbytes[n] for n in names if kept_grad(n)]
-    add("optimizer step", {"gradients": grads, "ddp_buckets": ddp_bytes(ready), "loss_and_norm": 2 * FP32,
-                           "step:adamw": adamw_temporaries(s.adamw, stepped)})  # fmt: skip
+    if s.fp32_masters:
+        # Fp32Masters.step (sonar_kernels/train/arms.py): ``master.grad = p.grad.float(); p.grad = None`` in
+        # the parameters' order, so the fp32 gradients grow by twice what the bf16 ones lose: the most at
+        # the last tensor (lm_head), whose bf16 gradient is held while its fp32 copy is made. Then
+        # clip_grad_norm_ over the masters (torch._foreach_norm's 0-dim norm per tensor and their stack),
+        # AdamW's step over the fp32 masters, and the in-place copy back into the bf16 parameters.
+        masters = {"master_gradients": 2 * grads, "ddp_buckets": ddp_bytes(ready)}
+        add("optimizer step", {**masters, "gradients": nbytes[names[-1]], "loss": FP32})
+        add("optimizer step", {**masters, "loss_and_norm": 2 * FP32, "grad_norms": 2 * len(names) * FP32,
+                               "step:adamw": adamw_temporaries(s.adamw, [2 * b for b in stepped])})  # fmt: skip
+    else:
+        add("optimizer step", {"gradients": grads, "ddp_buckets": ddp_bytes(ready), "loss_and_norm": 2 * FP32,
+                               "step:adamw": adamw_temporaries(s.adamw, stepped)})  # fmt: skip
     if reduce_first:
         # The end of the backward: the last layer's expert gradients, applied in an engine callback.
         add("backward", {"gradients": grads, "ddp_buckets": ddp_bytes(ready), "grad:gate_up_proj": w1,
@@ -218,11 +240,12 @@ def _categories(terms: dict, phase: str) -> dict:
     for name, value in terms.items():
         if name in ("parameters", "buffers", "optimizer_state"):
             out[name] += value
-        elif name in ("root_unsharded_parameters", "unsharded_parameters", "unsharded_expert_parameters"):
+        elif name in ("root_unsharded_parameters", "unsharded_parameters", "unsharded_expert_parameters",
+                      "fp32_masters"):  # fmt: skip
             out["parameters"] += value
-        elif name in ("gradients", "in_flight_expert_gradients", "reduce_scatter_output") or name.startswith(
-            "grad:"
-        ):
+        elif name.startswith("grad:") or name in (
+            "gradients", "in_flight_expert_gradients", "reduce_scatter_output", "master_gradients"
+        ):  # fmt: skip
             out["gradients"] += value
         elif name == "step:adamw" and phase == "optimizer step":
             out["optimizer_step_temporaries"] += value
@@ -246,11 +269,21 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     shard of which every parameter's sharded gradient is a view; gloo's reduce-scatter works on a copy
     of the input. The experts' forward runs on the unsharded tensors, which carry no update: their
     backward returns both gradients in every method; SonarAdamW then updates each expert shard from its
-    reduced gradient and releases it (the experts group's flat shard is freed)."""
+    reduced gradient and releases it (the experts group's flat shard is freed).
+
+    fp32 parameters with bf16 activations (``compute_bytes`` 2, ``param_bytes`` 4) are FSDP2's
+    ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`` (``_fsdp_param.py`` ``init_dtype_attrs``,
+    ``_fsdp_collectives.py``): the shards, their gradients and AdamW's state in fp32; the all-gather (its
+    inputs cast to bf16 by a foreach copy), the unsharded parameters, the model's computation and its
+    unsharded gradients in bf16; each reduce-scatter input in fp32 (``chunk_cat`` of the bf16 gradients
+    into an fp32 buffer) and its output, the sharded gradients, in fp32 (the shards' own dtype: no cast)."""
+    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS
+
     d, p, T, L, lay = s.dims, s.param_bytes, s.tokens, s.dims.num_layers, s.layout
     a = s.compute_bytes or p
     H, E, V, N = d.hidden_size, d.num_experts, d.vocab_size, lay.fsdp
-    full = {name: numel(shape) * p for name, shape, _ in tensors}
+    # Unsharded: in the parameters' dtype, or under mixed precision in param_dtype (a); sharded in p.
+    full = {name: numel(shape) * a for name, shape, _ in tensors}
     shard = {name: numel(local_shape(shape, expert, lay)) * p for name, shape, expert in tensors}
     expert_names = {name for name, _, expert in tensors if expert}
     names = [name for name, _, _ in tensors]
@@ -262,8 +295,11 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     def total(table, layer, experts):
         return sum(table[n] for n in group(layer, experts)) if 0 <= layer < L else 0
 
-    def padded(layer, experts):  # a flat buffer of every rank's padded shard
+    def padded(layer, experts):  # a reduce-scatter input: every rank's padded shard, in the reduce dtype (p)
         return N * total(shard, layer, experts)
+
+    def gathered(layer, experts):  # an all-gather output: every rank's padded shard, in a (param_dtype)
+        return N * total(shard, layer, experts) // p * a
 
     static = {
         "parameters": sum(shard.values()),
@@ -276,9 +312,10 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     in_backward = s.method != "standard"
     root_unsharded = sum(full[n] for n in root)
     rows = [T * d.top_k] * L
-    saved = [layer_saved(d, T, a, lay, rows[layer]) for layer in range(L)]
+    mask = s.sequence_length if s.causal_mask else 0
+    saved = [layer_saved(d, T, a, lay, rows[layer], mask) for layer in range(L)]
     x = T * H * a
-    shared = shared_saved(d, s.batch_size, s.sequence_length, a)
+    shared = shared_saved(d, s.batch_size, s.sequence_length, a, s.checkpointing, s.causal_mask)
     ld = logits_dtype_bytes(d, a)
     inputs_kept = s.checkpointing or a == FP32
     final_norm = rms_norm_saved(T, H, a) + x + (x if a == FP32 else 0)
@@ -295,19 +332,32 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     def add(phase, terms):
         moments.append((phase, {k: v for k, v in terms.items() if v}))
 
-    def reduce_scatter(terms, rs_input, out):
+    def reduce_scatter(terms, rs_input, out, held=0):
         """The post-backward from its copy-in: the unsharded gradients in ``terms`` are copied into the
-        input, freed, and reduced into ``out`` bytes of shard (gloo: on a copy of the input)."""
+        input, freed (but ``held`` bytes of them), and reduced into ``out`` bytes of shard (gloo: on a copy
+        of the input)."""
         add("backward", {**terms, "reduce_scatter_input": rs_input})
         terms = {k: v for k, v in terms.items() if k != "unsharded_gradients"}
         add("backward", {**terms, "reduce_scatter_input": rs_input, "gloo_reduce_scatter_copy": rs_input if gloo else 0,
-                         "reduce_scatter_output": out})  # fmt: skip
+                         "reduce_scatter_output": out, "down_proj_node_output": held})  # fmt: skip
 
     act_all = activations(L) + final_norm + shared + L * T * E * ld
+    # The forward's last all-gather (the last layer's experts) is kept for the next copy-out
+    # (``comm_ctx.all_gather_state``, _fsdp_param_group.py ``wait_for_unshard``) until the root's
+    # post-forward frees it (_fsdp_state.py ``_post_forward``): through the lm_head and the losses, which
+    # the model's forward computes.
+    last_all_gather = gathered(L - 1, True)
     add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
-                    "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32})  # fmt: skip
+                    "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32,
+                    "last_all_gather": last_all_gather})  # fmt: skip
+    add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
+                    "log_softmax": T * V * FP32, "aux_loss_softmax": L * T * E * ld,
+                    "last_all_gather": last_all_gather})  # fmt: skip
+    # The loss's backward: the root's pre-backward (the loss's gradient hook, _fsdp_state.py ``_pre_backward``)
+    # has prefetched the next group in reverse forward order, the last layer's dense one.
     add("backward", {"root_unsharded_parameters": root_unsharded, "activations": act_all - L * T * E * ld,
-                     "router_logit_gradients": L * T * E * ld, "log_softmax_and_gradients": 3 * T * V * FP32})  # fmt: skip
+                     "router_logit_gradients": L * T * E * ld, "log_softmax_and_gradients": 3 * T * V * FP32,
+                     "prefetched_all_gather": gathered(L - 1, False)})  # fmt: skip
     sharded_grads = 0
     root_grads = full["lm_head"] + full["norm"]  # unsharded until the root's reduce-scatter at the end
     w1, w2 = full["layers.0.gate_up_proj"], full["layers.0.down_proj"]
@@ -322,7 +372,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
         base = {
             "root_unsharded_parameters": root_unsharded,
             "unsharded_parameters": total(full, layer, False),
-            "prefetched_all_gather": padded(layer - 1, False),
+            "prefetched_all_gather": gathered(layer - 1, False),
             "gradients": sharded_grads + root_grads,
             "router_logit_gradients": (layer + 1) * T * E * ld,
             "incoming_gradient": x,
@@ -332,14 +382,26 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
                          "previous_reduce_scatter_input": previous_rs, "node": node, **outputs,
                          "grad:gate_up_proj": w1, "grad:down_proj": w2})  # fmt: skip
         # The experts' post-backward (their parameters resharded, the previous input released). It runs
-        # from the engine before the node's down_proj output is released (measured: one more W2 alive).
+        # from the engine before the node's down_proj output is released: that tensor, the unsharded
+        # gradient AccumulateGrad took, outlives its copy-in (measured: one W2 more after it; the traced
+        # Triton step, bench/memory_real.py: not before it).
         reduce_scatter({**base, "activations": act - kept["routing_metadata"], **outputs,
-                        "down_proj_node_output": w2, "unsharded_gradients": w1 + w2},
-                       padded(layer, True), total(shard, layer, True))  # fmt: skip
-        if in_backward:  # each expert shard updated (torch AdamW) from its reduced gradient, then released
-            add("backward", {**base, "activations": act, **outputs, "reduce_scatter_input": padded(layer, True),
-                             "reduce_scatter_output": total(shard, layer, True),
-                             "step:adamw": adamw_temporaries(s.adamw, [w1_shard])})  # fmt: skip
+                        "unsharded_gradients": w1 + w2}, padded(layer, True), total(shard, layer, True), w2)  # fmt: skip
+        if in_backward:
+            # Each expert shard updated (torch AdamW) from its reduced gradient, then released: SonarAdamW's
+            # post-accumulate-grad hook, which foreach_reduce calls (_fsdp_collectives.py) with the
+            # reduce-scatter's input and output alive, in the post-backward that still sees the node's
+            # down_proj output; gate_up_proj's shard first, the larger. Its temporaries: torch's AdamW's; with
+            # 8-bit moments the slices of ops/moments_8bit.py's update; with a remainder (exact moments) the
+            # shard's fp32 master and split's int64 bits (updates.py ``apply_grad``).
+            update = adamw_temporaries(s.adamw, [w1_shard])
+            if s.moments == "8bit":
+                update = UPDATE_8BIT_BYTES_PER_ELEMENT * min(UPDATE_ELEMENTS, w1_shard // p)
+            elif s.master == "remainder":
+                update = remainder_update_temporaries(w1_shard // p)
+            add("backward", {**base, "activations": act - kept["routing_metadata"], **outputs,
+                             "down_proj_node_output": w2, "reduce_scatter_input": padded(layer, True),
+                             "reduce_scatter_output": total(shard, layer, True), "step:adamw": update})  # fmt: skip
         else:
             sharded_grads += total(shard, layer, True)
         # The layer's post-backward: its dense gradients.
@@ -349,7 +411,16 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
                        padded(layer, False), total(shard, layer, False))  # fmt: skip
         sharded_grads += total(shard, layer, False)
         previous_rs = padded(layer, False)
-    grads = sharded_grads + sum(shard[n] for n in root)
+    # The embedding's backward (its unsharded gradient, the gradient reaching it held), then the root's
+    # post-backward (the engine's final callback, _fsdp_state.py): its parameters resharded, its
+    # unsharded gradients reduce-scattered.
+    embedding = full["embed_tokens"]
+    add("backward", {"root_unsharded_parameters": root_unsharded, "gradients": sharded_grads + root_grads + embedding,
+                     "incoming_gradient": x, "previous_reduce_scatter_input": previous_rs})  # fmt: skip
+    root_shard = sum(shard[n] for n in root)
+    reduce_scatter({"gradients": sharded_grads, "unsharded_gradients": root_grads + embedding}, N * root_shard,
+                   root_shard)  # fmt: skip
+    grads = sharded_grads + root_shard
     stepped = [shard[n] for n in names if not (in_backward and n in expert_names)]
     add("optimizer step", {"gradients": grads, "loss_and_norm": 2 * FP32,
                            "step:adamw": adamw_temporaries(s.adamw, stepped)})  # fmt: skip

@@ -18,7 +18,9 @@ def parameter_tensors(dims: Preset) -> list[tuple[str, tuple[int, ...], bool]]:
     """Every parameter of the transformers model as (name, shape, is_expert), in registration order
     (the order of ``model.parameters()``, which is torch.optim.AdamW's: the embedding, per layer the
     attention, the router, the experts and the norms as each family's modules declare them, the final
-    norm and the untied lm_head; sonar-train builds the models with tie_word_embeddings=False)."""
+    norm and the untied lm_head; sonar-train builds the models with tie_word_embeddings=False). Qwen3-MoE
+    (modeling_qwen3_moe.py): q_norm and k_norm over one head (head_dim), after o_proj; its MoE block
+    declares the experts before the router (``gate``)."""
     H, I, E, V = dims.hidden_size, dims.intermediate_size, dims.num_experts, dims.vocab_size
     Hq, Hkv = dims.num_heads * head_dim(dims), dims.num_kv_heads * head_dim(dims)
     tensors = [("embed_tokens", (V, H), False)]
@@ -31,6 +33,9 @@ def parameter_tensors(dims: Preset) -> list[tuple[str, tuple[int, ...], bool]]:
                (p + "down_proj", (E, H, I), True)]  # fmt: skip
         if dims.family == "olmoe":  # OLMoE's q_norm and k_norm over the whole projections; norms last
             tensors += [*attention, (p + "q_norm", (Hq,), False), (p + "k_norm", (Hkv,), False), *moe, *norms]
+        elif dims.family == "qwen3_moe":
+            head_norms = [(p + "q_norm", (head_dim(dims),), False), (p + "k_norm", (head_dim(dims),), False)]
+            tensors += [*attention, *head_norms, *moe[1:], moe[0], *norms]
         else:
             tensors += attention + norms + moe
     tensors += [("norm", (H,), False), ("lm_head", (V, H), False)]

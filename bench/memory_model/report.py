@@ -97,9 +97,10 @@ GPU_SIZES = (24, 48, 80, 141)
 # allocator's fragmentation take the rest (an allowance, not a measurement).
 USABLE = 0.9
 # One GPU's configurations of bf16 master weights (docs/design.md, "bf16 master weights") against standard
-# training: (label, method, precision, moments, master), checkpointing on.
+# training: (label, method, precision, moments, master), checkpointing on; master "fp32": sonar-train's
+# mixed-precision arm (Setup.fp32_masters: the bf16 model, fp32 masters and moments).
 MASTER_CONFIGS = (
-    ("standard mixed precision (fp32 master and moments)", "standard", "fp32 master, bf16 activations", "exact", None),
+    ("standard mixed precision (fp32 master and moments)", "standard", "bf16", "exact", "fp32"),
     ("standard pure bf16", "standard", "bf16", "exact", None),
     ("sonar pure bf16", "sonar", "bf16", "exact", None),
     ("sonar bf16 + remainder, fp32 moments", "sonar", "bf16", "exact", "remainder"),
@@ -122,7 +123,9 @@ def real_table_master() -> str:
         totals = {}
         for label, method, precision, moments, master in MASTER_CONFIGS:
             setup = real_setup(preset, method, Layout(), precision, moments=moments)
-            if master is not None:
+            if master == "fp32":
+                setup = dataclasses.replace(setup, fp32_masters=True)
+            elif master is not None:
                 setup = dataclasses.replace(setup, master=master)
             totals[label] = predict(setup).total
         reference = totals[MASTER_CONFIGS[0][0]]
