@@ -281,6 +281,14 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool
         mock.patch.object(validation, "triton_interpreting", lambda: True),
         mock.patch.object(validation, "resolve_backend", resolve_backend),
     ]
+    if fake:
+        # transformers asks whether the position ids pack several sequences in a row by reading them
+        # (masking_utils.find_packed_sequence_indices); it cannot read a fake tensor, so it assumes they
+        # do and builds a [B, 1, S, S] mask the real step never has (every layer's attention saves it).
+        # The steps run here use transformers' default position ids, one sequence a row: no packing.
+        from transformers import masking_utils
+
+        patches.append(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda ids: None))
     if arithmetic is not None:
         patches.append(mock.patch.object(wgrad, "adamw_arithmetic", lambda device: arithmetic))
     with contextlib.ExitStack() as stack:

@@ -204,12 +204,9 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, wor
     setup = real_setup(
         preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )
-    # The fake trace's causal mask (memory_model's Setup.causal_mask: transformers cannot rule out packed
-    # sequences in fake position ids, so it materializes the mask a real step leaves to SDPA's is_causal).
     setup = dataclasses.replace(
-        setup, master=options.get("master"), fp32_masters=masters, causal_mask=True,
-        dims=with_layers(setup.dims, layers),
-    )  # fmt: skip
+        setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers)
+    )
     return predict(setup).total
 
 
@@ -224,8 +221,9 @@ def _run(task: tuple) -> dict:
 
 
 def run(tasks: list[tuple], jobs: int) -> list[dict]:
-    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size) each), in ``jobs`` spawned processes
-    (nothing inherited; each trace inside its own dry run, whose patches it undoes), in the order given."""
+    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size) each), in ``jobs``
+    spawned processes (nothing inherited; each trace inside its own dry run, whose patches it undoes), in
+    the order given."""
     env_interpret = os.environ.pop("TRITON_INTERPRET", None)  # the GPU path, not the interpreter
     try:
         with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -327,30 +325,29 @@ REAL_HEADROOM = 3 * 2**30
 
 def check(presets, arms, depths, cks, jobs: int) -> tuple[list[dict], list[dict]]:
     """The fake trace against real allocations (``--check``): each row at the reduced ``depths`` on one
-    rank, fake (``jobs`` processes), then real (one process at a time) where the fake peak and
-    :data:`REAL_HEADROOM` fit this machine's available memory. Returns (rows of both modes, the real rows
-    left out, each with its reason)."""
+    rank, fake (``jobs`` processes), then real, one fresh process at a time, where the fake peak and
+    :data:`REAL_HEADROOM` fit the memory available when it starts. Returns (rows of both modes, the real
+    rows left out, each with its reason)."""
     import torch
 
     from sonar_kernels.train.memory import available_memory
 
     fakes = run([(p, a, d, ck, True, 1) for d in depths for p in presets for ck in cks for a in arms], jobs)
-    available = available_memory(torch.device("cpu"))["host"] or 0
-    tasks, skipped = [], []
+    reals, skipped = [], []
     for row in fakes:
         if "error" in row:
             continue
         task = (row["preset"], row["arm"], row["layers"], row["checkpointing"], False, 1)
+        available = available_memory(torch.device("cpu"))["host"] or 0
         if row["peak_bytes"] + REAL_HEADROOM > available:
             need = (row["peak_bytes"] + REAL_HEADROOM) / 2**30
             skipped.append(
                 {"task": task, "reason": f"needs {need:.1f} GiB, {available / 2**30:.1f} GiB available"}
             )
-        else:
-            tasks.append(task)
-    for entry in skipped:
-        print(f"real {entry['task'][:4]} left out: {entry['reason']}", flush=True)
-    return fakes + run(tasks, 1), skipped
+            print(f"real {task[:4]} left out: {skipped[-1]['reason']}", flush=True)
+            continue
+        reals += run([task], 1)
+    return fakes + reals, skipped
 
 
 def check_table(rows: list[dict], skipped: list[dict]) -> str:
