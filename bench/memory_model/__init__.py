@@ -27,8 +27,7 @@ the optimizer step), derived from the code that runs (transformers' modeling fil
 each op saves for its backward); the peak is the largest moment. No coefficient is fitted to measurements; one term was found
 by measuring and is marked so (FSDP2: down_proj's gradient output alive during the experts'
 reduce-scatter). ``--validate`` measures the tiny presets with MemTracker on gloo ranks and compares;
-``bench/memory_real.py`` traces the real presets at full size (``Setup.causal_mask``: what its fake trace
-materializes and a real step does not).
+``bench/memory_real.py`` traces the real presets at full size (the model agrees with every row).
 
 Command line::
 

@@ -120,14 +120,14 @@ class Setup:
             gradient is replaced by its master's fp32 gradient, one at a time, then clipping over the
             masters, AdamW's step and the copy back. The standard method, not under FSDP2 (whose mixed
             precision is ``param_bytes`` 4 with ``compute_bytes`` 2).
-        causal_mask: the causal mask materialized, as in a step traced under FakeTensorMode
-            (bench/memory_real.py): transformers' ``find_packed_sequence_indices`` (masking_utils.py) cannot
-            rule out packed sequences in fake position ids (``is_tracing`` is true of a FakeTensor), so
-            ``create_causal_mask`` builds a bool [B, 1, S, S] mask instead of returning None. Each layer's
-            SDPA then converts it to an additive mask in the activations' dtype and saves it, and grouped
-            query attention repeats k and v to every query head (``repeat_kv``: ``use_gqa_in_sdpa`` wants
-            no mask); the checkpoints hold the bool mask. False: a real step (no mask: SDPA's
-            ``is_causal``, GQA inside SDPA).
+        causal_mask: the causal mask materialized, as in a step traced under FakeTensorMode before
+            bench/dry_run.py told transformers there is no packing: ``find_packed_sequence_indices``
+            (masking_utils.py) cannot rule out packed sequences in fake position ids (``is_tracing`` is
+            true of a FakeTensor), so ``create_causal_mask`` builds a bool [B, 1, S, S] mask instead of
+            returning None. Each layer's SDPA then converts it to an additive mask in the activations'
+            dtype and saves it, and grouped query attention repeats k and v to every query head
+            (``repeat_kv``: ``use_gqa_in_sdpa`` wants no mask); the checkpoints hold the bool mask.
+            False: a real step (no mask: SDPA's ``is_causal``, GQA inside SDPA).
         master: None, or the expert tensors' bf16 master weights (``param_bytes`` 2, an in-backward
             method; docs/design.md, "bf16 master weights"): "remainder" (fp32 moments, or 8-bit ones, and
             an int16 remainder per element: 2 bytes) or "stochastic" (the moments as with "remainder" and a
