@@ -157,7 +157,8 @@ def fsdp2_arm(name: str, model, args, mesh):
     usual FSDP2 recipe, torchtitan's default); the others: SonarAdamW with sonar-train's options, which
     updates each expert shard from FSDP2's reduce-scattered gradient."""
     import torch
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from memory_model.validation import fully_shard_model
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
     import sonar_kernels
     from sonar_kernels.train.arms import SONAR_ARMS, Arm, enable_checkpointing
@@ -165,14 +166,10 @@ def fsdp2_arm(name: str, model, args, mesh):
     if args.checkpointing:
         enable_checkpointing(model)
     model.train()
-    policy = MixedPrecisionPolicy()
+    policy = None
     if name == "mixed-precision":
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.model.layers:
-        experts = next(m for m in layer.modules() if type(m).__name__.endswith("Experts"))
-        fully_shard(experts, mesh=mesh, mp_policy=policy)
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard_model(model, mesh, policy)
     hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
     if name in SONAR_ARMS:
         master = next((m for m in ("remainder", "stochastic") if m in name), None)

@@ -169,16 +169,7 @@ def _custom_arm(name: str, initial, args, layout: Layout):
         enable_checkpointing(model)
     model.train()
     if layout.fsdp > 1:
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (layout.fsdp,))
-        for (
-            layer
-        ) in model.model.layers:  # docs/distributed.md's recipe: the experts module, the layer, the model
-            experts = next(m for m in layer.modules() if type(m).__name__.endswith("Experts"))
-            fully_shard(experts, mesh=mesh)
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        fully_shard_model(model, init_device_mesh("cpu", (layout.fsdp,)))
         if name == "sonar":
             optimizer = sonar_kernels.SonarAdamW(model, **hyper, **flags, max_grad_norm=args.max_grad_norm)
             return Arm(name, model, optimizer, [], None, model)
@@ -201,6 +192,20 @@ def _custom_arm(name: str, initial, args, layout: Layout):
     arm = Arm(name, model, optimizer, [], clip, torch.nn.parallel.DistributedDataParallel(model), experts)
     arm.groups = (mesh["dp"].get_group(), mesh["ep"].get_group())
     return arm
+
+
+def fully_shard_model(model, mesh, mp_policy=None) -> None:
+    """FSDP2 as docs/distributed.md's recipe applies it to a transformers MoE model: ``fully_shard`` of
+    every decoder layer's experts module, of the layer, then of the model, over ``mesh``, with
+    ``mp_policy`` (a MixedPrecisionPolicy; None: FSDP2's default, no casts)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = mp_policy or MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        experts = next(m for m in layer.modules() if type(m).__name__.endswith("Experts"))
+        fully_shard(experts, mesh=mesh, mp_policy=policy)
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
 
 
 def _custom_step(arm, tokens, max_grad_norm: float) -> None:
