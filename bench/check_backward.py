@@ -106,6 +106,8 @@ def check(shape_name: str, dtype: torch.dtype, device: str) -> dict:
             vs_torch[f"{name}.{key}"] = {
                 "differing_fraction": float((a != b).float().mean()),
                 "max_ulps": _ulps(a.detach(), b.detach()),
+                # an ulp count is large where both values are near zero: the absolute difference beside it
+                "max_abs": float((a.detach().float() - b.detach().float()).abs().max()),
             }
     return {
         "shape": shape_name,

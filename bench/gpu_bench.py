@@ -285,7 +285,11 @@ def gemm_shapes(shape: providers.Shape) -> dict[str, tuple[int, int, int]]:
 
 def correctness(plan: Plan, device, model: str, weight_dtype: torch.dtype) -> dict:
     row = check_backward.check(plan.check_shape[model], weight_dtype, device.kind)
-    row["passed"] = bool(row["fused_equals_split_bitwise"])
+    # On a GPU the same-dtype update is also torch.optim.AdamW(fused=True)'s bits (kernels/adamw.py); the
+    # CPU's torch AdamW rounds differently (the rehearsal reports the difference, it does not require 0).
+    exact = all(v["differing_fraction"] == 0.0 for v in row["vs_torch_adamw_fused"].values())
+    row["bitwise_equal_to_torch_adamw_fused"] = exact
+    row["passed"] = bool(row["fused_equals_split_bitwise"]) and (exact or not device.gpu)
     return row
 
 
@@ -590,10 +594,14 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
         )
         return [f"- {name}: {kinds} ({unit['seconds']:.0f} s)"]
     if section == "correctness":
-        worst = max(v["max_ulps"] for v in r["vs_torch_adamw_fused"].values())
+        versus = r["vs_torch_adamw_fused"].values()
+        worst = max(v["max_ulps"] for v in versus)
+        differing = max(v["differing_fraction"] for v in versus)
+        largest = max((v.get("max_abs", float("nan")) for v in versus), default=float("nan"))
         return [
             f"- {name}: fused == split bitwise: {r['fused_equals_split_bitwise']}; against "
-            f"torch.optim.AdamW(fused=True) worst {worst:.1f} ulp ({unit['seconds']:.0f} s)"
+            f"torch.optim.AdamW(fused=True): {differing:.2e} of the elements differ, worst {worst:.1f} ulp, "
+            f"{largest:.2e} absolute ({unit['seconds']:.0f} s)"
         ]
     if section == "layers":
         lines = [

@@ -573,8 +573,8 @@ def test_unsupported_adamw_options_in_a_loaded_state_are_refused(key, value):
 def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
     """torch 2.13's fused CUDA AdamW (fused_adam_utils.cuh, same-dtype kernel), evaluated with numpy
     (IEEE fp32 operations; torch's CPU kernels turn a division by a scalar into a multiplication):
-    fp32 hyperparameters, fp32 powf, fma (evaluated exactly in fp64, rounded once), IEEE division and
-    square root. Returns fp32 tensors."""
+    fp32 hyperparameters, torch's fp32 pow (``torch.pow``, the powf its kernel calls), fma (evaluated
+    exactly in fp64, rounded once), IEEE division and square root. Returns fp32 tensors."""
     f32, f64 = np.float32, np.float64
 
     def fma(a, b, c):
@@ -582,8 +582,10 @@ def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
 
     lr, eps, wd = f32(hyper["lr"]), f32(hyper["eps"]), f32(hyper["weight_decay"])
     beta1, beta2 = (f32(b) for b in hyper["betas"])
-    bias_correction1 = f32(1) - f32(f64(beta1) ** step)
-    bias_correction2_sqrt = np.sqrt(f32(1) - f32(f64(beta2) ** step))
+    step32 = torch.tensor(float(step))
+    beta1_pow, beta2_pow = (float(torch.pow(torch.tensor(float(b)), step32)) for b in (beta1, beta2))
+    bias_correction1 = f32(1) - f32(beta1_pow)
+    bias_correction2_sqrt = np.sqrt(f32(1) - f32(beta2_pow))
     step_size = lr / bias_correction1
     p, g, m, v = (t.detach().float().cpu().numpy() for t in (p, g, m, v))
     if hyper["weight_decay"] != 0:
@@ -631,21 +633,47 @@ def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("start_step", [0, 9, 999, 99_999])
-def test_bitwise_equal_to_torch_fused_adamw_on_cuda(dtype, start_step):
+@pytest.mark.parametrize("betas", [(0.9, 0.95), (0.9, 0.999)], ids=["beta2=0.95", "beta2=0.999"])
+def test_bitwise_equal_to_torch_fused_adamw_on_cuda(dtype, start_step, betas):
     # The goal on CUDA: the same bits as torch.optim.AdamW(fused=True) given the same rounded gradient.
+    hyper = dict(HYPER, betas=betas)
     w1, w2 = _weights(dtype, "cuda")
-    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **HYPER)
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **hyper)
     for p in (w1, w2):
         optimizer.state[p]["step"].fill_(start_step)
         optimizer.state[p]["exp_avg"].normal_(0, 1e-3)
         optimizer.state[p]["exp_avg_sq"].uniform_(0, 1e-5)
     grads = _plain_grads(0, w1, w2, dtype, "cuda")
-    expected = [_torch_adamw_step(p, optimizer.state[p], g) for p, g in zip((w1, w2), grads, strict=True)]
+    expected = [
+        _torch_adamw_step(p, optimizer.state[p], g, hyper) for p, g in zip((w1, w2), grads, strict=True)
+    ]
     _backward(0, w1, w2, dtype, "cuda")
     for p, (p_ref, m_ref, v_ref) in zip((w1, w2), expected, strict=True):
         state = optimizer.state[p]
         for a, b in ((p.detach(), p_ref), (state["exp_avg"], m_ref), (state["exp_avg_sq"], v_ref)):
             assert torch.equal(a, b), f"{float((a != b).float().mean()):.2e} of the elements differ"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_consecutive_steps_bitwise_equal_to_torch_fused_adamw_on_cuda(dtype):
+    # 300 steps in a row with torch's default betas, each against torch.optim.AdamW(fused=True) from the
+    # same weights and state: beta2 ** step is where an update's bias correction differs first (one bit
+    # of 1 - 0.999 ** step moves every weight; kernels/adamw.py).
+    hyper = dict(HYPER, betas=(0.9, 0.999))
+    w1, w2 = _weights(dtype, "cuda")
+    optimizer = sonar_kernels.ExpertAdamW([w1, w2], **hyper)
+    for step in range(300):
+        grads = _plain_grads(step % 2, w1, w2, dtype, "cuda")
+        expected = [
+            _torch_adamw_step(p, optimizer.state[p], g, hyper) for p, g in zip((w1, w2), grads, strict=True)
+        ]
+        _backward(step % 2, w1, w2, dtype, "cuda")
+        optimizer.step()
+        for p, (p_ref, m_ref, v_ref) in zip((w1, w2), expected, strict=True):
+            state = optimizer.state[p]
+            for a, b in ((p.detach(), p_ref), (state["exp_avg"], m_ref), (state["exp_avg_sq"], v_ref)):
+                assert torch.equal(a, b), f"step {step + 1}: {float((a != b).float().mean()):.2e} differ"
 
 
 def test_loaded_state_without_moments_or_with_bad_hyperparameters_is_refused():

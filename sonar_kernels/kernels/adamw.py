@@ -23,6 +23,14 @@ fused_adam_utils.cuh that torch 2.13 ships): the hyperparameters rounded to fp32
     v = fma(beta2, v, fma(-beta2, g * g, g * g))
     p = p - (step_size * m) / (sqrtf(v) / bc2_sqrt + eps)
 
+where powf(beta, step) is torch's own: ``torch.pow`` of the fp32 betas and the step tensor, computed by the
+launcher on the device (ops/wgrad.py) and read here (``powers_ptr``). torch's kernel calls CUDA's powf,
+which is not correctly rounded, and libdevice's powf as Triton compiles it rounds differently: on an H200 it
+differed from torch's in the last bit at 49 % of the steps 1 to 100000 for beta = 0.999 (an fp64 pow
+rounded to fp32 at 6 %), and one bit of 1 - 0.999 ** step moves every weight of the tensor
+(bench/results/2026-12-04-h200-bias-corrections.json). ``torch.pow`` on CUDA gave the fused AdamW's bits at
+every step tried (3000 steps, three pairs of betas).
+
 p, m and v are rounded to their own dtypes once, at the store. Both kernels below call
 :func:`_adamw_math`, so the fused epilogue and the split path (wgrad written to memory, then
 :func:`adamw_kernel`) give the same bits.
@@ -30,7 +38,7 @@ p, m and v are rounded to their own dtypes once, at the store. Both kernels belo
 The hyperparameters reach the kernels as fp64 values in a device tensor ([5] fp64: lr, beta1, beta2, eps,
 weight_decay), read at run time, so a scheduler's new learning rate reaches a compiled step and no
 hyperparameter is rounded to fp32 on the way (a plain float kernel parameter is passed as fp32 on a GPU). Under the interpreter libdevice is not available, so
-pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
+the "fp64" arithmetic's pow(beta, step) is evaluated as exp2(step * log2(beta)) in fp64 (rounded to fp32 right after, like
 torch's bias corrections), and an fp32 fma as an exact fp64 product plus an fp64 sum rounded to fp32 (the
 interpreter's own fma rounds the product to fp32 first; this form can still round twice, in rare
 near-halfway cases). On the GPU both kernels are compiled without automatic fma contraction
@@ -66,15 +74,6 @@ def _pow64(base, exponent, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _powf(base, exponent, INTERPRET: tl.constexpr):
-    """fp32 base ** exponent for 0 <= base < 1 (libdevice powf, the device powf torch's kernel calls)."""
-    if INTERPRET:
-        return tl.exp2(exponent.to(tl.float64) * tl.log2(base.to(tl.float64))).to(tl.float32)
-    else:
-        return libdevice.pow(base, exponent)
-
-
-@triton.jit
 def _fma(a, b, c, INTERPRET: tl.constexpr):
     """fp32 a * b + c with one rounding."""
     if INTERPRET:
@@ -84,14 +83,15 @@ def _fma(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _adamw_scalars(step_ptr, hyper_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
+def _adamw_scalars(step_ptr, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
     """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented) and
     the hyperparameters at ``hyper_ptr``, each loaded just before its use (libdevice's pow is a call:
-    nothing loaded early has to survive it)."""
+    nothing loaded early has to survive it); the "fp32" arithmetic reads torch's fp32 powers of the betas
+    at ``powers_ptr`` instead of computing them (the module docstring says why)."""
     step = tl.load(step_ptr).to(tl.float32)
     if ARITHMETIC == "fp32":
-        bias_correction1 = 1.0 - _powf(tl.load(hyper_ptr + 1).to(tl.float32), step, INTERPRET)
-        bias_correction2 = 1.0 - _powf(tl.load(hyper_ptr + 2).to(tl.float32), step, INTERPRET)
+        bias_correction1 = 1.0 - tl.load(powers_ptr)
+        bias_correction2 = 1.0 - tl.load(powers_ptr + 1)
         step_size = tl.div_rn(tl.load(hyper_ptr).to(tl.float32), bias_correction1)
     else:
         bias_correction1 = (1.0 - _pow64(tl.load(hyper_ptr + 1), step, INTERPRET)).to(tl.float32)
@@ -105,6 +105,7 @@ def adamw_scalars_kernel(
     # pointers
     step_ptr,  # [] fp32, read (already incremented)
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
+    powers_ptr,  # [2] fp32, read by the "fp32" arithmetic: torch.pow(fp32 (beta1, beta2), step)
     scalars_ptr,  # [2] fp32, written: step_size, bc2_sqrt
     # meta-parameters
     ARITHMETIC: tl.constexpr,
@@ -116,7 +117,7 @@ def adamw_scalars_kernel(
     ABI would keep registers across it).
     Grid: (1,).
     """
-    step_size, bc2_sqrt = _adamw_scalars(step_ptr, hyper_ptr, ARITHMETIC, INTERPRET)
+    step_size, bc2_sqrt = _adamw_scalars(step_ptr, hyper_ptr, powers_ptr, ARITHMETIC, INTERPRET)
     tl.store(scalars_ptr, step_size)
     tl.store(scalars_ptr + 1, bc2_sqrt)
 

@@ -403,9 +403,13 @@ def _wgrad(
             )
         else:
             scalars, scales = common.empty((2,), torch.float32, weight.device), None
+            # The "fp32" arithmetic's beta ** step: torch's own pow (the one its fused AdamW calls; Triton's
+            # libdevice powf rounds differently, kernels/adamw.py).
+            powers = torch.pow(hyper[1:3].to(torch.float32), update.step) if arithmetic == "fp32" else scalars
             adamw_scalars_kernel[(1,)](
                 update.step,
                 hyper,
+                powers,
                 scalars,
                 ARITHMETIC=arithmetic,
                 INTERPRET=interpret,
