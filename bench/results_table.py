@@ -36,17 +36,23 @@ def _benchmark_files(results: Path) -> list[Path]:
 
 
 def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
-    """The markdown table; ``include_cpu`` renders CPU rehearsals too (tests)."""
-    rows = []
+    """The markdown table; ``include_cpu`` renders CPU rehearsals too (tests). Each layer and full step
+    appears once per device, from the newest file that measured it; on one date a run with tuned tiles
+    (``--tune``, what a user's CUDA run does by default) is preferred over the pinned defaults."""
+    rows = {}
+    runs = []
     for path in _benchmark_files(results) if results.is_dir() else []:
         r = json.loads(path.read_text())
         if r.get("schema") != 2 or (r["mode"] != "gpu" and not include_cpu):
             continue
+        runs.append((r["meta"]["date"], bool(r["meta"].get("tuning")), path.name, path, r))
+    for _, tuned, _, path, r in sorted(runs, key=lambda run: run[:3]):
         meta = r["meta"]
         versions = meta["versions"]
+        device = meta["device"]["device"]
         where = (
-            f"{meta['device']['device']}, {meta['date']}, torch {versions['torch']}, triton {versions['triton']}, "
-            f"{meta['commit'][:9]}"
+            f"{device}, {meta['date']}, torch {versions['torch']}, triton {versions['triton']}, "
+            f"{meta['commit'][:9]}{', tuned tiles' if tuned else ''}"
         )
         link = f"[{path.name}](bench/results/{path.name})"
         sections = r["sections"]
@@ -61,7 +67,7 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
             layer = unit["result"]
             step = layer["rows"]
             gemm = slowest.get(layer["shape"])
-            rows.append(
+            rows[(device, "layer", name)] = (
                 f"| {where} | layer {name}; standard: {step['standard-fused']['experts']}, AdamW, clipping | "
                 f"{1000 * step['standard-fused']['median_s']:.2f} | {1000 * step['sonar']['median_s']:.2f} | "
                 f"{step['sonar']['time_vs_standard']:.2f} | {step['sonar']['memory_vs_standard']:.2f} | "
@@ -73,7 +79,7 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
                 continue
             entry = unit["result"]
             arms = entry["arms"]
-            rows.append(
+            rows[(device, "full step", name)] = (
                 f"| {where} | full step {name}, {entry['layers']} layers; standard: the sonar experts, AdamW, "
                 f"global clipping | {1000 * arms['standard']['step_time_s']:.1f} | "
                 f"{1000 * arms['sonar']['step_time_s']:.1f} | {arms['sonar']['time_vs_standard']:.2f} | "
@@ -86,7 +92,7 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
         "sonar / standard | sonar-8bit time / peak vs standard | slowest GEMM / torch.mm | file |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    return "\n".join(head + rows)
+    return "\n".join(head + list(rows.values()))
 
 
 def readme_table(readme: Path = ROOT / "README.md") -> str:
