@@ -326,8 +326,9 @@ def test_a_skipped_update_leaves_codes_scales_and_step_unchanged(fused, device):
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, table_ptr, SIGNED: tl.constexpr, SIZE: tl.constexpr, STEPS: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
+    # BLOCK is a parameter: a compiled kernel cannot read a plain Python global (the interpreter can).
     rows = tl.arange(0, ROWS)
     x = tl.load(x_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
     codes, scales = quantize_tile(x, table_ptr, SIGNED, SIZE, STEPS, ROWS, COLS)
@@ -353,7 +354,7 @@ def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, devic
     scales = torch.empty(x.shape[0], x.shape[1] // BLOCK, device=device)
     size = 128 if signed else 256
     table_slice = q8.tables(device)[:128] if signed else q8.tables(device)[128:]
-    _quantize_kernel[(1,)](values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK)
+    _quantize_kernel[(1,)](values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK, BLOCK)
     want_codes, want_scales = q8.quantize(values, kind)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
 

@@ -237,14 +237,15 @@ def test_gradient_accumulation_on_the_triton_backend(device):
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_one_backward_more_than_the_accumulation_window_raises(backend):
-    model = _model(backend)
+def test_one_backward_more_than_the_accumulation_window_raises(backend, device):
+    device = device if backend == "triton" else "cpu"
+    model = _model(backend).to(device)
     optimizer = sonar_kernels.SonarAdamW(model, **HYPER, accumulation_steps=2)
     for micro in range(2):
-        x, y = _batch(micro)
+        x, y = (t.to(device) for t in _batch(micro))
         nn.functional.mse_loss(model(x), y).backward()
     before = model.experts.down_proj.detach().clone()
-    x, y = _batch(2)
+    x, y = (t.to(device) for t in _batch(2))
     with pytest.raises(RuntimeError, match="accumulation_steps"):
         nn.functional.mse_loss(model(x), y).backward()
     assert torch.equal(model.experts.down_proj, before)
