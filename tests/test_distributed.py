@@ -160,8 +160,23 @@ def _refusal_rank(rank, world_size, port, case, out):
     else:
         ranks.init(rank, world_size, port)
         if case == "no-group":
+            # Decided at the first forward, not at construction (accelerate's prepare shards the model
+            # after the optimizer is built, sync_param_groups): held, no state, refused there.
+            optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+            assert optimizer.expert_tensors == [] and all(optimizer.is_pending(p) for p in _experts(model))
+            assert not any(p in optimizer.state for p in _experts(model))
+            x, _ = _batch(0, rank)
             with pytest.raises(ValueError, match="neither sharded nor given a data-parallel group") as raised:
-                sonar_kernels.SonarAdamW(model, **HYPER)
+                model(x)
+        elif case == "no-group-step":
+            # No forward hands the tensors over (e.g. a compiled model): step() refuses, before the dense step.
+            optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+            for p in model.parameters():
+                p.grad = torch.ones_like(p)
+            with pytest.raises(
+                RuntimeError, match="neither sharded nor given a data-parallel group"
+            ) as raised:
+                optimizer.step()
         elif case == "ddp-wrapped-first":
             with pytest.raises(ValueError, match="Build the optimizer on the bare module first") as raised:
                 sonar_kernels.SonarAdamW(
@@ -180,7 +195,8 @@ def _refusal_rank(rank, world_size, port, case, out):
 
 
 @pytest.mark.parametrize(
-    "case", ["no-group", "ddp-wrapped-first", "expert-adamw", "built-before-init", "ep-indivisible"]
+    "case",
+    ["no-group", "no-group-step", "ddp-wrapped-first", "expert-adamw", "built-before-init", "ep-indivisible"],
 )
 def test_what_would_diverge_is_refused_before_anything_changes(tmp_path, case):
     ranks.run(_refusal_rank, 2, case, tmp_path, initialize=False)

@@ -354,7 +354,9 @@ def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, devic
     scales = torch.empty(x.shape[0], x.shape[1] // BLOCK, device=device)
     size = 128 if signed else 256
     table_slice = q8.tables(device)[:128] if signed else q8.tables(device)[128:]
-    _quantize_kernel[(1,)](values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK, BLOCK)
+    _quantize_kernel[(1,)](
+        values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK, BLOCK
+    )
     want_codes, want_scales = q8.quantize(values, kind)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
 

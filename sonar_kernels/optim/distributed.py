@@ -34,14 +34,22 @@ import torch.distributed as dist
 
 from sonar_kernels import specs
 
-__all__ = ["GradientReducer", "check_complete", "exclude_from_ddp", "layout", "resolve_group", "world_size"]
+__all__ = [
+    "FIX",
+    "GradientReducer",
+    "check_complete",
+    "exclude_from_ddp",
+    "layout",
+    "resolve_group",
+    "world_size",
+]
 
 # How many expert tensors' gradients may be in flight (all-reduce started, update not yet applied) at
 # once: one layer's two expert tensors (gate_up_proj, down_proj). With the gradients of the layer whose
 # backward just produced them, at most two layers' expert gradients are alive at any time.
 MAX_IN_FLIGHT = 2
 
-_FIX = (
+FIX = (
     "pass data_parallel_group= (the process group, or a 1-D DeviceMesh, over which the experts are "
     "replicated) to the optimizer, shard the experts with FSDP2's fully_shard, or, when each rank holds "
     "its own experts and receives every token routed to them, declare them with "
@@ -111,7 +119,7 @@ def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=Va
         raise error(
             f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) "
             f"(shapes {shapes}) are neither sharded nor given a data-parallel group: each rank would update "
-            f"them from its own partial gradient and the ranks would diverge. Fix: {_FIX}."
+            f"them from its own partial gradient and the ranks would diverge. Fix: {FIX}."
         )
 
 

@@ -137,6 +137,10 @@ class InBackwardAdamW(ExpertTelemetry):
         # Managed tensors; their post-accumulate-grad hooks.
         self._managed = {}
         self._hooked = {}
+        # Expert tensors held but not managed yet: with several ranks, neither sharded nor covered by the
+        # data-parallel group when they were given (SonarAdamW.add_param_group). Decided at their module's
+        # first forward (managed if complete by then, else refused) or when param_groups are replaced.
+        self._pending: list = []
         # Managed tensor -> the update attached to it.
         self._updates = {}
         # [tensor, update, hook handle] of each managed tensor: removed when this optimizer is
@@ -151,7 +155,9 @@ class InBackwardAdamW(ExpertTelemetry):
 
     # -- Ownership: which tensors this optimizer updates, and their update handles -----------------------
 
-    def _check_managed(self, params) -> None:
+    def _check_managed(self, params, complete: bool = True) -> None:
+        """Refuse (TypeError, ValueError) tensors the update cannot take; with ``complete``, also those
+        whose gradient would be partial (:meth:`_check_complete`)."""
         name = type(self).__name__
         for p in params:
             if not isinstance(p, torch.Tensor):
@@ -167,7 +173,8 @@ class InBackwardAdamW(ExpertTelemetry):
                     f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; got one of '
                     f"{p.dtype} (shape {tuple(p.shape)}): its master is itself"
                 )
-        self._check_complete(params)
+        if complete:
+            self._check_complete(params)
 
     def _check_complete(self, params, error=ValueError) -> None:
         """Refuse (``error``) expert tensors whose in-backward update would use a partial gradient: more
@@ -191,7 +198,21 @@ class InBackwardAdamW(ExpertTelemetry):
             self._managed[p] = True
             self._record.add(p)
             self._attach(p)
+        if self._pending:
+            self._pending = [q for q in self._pending if q not in self._managed]
         self._register_hooks()
+
+    def _drop(self, p: torch.Tensor) -> None:
+        """Forget managed ``p``, which left ``param_groups`` (replaced by a new tensor there, e.g. its FSDP2
+        shard): no update, hook, state or record of this optimizer keeps it."""
+        update = self._updates.get(p)
+        self.state.pop(p, None)
+        self._previous.pop(p, None)
+        self._seeds.pop(p, None)
+        self._let_go(p)
+        if update is not None and specs.update_of(p) is update:
+            specs.attach_update(p, None)
+        self._record.forget(p)
 
     def claim(self, p: torch.Tensor) -> None:
         """``p`` is an expert tensor that its experts module is about to run (called at each eager forward

@@ -18,7 +18,9 @@ How the optimizer learns which of its parameters are expert tensors:
   that overwrite parameters, ``load_state_dict(assign=True)`` of transformers modules;
 - FSDP2 runs the forward on unsharded tensors, not the sharded parameters the optimizer holds: the
   optimizer marks the expert tensors of the FSDP2 modules when it is given DTensors
-  (:func:`mark_fsdp_expert_tensors`);
+  (:func:`mark_fsdp_expert_tensors`), also when they replace its parameters after it was built
+  (accelerate's ``prepare`` under FSDP2): each forward of an experts module first lets every live SonarAdamW
+  follow its ``param_groups`` (:func:`register_adopter`);
 - a conversion in swap mode (``torch.utils.swap_tensors``: DTensor and tensor-subclass parameters, or
   ``torch.__future__.set_swap_module_params_on_conversion(True)``) keeps the Parameter object and drops its
   attributes, but not its hooks: the owner is found through its post-accumulate-grad hook, and the update
@@ -31,6 +33,7 @@ optimizer's own ``param_groups``.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 
@@ -41,8 +44,19 @@ __all__ = [
     "claim_expert_tensors",
     "mark_fsdp_expert_tensors",
     "owner_of",
+    "register_adopter",
     "warn_unowned_experts",
 ]
+
+# The live optimizers that take over expert tensors they hold (SonarAdamW): a forward of an experts module
+# lets each follow its param_groups first (accelerate's prepare replaces their entries by FSDP2 shards).
+_adopters: weakref.WeakSet = weakref.WeakSet()
+
+
+def register_adopter(optimizer) -> None:
+    """Follow ``optimizer``'s ``param_groups`` at each forward of an experts module (its
+    ``sync_param_groups()``), for as long as it lives."""
+    _adopters.add(optimizer)
 
 
 class UnownedExpertsWarning(UserWarning):
@@ -93,6 +107,8 @@ def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module 
     if torch.compiler.is_compiling():
         return
     _install_step_check()
+    for optimizer in list(_adopters):
+        optimizer.sync_param_groups()
     before = getattr(module, _CLAIMED, None) if module is not None else None
     for index, t in enumerate(tensors):
         if t is None:
@@ -144,13 +160,31 @@ def mark_fsdp_expert_tensors() -> None:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2
         return
-    for root in list(_module_state_mapping.keys()):
+    for root, state in list(_module_state_mapping.items()):
         if not isinstance(root, FSDPModule):
             continue
         for module in root.modules():
             tensors = specs.expert_tensors_of(module)
             if tensors is not None:
                 specs.mark_expert_tensors(*tensors)
+        # During a forward the modules hold the unsharded tensors: FSDP2's record of each sharded
+        # parameter names its module and attribute (the registry holds its states weakly).
+        if isinstance(state, weakref.ReferenceType):
+            state = state()
+        groups = getattr(state, "_fsdp_param_groups", None)
+        if groups is None:
+            group = getattr(state, "_fsdp_param_group", None)
+            groups = [] if group is None else [group]
+        for group in groups:
+            for fsdp_param in getattr(group, "fsdp_params", ()):
+                info = getattr(fsdp_param, "_module_info", None)
+                sharded = getattr(fsdp_param, "sharded_param", None)
+                if info is None or sharded is None:
+                    continue
+                tensors = specs.expert_tensors_of(info.module)
+                held = getattr(info.module, "_parameters", {}).get(info.param_name)
+                if tensors is not None and any(held is t for t in tensors):
+                    specs.mark_expert_tensors(sharded)
 
 
 def warn_unowned_experts(optimizer) -> None:
@@ -164,12 +198,14 @@ def warn_unowned_experts(optimizer) -> None:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(_is_dtensor(p) for p in params):
         mark_fsdp_expert_tensors()
+    pending = getattr(optimizer, "is_pending", None)
     unowned = [
         p
         for p in params
         if p.grad is not None
         and specs.is_expert_tensor(p)
         and getattr(specs.update_of(p), "optimizer", None) is None
+        and not (pending is not None and pending(p))  # refused by the optimizer's own step()
     ]
     if unowned:
         warnings.warn(

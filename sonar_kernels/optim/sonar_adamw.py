@@ -217,6 +217,20 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
+        ownership.register_adopter(self)
+
+    def _refuse_pending(self) -> None:
+        """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``:
+        their module never ran a forward that could hand them over (torch.compile), and with several ranks
+        their gradients are partial."""
+        if self._pending:
+            shapes = ", ".join(str(tuple(p.shape)) for p in self._pending[:4])
+            raise RuntimeError(
+                f"{type(self).__name__}: torch.distributed runs {distributed.world_size()} ranks, and "
+                f"{len(self._pending)} expert tensor(s) (shapes {shapes}) are neither sharded nor given a "
+                "data-parallel group: each rank would update them from its own partial gradient and the ranks would "
+                f"diverge (nothing was changed). Fix: {distributed.FIX}."
+            )
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
@@ -233,12 +247,87 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         experts = [p for p in tensors if is_expert_tensor(p)]
         # The options the group will have: its own, else the constructor's (torch fills them in below).
         check_group_options(type(self).__name__, {**self.defaults, **param_group}, bool(experts))
-        self._check_managed(experts)
+        ready, pending = self._split_pending(experts)
+        self._check_managed(ready)
+        self._check_managed(pending, complete=False)
         super().add_param_group(param_group)
-        self._manage(experts)
+        self._manage(ready)
+        self._pending.extend(pending)
         # An experts module that finds one of these tensors at its forward hands it over (ownership.py).
         for p in tensors:
             specs.set_holder(p, self)
+        self._synced_params = [group["params"] for group in self.param_groups]
+
+    def _split_pending(self, experts: list) -> tuple[list, list]:
+        """(ready, pending): with several ranks, an expert tensor neither sharded, expert-parallel nor
+        covered by ``data_parallel_group`` waits (no state, no update) until it can be decided: the stacks
+        that shard a model (accelerate's ``prepare``, transformers' Trainer with FSDP2) build the optimizer
+        on the unsharded model first, then replace its ``param_groups`` entries by the shards
+        (:meth:`sync_param_groups`). A tensor still held at its module's first forward is refused there."""
+        if distributed.world_size() <= 1:
+            return experts, []
+        pending = [p for p in experts if distributed.layout(p, self.data_parallel_group) == "local"]
+        return [p for p in experts if not any(p is q for q in pending)], pending
+
+    def sync_param_groups(self) -> None:
+        """Follow entries of ``param_groups`` replaced since this optimizer last saw them (a new ``params``
+        list in a group, or a group added), as accelerate's ``prepare`` does under FSDP2: it builds the
+        shards (DTensors) of the model the optimizer was built on and puts them in the groups in the
+        originals' places. Expert tensors that left the groups are forgotten (their state had not been
+        advanced: otherwise RuntimeError before anything changes, since it cannot follow to the shards);
+        the expert tensors among the new entries are updated in the backward from then on, their state
+        created now (what building the optimizer after ``fully_shard`` gives). Called at each experts
+        module's forward (ownership.py) and at ``step()``; nothing is done when the groups are the lists it
+        saw last.
+
+        Raises:
+            RuntimeError: an expert tensor that left the groups was updated or accumulated already.
+            ValueError, TypeError: a new expert tensor the update cannot take (:meth:`_check_managed`).
+        """
+        lists = [group["params"] for group in self.param_groups]
+        synced = getattr(self, "_synced_params", None)
+        if (
+            synced is not None
+            and len(lists) == len(synced)
+            and all(a is b for a, b in zip(lists, synced, strict=True))
+        ):
+            return
+        held = [p for params in lists for p in params]
+        ids = {id(p) for p in held}
+        gone = [p for p in self._managed if id(p) not in ids]
+        new = [p for p in held if specs.holder_of(p) is not self]
+        name = type(self).__name__
+        record = self._record
+        for p in gone:
+            if p in record.updated or p in record.micro_batches.counts or float(self.state[p]["step"]) != 0.0:
+                raise RuntimeError(
+                    f"{name}: the expert tensor of shape {tuple(p.shape)} left param_groups (replaced, e.g. by "
+                    "accelerate's prepare, which puts the FSDP2 shards of the model in the optimizer's place) after "
+                    "an update or a micro-batch of it: its state cannot follow to the new tensor. Prepare the model "
+                    "and the optimizer before training (nothing was changed)"
+                )
+        if any(isinstance(p, DTensor) for p in new):
+            ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
+        experts = [p for p in new if is_expert_tensor(p)]
+        for p in experts:
+            check_group_options(name, record.groups.group(p), True)
+        ready, pending = self._split_pending(experts)
+        self._check_managed(ready)
+        self._check_managed(pending, complete=False)
+        # Nothing has changed so far.
+        for p in gone:
+            self._drop(p)
+        self._pending = [p for p in self._pending if id(p) in ids]
+        self._manage(ready)
+        self._pending.extend(pending)
+        for p in new:
+            specs.set_holder(p, self)
+        self._synced_params = lists
+
+    def is_pending(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is an expert tensor this optimizer holds and has not decided yet
+        (:meth:`_split_pending`)."""
+        return any(p is q for q in self._pending)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -275,8 +364,14 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         ]
 
     def dense_parameters(self) -> list[torch.Tensor]:
-        """The parameters updated by ``step()`` (not in the backward), in param_groups order."""
-        return [p for group in self.param_groups for p in group["params"] if p not in self._managed]
+        """The parameters updated by ``step()`` (not in the backward), in param_groups order; expert tensors
+        not decided yet (:meth:`is_pending`) are not among them."""
+        return [
+            p
+            for group in self.param_groups
+            for p in group["params"]
+            if p not in self._managed and not self.is_pending(p)
+        ]
 
     def state_dict(self) -> dict:
         """As InBackwardAdamW.state_dict, with the state torch.optim.AdamW creates at a parameter's first
@@ -334,6 +429,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             ValueError: a group holding expert tensors sets maximize, amsgrad, capturable, differentiable or
                 decoupled_weight_decay=False.
         """
+        if not torch.compiler.is_compiling():
+            self.sync_param_groups()
+            self._refuse_pending()
         loss = self._run_closure_and_end_step(closure)
         if self._replaced_since_step and not torch.compiler.is_compiling():
             self._warn_replaced_dense()

@@ -93,6 +93,15 @@ class InBackwardUpdates:
         for table in (self.held.without_graph, self.held.held, self.held.arrived_in):
             table.pop(old, None)
 
+    def forget(self, p: torch.Tensor) -> None:
+        """Nothing of the record keeps ``p`` (it left the optimizer before any update of it)."""
+        self.grad_norm_sq.pop(p, None)
+        self.skipped.pop(p, None)
+        self.tensors_by_id.pop(id(p), None)
+        self.groups.forget_tensor(p)
+        for table in (self.held.without_graph, self.held.held, self.held.arrived_in):
+            table.pop(p, None)
+
     # -- The checks ----------------------------------------------------------------------------------------
 
     def check_not_updated(self, p: torch.Tensor) -> None:
