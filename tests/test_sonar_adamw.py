@@ -376,3 +376,41 @@ def test_experts_of_a_deep_copy_are_found_from_its_parameters():
     model = copy.deepcopy(_model("torch"))
     optimizer = sonar_kernels.SonarAdamW(list(model.parameters()), **HYPER)
     assert set(optimizer.state) == {model.experts.gate_up_proj, model.experts.down_proj}
+
+
+def test_expert_tensors_replaced_in_param_groups_by_other_tensors_are_refused():
+    # What DeepSpeed's ZeRO does (tests/test_deepspeed.py): one flat tensor of all parameters in the group.
+    model = _model("torch")
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    flat = nn.Parameter(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    optimizer.param_groups[0]["params"] = [flat]
+    x, _ = _batch(0)
+    with pytest.raises(RuntimeError, match="replaced 2 expert tensor"):
+        model(x)
+    flat.grad = torch.ones_like(flat)
+    with pytest.raises(RuntimeError, match="replaced 2 expert tensor"):
+        optimizer.step()
+    assert torch.equal(flat, torch.cat([p.flatten() for p in before.values()]))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
+    model = _model("torch")
+    optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+    x, y = _batch(0)
+    nn.functional.mse_loss(model(x), y).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    experts = optimizer.expert_tensors
+    state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in experts}
+    optimizer.param_groups[0]["params"] = [
+        nn.Parameter(p.detach().clone()) if any(p is q for q in experts) else p
+        for p in optimizer.param_groups[0]["params"]
+    ]
+    with pytest.raises(RuntimeError, match="after an update or a micro-batch"):
+        model(x)
+    # Nothing changed: the old tensors keep their state and their update.
+    assert all(torch.equal(optimizer.state[p][k], v) for p in experts for k, v in state[id(p)].items())
+    assert all(p in optimizer._managed for p in experts)

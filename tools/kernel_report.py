@@ -644,7 +644,7 @@ def _adamw_specs() -> list[Spec]:
             Spec(
                 adamw.adamw_scalars_kernel,
                 arithmetic,
-                {"step_ptr": "fp32", "hyper_ptr": "fp64", "scalars_ptr": "fp32"},
+                {"step_ptr": "fp32", "hyper_ptr": "fp64", "powers_ptr": "fp32", "scalars_ptr": "fp32"},
                 {"ARITHMETIC": arithmetic, "INTERPRET": False},
                 {"num_warps": 1, "enable_fp_fusion": False},
             )

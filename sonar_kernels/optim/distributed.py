@@ -26,6 +26,7 @@ communicates by other means.
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Callable
 
@@ -55,6 +56,20 @@ FIX = (
     "its own experts and receives every token routed to them, declare them with "
     "sonar_kernels.specs.mark_expert_parallel(group, *tensors)"
 )
+
+
+DEEPSPEED = (
+    "DeepSpeed is not supported: its engine reduces (ZeRO: partitions) every gradient after the backward, "
+    "and ZeRO replaces the optimizer's parameters by flat partitions, while the expert tensors are updated "
+    "inside the backward from their complete gradient. Use FSDP2 (accelerate or Trainer with "
+    'fsdp_config={"fsdp_version": 2}, or fully_shard) or DDP with data_parallel_group= (docs/frameworks.md)'
+)
+
+
+def deepspeed_note() -> str:
+    """:data:`DEEPSPEED` as a sentence to append to a refusal when DeepSpeed is imported in this process
+    (a refusal there is most likely DeepSpeed's doing), else an empty string."""
+    return f" {DEEPSPEED}." if "deepspeed" in sys.modules else ""
 
 
 def world_size() -> int:
@@ -119,7 +134,7 @@ def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=Va
         raise error(
             f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) "
             f"(shapes {shapes}) are neither sharded nor given a data-parallel group: each rank would update "
-            f"them from its own partial gradient and the ranks would diverge. Fix: {FIX}."
+            f"them from its own partial gradient and the ranks would diverge. Fix: {FIX}.{deepspeed_note()}"
         )
 
 

@@ -9,6 +9,8 @@ import weakref
 
 import torch
 
+from sonar_kernels.optim import distributed
+
 __all__ = ["accumulated_grad_hook", "check_no_user_hooks", "weak_call"]
 
 # Modules whose hooks on an expert tensor are known not to need its gradient: this library's, and torch's
@@ -59,5 +61,5 @@ def check_no_user_hooks(owner: str, p: torch.Tensor) -> None:
             f"{owner}: the expert tensor of shape {tuple(p.shape)} has a gradient hook of its own "
             "(register_hook or register_post_accumulate_grad_hook), which the in-backward update would bypass: "
             "its gradient never reaches a tensor or .grad; nothing was updated. Remove the hook, or give the "
-            "tensor to torch.optim.AdamW"
+            f"tensor to torch.optim.AdamW.{distributed.deepspeed_note()}"
         )

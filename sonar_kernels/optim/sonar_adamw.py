@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 
 import torch
@@ -229,7 +230,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 f"{type(self).__name__}: torch.distributed runs {distributed.world_size()} ranks, and "
                 f"{len(self._pending)} expert tensor(s) (shapes {shapes}) are neither sharded nor given a "
                 "data-parallel group: each rank would update them from its own partial gradient and the ranks would "
-                f"diverge (nothing was changed). Fix: {distributed.FIX}."
+                f"diverge (nothing was changed). Fix: {distributed.FIX}.{distributed.deepspeed_note()}"
             )
 
     def add_param_group(self, param_group: dict) -> None:
@@ -309,6 +310,18 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         if any(isinstance(p, DTensor) for p in new):
             ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
         experts = [p for p in new if is_expert_tensor(p)]
+        left = len(gone) + sum(not any(p is q for q in held) for p in self._pending)
+        if left > len(experts):
+            # Expert tensors replaced by tensors that are not experts: DeepSpeed's ZeRO puts flat partitions
+            # of all parameters in the optimizer's groups; anything else doing so would train the experts as
+            # dense parameters of another optimizer's making.
+            who = "DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else "something"
+            raise RuntimeError(
+                f"{name}: {who} replaced {left} expert tensor(s) in this optimizer's param_groups by tensors that "
+                "are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
+                f"longer run in the backward from their complete gradient (nothing was changed)."
+                f"{distributed.deepspeed_note() or ' Give the optimizer the expert tensors themselves.'}"
+            )
         for p in experts:
             check_group_options(name, record.groups.group(p), True)
         ready, pending = self._split_pending(experts)
