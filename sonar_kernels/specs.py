@@ -98,6 +98,7 @@ EXPERT_MARK = "sonar_expert"
 UPDATE_ATTRIBUTE = "sonar_update"
 HOLDER_ATTRIBUTE = "sonar_holder"
 EXPERT_PARALLEL_ATTRIBUTE = "sonar_expert_parallel_group"
+EXPERT_MODULE_ATTRIBUTE = "sonar_expert_module"
 
 
 class ExpertUpdate:
@@ -267,8 +268,8 @@ def is_expert_tensor(t: torch.Tensor) -> bool:
 
 
 class _Holder:
-    """A weak reference to the optimizer that holds a tensor; copying or pickling it gives None (a copied
-    tensor is not held)."""
+    """A weak reference to the optimizer that holds a tensor (or the module that holds it); copying or
+    pickling it gives None (a copied tensor is not held)."""
 
     def __init__(self, optimizer):
         self.ref = weakref.ref(optimizer)
@@ -288,6 +289,17 @@ def set_holder(t: torch.Tensor, optimizer) -> None:
 def holder_of(t: torch.Tensor):
     """The live optimizer recorded on ``t`` by :func:`set_holder`, or None."""
     holder = getattr(t, HOLDER_ATTRIBUTE, None)
+    return holder.ref() if isinstance(holder, _Holder) else None
+
+
+def set_expert_module(t: torch.Tensor, module: torch.nn.Module) -> None:
+    """Record on ``t`` (weakly) the experts module that holds it (copies of ``t`` do not keep it)."""
+    setattr(t, EXPERT_MODULE_ATTRIBUTE, _Holder(module))
+
+
+def expert_module_of(t: torch.Tensor) -> torch.nn.Module | None:
+    """The live module recorded on ``t`` by :func:`set_expert_module`, or None."""
+    holder = getattr(t, EXPERT_MODULE_ATTRIBUTE, None)
     return holder.ref() if isinstance(holder, _Holder) else None
 
 

@@ -42,6 +42,7 @@ from sonar_kernels.specs import (
     IMPLEMENTATION,
     is_experts_module,
     mark_expert_tensors,
+    set_expert_module,
 )
 
 __all__ = [
@@ -331,6 +332,8 @@ def _mark_sonar_experts(model: nn.Module) -> None:
     for module in model.modules():
         if (tensors := expert_tensors(module)) is not None:
             mark_expert_tensors(*tensors)
+            for t in tensors:
+                set_expert_module(t, module)  # whose forward must still dispatch to "sonar" (ownership.py)
 
 
 def _install_checkpoint_loading(model: nn.Module) -> None:

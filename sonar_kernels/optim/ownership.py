@@ -40,7 +40,9 @@ import torch
 from sonar_kernels import specs
 
 __all__ = [
+    "ExpertsForwardReplacedWarning",
     "UnownedExpertsWarning",
+    "check_forward",
     "claim_expert_tensors",
     "mark_fsdp_expert_tensors",
     "owner_of",
@@ -57,6 +59,47 @@ def register_adopter(optimizer) -> None:
     """Follow ``optimizer``'s ``param_groups`` at each forward of an experts module (its
     ``sync_param_groups()``), for as long as it lives."""
     _adopters.add(optimizer)
+
+
+class ExpertsForwardReplacedWarning(UserWarning):
+    """An experts module whose model selects "sonar" no longer dispatches through it: its ``forward`` was
+    rebound (Liger-Kernel's ``swiglu=True`` does it), so the sonar kernels do not run for it."""
+
+
+def check_forward(*modules: torch.nn.Module | None) -> None:
+    """Warn once (:class:`ExpertsForwardReplacedWarning`, one warning for all of ``modules`` found now, and
+    never again for a module it named) when transformers experts modules whose config selects "sonar" have
+    a ``forward`` of their own bound on the instance, which replaces transformers' dispatch to the
+    ExpertsInterface: their expert tensors then get their gradients in ``.grad`` from that forward, and
+    SonarAdamW applies torch's AdamW to each as it arrives (no memory saved). Called when SonarAdamW takes
+    the modules' tensors, and before the first update of each tensor (None entries are skipped)."""
+    replaced = {}
+    for module in modules:
+        if module is None or getattr(module, _WARNED_FORWARD, False):
+            continue
+        bound = module.__dict__.get("forward")
+        if bound is None or specs.expert_tensors_of(module) is None:
+            continue
+        module.__dict__[_WARNED_FORWARD] = True
+        function = getattr(bound, "__func__", bound)
+        name = f"{getattr(function, '__module__', '?')}.{getattr(function, '__qualname__', repr(function))}"
+        replaced.setdefault(name, []).append(type(module).__name__)
+    for replacement, names in replaced.items():
+        liger = " (Liger-Kernel's swiglu=True does this)" if replacement.startswith("liger_kernel") else ""
+        warnings.warn(
+            f'{len(names)} experts module(s) ({names[0]}) select experts_implementation "sonar", but their forward '
+            f'was replaced by {replacement}{liger}: they no longer dispatch to "sonar", so the sonar kernels do '
+            "not run there and SonarAdamW applies torch's AdamW to their expert tensors as the gradients arrive in "
+            '.grad (correct, no memory saved). To keep "sonar", leave the experts\' forward alone: with '
+            "Liger-Kernel, apply it with swiglu=False (apply_liger_kernel_to_<model>(swiglu=False), or Trainer's "
+            'liger_kernel_config={"swiglu": False}).',
+            ExpertsForwardReplacedWarning,
+            stacklevel=3,
+        )
+
+
+# The attribute of an experts module that says check_forward warned about it.
+_WARNED_FORWARD = "_sonar_warned_forward"
 
 
 class UnownedExpertsWarning(UserWarning):

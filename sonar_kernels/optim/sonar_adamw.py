@@ -192,6 +192,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     "forward, which hands them to this optimizer.",
                     stacklevel=2,
                 )
+            ownership.check_forward(*(m for m in model.modules() if specs.expert_tensors_of(m) is not None))
             experts = [p for p in model.parameters() if is_expert_tensor(p)]
             if not experts and _selects_sonar(model):
                 # The config asks for "sonar", but no experts module dispatches through transformers'
@@ -254,6 +255,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         super().add_param_group(param_group)
         self._manage(ready)
         self._pending.extend(pending)
+        ownership.check_forward(*(specs.expert_module_of(p) for p in experts))
         # An experts module that finds one of these tensors at its forward hands it over (ownership.py).
         for p in tensors:
             specs.set_holder(p, self)

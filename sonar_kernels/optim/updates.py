@@ -15,10 +15,10 @@ import weakref
 
 import torch
 
-from sonar_kernels import ops
+from sonar_kernels import ops, specs
 from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
-from sonar_kernels.optim import distributed, loss_scaling
+from sonar_kernels.optim import distributed, loss_scaling, ownership
 from sonar_kernels.optim.accumulation import MicroBatches
 from sonar_kernels.optim.expert_state import moment_tensors
 from sonar_kernels.optim.grad_hooks import weak_call
@@ -241,6 +241,7 @@ class InBackwardUpdates:
                 "outside the expert MLP (e.g. a penalty on the weights) after the MLP's backward updated it; a "
                 "tensor updated in the backward must get its whole gradient from moe_mlp / SonarExperts"
             )
+        ownership.check_forward(specs.expert_module_of(p))  # a forward that bypasses "sonar" says so
         self.check_may_update(p)
         self.micro_batches.take_grad(p)
         if self.micro_batches.count(p) >= self.micro_batches.steps:
