@@ -1,6 +1,7 @@
 """examples/quickstart.py (`make quickstart`) runs to its end and prints the bound its forward is held to
 (at a smaller shape than its own, to keep the suite short; `make quickstart` runs the script as it is).
-examples/trainer_data_parallel.py is run by tests/test_trainer_distributed.py."""
+examples/trainer_data_parallel.py is run by tests/test_trainer_distributed.py, examples/accelerate_fsdp2.py by
+tests/test_accelerate_fsdp2.py, examples/trl_sft.py by tests/test_trl.py."""
 
 import runpy
 from pathlib import Path
