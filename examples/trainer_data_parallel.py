@@ -7,7 +7,8 @@ backward from their gradient averaged over the ranks.
 Trainer (through Accelerate) initializes torch.distributed when ``TrainingArguments`` is built. SonarAdamW
 is then built on the bare model with ``data_parallel_group=torch.distributed.group.WORLD``, before Trainer
 wraps the model in DistributedDataParallel: SonarAdamW puts the experts on DDP's ignore list, so DDP
-reduces the dense parameters and SonarAdamW the experts. Without the group, SonarAdamW raises, naming
+reduces the dense parameters and SonarAdamW the experts. Without the group, SonarAdamW raises at the
+experts' first forward, naming
 this fix (each rank would otherwise update the experts from its own gradient and the ranks would
 diverge). Trainer's own clipping (``max_grad_norm``) sees only the dense gradients: the expert gradients
 never wait in ``.grad`` for it (the paper's dense-only clipping). Here there is no clipping, so that

@@ -114,8 +114,13 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             values; a tensor must be a one-element CPU tensor), max_grad_norm not a finite float > 0, a
             non-dense expert tensor; a group holding expert tensors with maximize, amsgrad, capturable,
             differentiable or decoupled_weight_decay=False; a DistributedDataParallel-wrapped model whose
-            reducer holds expert tensors; with more than one rank, an expert tensor that is neither
-            sharded (FSDP2), expert-parallel nor covered by ``data_parallel_group``.
+            reducer holds expert tensors. With more than one rank, an expert tensor that is neither
+            sharded (FSDP2), expert-parallel nor covered by ``data_parallel_group`` is held undecided (no
+            state) and refused at its module's first forward (ValueError) or at ``step()`` (RuntimeError),
+            unless ``param_groups`` got its FSDP2 shard by then (accelerate's ``prepare``:
+            :meth:`sync_param_groups`); expert tensors replaced in ``param_groups`` by tensors that are not
+            experts (DeepSpeed ZeRO's flat partitions) are refused there too (RuntimeError), naming
+            DeepSpeed.
         TypeError: an expert tensor of an unsupported dtype.
     """
 
