@@ -9,27 +9,18 @@ SonarAdamW takes the shards over and updates the expert tensors in the backward 
 left for the step, no UnownedExpertsWarning), bit for bit torch.optim.AdamW(fused=True) with clipping of
 the dense parameters (accelerate's own clip_grad_norm_ over them)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launched
 import pytest
-import ranks
-import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+EXAMPLE = launched.ROOT / "examples" / "accelerate_fsdp2.py"
 
 
 def _torchrun(loop: str, optimizer: str, out: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(ranks.free_port()), str(ROOT / "examples" / "accelerate_fsdp2.py"),
-         "--loop", loop, "--optimizer", optimizer, "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=200, env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout + done.stderr
+    return launched.run(
+        EXAMPLE, ["--loop", loop, "--optimizer", optimizer, "--out", str(out)], processes=2, timeout=200
+    )
 
 
 @pytest.mark.timeout(450)
@@ -45,16 +36,8 @@ def test_fsdp2_through_accelerate_prepare_trains_the_experts_in_the_backward_bit
         f"{loop} torch: 25 sharded parameters, 0 expert tensors updated in the backward, 12 expert"
         in reference
     )
-    sonar = torch.load(tmp_path / f"{loop}-sonar.pt")
-    standard = torch.load(tmp_path / f"{loop}-torch.pt")
-    assert sonar.keys() == standard.keys() and len(sonar) == 25
-    assert sum(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in sonar) == 4
-    for name, p in sonar.items():
-        assert torch.equal(p, standard[name]), name
-    # The experts moved (equal unchanged weights would prove nothing).
-    sys.path.insert(0, str(ROOT / "examples"))
-    from trainer_data_parallel import tiny_olmoe
-
-    initial = dict(tiny_olmoe().named_parameters())
-    name = "model.layers.0.mlp.experts.gate_up_proj"
-    assert not torch.equal(initial[name].detach(), sonar[name])
+    launched.assert_bitwise_and_trained(
+        tmp_path / f"{loop}-sonar.pt",
+        tmp_path / f"{loop}-torch.pt",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    )

@@ -54,7 +54,7 @@ from sonar_kernels.optim.expert_state import (
 from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 from sonar_kernels.optim.telemetry import ExpertTelemetry
-from sonar_kernels.optim.update_handle import OwnedUpdate, signature
+from sonar_kernels.optim.update_handle import OwnedUpdate, release_entries, signature
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
@@ -65,22 +65,6 @@ def expert_optimizer(param: torch.Tensor):
     """The live optimizer that updates ``param`` in the backward (the one whose update it carries), or None."""
     update = update_of(param)
     return update.optimizer if isinstance(update, OwnedUpdate) else None
-
-
-def _release(entries: list, previous: dict) -> None:
-    """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor, update, hook
-    handle or None]); a tensor it took from an optimizer still alive goes back to that one
-    (``previous``: tensor -> weak reference to it), so the tensor is never left without its owner."""
-    for param, update, handle in entries:
-        if handle is not None:
-            handle.remove()
-        if update_of(param) is update:
-            specs.attach_update(param, None)
-            before = previous.get(param)
-            before = before() if before is not None else None
-            if before is not None:
-                before._take_back(param)
-    entries.clear()
 
 
 class InBackwardAdamW(ExpertTelemetry):
@@ -151,7 +135,7 @@ class InBackwardAdamW(ExpertTelemetry):
         self._previous = {}
         # Whether an expert tensor was replaced and adopted since the last step() (adopt_replacement).
         self._replaced_since_step = False
-        weakref.finalize(self, _release, self._entries, self._previous)
+        weakref.finalize(self, release_entries, self._entries, self._previous)
 
     # -- Ownership: which tensors this optimizer updates, and their update handles -----------------------
 
@@ -201,18 +185,6 @@ class InBackwardAdamW(ExpertTelemetry):
         if self._pending:
             self._pending = [q for q in self._pending if q not in self._managed]
         self._register_hooks()
-
-    def _drop(self, p: torch.Tensor) -> None:
-        """Forget managed ``p``, which left ``param_groups`` (replaced by a new tensor there, e.g. its FSDP2
-        shard): no update, hook, state or record of this optimizer keeps it."""
-        update = self._updates.get(p)
-        self.state.pop(p, None)
-        self._previous.pop(p, None)
-        self._seeds.pop(p, None)
-        self._let_go(p)
-        if update is not None and specs.update_of(p) is update:
-            specs.attach_update(p, None)
-        self._record.forget(p)
 
     def claim(self, p: torch.Tensor) -> None:
         """``p`` is an expert tensor that its experts module is about to run (called at each eager forward

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 
 import torch
@@ -12,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from sonar_kernels import specs
 from sonar_kernels.optim import dense as dense_step
-from sonar_kernels.optim import distributed, ownership
+from sonar_kernels.optim import distributed, group_sync, ownership
 from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
@@ -227,17 +226,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         ownership.register_adopter(self)
 
     def _refuse_pending(self) -> None:
-        """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``:
-        their module never ran a forward that could hand them over (torch.compile), and with several ranks
-        their gradients are partial."""
-        if self._pending:
-            shapes = ", ".join(str(tuple(p.shape)) for p in self._pending[:4])
-            raise RuntimeError(
-                f"{type(self).__name__}: torch.distributed runs {distributed.world_size()} ranks, and "
-                f"{len(self._pending)} expert tensor(s) (shapes {shapes}) are neither sharded nor given a "
-                "data-parallel group: each rank would update them from its own partial gradient and the ranks would "
-                f"diverge (nothing was changed). Fix: {distributed.FIX}.{distributed.deepspeed_note()}"
-            )
+        """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``
+        (optim/group_sync.py, :func:`refuse_pending`)."""
+        group_sync.refuse_pending(self)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
@@ -267,82 +258,23 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self._synced_params = [group["params"] for group in self.param_groups]
 
     def _split_pending(self, experts: list) -> tuple[list, list]:
-        """(ready, pending): with several ranks, an expert tensor neither sharded, expert-parallel nor
-        covered by ``data_parallel_group`` waits (no state, no update) until it can be decided: the stacks
-        that shard a model (accelerate's ``prepare``, transformers' Trainer with FSDP2) build the optimizer
-        on the unsharded model first, then replace its ``param_groups`` entries by the shards
-        (:meth:`sync_param_groups`). A tensor still held at its module's first forward is refused there."""
-        if distributed.world_size() <= 1:
-            return experts, []
-        pending = [p for p in experts if distributed.layout(p, self.data_parallel_group) == "local"]
-        return [p for p in experts if not any(p is q for q in pending)], pending
+        """(ready, pending) of ``experts`` (optim/group_sync.py, :func:`split_pending`)."""
+        return group_sync.split_pending(self, experts)
 
     def sync_param_groups(self) -> None:
         """Follow entries of ``param_groups`` replaced since this optimizer last saw them (a new ``params``
-        list in a group, or a group added), as accelerate's ``prepare`` does under FSDP2: it builds the
-        shards (DTensors) of the model the optimizer was built on and puts them in the groups in the
-        originals' places. Expert tensors that left the groups are forgotten (their state had not been
-        advanced: otherwise RuntimeError before anything changes, since it cannot follow to the shards);
-        the expert tensors among the new entries are updated in the backward from then on, their state
-        created now (what building the optimizer after ``fully_shard`` gives). Called at each experts
-        module's forward (ownership.py) and at ``step()``; nothing is done when the groups are the lists it
-        saw last.
+        list in a group, or a group added), as accelerate's ``prepare`` does under FSDP2: it puts the
+        shards (DTensors) of the model the optimizer was built on in the originals' places. The expert
+        tensors among the new entries are updated in the backward from then on, those that left are
+        forgotten (optim/group_sync.py, :func:`follow`). Called at each experts module's forward
+        (ownership.py) and at ``step()``; nothing is done when the groups are the lists it saw last.
 
         Raises:
-            RuntimeError: an expert tensor that left the groups was updated or accumulated already.
+            RuntimeError: an expert tensor that left the groups was updated or accumulated already, or expert
+                tensors were replaced by tensors that are not experts (DeepSpeed ZeRO's flat partitions).
             ValueError, TypeError: a new expert tensor the update cannot take (:meth:`_check_managed`).
         """
-        lists = [group["params"] for group in self.param_groups]
-        synced = getattr(self, "_synced_params", None)
-        if (
-            synced is not None
-            and len(lists) == len(synced)
-            and all(a is b for a, b in zip(lists, synced, strict=True))
-        ):
-            return
-        held = [p for params in lists for p in params]
-        ids = {id(p) for p in held}
-        gone = [p for p in self._managed if id(p) not in ids]
-        new = [p for p in held if specs.holder_of(p) is not self]
-        name = type(self).__name__
-        record = self._record
-        for p in gone:
-            if p in record.updated or p in record.micro_batches.counts or float(self.state[p]["step"]) != 0.0:
-                raise RuntimeError(
-                    f"{name}: the expert tensor of shape {tuple(p.shape)} left param_groups (replaced, e.g. by "
-                    "accelerate's prepare, which puts the FSDP2 shards of the model in the optimizer's place) after "
-                    "an update or a micro-batch of it: its state cannot follow to the new tensor. Prepare the model "
-                    "and the optimizer before training (nothing was changed)"
-                )
-        if any(isinstance(p, DTensor) for p in new):
-            ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
-        experts = [p for p in new if is_expert_tensor(p)]
-        left = len(gone) + sum(not any(p is q for q in held) for p in self._pending)
-        if left > len(experts):
-            # Expert tensors replaced by tensors that are not experts: DeepSpeed's ZeRO puts flat partitions
-            # of all parameters in the optimizer's groups; anything else doing so would train the experts as
-            # dense parameters of another optimizer's making.
-            who = "DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else "something"
-            raise RuntimeError(
-                f"{name}: {who} replaced {left} expert tensor(s) in this optimizer's param_groups by tensors that "
-                "are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
-                f"longer run in the backward from their complete gradient (nothing was changed)."
-                f"{distributed.deepspeed_note() or ' Give the optimizer the expert tensors themselves.'}"
-            )
-        for p in experts:
-            check_group_options(name, record.groups.group(p), True)
-        ready, pending = self._split_pending(experts)
-        self._check_managed(ready)
-        self._check_managed(pending, complete=False)
-        # Nothing has changed so far.
-        for p in gone:
-            self._drop(p)
-        self._pending = [p for p in self._pending if id(p) in ids]
-        self._manage(ready)
-        self._pending.extend(pending)
-        for p in new:
-            specs.set_holder(p, self)
-        self._synced_params = lists
+        group_sync.follow(self)
 
     def is_pending(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is an expert tensor this optimizer holds and has not decided yet

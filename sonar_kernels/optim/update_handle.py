@@ -15,7 +15,7 @@ from sonar_kernels.optim.param_groups import torch_hyperparameters
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import update_of
 
-__all__ = ["OwnedUpdate", "signature"]
+__all__ = ["OwnedUpdate", "release_entries", "signature"]
 
 
 class OwnedUpdate(specs.ExpertUpdate):
@@ -148,3 +148,19 @@ class OwnedUpdate(specs.ExpertUpdate):
 def signature(t: torch.Tensor) -> tuple:
     """(dtype, device, shape) of ``t``: what a module conversion (``module.to(...)``) changes."""
     return (t.dtype, t.device, tuple(t.shape))
+
+
+def release_entries(entries: list, previous: dict) -> None:
+    """Remove the hooks and updates of a garbage-collected optimizer (entries: [tensor, update, hook
+    handle or None]); a tensor it took from an optimizer still alive goes back to that one
+    (``previous``: tensor -> weak reference to it), so the tensor is never left without its owner."""
+    for param, update, handle in entries:
+        if handle is not None:
+            handle.remove()
+        if update_of(param) is update:
+            specs.attach_update(param, None)
+            before = previous.get(param)
+            before = before() if before is not None else None
+            if before is not None:
+                before._take_back(param)
+    entries.clear()
