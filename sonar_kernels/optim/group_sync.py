@@ -43,7 +43,8 @@ def split_pending(optimizer, experts: list) -> tuple[list, list]:
 
 
 def follow(optimizer) -> None:
-    """Follow replaced entries of ``optimizer.param_groups`` (SonarAdamW.sync_param_groups): see the module docstring."""
+    """Follow the replaced entries of ``optimizer.param_groups`` (SonarAdamW.sync_param_groups; the
+    module docstring says how)."""
     lists = [group["params"] for group in optimizer.param_groups]
     synced = getattr(optimizer, "_synced_params", None)
     if (
@@ -78,10 +79,10 @@ def follow(optimizer) -> None:
         # Expert tensors replaced by tensors that are not experts: DeepSpeed's ZeRO puts flat partitions
         # of all parameters in the optimizer's groups; anything else doing so would train the experts as
         # dense parameters of another optimizer's making.
-        who = "DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else "something"
+        who = " by DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else ""
         raise RuntimeError(
-            f"{name}: {who} replaced {left} expert tensor(s) in this optimizer's param_groups by tensors that "
-            "are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
+            f"{name}: {left} expert tensor(s) in this optimizer's param_groups were replaced{who} by tensors "
+            "that are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
             f"longer run in the backward from their complete gradient (nothing was changed)."
             f"{distributed.deepspeed_note() or ' Give the optimizer the expert tensors themselves.'}"
         )
