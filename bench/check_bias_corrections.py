@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -87,11 +88,13 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("check_bias_corrections.py needs a CUDA GPU (torch's fused CUDA AdamW and CUDA's powf)")
         return 2
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True, check=True).stdout.strip()  # fmt: skip
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    commit = os.environ.get("SONAR_COMMIT")  # as gpu_bench.py: a copied tree's git HEAD may be another
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, check=True).stdout.strip()  # fmt: skip
+        except (OSError, subprocess.CalledProcessError):
+            commit = "unknown"
     result = {
         "date": datetime.date.today().isoformat(),
         "device": torch.cuda.get_device_name(),
