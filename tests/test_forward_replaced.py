@@ -3,6 +3,7 @@
 naming the replacement and how to keep "sonar", when it takes the module's tensors or, if the forward was
 rebound later, before the first update of them."""
 
+import subprocess
 import sys
 import types
 import warnings
@@ -65,19 +66,36 @@ def test_a_forward_rebound_after_the_optimizer_was_built_is_named_before_the_fir
     assert all(float(optimizer.state[p]["step"]) == 0 for p in experts)
 
 
-def test_liger_kernel_swiglu_is_named():
-    pytest.importorskip("liger_kernel")
-    transformers = pytest.importorskip("transformers")
-    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+LIGER = """
+import warnings
+import transformers
+import sonar_kernels
+from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+from sonar_kernels.optim.ownership import ExpertsForwardReplacedWarning
 
-    config = transformers.MixtralConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
-    )  # fmt: skip
-    config._experts_implementation = "sonar"
-    model = transformers.MixtralForCausalLM(config)
-    _apply_liger_kernel_to_instance(model=model)  # what Trainer's use_liger_kernel=True runs
-    with pytest.warns(
-        ExpertsForwardReplacedWarning, match=r"LigerExperts\.forward \(Liger-Kernel's swiglu=True"
-    ):
-        sonar_kernels.SonarAdamW(model)
+config = transformers.MixtralConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+)
+config._experts_implementation = "sonar"
+model = transformers.MixtralForCausalLM(config)
+_apply_liger_kernel_to_instance(model=model)  # what Trainer's use_liger_kernel=True runs
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    sonar_kernels.SonarAdamW(model)
+for w in caught:
+    if w.category is ExpertsForwardReplacedWarning:
+        print("WARNED:", w.message)
+"""
+
+
+def test_liger_kernel_swiglu_is_named():
+    # In a process of its own: Liger also replaces transformers' module attributes (MixtralExperts, its
+    # norms and rotary embedding) for every model built after it in the process.
+    pytest.importorskip("liger_kernel")
+    done = subprocess.run([sys.executable, "-c", LIGER], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    warned = [line for line in done.stdout.splitlines() if line.startswith("WARNED:")]
+    assert len(warned) == 1, done.stdout
+    assert "2 experts module(s) (MixtralExperts)" in warned[0]
+    assert "liger_kernel.transformers.swiglu.LigerExperts.forward (Liger-Kernel's swiglu=True" in warned[0]

@@ -121,7 +121,9 @@ def test_a_deadline_too_short_for_any_unit_writes_a_report_that_marks_them_not_r
 def test_sigterm_mid_run_leaves_a_valid_report_of_what_finished(tmp_path):
     out = tmp_path / "term.json"
     process = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--rehearse", "--sections", "layers", "full-steps", "--out", str(out)],
+        # gemms (the kernels under the interpreter, tens of seconds) leaves the run work to be stopped in
+        # after the first unit: with the layers and full steps alone a loaded machine's poll came too late.
+        [sys.executable, str(SCRIPT), "--rehearse", "--sections", "layers", "gemms", "full-steps", "--out", str(out)],
         cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
