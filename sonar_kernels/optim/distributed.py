@@ -36,9 +36,11 @@ import torch.distributed as dist
 from sonar_kernels import specs
 
 __all__ = [
+    "DEEPSPEED",
     "FIX",
     "GradientReducer",
     "check_complete",
+    "deepspeed_note",
     "exclude_from_ddp",
     "layout",
     "resolve_group",
