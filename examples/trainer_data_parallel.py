@@ -67,6 +67,16 @@ def checksum(tensors) -> str:
     return digest.hexdigest()[:16]
 
 
+def optimizer_for(kind: str, model: torch.nn.Module, **hyper) -> torch.optim.Optimizer:
+    """``kind`` "sonar": SonarAdamW over ``model``, its experts replicated over every rank when
+    torch.distributed runs (``data_parallel_group``; build it before the trainer wraps the model in DDP).
+    "torch": torch.optim.AdamW(fused=True), what SonarAdamW's default flags run (foreach=None, fused=None)."""
+    if kind == "sonar":
+        group = dist.group.WORLD if dist.is_initialized() else None
+        return sonar_kernels.SonarAdamW(model, **hyper, data_parallel_group=group)
+    return torch.optim.AdamW(model.parameters(), **hyper, fused=True)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=("sonar", "torch"), default="sonar")
@@ -82,13 +92,7 @@ def main(argv=None) -> int:
             dataloader_num_workers=0, seed=0, data_seed=0,
         )  # fmt: skip
         model = tiny_olmoe()
-        hyper = {"lr": 1e-2, "weight_decay": 0.1}
-        if args.optimizer == "sonar":
-            group = dist.group.WORLD if dist.is_initialized() else None
-            optimizer = sonar_kernels.SonarAdamW(model, **hyper, data_parallel_group=group)
-        else:
-            # What SonarAdamW runs with its default flags (foreach=None, fused=None): torch's fused AdamW.
-            optimizer = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
+        optimizer = optimizer_for(args.optimizer, model, lr=1e-2, weight_decay=0.1)
         trainer = transformers.Trainer(
             model=model, args=training, train_dataset=Tokens(), optimizers=(optimizer, None)
         )

@@ -28,12 +28,11 @@ import torch
 import torch.distributed as dist
 import transformers
 
-import sonar_kernels
 from sonar_kernels.integrations import transformers as sonar_transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from accelerate_fsdp2 import dense_only_clipping, is_expert
-from trainer_data_parallel import tiny_olmoe
+from trainer_data_parallel import optimizer_for, tiny_olmoe
 
 HYPER = {"lr": 1e-2, "weight_decay": 0.1}
 WORDS = [f"w{i}" for i in range(60)]
@@ -75,11 +74,7 @@ def main(argv=None) -> int:
             dataloader_num_workers=0, seed=0, data_seed=0, max_length=16,
         )  # fmt: skip
         model = tiny_olmoe()
-        if args.optimizer == "sonar":
-            group = dist.group.WORLD if dist.is_initialized() else None
-            optimizer = sonar_kernels.SonarAdamW(model, **HYPER, data_parallel_group=group)
-        else:
-            optimizer = torch.optim.AdamW(model.parameters(), **HYPER, fused=True)
+        optimizer = optimizer_for(args.optimizer, model, **HYPER)
         trainer = trl.SFTTrainer(
             model=model, args=config, train_dataset=datasets.Dataset.from_dict({"text": texts()}),
             processing_class=tokenizer(), optimizers=(optimizer, None),

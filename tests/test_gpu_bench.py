@@ -101,6 +101,15 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
         in rendered
     )
     assert "| full step granite-3.1-3b-a800m, 1 layers;" in rendered
+    # A second run of the same date with tuned tiles replaces the pinned one's rows, unit by unit.
+    tuned = json.loads(out.read_text())
+    tuned["meta"]["tuning"] = True
+    tuned["sections"]["layers"]["units"]["olmoe-1b-7b T16"]["result"]["rows"]["sonar"]["median_s"] = 1.5
+    (out.parent / "tuned.json").write_text(json.dumps(tuned))
+    rendered = table.table(out.parent, include_cpu=True)
+    assert rendered.count("| layer olmoe-1b-7b T16;") == 1 and "1500.00" in rendered
+    assert rendered.count("| full step granite-3.1-3b-a800m, 1 layers;") == 1
+    assert rendered.count("tuned tiles") == len(units["layers"]) + len(units["full-steps"])
 
 
 def test_a_deadline_too_short_for_any_unit_writes_a_report_that_marks_them_not_run(tmp_path):

@@ -2,27 +2,16 @@
 group: the ranks' experts agree bit for bit, and equal Trainer with torch.optim.AdamW(fused=True), what
 SonarAdamW's default flags run (examples/trainer_data_parallel.py)."""
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
+import launched
 import pytest
-import ranks
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _torchrun(optimizer: str, out: Path) -> str:
-    done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-         "--master-port", str(ranks.free_port()), str(ROOT / "examples" / "trainer_data_parallel.py"),
-         "--optimizer", optimizer, "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=150, env=os.environ | {"OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    return done.stdout
+    script = launched.ROOT / "examples" / "trainer_data_parallel.py"
+    return launched.run(script, ["--optimizer", optimizer, "--out", str(out)], processes=2, timeout=150)
 
 
 @pytest.mark.timeout(330)
