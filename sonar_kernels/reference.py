@@ -142,3 +142,34 @@ def moe_mlp(
     # Dropped slots contribute nothing, even where their weight is NaN or Inf.
     weights = torch.where(kept.reshape(T, top_k, 1), top_k_weights.to(acc_dtype).unsqueeze(-1), 0.0)
     return (weights * y_slots.reshape(T, top_k, H)).sum(dim=1).to(dtype)
+
+
+def spike_clip(grad: torch.Tensor, exp_avg_sq: torch.Tensor, threshold: float) -> tuple[torch.Tensor, int]:
+    """SPAM's spike-aware element clipping (Huang et al., ICLR 2025, arXiv 2501.06842), written plainly:
+    the test oracle of ``expert_clipping="spike"`` (docs/design.md, "Expert clipping").
+
+    Every element whose squared gradient exceeds ``threshold`` times its ``exp_avg_sq`` (the value before
+    this step's update) is replaced by sign(g) * sqrt(threshold * v); nothing where v is 0. The comparison
+    and the replacement are computed in fp32 (g and v as fp32, ``threshold`` rounded to fp32), the result
+    rounded to ``grad``'s dtype.
+
+    Args:
+        grad: the gradient the update would use, any floating dtype.
+        exp_avg_sq: the second moment before the update, ``grad``'s shape (8-bit moments: dequantized).
+        threshold: theta > 0.
+    Returns:
+        (the clipped gradient in ``grad``'s dtype, the number of replaced elements).
+    """
+    g = grad.float()
+    v = exp_avg_sq.float()
+    limit = v * torch.tensor(threshold, dtype=torch.float32)
+    spike = (g * g > limit) & (v > 0)
+    clipped = torch.where(spike, torch.copysign(torch.sqrt(limit), g), g)
+    return clipped.to(grad.dtype), int(spike.sum())
+
+
+def lagged_clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """torch.nn.utils.clip_grads_with_norm_'s coefficient, min(1, max_norm / (norm + 1e-6)), in fp32: what
+    ``expert_clipping="lagged"`` multiplies the next step's expert gradients by (g * coef in fp32, rounded
+    to the gradient's dtype, as torch's ``grad.mul_(coef)``)."""
+    return torch.clamp(max_norm / (total_norm.float() + 1e-6), max=1.0)
