@@ -151,7 +151,7 @@ def spike_clip(grad: torch.Tensor, exp_avg_sq: torch.Tensor, threshold: float) -
     Every element whose squared gradient exceeds ``threshold`` times its ``exp_avg_sq`` (the value before
     this step's update) is replaced by sign(g) * sqrt(threshold * v); nothing where v is 0. The comparison
     and the replacement are computed in fp32 (g and v as fp32, ``threshold`` rounded to fp32), the result
-    rounded to ``grad``'s dtype.
+    rounded to ``grad``'s dtype (the square root correctly rounded).
 
     Args:
         grad: the gradient the update would use, any floating dtype.
@@ -164,7 +164,8 @@ def spike_clip(grad: torch.Tensor, exp_avg_sq: torch.Tensor, threshold: float) -
     v = exp_avg_sq.float()
     limit = v * torch.tensor(threshold, dtype=torch.float32)
     spike = (g * g > limit) & (v > 0)
-    clipped = torch.where(spike, torch.copysign(torch.sqrt(limit), g), g)
+    # The square root correctly rounded to fp32 (torch's fp32 sqrt on the CPU is not, always).
+    clipped = torch.where(spike, torch.copysign(torch.sqrt(limit.double()).float(), g), g)
     return clipped.to(grad.dtype), int(spike.sum())
 
 

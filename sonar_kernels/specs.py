@@ -64,6 +64,8 @@ MAX_EXPERTS = 1024
 EXPERT_TENSORS = ("gate_up_proj", "down_proj", "up_proj", "gate_up_proj_bias", "down_proj_bias")
 # The order of the AdamW hyperparameters in the float64 tensor the update kernels read.
 HYPERPARAMETERS = ("lr", "beta1", "beta2", "eps", "weight_decay")
+# The two entries that follow them with expert clipping (docs/design.md, "Expert clipping").
+CLIPPING = ("spike_threshold", "grad_scale")
 
 
 class RoutingMetadata(NamedTuple):
@@ -115,12 +117,15 @@ class ExpertUpdate:
         seed: None, or the 0-dim int64 seed of a bf16 weight's stochastic rounding stream (the same).
         step: [] float32 on the tensor's device, advanced on the device by each applied update.
         hyper: [5] float64 on the tensor's device: lr, beta1, beta2, eps, weight_decay
-            (``HYPERPARAMETERS``), read by the kernels when they run and rewritten by the owner from the
+            (``HYPERPARAMETERS``), [7] with expert clipping (then ``CLIPPING``: spike_threshold, inf when
+            off, and grad_scale, the lagged clipping coefficient, 1 when off), read by the kernels when they run and rewritten by the owner from the
             parameter group just before each update, so that a scheduler's change reaches compiled steps.
             Shared by the tensors of a parameter group.
         grad_norm_sq: [] float32, receives the squared L2 norm of each update's gradient (inf when the
             update was skipped for a non-finite gradient).
         skipped: [] int64, counts the updates skipped for a non-finite or too large gradient.
+        clipped: [] int64, receives the number of gradient entries the spike rule replaced in each update
+            (expert clipping, when ``hyper`` has its [7] form; docs/design.md, "Expert clipping").
         grad_dtype: the fp32 wgrad is rounded to this dtype before the AdamW math.
         fused: Triton backend: AdamW in the wgrad epilogue (True) or the split path (False, same bits).
         foreach, torch_fused: torch.optim.AdamW's flags for the updates that torch's AdamW applies (the
@@ -145,6 +150,7 @@ class ExpertUpdate:
         grad_norm_sq: torch.Tensor,
         skipped: torch.Tensor,
         grad_dtype: torch.dtype,
+        clipped: torch.Tensor | None = None,
         fused: bool = True,
         foreach: bool | None = None,
         torch_fused: bool | None = None,
@@ -161,6 +167,7 @@ class ExpertUpdate:
         self.hyper = hyper
         self.grad_norm_sq = grad_norm_sq
         self.skipped = skipped
+        self.clipped = clipped if clipped is not None else torch.zeros_like(skipped)
         self.grad_dtype = grad_dtype
         self.fused = fused
         self.foreach = foreach
@@ -177,7 +184,7 @@ class ExpertUpdate:
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
         passed apart: it is only read); the 8-bit moments' scales, then the remainder or the seed, last."""
-        state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped]
+        state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped, self.clipped]
         if self.exp_avg_scales is not None:
             state += [self.exp_avg_scales, self.exp_avg_sq_scales]
         if self.remainder is not None:

@@ -26,6 +26,7 @@ def _state(w: torch.Tensor, lr: float = 1e-2):
         torch.zeros((), dtype=torch.float32, device=w.device),
         torch.zeros((), dtype=torch.float32, device=w.device),
         torch.zeros((), dtype=torch.int64, device=w.device),
+        torch.zeros((), dtype=torch.int64, device=w.device),
     ]
     return state, torch.tensor([lr, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=w.device)
 
@@ -156,11 +157,11 @@ def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
     state = [
         torch.zeros(w2.shape, dtype=torch.int8, device=device), torch.zeros(w2.shape, dtype=torch.uint8, device=device),
         torch.zeros((), device=device), torch.zeros((), device=device), torch.zeros((), dtype=torch.int64, device=device),
-        scales, scales.clone(),
+        torch.zeros((), dtype=torch.int64, device=device), scales, scales.clone(),
     ]  # fmt: skip
     hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=device)
     forward = list(_forward_args(x, index, weights, w1, w2, backend))
-    forward[11:15] = [state, [0, 7, 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
+    forward[11:15] = [state, [0, len(state), 0, 0, 0], [None, hyper, None, None, None], [-1] * 5]
     _opcheck(library.moe_mlp_fwd, tuple(forward))
     out, hpre, *meta = library.moe_mlp_fwd(*_forward_args(x, index, weights, w1, w2, backend))
     core = _core_args(
@@ -174,7 +175,7 @@ def test_the_ops_pass_opcheck_with_8bit_moments(backend, device):
     _opcheck(library.expert_wgrad_, args)
     before = w2.clone()
     library.expert_wgrad_(*args)
-    assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[5].gt(0).all())
+    assert float(state[2]) == 1.0 and not torch.equal(w2, before) and bool(state[6].gt(0).all())
 
 
 @pytest.mark.parametrize("moments", ["fp32", "8bit"])
@@ -185,7 +186,7 @@ def test_the_ops_pass_opcheck_with_bf16_master_weights(master, moments):
     # counter, scales, then the remainder or seed), through the forward op and the torch backend's update op.
     x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.bfloat16)
     extra = torch.zeros(w2.shape, dtype=torch.int16) if master == "remainder" else torch.tensor(5)
-    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)]
+    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)]
     if moments == "8bit":
         codes = [torch.zeros(w2.shape, dtype=torch.int8), torch.zeros(w2.shape, dtype=torch.uint8)]
         state = [*codes, *counters, torch.zeros(3, 32, 1), torch.zeros(3, 32, 1), extra]

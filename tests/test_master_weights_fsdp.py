@@ -191,7 +191,7 @@ def _sharded_skip_rank(rank, world_size, out, mode):
         assert torch.equal(remainder.to_local(), kept)
     else:
         mw.stochastic_adamw_(
-            weight, grad, None, [m, v, step, norm_sq, skipped, torch.tensor(9)],
+            weight, grad, None, [m, v, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), torch.tensor(9)],
             torch.tensor(hyper, dtype=torch.float64), grad_dtype=None, chunk_bytes=None,
         )  # fmt: skip
     assert all(torch.equal(a, t.to_local()) for a, t in zip(before, (weight, m, v), strict=True))

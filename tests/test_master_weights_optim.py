@@ -278,7 +278,7 @@ def test_malformed_master_states_are_refused_before_anything_is_written():
 
     weight = torch.zeros(2, 8, 32, dtype=torch.bfloat16)
     moments = [torch.zeros(2, 8, 32), torch.zeros(2, 8, 32)]
-    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64)]
+    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)]
     hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
     grad = torch.ones_like(weight)
     # 8-bit moments: int8 and uint8 codes, then their fp32 block scales after the counters.

@@ -60,7 +60,7 @@ TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 # moments' scales and tables, and bf16 master weights' remainder and stochastic rounding's key.
 NO_8BIT_POINTERS = {
     "exp_avg_scales_ptr": "fp64", "exp_avg_sq_scales_ptr": "fp64", "tables_ptr": "fp64", "remainder_ptr": "fp64",
-    "rng_ptr": "fp64",
+    "rng_ptr": "fp64", "clipped_ptr": "fp64",
 }  # fmt: skip
 # (activation dtype, weight dtype) pairs the launchers accept: weights in the activation dtype, or fp32
 # master weights.
@@ -91,6 +91,12 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
     fn = spec.kernel
     constexprs = dict(spec.constexprs)
     constexprs.update({name: 1 for name in spec.unit_strides})
+    # Expert clipping is off unless a spec turns it on; its count pointer is then the hyperparameters'
+    # placeholder, as ops.wgrad passes it.
+    pointers = dict(spec.pointers)
+    if any(param.name == "CLIP" for param in fn.params):
+        constexprs.setdefault("CLIP", False)
+        pointers.setdefault("clipped_ptr", "i32" if constexprs["CLIP"] else "fp64")
     signature, attrs = {}, {}
     for param in fn.params:
         name = param.name
@@ -99,11 +105,11 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
             continue
         if param.is_constexpr:
             raise ValueError(f"{fn.__name__}: constexpr {name} has no value in spec {spec.variant!r}")
-        if name in spec.pointers:
-            signature[name] = f"*{spec.pointers[name]}"
+        if name in pointers:
+            signature[name] = f"*{pointers[name]}"
         else:
             signature[name] = "i64" if name in spec.wide_ints else param.annotation or "i32"
-        if name in spec.pointers or (
+        if name in pointers or (
             aligned
             and signature[name] in ("i32", "i64")
             and not param.do_not_specialize
@@ -421,6 +427,26 @@ def _backward_specs() -> list[Spec]:
                         config=blocks,
                     )
                 )  # fmt: skip
+    # Expert clipping's fused update (kernels/adamw.py, clip_tile: the hyperparameters [7], one count per
+    # program), bf16 in both arithmetics.
+    for role, (p_from_tokens, q_from_tokens) in roles.items():
+        for arithmetic in ("fp64", "fp32"):
+            out.append(
+                Spec(
+                    expert_wgrad.expert_mlp_bwd_dw_kernel,
+                    f"x=bf16 w=bf16 {role} adamw-{arithmetic} clip",
+                    _wgrad_pointers("bf16", "bf16", "bf16", "bf16") | {"clipped_ptr": "i32"},
+                    _precision("bf16") | blocks
+                    | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
+                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False,
+                       "REMAINDER": False, "STOCHASTIC": False, "CLIP": True, "GRAD_DTYPE": TL_DTYPES["bf16"],
+                       "DOT_DTYPE": TL_DTYPES["bf16"]},
+                    options | {"enable_fp_fusion": False},
+                    unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                    is_gemm=True,
+                    config=blocks,
+                )
+            )  # fmt: skip
     # The transposed layouts' fused update (bf16): the weight's unit stride along M (the rows of a half;
     # dW2's H), or between W1's halves (interleaved).
     layouts = [("dW2", "transposed", "stride_m"), ("dW1", "transposed", "stride_m"),

@@ -154,6 +154,29 @@ def _adamw_math(
 
 
 @triton.jit
+def clip_tile(grad, v, mask, hyper_ptr, GRAD_DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
+    """Expert clipping (docs/design.md, "Expert clipping") of a gradient tile before its AdamW step, with
+    the hyperparameter tensor's clipping entries (``hyper_ptr`` [7]: ..., spike_threshold, grad_scale):
+
+    1. the lagged global-norm coefficient: g = round(g * grad_scale), the product in fp32, rounded to
+       GRAD_DTYPE (torch's ``grad.mul_(clip_coef)``); grad_scale 1 leaves g as it is;
+    2. SPAM's spike rule: where g * g > theta * v and v > 0 (fp32; v the element's exp_avg_sq before this
+       step's update, theta = fp32(spike_threshold)), g = sign(g) * sqrt(theta * v), rounded to
+       GRAD_DTYPE; theta = inf leaves every g (theta * v is inf or NaN, no g * g is greater).
+
+    ``grad``: fp32 values of GRAD_DTYPE; ``v``: fp32. Returns (the clipped fp32 tile, the number of
+    elements the spike rule replaced, int32)."""
+    scale = tl.load(hyper_ptr + 6).to(tl.float32)
+    grad = round_to(grad * scale, GRAD_DTYPE, INTERPRET).to(tl.float32)
+    limit = v * tl.load(hyper_ptr + 5).to(tl.float32)
+    spike = (grad * grad > limit) & (v > 0.0) & mask
+    bound = tl.sqrt_rn(limit)
+    grad = tl.where(spike, tl.where(grad < 0.0, -bound, bound), grad)
+    grad = round_to(grad, GRAD_DTYPE, INTERPRET).to(tl.float32)
+    return grad, tl.sum(spike.to(tl.int32))
+
+
+@triton.jit
 def adamw_tile(
     grad,  # [BLOCK_M, BLOCK_N] fp32, already rounded to the gradient dtype
     offs,  # [BLOCK_M, BLOCK_N] int64 element offsets, shared by W, exp_avg and exp_avg_sq
@@ -166,13 +189,17 @@ def adamw_tile(
     index,  # STOCHASTIC: [BLOCK_M, BLOCK_N] int64, each element's offset in the tensor (the stream's counter)
     step_size,
     bc2_sqrt,
-    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
+    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay ([7] with CLIP: spike_threshold, grad_scale)
     ARITHMETIC: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad``, store all three.
+    """Load W, exp_avg, exp_avg_sq at ``offs``, apply :func:`_adamw_math` with ``grad`` (with CLIP, first
+    :func:`clip_tile` with the loaded exp_avg_sq), store all three; returns the number of elements the spike
+    rule replaced (0 without CLIP).
     With REMAINDER (docs/design.md, "bf16 master weights") the weight is the fp32 master merged from W's
     bits and the remainder, stored split again; with STOCHASTIC the bf16 weight (read as fp32) is stored as
     its stochastic rounding (W through its int16 bits), the stream's key and counter at ``rng_ptr`` and
@@ -180,10 +207,14 @@ def adamw_tile(
     p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
     m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    clipped = 0
+    if CLIP:
+        grad, clipped = clip_tile(grad, v, mask, hyper_ptr, GRAD_DTYPE, INTERPRET)
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, INTERPRET)
     store_weight(p, w_ptr, offs, mask, remainder_ptr, rng_ptr, index, REMAINDER, STOCHASTIC, INTERPRET)
     tl.store(exp_avg_ptr + offs, round_to(m, exp_avg_ptr.dtype.element_ty, INTERPRET), mask=mask)
     tl.store(exp_avg_sq_ptr + offs, round_to(v, exp_avg_sq_ptr.dtype.element_ty, INTERPRET), mask=mask)
+    return clipped
 
 
 @triton.jit
@@ -195,9 +226,10 @@ def adamw_kernel(
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
     scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (adamw_scalars_kernel)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
-    hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
+    hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay ([7] with CLIP: + spike_threshold, grad_scale)
     remainder_ptr,  # REMAINDER: [numel] int16, read and written (w_ptr: the bf16 weight's int16 bits)
     rng_ptr,  # STOCHASTIC: [2] int64, read: the seed and the step (w_ptr: the bf16 weight's int16 bits)
+    clipped_ptr,  # CLIP: [grid] int32, written: each program's count of elements the spike rule replaced
     # sizes
     numel,
     # meta-parameters
@@ -205,10 +237,11 @@ def adamw_kernel(
     ARITHMETIC: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
-    """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad, unless the
-    flag at ``skip_ptr`` is set.
+    """Standalone AdamW (the split path): W, exp_avg, exp_avg_sq updated in place from grad (with CLIP,
+    clipped first: :func:`clip_tile`), unless the flag at ``skip_ptr`` is set.
 
     Grid: (cdiv(numel, BLOCK),).
     Preconditions: the four tensors are dense with identical strides (element i of the storage order is
@@ -222,7 +255,10 @@ def adamw_kernel(
     step_size = tl.load(scalars_ptr)
     bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    adamw_tile(
+    clipped = adamw_tile(
         grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, offs,
-        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, INTERPRET,
+        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, grad_ptr.dtype.element_ty,
+        INTERPRET,
     )  # fmt: skip
+    if CLIP:
+        tl.store(clipped_ptr + pid, clipped)

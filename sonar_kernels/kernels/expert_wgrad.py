@@ -73,6 +73,7 @@ def _dw_epilogue_slice(
     MOMENTS_8BIT: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -80,9 +81,10 @@ def _dw_epilogue_slice(
     its moments ("adamw"), or the gradient only checked ("check").
 
     With HAS_GRAD_IN the gradient of earlier micro-batches (GRAD_DTYPE) is added first, as autograd adds
-    a new gradient to ``.grad``: round(previous + round(acc)). Returns, for "check", the number of
-    entries that are not <= grad_limit in magnitude (NaN included); otherwise the slice's sum of squared
-    gradient entries (fp32) when HAS_NORM, else 0.
+    a new gradient to ``.grad``: round(previous + round(acc)). Returns (result, clipped): result, for
+    "check", the number of entries that are not <= grad_limit in magnitude (NaN included); otherwise the
+    slice's sum of squared gradient entries (fp32, before expert clipping) when HAS_NORM, else 0; clipped,
+    the number of entries the spike rule replaced ("adamw" with CLIP, kernels/adamw.py's clip_tile), else 0.
     """
     offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
     mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
@@ -93,6 +95,7 @@ def _dw_epilogue_slice(
         grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
     grad32 = grad.to(tl.float32)
     result = 0.0
+    clipped = 0
     if EPILOGUE == "check":
         result = tl.sum(tl.where(mask & ~(tl.abs(grad32) <= grad_limit), 1.0, 0.0))
     else:
@@ -105,19 +108,19 @@ def _dw_epilogue_slice(
             offs_b = (col0 // MOMENTS_BLOCK + tl.arange(0, SLICE_N // MOMENTS_BLOCK)).to(tl.int64)
             scale_offs = m_soffsets[:, None] + offs_b[None, :]
             scale_mask = (offs_m < M)[:, None] & (offs_b * MOMENTS_BLOCK < N)[None, :]
-            adamw_8bit_tile(
+            clipped = adamw_8bit_tile(
                 grad32, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr,
                 exp_avg_sq_scales_ptr, tables_ptr, tables_ptr + 128, remainder_ptr, rng_ptr, base + offs, step_size,
-                bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, INTERPRET,
+                bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET,
             )  # fmt: skip
         elif EPILOGUE == "adamw":
-            adamw_tile(
+            clipped = adamw_tile(
                 grad32, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, base + offs,
-                step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, INTERPRET,
+                step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET,
             )  # fmt: skip
         else:
             tl.store(dw_ptr + offs, grad, mask=mask)
-    return result
+    return result, clipped
 
 
 @triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
@@ -146,6 +149,8 @@ def expert_mlp_bwd_dw_kernel(
     remainder_ptr,  # REMAINDER: [E, M, N] int16 (W's strides), read and written by "adamw" (w_ptr: the
     #                 bf16 weight's int16 bits; docs/design.md, "bf16 master weights")
     rng_ptr,  # STOCHASTIC: [2] int64, read by "adamw": the seed and the step (w_ptr: the int16 bits)
+    clipped_ptr,  # CLIP: [grid] int32, written by "adamw": each program's count of entries the spike rule
+    #               replaced (hyper_ptr is then [7]: + spike_threshold, grad_scale; kernels/adamw.py, clip_tile)
     # sizes
     E,
     M,
@@ -182,6 +187,7 @@ def expert_mlp_bwd_dw_kernel(
     MOMENTS_8BIT: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
     GRAD_DTYPE: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -280,59 +286,69 @@ def expert_mlp_bwd_dw_kernel(
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
     # (or out-of-range counts) are added in a fixed order.
     if EPILOGUE_SPLIT == 1:
-        total = _dw_epilogue_slice(
+        total, clipped = _dw_epilogue_slice(
             acc, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            BLOCK_N, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
-        total = _dw_epilogue_slice(
+        total, clipped = _dw_epilogue_slice(
             left, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
-        total += _dw_epilogue_slice(
+        more, more_clipped = _dw_epilogue_slice(
             right, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            half, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
+        total += more
+        clipped += more_clipped
     else:
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
         half: tl.constexpr = BLOCK_N // 2
         quarter: tl.constexpr = BLOCK_N // 4
         left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
         q0, q1 = _split_columns(left, BLOCK_M, half)
-        total = _dw_epilogue_slice(
+        total, clipped = _dw_epilogue_slice(
             q0, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
-        total += _dw_epilogue_slice(
+        more, more_clipped = _dw_epilogue_slice(
             q1, offs_m, m_offsets, col0 + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
+        total += more
+        clipped += more_clipped
         q2, q3 = _split_columns(right, BLOCK_M, half)
-        total += _dw_epilogue_slice(
+        more, more_clipped = _dw_epilogue_slice(
             q2, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
-        total += _dw_epilogue_slice(
+        total += more
+        clipped += more_clipped
+        more, more_clipped = _dw_epilogue_slice(
             q3, offs_m, m_offsets, col0 + half + quarter, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
             m_soffsets, remainder_ptr, rng_ptr, base,
-            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, BLOCK_M, INTERPRET,
+            quarter, GRAD_DTYPE, EPILOGUE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, MOMENTS_8BIT, REMAINDER, STOCHASTIC, CLIP, BLOCK_M, INTERPRET,
         )  # fmt: skip
+        total += more
+        clipped += more_clipped
     if EPILOGUE == "check":
         tl.store(partial_ptr + pid, tl.where(total > 0.0, 1.0, 0.0))
     elif HAS_NORM:
         tl.store(partial_ptr + pid, total)
+    if EPILOGUE == "adamw" and CLIP:
+        tl.store(clipped_ptr + pid, clipped)

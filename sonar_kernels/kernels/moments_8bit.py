@@ -11,7 +11,7 @@ whole blocks (the launchers check it), so a block's scale is known in registers.
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import _adamw_math
+from sonar_kernels.kernels.adamw import _adamw_math, clip_tile
 from sonar_kernels.kernels.master_weights import load_weight, store_weight
 
 BLOCK: tl.constexpr = tl.constexpr(32)
@@ -94,17 +94,20 @@ def adamw_8bit_tile(
     index,  # STOCHASTIC: [ROWS, COLS] int64, each element's offset in the tensor (the stream's counter)
     step_size,
     bc2_sqrt,
-    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay
+    hyper_ptr,  # [5] fp64: lr, beta1, beta2, eps, weight_decay ([7] with CLIP: spike_threshold, grad_scale)
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
+    GRAD_DTYPE: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Load W and both moments (codes, scales) of the tile, dequantize, apply AdamW ("fp64" arithmetic,
-    kernels/adamw.py) with ``grad``, requantize and store all of them; W read and written as
-    ``kernels/master_weights.py``'s :func:`load_weight` and :func:`store_weight` do (bf16 master weights:
-    a remainder or stochastic rounding)."""
+    kernels/adamw.py) with ``grad`` (with CLIP, clipped first by :func:`clip_tile` against the dequantized
+    exp_avg_sq), requantize and store all of them; W read and written as ``kernels/master_weights.py``'s
+    :func:`load_weight` and :func:`store_weight` do (bf16 master weights: a remainder or stochastic
+    rounding). Returns the number of elements the spike rule replaced (0 without CLIP)."""
     p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
     m = dequantize_tile(
         tl.load(exp_avg_codes_ptr + offs, mask=mask, other=0),
@@ -116,6 +119,9 @@ def adamw_8bit_tile(
         tl.load(exp_avg_sq_scales_ptr + scale_offs, mask=scale_mask, other=0.0),
         levels_ptr, False, ROWS, COLS,
     )  # fmt: skip
+    clipped = 0
+    if CLIP:
+        grad, clipped = clip_tile(grad, v, mask, hyper_ptr, GRAD_DTYPE, INTERPRET)
     p, m, v = _adamw_math(p, grad, m, v, step_size, bc2_sqrt, hyper_ptr, "fp64", INTERPRET)
     store_weight(p, w_ptr, offs, mask, remainder_ptr, rng_ptr, index, REMAINDER, STOCHASTIC, INTERPRET)
     codes, scales = quantize_tile(m, magnitudes_ptr, True, 128, 8, ROWS, COLS)
@@ -124,6 +130,7 @@ def adamw_8bit_tile(
     codes, scales = quantize_tile(v, levels_ptr, False, 256, 9, ROWS, COLS)
     tl.store(exp_avg_sq_codes_ptr + offs, codes, mask=mask)
     tl.store(exp_avg_sq_scales_ptr + scale_offs, scales, mask=scale_mask)
+    return clipped
 
 
 @triton.jit
@@ -139,9 +146,10 @@ def adamw_8bit_kernel(
     levels_ptr,  # [256] fp32, read
     scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (ops/moments_8bit.py, adamw_8bit_scalars)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
-    hyper_ptr,  # [5] fp64, read
+    hyper_ptr,  # [5] fp64, read ([7] with CLIP)
     remainder_ptr,  # REMAINDER: [R, C] int16, read and written (w_ptr: the bf16 weight's int16 bits)
     rng_ptr,  # STOCHASTIC: [2] int64, read: the seed and the step (w_ptr: the bf16 weight's int16 bits)
+    clipped_ptr,  # CLIP: [grid size] int32, written: each program's count of elements the spike rule replaced
     # sizes
     R,
     C,
@@ -150,6 +158,7 @@ def adamw_8bit_kernel(
     BLOCK_C: tl.constexpr,
     REMAINDER: tl.constexpr,
     STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     """Standalone AdamW with 8-bit moments (the split path): the tensors seen as [R, C] rows of their
@@ -168,9 +177,11 @@ def adamw_8bit_kernel(
     scale_mask = (offs_r < R)[:, None] & (offs_b * BLOCK < C)[None, :]
     scale_offs = offs_r[:, None] * (C // BLOCK) + offs_b[None, :]
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    adamw_8bit_tile(
+    clipped = adamw_8bit_tile(
         grad, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr,
         exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr, remainder_ptr, rng_ptr, offs,
         tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, REMAINDER, STOCHASTIC,
-        INTERPRET,
+        CLIP, grad_ptr.dtype.element_ty, INTERPRET,
     )  # fmt: skip
+    if CLIP:
+        tl.store(clipped_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1), clipped)

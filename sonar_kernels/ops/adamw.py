@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
+from sonar_kernels.ops.clipping import clip_gradient
 from sonar_kernels.ops.common import inf_norm, whole
 from sonar_kernels.ops.master_weights import merge, remainder_adamw_, split
 
@@ -109,6 +110,9 @@ def torch_adamw_(
     *,
     foreach: bool | None,
     fused: bool | None,
+    clip: torch.Tensor | None = None,
+    clipped: torch.Tensor | None = None,
+    clip_dtype: torch.dtype | None = None,
 ) -> None:
     """torch's AdamW on one tensor, in place: ``weight``, ``exp_avg``, ``exp_avg_sq`` and ``step``.
 
@@ -124,9 +128,18 @@ def torch_adamw_(
             so that a tensor lr or tensor betas get torch's arithmetic for tensor values (bias corrections
             and step size computed in the tensor's dtype) as in torch.optim.AdamW.step.
         foreach, fused: torch.optim.AdamW's flags.
+        clip: None, or the update's [7] float64 hyperparameter tensor with the expert-clipping entries: the
+            gradient is clipped first (``ops/clipping.py``; the skip and ``grad_norm_sq`` are the unclipped
+            gradient's), and ``clipped`` receives the number of entries the spike rule replaced;
+            ``clip_dtype``: the dtype the clipped values are rounded to (None: ``grad``'s; the gradient
+            dtype when ``grad`` holds its values widened, as for an fp32 master).
     """
     with torch.no_grad():
         found = whole(~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype)))
+        norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
+        count = None
+        if clip is not None:
+            grad, count = clip_gradient(grad, exp_avg_sq, clip, clip_dtype)
         step_before = step.clone()
         try:
             if fused or not bool(found):
@@ -135,9 +148,10 @@ def torch_adamw_(
             # A refused update (e.g. a dtype the chosen torch kernel rejects) changes nothing.
             step.copy_(step_before)
             raise
-        norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
         grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
         skipped.add_(found.long())
+        if clipped is not None:
+            clipped.copy_(torch.where(found, 0, count) if count is not None else 0)
 
 
 def _adamw(weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, foreach, fused, found) -> None:
@@ -196,6 +210,8 @@ def torch_adamw_chunked_(
     fused: bool | None,
     chunk_bytes: int | None,
     remainder: torch.Tensor | None = None,
+    clip: torch.Tensor | None = None,
+    clipped: torch.Tensor | None = None,
 ) -> None:
     """torch's AdamW on one expert tensor from its gradient computed a chunk of experts at a time: the
     torch backend's in-backward update (docs/design.md, "Which AdamW runs where").
@@ -224,7 +240,10 @@ def torch_adamw_chunked_(
         remainder: the int16 remainder of a bf16 ``weight`` (docs/design.md, "bf16 master weights"): the
             update runs on the fp32 master (each chunk's merged, the gradient as fp32) and
             splits it again: :func:`sonar_kernels.ops.master_weights.remainder_adamw_`, chunk by chunk.
+        clip, clipped: expert clipping, as :func:`torch_adamw_` takes them (each chunk clipped against its
+            slice of ``exp_avg_sq``; an element's rule reads that element alone).
     """
+    clipping = {"clip": clip, "clipped": clipped}
     fp32_master = remainder is not None
     master_dtype = torch.float32 if fp32_master else weight.dtype
     chunks = (
@@ -243,12 +262,12 @@ def torch_adamw_chunked_(
         if remainder is not None:
             remainder_adamw_(
                 weight, remainder, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-                foreach=foreach, fused=fused,
+                foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
             return
         torch_adamw_(
             weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused,
+            foreach=foreach, fused=fused, **clipping,
         )  # fmt: skip
         return
     with torch.no_grad():
@@ -264,8 +283,11 @@ def torch_adamw_chunked_(
         ):
             grad_norm_sq.fill_(float("inf"))
             skipped.add_(1)
+            if clipped is not None:
+                clipped.zero_()
             return
         no = torch.zeros((), dtype=torch.bool, device=weight.device)
+        count = torch.zeros((), dtype=torch.int64, device=weight.device)
         chunk_step = step.clone()
         # torch's fused AdamW kernel called as torch.optim.adamw's fused path calls it, once the step is
         # incremented (the same kernel, the same arguments, without its per-call grouping of the tensors):
@@ -290,6 +312,9 @@ def torch_adamw_chunked_(
                 norm_sq += torch.dot(flat, flat)
             else:
                 norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            if clip is not None:
+                grad, replaced = clip_gradient(grad, exp_avg_sq[first:last], clip)
+                count += replaced
             target = weight[first:last]
             if remainder is not None:
                 target, grad = merge(target, remainder[first:last]), grad.float()
@@ -311,3 +336,5 @@ def torch_adamw_chunked_(
                 remainder[first:last].copy_(new_remainder)
         step.copy_(chunk_step)
         grad_norm_sq.copy_(norm_sq)
+        if clipped is not None:
+            clipped.copy_(count)

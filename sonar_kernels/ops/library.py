@@ -21,6 +21,7 @@ from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
+from sonar_kernels.ops.clipping import clips
 from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
 from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
 from sonar_kernels.ops.torch_update import (
@@ -262,7 +263,7 @@ def expert_wgrad_(
 ) -> None:
     """The gradient of the expert tensor ``name`` (operands as for :func:`expert_wgrad`) applied in place:
     ``wgrad_mode`` (not ``mode``, a keyword of torch's auto-functionalization) "update": AdamW on ``weight`` and its ``state`` (:data:`STATE_FIELDS`; ``hyper`` its [5]
-    float64 hyperparameters), with ``buffer`` (the gradient of earlier micro-batches, or None) added to
+    float64 hyperparameters, [7] with expert clipping), with ``buffer`` (the gradient of earlier micro-batches, or None) added to
     this backward's gradient first: on the Triton backend in the wgrad epilogue (or its split path with
     ``fused_epilogue=False``; ``magnitudes`` from :func:`moe_mlp_bwd` bound the gradient), on the torch
     backend by torch's AdamW (``foreach``, ``torch_fused``: its flags; the body of :func:`expert_adamw_`),
@@ -284,11 +285,11 @@ def _update(
     state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
 ) -> triton_wgrad.AdamWUpdate:
     remainder, seed = remainder_of(state), seed_of(state)
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, *scales = moments_of(state)
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, *scales = moments_of(state)
     exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
     return triton_wgrad.AdamWUpdate(
         exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
-        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, on_done=on_done, defer=defer,
+        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, clipped=clipped, on_done=on_done, defer=defer,
         exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, remainder=remainder, seed=seed,
     )  # fmt: skip
 
@@ -358,7 +359,7 @@ def run_expert_wgrad(
         raise ValueError(f"{name}: mode {mode!r} is not supported by the torch backend (grad or update)")
     torch_update_of(
         weight, state, hyper if value is None else value, buffer, foreach, torch_fused, on_done, grad_dtype, defer,
-        gradient,
+        gradient, clip=hyper if clips(hyper) else None,
     )  # fmt: skip
     return None
 

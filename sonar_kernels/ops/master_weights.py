@@ -122,6 +122,8 @@ def remainder_adamw_(
     *,
     foreach: bool | None,
     fused: bool | None,
+    clip: torch.Tensor | None = None,
+    clipped: torch.Tensor | None = None,
 ) -> None:
     """torch's AdamW on the fp32 master of a bf16 ``weight`` and its int16 ``remainder``, in place: the
     master merged (:func:`merge`), updated by :func:`sonar_kernels.ops.adamw.torch_adamw_` with ``grad``
@@ -132,7 +134,8 @@ def remainder_adamw_(
     were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors). A DTensor
     weight (FSDP2's shard; remainder, gradient and moments DTensors of its placements): each rank merges and
     splits its own shard, torch's AdamW runs on the sharded master (the skip decided over the whole
-    gradient)."""
+    gradient). ``clip``, ``clipped``: expert clipping (:func:`sonar_kernels.ops.adamw.torch_adamw_`), the
+    clipped values rounded to ``grad``'s dtype."""
     from sonar_kernels.ops.adamw import torch_adamw_
 
     with torch.no_grad():
@@ -147,7 +150,7 @@ def remainder_adamw_(
             )  # fmt: skip
         torch_adamw_(
             master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused,
+            foreach=foreach, fused=fused, clip=clip, clipped=clipped, clip_dtype=grad.dtype,
         )  # fmt: skip
         new_weight, new_remainder = split(_local(master))
         local_weight.copy_(new_weight)
@@ -233,8 +236,9 @@ def stochastic_adamw_(
     fp32 and rounded to their dtype once at the store), the result
     rounded back with :func:`stochastic_round` at the tensor's seed, the update's step (incremented) and
     each element's offset (:func:`element_index`): given the same gradient, the same bits as the Triton
-    epilogue and split path. ``state``: exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed
-    (``ops/torch_update.py``'s STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters;
+    epilogue and split path. ``state``: exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed
+    (``ops/torch_update.py``'s STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters ([7]:
+    expert clipping first, ``ops/clipping.py``);
     ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes`` and the skip as
     :func:`sonar_kernels.ops.moments_8bit.chunked_fp64_update_` takes them (a skipped update leaves weight,
     moments and step unchanged). Temporaries: fp64 copies of :data:`UPDATE_ELEMENTS` elements at a time.
@@ -252,7 +256,9 @@ def stochastic_adamw_(
     from sonar_kernels.ops.common import inf_norm, whole
     from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
 
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, seed = state
+    from sonar_kernels.ops.clipping import clip_gradient, clips
+
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed = state
     if _is_dtensor(weight):
         if not _is_dtensor(gradient) or grad_in is not None:
             raise ValueError("a sharded (DTensor) weight's update takes its whole gradient as a DTensor")
@@ -269,6 +275,9 @@ def stochastic_adamw_(
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
     start = weight.storage_offset()
+    clip = clips(hyper)
+    clipped.zero_()
+    dtype = grad_dtype or weight.dtype
 
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
         """Experts ``first`` to ``last - 1``, a slice of rows of one expert at a time (views whatever the
@@ -280,7 +289,11 @@ def stochastic_adamw_(
                 part = (e, slice(r, r + per)) if weight.dim() > 2 else (slice(e, e + 1),)
                 w, m, v = (t[part] for t in (weight, exp_avg, exp_avg_sq))
                 g = grad[(e - first, *part[1:])] if weight.dim() > 2 else grad[e - first : e - first + 1]
-                p, m_new, v_new = adamw_fp64(w, g.float(), m, v, scalars, hyper)
+                g = g.float()
+                if clip:  # a skipped update's gradient is zeros here: nothing counted
+                    g, replaced = clip_gradient(g, v, hyper, dtype)
+                    clipped.add_(replaced)
+                p, m_new, v_new = adamw_fp64(w, g, m, v, scalars, hyper)
                 index = element_index(w) + (w.storage_offset() - start + index_base)
                 new_w = stochastic_round(p, seed, step, index)
                 for target, new in ((w, new_w), (m, m_new), (v, v_new)):

@@ -208,7 +208,7 @@ def adamw_fp64(
     (p, m, v). ``p``: any float dtype, read as fp32; ``g``, ``m``, ``v``: fp32; ``scalars``:
     :func:`adamw_8bit_scalars`; ``hyper``: [5] fp64. What the Triton kernels compute op for op, so both
     backends give the same bits from the same operands."""
-    lr, beta1, beta2, eps, weight_decay = hyper.unbind()
+    lr, beta1, beta2, eps, weight_decay = hyper[:5].unbind()
     p = p.to(torch.float32)
     p64 = p.to(torch.float64)
     p = torch.where(weight_decay != 0.0, (p64 - lr * weight_decay * p64).to(torch.float32), p)
@@ -235,14 +235,16 @@ def adamw_8bit_triton_(
     *,
     remainder: torch.Tensor | None = None,
     rng: torch.Tensor | None = None,
-) -> None:
+) -> torch.Tensor | None:
     """The split path's update on the Triton backend: ``weight`` and both moments' (codes, scales) updated
     in place by :func:`sonar_kernels.kernels.moments_8bit.adamw_8bit_kernel` from ``grad`` (the weight's
     shape, rounded to the gradient dtype), unless ``skip`` (a 0-dim fp32 device flag) is not 0: the
     arithmetic of :func:`adamw_8bit_update`, bit for bit. Every tensor contiguous, the last dimension a
     multiple of :data:`BLOCK`. A bf16 ``weight`` with its int16 ``remainder`` is updated as its fp32 master
     (docs/design.md, "bf16 master weights"); with ``rng`` ([2] int64: the tensor's seed and the step) it is
-    rounded back stochastically, each element's counter its offset in the tensor."""
+    rounded back stochastically, each element's counter its offset in the tensor. A ``hyper`` of [7] clips the
+    gradient first (docs/design.md, "Expert clipping"); returns then the per-program int32 counts of the
+    elements the spike rule replaced (zeros when skipped), else None."""
     import triton
 
     from sonar_kernels.kernels.moments_8bit import ADAMW_8BIT_CONFIG, adamw_8bit_kernel
@@ -259,14 +261,18 @@ def adamw_8bit_triton_(
     table = tables(weight.device)
     magnitudes, levels = table[:128], table[128:]
     bits = remainder is not None or rng is not None  # the weight through its int16 bits
+    clip = hyper.numel() == 7
+    counts = torch.zeros(grid[0] * grid[1], dtype=torch.int32, device=weight.device) if clip else None
     with on_device(weight.device):
         adamw_8bit_kernel[grid](
             weight.view(torch.int16) if bits else weight, grad, *exp_avg, *exp_avg_sq, magnitudes, levels, scalars,
-            skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng, R, C,
+            skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
+            hyper if counts is None else counts, R, C,
             BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], REMAINDER=remainder is not None,
-            STOCHASTIC=rng is not None, INTERPRET=triton_interpreting(), num_warps=config["num_warps"],
+            STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=triton_interpreting(), num_warps=config["num_warps"],
             enable_fp_fusion=False,
         )  # fmt: skip
+    return counts
 
 
 def _is_dtensor(t) -> bool:
@@ -286,11 +292,13 @@ def adamw_8bit_(
     index_base: int = 0,
 ) -> None:
     """The torch backend's update of one expert tensor with 8-bit moments, in place: ``state`` the update's
-    tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, exp_avg's scales,
+    tensors (exp_avg's codes, exp_avg_sq's codes, step, grad_norm_sq, skipped, clipped, exp_avg's scales,
     exp_avg_sq's scales; ``ops/library.py``'s order; then, for a bf16 weight with master weights
     (docs/design.md, "bf16 master weights"), its int16 remainder, merged into the fp32 master before the
     update and split from it after, or the 0-dim int64 seed of its stochastic rounding at the update's
-    step and each element's offset), ``hyper`` the [5] fp64 hyperparameters.
+    step and each element's offset), ``hyper`` the [5] fp64 hyperparameters ([7] with expert clipping:
+    each part's gradient clipped against its dequantized exp_avg_sq first, ``ops/clipping.py``; the count
+    in ``clipped``).
 
     ``gradient``: the gradient as a tensor, or an ``ExpertGradient`` (``ops/expert_gradient.py``) that
     computes it by chunks of experts of at most ``chunk_bytes`` (None: whole), each chunk updated before the
@@ -316,7 +324,9 @@ def adamw_8bit_(
     from sonar_kernels.ops.adamw import grad_limit
     from sonar_kernels.ops.common import inf_norm, whole
 
-    m_codes, v_codes, step, grad_norm_sq, skipped, m_scales, v_scales, *master = state
+    from sonar_kernels.ops.clipping import clip_gradient, clips
+
+    m_codes, v_codes, step, grad_norm_sq, skipped, clipped, m_scales, v_scales, *master = state
     remainder = master[0] if master and master[0].dtype == torch.int16 else None
     seed = master[0] if master and remainder is None else None
     limit = grad_limit(torch.float32)
@@ -347,6 +357,8 @@ def adamw_8bit_(
         return
 
     start_offset = weight.storage_offset()
+    clip = clips(hyper)
+    clipped.zero_()
 
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
         """Update experts ``first`` to ``last - 1`` in place, :data:`UPDATE_ELEMENTS` at a time (whole rows
@@ -360,7 +372,11 @@ def adamw_8bit_(
             part = slice(start, start + rows)
             w, mc, ms, vc, vs, *r = (t[part] for t in held)
             master = merge(w, r[0]) if r else w
-            p, m, v = adamw_8bit_update(master, grad[part].float(), (mc, ms), (vc, vs), scalars, hyper)
+            g = grad[part].float()
+            if clip:  # a skipped update's gradient is zeros here: nothing counted
+                g, replaced = clip_gradient(g, dequantize(vc, vs, "exp_avg_sq"), hyper, dtype)
+                clipped.add_(replaced)
+            p, m, v = adamw_8bit_update(master, g, (mc, ms), (vc, vs), scalars, hyper)
             if r:
                 new_w = split(p)
             elif seed is not None:

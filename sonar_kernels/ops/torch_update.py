@@ -9,6 +9,7 @@ import torch
 
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
+from sonar_kernels.ops.clipping import clips
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
@@ -29,7 +30,9 @@ __all__ = [
 ]
 
 # The tensors of an in-backward update, in the order the ops take them.
-STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped")
+# ``clipped``: a 0-dim int64 that receives the number of gradient entries the spike rule replaced in the
+# update (expert clipping, docs/design.md; 0 without it).
+STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped", "clipped")
 # With 8-bit moments (docs/design.md, "8-bit moments"): exp_avg and exp_avg_sq are their int8 and uint8
 # codes, and their fp32 block scales follow.
 STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
@@ -80,7 +83,7 @@ def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
         ValueError: the rest.
     """
     moments = moments_of(state)
-    if len(moments) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in moments[5:]):
+    if len(moments) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in moments[6:]):
         raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
     extra = _master_of(state)
     if extra is None:
@@ -102,30 +105,38 @@ def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
         )
 
 
-def torch_update_of(weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient) -> None:
+def torch_update_of(
+    weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient, clip=None
+) -> None:
     """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
     through ``defer`` (see ``ops/library.py``'s ``run_expert_wgrad``)."""
     if defer is None:
-        torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype)
+        torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip)
     else:
         defer(
             lambda later: torch_update(
-                weight, state, hyper, later, foreach, fused, done, gradient, grad_dtype=grad_dtype
+                weight, state, hyper, later, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip
             )
         )
 
 
-def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None) -> None:
+def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None, clip=None) -> None:
     """The body of ``sonar_kernels::expert_adamw_`` (``grad`` a tensor) and of the torch backend's in-backward update
     (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
     ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then
     ``done()`` when given. ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
     weight_decay) as it holds them (see ``ops/library.py``'s ``run_expert_wgrad``). ``grad_dtype``: the gradient is rounded
     to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
-    ``grad_in`` (already in that dtype) is rounded once more."""
+    ``grad_in`` (already in that dtype) is rounded once more. ``clip``: None, or the [7] float64 tensor of
+    an update with expert clipping (docs/design.md, "Expert clipping"; taken from ``hyper`` when that is one):
+    the gradient is clipped first, as the Triton kernels clip it (``ops/clipping.py``)."""
     check_master_state("weight", weight, state)
+    if clip is None and clips(hyper):
+        clip = hyper
     if len(moments_of(state)) == len(STATE_FIELDS_8BIT):  # 8-bit moments: the scheme's arithmetic
-        if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
+        if clip is not None:  # the group's values and the clipping entries, as the kernels read them
+            hyper = clip
+        elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
         adamw_8bit_(
             weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
@@ -135,7 +146,9 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
             done()
         return
     if seed_of(state) is not None:  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
-        if isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
+        if clip is not None:
+            hyper = clip
+        elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
         stochastic_adamw_(
             weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
@@ -145,13 +158,14 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
             done()
         return
     remainder = remainder_of(state)
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped = state[: len(STATE_FIELDS)]
-    hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper.tolist())
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped = state[: len(STATE_FIELDS)]
+    hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper[:5].tolist())
+    clipping = {"clip": clip, "clipped": clipped}
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
-            remainder=remainder,
+            remainder=remainder, **clipping,
         )  # fmt: skip
     else:
         if grad_dtype is not None:
@@ -160,12 +174,12 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad
         if remainder is not None:
             remainder_adamw_(
                 weight, remainder, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-                foreach=foreach, fused=fused,
+                foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
         else:
             torch_adamw_(
                 weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-                foreach=foreach, fused=fused,
+                foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
     if done is not None:
         done()

@@ -310,11 +310,21 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
     hyper = update.hyper
     if not isinstance(hyper, torch.Tensor) or hyper.dtype != torch.float64:
         raise TypeError(f"hyper of {name} must be a float64 tensor (lr, beta1, beta2, eps, weight_decay)")
-    if hyper.shape != (5,) or hyper.device != weight.device:
-        raise ValueError(f"hyper of {name} must have shape [5] on {weight.device}, got {tuple(hyper.shape)}")
+    if hyper.shape not in ((5,), (7,)) or hyper.device != weight.device:
+        raise ValueError(
+            f"hyper of {name} must have shape [5] (or [7] with expert clipping) on {weight.device}, got "
+            f"{tuple(hyper.shape)}"
+        )
     if hyper.device.type == "cpu" and not is_fake(hyper):  # a fake tensor (FakeTensorMode) has no values
-        lr, beta1, beta2, eps, weight_decay = hyper.tolist()
+        lr, beta1, beta2, eps, weight_decay = hyper[:5].tolist()
         check_hyperparameters(lr, (beta1, beta2), eps, weight_decay, where=f" of {name}")
+        if hyper.numel() == 7:
+            threshold, scale = hyper[5:].tolist()
+            if not threshold > 0.0 or not (0.0 <= scale <= 1.0):
+                raise ValueError(
+                    f"hyper of {name}: spike_threshold must be > 0 (inf: off) and grad_scale in [0, 1], got "
+                    f"{threshold!r} and {scale!r}"
+                )
     if update.grad_dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"grad_dtype of {name} must be float32, bfloat16 or float16, got {update.grad_dtype}")
     n = update.grad_norm_sq
@@ -330,6 +340,11 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
         not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0 or c.device != weight.device
     ):
         raise ValueError(f"skipped of {name} must be a 0-dim int64 tensor on {weight.device}")
+    c = update.clipped
+    if c is not None and (
+        not isinstance(c, torch.Tensor) or c.dtype != torch.int64 or c.dim() != 0 or c.device != weight.device
+    ):
+        raise ValueError(f"clipped of {name} must be a 0-dim int64 tensor on {weight.device}")
     g = update.grad_in
     if g is not None and not (laid_out_like(g, weight) and g.dtype == update.grad_dtype):
         raise ValueError(

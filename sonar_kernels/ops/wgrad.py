@@ -39,7 +39,9 @@ class AdamWUpdate(NamedTuple):
         step: [] float32 on the weight's device, the step count; advanced by 1 - skip (0 or 1, decided on
             the device) just before the update's launch.
         hyper: [5] float64 on the weight's device: lr, beta1, beta2, eps, weight_decay, as in
-            torch.optim.AdamW (decoupled decay); read by the kernels.
+            torch.optim.AdamW (decoupled decay); read by the kernels. [7] with expert clipping
+            (docs/design.md, "Expert clipping"): then spike_threshold (inf: no spike rule) and grad_scale
+            (1: no scaling), applied to the gradient before the AdamW math (kernels/adamw.py, clip_tile).
         grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
         fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
             wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
@@ -63,6 +65,9 @@ class AdamWUpdate(NamedTuple):
             applies AdamW to it with fp32 moments and stores it split again.
         seed: None, or the 0-dim int64 seed of the bf16 weight's stochastic rounding (the same): the update
             applies AdamW to the weight read as fp32, with fp32 moments, and stores its stochastic rounding.
+        clipped: None, or a 0-dim int64 tensor on the weight's device that receives the number of gradient
+            entries the spike rule replaced in this update (0 when it was skipped or ``hyper`` has no
+            clipping entries).
 
     Non-finite gradients: the update of the whole tensor is skipped (W, exp_avg, exp_avg_sq and step
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
@@ -86,6 +91,12 @@ class AdamWUpdate(NamedTuple):
     exp_avg_sq_scales: torch.Tensor | None = None
     remainder: torch.Tensor | None = None
     seed: torch.Tensor | None = None
+    clipped: torch.Tensor | None = None
+
+    @property
+    def clipping(self) -> bool:
+        """Whether ``hyper`` carries the expert-clipping entries ([7]): the update clips its gradient."""
+        return self.hyper.numel() == 7
 
     @property
     def moments_8bit(self) -> bool:
@@ -265,7 +276,7 @@ def _wgrad(
 
     def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
                grad_dtype, arithmetic, has_norm, cfg=None, scales=None, remainder=None, rng=None,
-               **options):  # fmt: skip
+               clip_counts=None, **options):  # fmt: skip
         cfg = cfg or chosen
         if remainder is not None or rng is not None:
             # The weight as its int16 bits (merged with the remainder, or rounded stochastically, in the
@@ -294,6 +305,7 @@ def _wgrad(
             p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
             *scale_args, hyper if remainder is None else remainder, hyper if rng is None else rng,
+            hyper if clip_counts is None else clip_counts,
             E, M, N, top_k,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
             top_k_weights.stride(0), top_k_weights.stride(1),
@@ -302,7 +314,7 @@ def _wgrad(
             P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
             EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
             HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
-            REMAINDER=remainder is not None, STOCHASTIC=rng is not None,
+            REMAINDER=remainder is not None, STOCHASTIC=rng is not None, CLIP=clip_counts is not None,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],
             DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
             **cfg.launch(), **options,
@@ -390,6 +402,9 @@ def _wgrad(
     update.step.add_(advance)
     # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
     rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
+    # Expert clipping: one int32 count per program of the update's launch (the spike rule's replacements).
+    clip = update.clipping
+    counts = None
     applied = False
     try:
         # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments and
@@ -419,13 +434,15 @@ def _wgrad(
         if update.fused:
             if own:  # one sum of squares per program of their own tiles' grid
                 partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
+            if clip:
+                counts = torch.zeros(partial.numel(), dtype=torch.int32, device=weight.device)
             launch(
                 "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
                 scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, scales=scales,
-                remainder=update.remainder, rng=rng, **no_fusion,
+                remainder=update.remainder, rng=rng, clip_counts=counts, **no_fusion,
             )  # fmt: skip
         elif eight_bit:
-            moments_8bit.adamw_8bit_triton_(
+            counts = moments_8bit.adamw_8bit_triton_(
                 weight, grad, (update.exp_avg, update.exp_avg_scales), (update.exp_avg_sq, update.exp_avg_sq_scales),
                 scalars, skip, hyper, remainder=update.remainder, rng=rng,
             )  # fmt: skip
@@ -433,12 +450,15 @@ def _wgrad(
             remainder = update.remainder
             bits = remainder is not None or rng is not None  # the weight through its int16 bits
             ac = ADAMW_MASTER_CONFIG if bits else ADAMW_CONFIG
-            adamw_kernel[(triton.cdiv(weight.numel(), ac["BLOCK"]),)](
+            programs = triton.cdiv(weight.numel(), ac["BLOCK"])
+            if clip:
+                counts = torch.zeros(programs, dtype=torch.int32, device=weight.device)
+            adamw_kernel[(programs,)](
                 weight.view(torch.int16) if bits else weight, grad, update.exp_avg, update.exp_avg_sq, scalars,
                 skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
-                weight.numel(),
+                hyper if counts is None else counts, weight.numel(),
                 BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, REMAINDER=remainder is not None,
-                STOCHASTIC=rng is not None, INTERPRET=interpret, num_warps=ac["num_warps"], **no_fusion,
+                STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=interpret, num_warps=ac["num_warps"], **no_fusion,
             )  # fmt: skip
         applied = True
     finally:
@@ -449,6 +469,9 @@ def _wgrad(
         update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
     if update.skipped is not None:
         update.skipped.add_(skip.long())
+    if update.clipped is not None:
+        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0).
+        update.clipped.copy_(counts.sum() if counts is not None else 0)
     if update.on_done is not None:
         update.on_done()
     return None

@@ -107,6 +107,9 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             the Triton backend in the wgrad epilogue, the same bits as its split path).
         rounding_seed: the seed of the stochastic rounding's streams (each tensor's: ``state[p]["seed"]``,
             from it and the tensor's position among those the optimizer was given).
+        expert_clipping, spike_threshold: "none" (default) or "spike", as SonarAdamW takes them (SPAM's
+            spike rule inside the update; ``expert_clipped_elements()`` counts it); "lagged" needs the global
+            norm over all parameters and is SonarAdamW's.
     Raises:
         ValueError: a hyperparameter outside its range, a tensor that is not dense, a parameter group with
             maximize, amsgrad, capturable, differentiable or decoupled_weight_decay=False, or, with more
@@ -135,11 +138,19 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         data_parallel_group=None,
         master_weights: str | None = None,
         rounding_seed: int = 0,
+        expert_clipping: str = "none",
+        spike_threshold: float = 5000.0,
     ):
         check_hyperparameters(lr, betas, eps, weight_decay)
+        if expert_clipping == "lagged":
+            raise ValueError(
+                'expert_clipping="lagged" needs the global norm over all parameters, which ExpertAdamW does not '
+                'see (it holds the expert tensors only): use SonarAdamW(max_grad_norm=..., expert_clipping="lagged"), '
+                'or "spike"'
+            )
         self._init_in_backward(
             moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
-            rounding_seed,
+            rounding_seed, expert_clipping, spike_threshold,
         )  # fmt: skip
         defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
         super().__init__(params, defaults)

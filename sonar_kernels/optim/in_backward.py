@@ -34,6 +34,7 @@ The parts, by concern (each module's public names are its seam; none reads anoth
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -59,6 +60,28 @@ from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
+
+
+EXPERT_CLIPPING = ("none", "spike", "lagged")
+
+
+def check_expert_clipping(expert_clipping, spike_threshold) -> tuple[str, float]:
+    """(expert_clipping, spike_threshold as a float) after checking them.
+
+    Raises:
+        ValueError: expert_clipping not one of :data:`EXPERT_CLIPPING`, or spike_threshold not a finite
+            number > 0.
+    """
+    if expert_clipping not in EXPERT_CLIPPING:
+        raise ValueError(f"expert_clipping must be one of {EXPERT_CLIPPING}, got {expert_clipping!r}")
+    if (
+        isinstance(spike_threshold, bool)
+        or not isinstance(spike_threshold, (int, float))
+        or not math.isfinite(spike_threshold)
+        or spike_threshold <= 0
+    ):
+        raise ValueError(f"spike_threshold must be a finite number > 0, got {spike_threshold!r}")
+    return expert_clipping, float(spike_threshold)
 
 
 def expert_optimizer(param: torch.Tensor):
@@ -88,7 +111,13 @@ class InBackwardAdamW(ExpertTelemetry):
         data_parallel_group=None,
         master_weights=None,
         rounding_seed=0,
+        expert_clipping="none",
+        spike_threshold=5000.0,
     ) -> None:
+        # Expert clipping (docs/design.md, "Expert clipping"), checked before anything else is set up.
+        self.expert_clipping, self.spike_threshold = check_expert_clipping(expert_clipping, spike_threshold)
+        # "lagged": the coefficient the next step's expert updates multiply their gradients by (step() sets it).
+        self.expert_clip_coef = torch.ones((), dtype=torch.float32)
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if name == "moments_dtype" and dtype == EIGHT_BIT:
                 continue
@@ -335,6 +364,7 @@ class InBackwardAdamW(ExpertTelemetry):
         update = OwnedUpdate(
             self, record, p, **moments, step=state["step"],
             hyper=record.groups.tensor(p), grad_norm_sq=record.grad_norm_sq[p], skipped=record.skipped[p],
+            clipped=record.clipped[p],
             grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
             accumulation_steps=self.accumulation_steps, reduce_first=record.reduces_first(p),
         )  # fmt: skip

@@ -134,9 +134,29 @@ class GroupHyperparameters:
         """The parameter group that holds ``p``."""
         return self.param_groups[self.index(p)]
 
+    def _clipping(self) -> tuple[float, torch.Tensor] | None:
+        """(spike_threshold, the lagged coefficient tensor) of an optimizer with expert clipping, else None:
+        its hyperparameter tensors are then [7] (``specs.CLIPPING``), spike_threshold inf under "lagged"
+        and the coefficient 1 under "spike" (each rule an exact no-op when off)."""
+        optimizer = self._optimizer()
+        mode = getattr(optimizer, "expert_clipping", "none")
+        if mode == "none":
+            return None
+        threshold = optimizer.spike_threshold if mode == "spike" else float("inf")
+        return threshold, optimizer.expert_clip_coef
+
+    def set_clip_coef(self, coef: torch.Tensor) -> None:
+        """Write the lagged clipping coefficient (0-dim) into every hyperparameter tensor, on the device (no
+        host read), keeping their version counters (see :meth:`tensor`)."""
+        with torch.no_grad():
+            for _, tensor in self._tensors.values():
+                if tensor.numel() == 7:
+                    with torch.autograd._unsafe_preserve_version_counter(tensor):
+                        tensor[6].copy_(coef)
+
     def tensor(self, p: torch.Tensor) -> torch.Tensor:
         """The [5] float64 tensor on ``p``'s device holding its group's hyperparameters, which the kernels
-        read. Called when an update of ``p`` is about to run (also inside a compiled backward); written
+        read ([7] with expert clipping: then spike_threshold and the lagged coefficient, :meth:`_clipping`). Called when an update of ``p`` is about to run (also inside a compiled backward); written
         again only when the group's values changed since (``group[key] = ...``, ``group.update``, a tensor
         lr filled in place by an LR scheduler).
 
@@ -153,10 +173,19 @@ class GroupHyperparameters:
         ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
         key = (index, p.device)
         cached = self._tensors.get(key)
-        if cached is None or cached[0] != values:
-            tensor = cached[1] if cached is not None else torch.empty(5, dtype=torch.float64, device=p.device)
+        clipping = self._clipping()
+        size = 5 if clipping is None else 7
+        if cached is None or cached[0] != values or cached[1].numel() != size:
+            tensor = (
+                cached[1]
+                if cached is not None and cached[1].numel() == size
+                else torch.empty(size, dtype=torch.float64, device=p.device)
+            )
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
-                tensor.copy_(torch.tensor(values, dtype=torch.float64))
+                tensor[:5].copy_(torch.tensor(values, dtype=torch.float64))
+                if clipping is not None:
+                    tensor[5] = clipping[0]
+                    tensor[6].copy_(clipping[1])
             self._tensors[key] = (values, tensor)
             return tensor
         return cached[1]

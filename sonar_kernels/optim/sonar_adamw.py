@@ -97,6 +97,20 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
+        expert_clipping: how the expert gradients are clipped inside their update (docs/design.md,
+            "Expert clipping"; docs/usage.md says which to choose). "none" (default): not at all (the
+            paper's method; the updates are bitwise what they were without the option). "spike": SPAM's
+            spike rule (Huang et al., ICLR 2025, arXiv 2501.06842): an element whose g^2 exceeds
+            ``spike_threshold`` times its exp_avg_sq (before this step's update) is replaced by
+            sign(g) * sqrt(spike_threshold * exp_avg_sq), then AdamW proceeds; nothing where exp_avg_sq is
+            0 (an element's first update). Exact inside the wgrad epilogue, no extra memory; the count per
+            tensor is ``expert_clipped_elements()``. "lagged" (needs max_grad_norm): the expert gradients of
+            step t are multiplied by torch's clipping coefficient min(1, max_grad_norm / (norm + 1e-6)) of
+            step t-1's global norm over all parameters (``last_grad_norm``: dense and expert gradients, as
+            with clip_norm_includes_experts, which it implies for the dense ones); the first step's experts
+            are not clipped, nor is the spike step itself (its norm is known after its updates). The
+            coefficient is ``expert_clip_coef`` (not saved in ``state_dict()``).
+        spike_threshold: theta of "spike", a finite number > 0 (SPAM's default 5000).
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, master_weights, rounding_seed: for
             the expert tensors, as in ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments;
             ``master_weights``: bf16 experts with an fp32 master, "remainder", or rounded stochastically,
@@ -151,6 +165,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         data_parallel_group=None,
         master_weights: str | None = None,
         rounding_seed: int = 0,
+        expert_clipping: str = "none",
+        spike_threshold: float = 5000.0,
     ):
         # lr, betas, eps and weight_decay are checked by torch.optim.AdamW's own __init__ (below, before any
         # group is added: its exception types and messages), and again for the expert tensors' groups. Its
@@ -170,13 +186,15 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
         if clip_norm_includes_experts and max_grad_norm is None:
             raise ValueError("clip_norm_includes_experts=True needs max_grad_norm")
+        if expert_clipping == "lagged" and max_grad_norm is None:
+            raise ValueError('expert_clipping="lagged" needs max_grad_norm (the norm it clips to)')
         self.clip_norm_includes_experts = bool(clip_norm_includes_experts)
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.dense_skipped_steps: torch.Tensor | None = None
         self._init_in_backward(
             moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
-            rounding_seed,
+            rounding_seed, expert_clipping, spike_threshold,
         )  # fmt: skip
         if isinstance(params, nn.Module):
             model = params
@@ -224,6 +242,17 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
         ownership.register_adopter(self)
+
+    @torch.compiler.disable
+    def _set_lagged_coef(self, norm: torch.Tensor) -> None:
+        """expert_clipping="lagged": the coefficient of this step's global norm, torch's
+        min(1, max_grad_norm / (norm + 1e-6)) in fp32 (clip_grads_with_norm_), for the next step's expert
+        updates; a norm that is not finite (a skipped update) keeps the coefficient as it was. On the device,
+        no host read."""
+        coef = torch.clamp(self.max_grad_norm / (norm.float() + 1e-6), max=1.0)
+        old = self.expert_clip_coef.to(coef.device)
+        self.expert_clip_coef = torch.where(torch.isfinite(norm), coef, old)
+        self._record.groups.set_clip_coef(self.expert_clip_coef)
 
     def _refuse_pending(self) -> None:
         """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``
@@ -407,12 +436,15 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             grad_scale = None
         norm = None
         if self.max_grad_norm is not None:
-            if self.clip_norm_includes_experts:
+            if self.clip_norm_includes_experts or self.expert_clipping == "lagged":
                 dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
                 expert_norm = self.expert_grad_norm().to(dense_norm.device)
                 norm = torch.sqrt(dense_norm.square() + expert_norm.square())
-                torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
+                if dense:
+                    torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
                 self.last_dense_grad_norm, self.last_grad_norm = dense_norm, norm
+                if self.expert_clipping == "lagged":
+                    self._set_lagged_coef(norm)
             else:
                 norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
                 self.last_dense_grad_norm = norm

@@ -58,6 +58,26 @@ class ExpertTelemetry:
             total += skipped[p].to(total.device)
         return total
 
+    def expert_clipped_elements(self, params=None) -> torch.Tensor:
+        """How many gradient entries the spike rule (``expert_clipping="spike"``, docs/design.md, "Expert
+        clipping") replaced in the last step's in-backward updates of ``params`` (None: all expert tensors
+        of this optimizer): a 0-dim int64 tensor, summed over the tensors (0 for a tensor with no update in
+        that step, a skipped update, or another expert_clipping). Read it after the backward or after
+        ``step()``, as :meth:`expert_grad_norm`; reading it syncs with the device. FSDP2's sharded tensors
+        updated from ``.grad`` count this rank's shard.
+
+        Raises:
+            ValueError: a tensor this optimizer does not update in the backward.
+        """
+        ordered = self._ordered(params)
+        if not ordered:
+            return torch.zeros((), dtype=torch.int64)
+        clipped = self._record.clipped
+        total = clipped[ordered[0]].clone()
+        for p in ordered[1:]:
+            total += clipped[p].to(total.device)
+        return total
+
     def _ordered(self, params) -> list[torch.Tensor]:
         """``params`` (None: all managed tensors) in param_groups order.
 

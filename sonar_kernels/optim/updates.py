@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from sonar_kernels import ops, specs
+from sonar_kernels.ops.clipping import clips
 from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
 from sonar_kernels.ops.moments_8bit import adamw_8bit_
 from sonar_kernels.optim import distributed, loss_scaling, ownership
@@ -48,6 +49,8 @@ class InBackwardUpdates:
         grad_norm_sq: tensor -> 0-dim float32, the squared L2 norm of the gradient of its update in the
             last step (0 if none, inf if the update was skipped).
         skipped: tensor -> 0-dim int64, its updates skipped for a non-finite or too large gradient.
+        clipped: tensor -> 0-dim int64, the gradient entries the spike rule replaced in its update of the
+            last step (expert clipping; 0 without it or without an update).
         tensors_by_id: id -> tensor, for the update handles.
     """
 
@@ -64,6 +67,7 @@ class InBackwardUpdates:
         self.updated_in_backward: dict = {}
         self.grad_norm_sq: dict = {}
         self.skipped: dict = {}
+        self.clipped: dict = {}
         # id -> tensor of every tensor an update of the optimizer was built for (the update handles name
         # their tensor by id: optim/update_handle.py).
         self.tensors_by_id: dict[int, torch.Tensor] = {}
@@ -78,9 +82,11 @@ class InBackwardUpdates:
         if p in self.grad_norm_sq:
             self.grad_norm_sq[p] = self.grad_norm_sq[p].to(p.device)
             self.skipped[p] = self.skipped[p].to(p.device)
+            self.clipped[p] = self.clipped[p].to(p.device)
         else:
             self.grad_norm_sq[p] = torch.zeros((), dtype=torch.float32, device=p.device)
             self.skipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
+            self.clipped[p] = torch.zeros((), dtype=torch.int64, device=p.device)
 
     def move(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` takes the place of managed ``old`` (:meth:`InBackwardAdamW.adopt_replacement`): its
@@ -88,6 +94,7 @@ class InBackwardUpdates:
         between a ``step()`` and the next backward: nothing of the step is pending."""
         self.grad_norm_sq[new] = self.grad_norm_sq.pop(old).to(new.device)
         self.skipped[new] = self.skipped.pop(old).to(new.device)
+        self.clipped[new] = self.clipped.pop(old).to(new.device)
         self.tensors_by_id.pop(id(old), None)
         self.groups.forget_tensor(old)
         for table in (self.held.without_graph, self.held.held, self.held.arrived_in):
@@ -97,6 +104,7 @@ class InBackwardUpdates:
         """Nothing of the record keeps ``p`` (it left the optimizer before any update of it)."""
         self.grad_norm_sq.pop(p, None)
         self.skipped.pop(p, None)
+        self.clipped.pop(p, None)
         self.tensors_by_id.pop(id(p), None)
         self.groups.forget_tensor(p)
         for table in (self.held.without_graph, self.held.held, self.held.arrived_in):
@@ -177,9 +185,11 @@ class InBackwardUpdates:
         group = self.groups.group(p)
         foreach, fused = torch_adamw_flags(group, [p])
         state = self._optimizer().state[p]
+        hyper = self.groups.tensor(p)
+        clipping = {"clip": hyper if clips(hyper) else None, "clipped": self.clipped[p]}
         if "exp_avg_codes" in state:  # 8-bit moments: the scheme's update (skipped the same way)
             tensors = [state["exp_avg_codes"], state["exp_avg_sq_codes"], state["step"], self.grad_norm_sq[p],
-                       self.skipped[p], state["exp_avg_scales"], state["exp_avg_sq_scales"]]  # fmt: skip
+                       self.skipped[p], self.clipped[p], state["exp_avg_scales"], state["exp_avg_sq_scales"]]  # fmt: skip
             tensors += [state[key] for key in ("remainder", "seed") if key in state]  # bf16 master weights
             adamw_8bit_(
                 p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
@@ -189,7 +199,7 @@ class InBackwardUpdates:
             return
         if "seed" in state:  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
             tensors = [state["exp_avg"], state["exp_avg_sq"], state["step"], self.grad_norm_sq[p], self.skipped[p],
-                       state["seed"]]  # fmt: skip
+                       self.clipped[p], state["seed"]]  # fmt: skip
             stochastic_adamw_(
                 p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
             )
@@ -197,11 +207,12 @@ class InBackwardUpdates:
             remainder_adamw_(
                 p, state["remainder"], grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                 torch_hyperparameters(group), self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,
+                **clipping,
             )  # fmt: skip
         else:
             ops.torch_adamw_(
                 p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], torch_hyperparameters(group),
-                self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,
+                self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
         self.micro_batches.consumed(p)
         self.updated[p] = True
@@ -272,6 +283,7 @@ class InBackwardUpdates:
             for p in managed:
                 if p not in self.updated:
                     self.grad_norm_sq[p].zero_()  # no gradient this step: it counts as 0
+                    self.clipped[p].zero_()
         finally:
             # The step ends even when a gradient above was refused (a tensor updated twice).
             self.updated = {}

@@ -1,0 +1,276 @@
+"""expert_clipping (docs/design.md, "Expert clipping"): SPAM's spike rule and the lagged global-norm
+coefficient inside the in-backward update, against torch.optim.AdamW (or, for 8-bit moments, the scheme's
+torch ops) on a copy fed the same backend's plain gradients with the same rule applied to them first
+(reference.spike_clip, reference.lagged_clip_coef), reading the copy's own exp_avg_sq."""
+
+import pytest
+import torch
+from cases import Case
+from numerics import rel_err
+
+import sonar_kernels
+from sonar_kernels import reference
+from sonar_kernels.ops import master_weights as mw
+from sonar_kernels.ops import moments_8bit as q8
+from sonar_kernels.optim.in_backward import mark_expert_tensors
+
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+# T, H, I, E, top_k: W1 [2, 64, 96], W2 [2, 96, 32] (8-bit moments need the last dimension a multiple of 32).
+SHAPE = Case(16, 96, 32, 2, 2)
+STEPS = 3
+SPIKE_STEP, SPIKE = 2, 1000.0  # the last step's loss multiplied by 1000
+THETA = 50.0
+MAX_NORM = 0.5
+KINDS = {
+    "fp32": (torch.float32, {}),
+    "bf16": (torch.bfloat16, {}),
+    "8bit": (torch.float32, {"moments_dtype": "8bit"}),
+    "remainder": (torch.bfloat16, {"master_weights": "remainder"}),
+}
+
+
+def _inputs(device, dtype):
+    torch.manual_seed(0)
+    x, index, weights, w1, w2 = SHAPE.make(dtype, device=device)
+    grads = []
+    for s in range(STEPS):
+        g = torch.randn(SHAPE.T, SHAPE.H, generator=torch.Generator().manual_seed(s))
+        grads.append((g * (SPIKE if s == SPIKE_STEP else 1.0)).to(dtype).to(device))
+    return x, index, weights, w1, w2, grads
+
+
+def _optimizer(params, clipping, threshold=THETA, **options):
+    if clipping == "lagged":
+        mark_expert_tensors(*params)
+        return sonar_kernels.SonarAdamW(
+            params, **HYPER, max_grad_norm=MAX_NORM, expert_clipping="lagged", **options
+        )
+    return sonar_kernels.ExpertAdamW(params, **HYPER, expert_clipping=clipping, spike_threshold=threshold, **options)
+
+
+def _bits(t):
+    return t.detach().view(torch.int16) if t.dtype == torch.bfloat16 else t.detach()
+
+
+def _train(backend, kind, clipping, device, **extra):
+    """(params, optimizer, per-step clipped counts, per-step global norms) of the in-backward training."""
+    dtype, options = KINDS[kind]
+    x, index, weights, w1, w2, grads = _inputs(device, dtype)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    optimizer = _optimizer(params, clipping, **options, **extra)
+    counts, norms = [], []
+    for grad_out in grads:
+        sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend).backward(grad_out)
+        optimizer.step()
+        counts.append(int(optimizer.expert_clipped_elements()))
+        if clipping == "lagged":
+            norms.append(optimizer.last_grad_norm.clone())
+    return params, optimizer, counts, norms
+
+
+def _hyper_tensor():
+    return torch.tensor([HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64)
+
+
+def _moments(optimizer, p, kind):
+    s = optimizer.state[p]
+    if kind == "8bit":
+        return ((s["exp_avg_codes"], s["exp_avg_scales"]), (s["exp_avg_sq_codes"], s["exp_avg_sq_scales"]))
+    return (s["exp_avg"], s["exp_avg_sq"])
+
+
+def _weight(optimizer, p, kind):
+    """The weight the update trains: the fp32 master for the remainder."""
+    return mw.merge(p.detach(), optimizer.state[p]["remainder"]) if kind == "remainder" else p.detach()
+
+
+def _flat(moments):
+    return [t for m in moments for t in (m if isinstance(m, tuple) else (m,))]
+
+
+def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
+    """What one step should give from the optimizer's state now: the same backend's plain gradient at the
+    current weights (its backward without an optimizer), clipped by the reference rule (the spike rule
+    against the state's own exp_avg_sq, dequantized for 8-bit moments; or the lagged coefficient
+    ``coef``), then torch.optim.AdamW(fused=True) on a copy of the weight (the fp32 master for the
+    remainder) and its state, or the 8-bit scheme's torch ops. Returns ([(weight, moments)], the spike
+    rule's count, the plain gradients' global norm)."""
+    x, index, weights, grad_out = batch
+    copies = [p.detach().clone().requires_grad_() for p in params]
+    sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grad_out)
+    grads = [c.grad for c in copies]
+    norm = torch.sqrt(sum(torch.linalg.vector_norm(g.float()).square() for g in grads))
+    expected, count = [], 0
+    for p, g in zip(params, grads, strict=True):
+        state = optimizer.state[p]
+        if kind == "8bit":
+            m_state, v_state = (tuple(t.clone() for t in pair) for pair in _moments(optimizer, p, kind))
+            v = q8.dequantize(*v_state, "exp_avg_sq")
+        else:
+            v = state["exp_avg_sq"]
+        if clipping == "spike":
+            g, n = reference.spike_clip(g, v, THETA)
+            count += n
+        elif coef is not None:
+            g = g.mul(coef.to(g.device))
+        if kind == "8bit":
+            scalars = q8.adamw_8bit_scalars(state["step"].cpu() + 1, _hyper_tensor())
+            new_p, m, v = q8.adamw_8bit_update(
+                p.detach().cpu(), g.float().cpu(), m_state, v_state, scalars, _hyper_tensor()
+            )
+            expected.append((new_p, (m, v)))
+            continue
+        copy = torch.nn.Parameter(_weight(optimizer, p, kind).clone())
+        twin = torch.optim.AdamW([copy], **HYPER, fused=True)
+        twin.state[copy] = {k: state[k].clone() for k in ("step", "exp_avg", "exp_avg_sq")}
+        copy.grad = g.to(copy.dtype)
+        twin.step()
+        expected.append((copy.detach(), (twin.state[copy]["exp_avg"], twin.state[copy]["exp_avg_sq"])))
+    return expected, count, norm
+
+
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
+@pytest.mark.parametrize("clipping", ["spike", "lagged"])
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, clipping, device):
+    dtype, options = KINDS[kind]
+    x, index, weights, w1, w2, grads = _inputs(device, dtype)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    optimizer = _optimizer(params, clipping, **options)
+    # Bitwise where the same arithmetic runs (the torch backend runs torch's AdamW and the scheme's ops; the
+    # Triton 8-bit update is the scheme's arithmetic); else the Triton AdamW arithmetic and torch's CPU AdamW
+    # round differently in the last bits (docs/design.md, "Arithmetic"; test_expert_adamw.py bounds it in
+    # ulps): fp32 to a relative 1e-6 per step, bf16 each element within one bf16 ulp of the larger of the
+    # result and the value before the step.
+    exact = backend == "torch" or kind == "8bit"
+    coef, counts = None, []
+    for step, grad_out in enumerate(grads):
+        expected, count, norm = _expected_step(
+            backend, kind, clipping, optimizer, params, (x, index, weights, grad_out), coef
+        )
+        before = [[t.clone() for t in (_weight(optimizer, p, kind), *_flat(_moments(optimizer, p, kind)))] for p in params]
+        sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend).backward(grad_out)
+        optimizer.step()
+        counts.append(int(optimizer.expert_clipped_elements()))
+        assert counts[-1] == count, f"step {step}: the spike rule's count"
+        if clipping == "lagged":  # the global norm over all parameters, and torch's coefficient of it
+            assert abs(float(optimizer.last_grad_norm) / float(norm) - 1) <= 1e-6
+            coef = reference.lagged_clip_coef(optimizer.last_grad_norm, MAX_NORM)
+            assert torch.equal(optimizer.expert_clip_coef, coef)
+        for p, (want_w, want_moments), old in zip(params, expected, before, strict=True):
+            got = [_weight(optimizer, p, kind), *_flat(_moments(optimizer, p, kind))]
+            for a, b, c in zip(got, [want_w, *_flat(want_moments)], old, strict=True):
+                a, b, c = a.cpu(), b.cpu(), c.cpu()
+                if exact:
+                    assert torch.equal(a, b), f"step {step}"
+                elif a.dtype == torch.float32:
+                    assert rel_err(a, b) <= 1e-6, f"step {step}"
+                else:  # one ulp at the larger of the result and the value before (a cancellation keeps its ulp)
+                    scale = torch.maximum(b.float().abs(), c.float().abs())
+                    ulp = torch.finfo(torch.bfloat16).eps * scale + torch.finfo(torch.bfloat16).tiny
+                    assert bool(((a.float() - b.float()).abs() <= ulp).all()), f"step {step}"
+    if clipping == "spike":  # not at the first update (v = 0); at the spike in most elements
+        assert counts[0] == 0 and counts[SPIKE_STEP] > sum(p.numel() for p in params) // 2
+    else:
+        assert counts == [0] * STEPS and float(optimizer.expert_clip_coef) < 1.0
+
+
+@pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
+@pytest.mark.parametrize("clipping", ["spike", "lagged"])
+@pytest.mark.parametrize("kind", [*KINDS, "stochastic"])
+def test_the_fused_epilogue_equals_the_split_path(kind, clipping, device):
+    options = {"master_weights": "stochastic"} if kind == "stochastic" else {}
+    kind = "bf16" if kind == "stochastic" else kind
+    runs = []
+    for fused in (True, False):
+        params, optimizer, counts, _ = _train("triton", kind, clipping, device, fused_epilogue=fused, **options)
+        runs.append((params, optimizer, counts))
+    (fp, fo, fc), (sp, so, sc) = runs
+    assert fc == sc
+    for a, b in zip(fp, sp, strict=True):
+        assert torch.equal(_bits(a), _bits(b))
+        for x, y in zip(_flat(_moments(fo, a, kind)), _flat(_moments(so, b, kind)), strict=True):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_threshold_no_gradient_reaches_gives_the_bits_without_clipping(backend, kind, device):
+    high, _, counts, _ = _train(backend, kind, "spike", device, threshold=1e30)
+    none, _, _, _ = _train(backend, kind, "none", device)
+    assert counts == [0] * STEPS
+    for a, b in zip(high, none, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_rule_sees_the_accumulated_gradient_once():
+    # accumulation_steps=2 on the torch backend: the two micro-batches' gradients are summed first (as
+    # autograd sums them in .grad), then clipped once against exp_avg_sq.
+    x, index, weights, w1, w2, grads = _inputs("cpu", torch.float32)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    optimizer = sonar_kernels.ExpertAdamW(
+        params, **HYPER, expert_clipping="spike", spike_threshold=2.0, accumulation_steps=2
+    )
+    masters = [torch.nn.Parameter(w.clone()) for w in (w1, w2)]
+    ref = torch.optim.AdamW(masters, **HYPER, fused=True)
+    total = 0
+    for step in range(2):
+        for grad_out in grads[:2]:
+            sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(grad_out * (step + 1))
+            sonar_kernels.moe_mlp(x, index, weights, *masters, backend="torch").backward(grad_out * (step + 1))
+        optimizer.step()
+        this_step = 0
+        for m in masters:
+            v = ref.state.get(m, {}).get("exp_avg_sq", torch.zeros_like(m))
+            m.grad, n = reference.spike_clip(m.grad, v, 2.0)
+            this_step += n
+        ref.step()
+        ref.zero_grad()
+        assert int(optimizer.expert_clipped_elements()) == this_step
+        total += this_step
+    assert total > 0
+    for p, m in zip(params, masters, strict=True):
+        assert torch.equal(p, m)
+        assert torch.equal(optimizer.state[p]["exp_avg_sq"], ref.state[m]["exp_avg_sq"])
+
+
+def test_a_gradient_that_reaches_grad_is_clipped_too():
+    # A managed tensor used outside the expert MLP gets its gradient through .grad (torch's AdamW there).
+    w = torch.nn.Parameter(torch.randn(2, 8, 32))
+    twin = torch.nn.Parameter(w.detach().clone())
+    optimizer = sonar_kernels.ExpertAdamW([w], **HYPER, expert_clipping="spike", spike_threshold=3.0)
+    ref = torch.optim.AdamW([twin], **HYPER, fused=True)
+    counts = []
+    for step in range(3):
+        c = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step)) * (100.0 if step == 2 else 1.0)
+        (w * c).sum().backward()
+        optimizer.step()
+        (twin * c).sum().backward()
+        v = ref.state.get(twin, {}).get("exp_avg_sq", torch.zeros_like(twin))
+        twin.grad, n = reference.spike_clip(twin.grad, v, 3.0)
+        counts.append((int(optimizer.expert_clipped_elements()), n))
+        ref.step()
+        ref.zero_grad()
+        assert torch.equal(w, twin)
+    assert all(a == b for a, b in counts) and counts[2][0] > 0
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "words"),
+    [
+        ({"expert_clipping": "global"}, ValueError, "expert_clipping must be one of"),
+        ({"expert_clipping": "spike", "spike_threshold": 0.0}, ValueError, "spike_threshold"),
+        ({"expert_clipping": "spike", "spike_threshold": float("inf")}, ValueError, "spike_threshold"),
+        ({"expert_clipping": "spike", "spike_threshold": True}, ValueError, "spike_threshold"),
+        ({"expert_clipping": "lagged"}, ValueError, "needs max_grad_norm"),
+    ],
+)
+def test_bad_options_are_refused(options, error, words):
+    with pytest.raises(error, match=words):
+        sonar_kernels.SonarAdamW([torch.nn.Parameter(torch.zeros(2))], **options)
+
+
+def test_expert_adamw_refuses_lagged_and_names_sonar_adamw():
+    with pytest.raises(ValueError, match="SonarAdamW"):
+        sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 4, 32))], expert_clipping="lagged")
