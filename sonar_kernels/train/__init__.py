@@ -15,6 +15,12 @@ updated in the backward and no clipping anywhere (:class:`AllInBackward`); ``--a
 method itself: SonarAdamW's split path (``fused_epilogue=False``: each expert gradient written as a tensor,
 applied in the backward, released; the same bits as ``sonar``, more memory on the Triton backend).
 
+``--expert-clipping spike lagged`` adds SonarAdamW's expert clipping: ``sonar-spike`` (SPAM's spike rule
+inside the in-backward update, ``--spike-threshold``) and ``sonar-lagged`` (the expert gradients scaled by
+the previous step's global clipping coefficient), each with a bitwise control on the first seed
+(``spike-control``, ``lagged-control``: materialized gradients, the rule applied by hand), and verdicts
+against standard and sonar. ``--inject-spike STEP:SCALE`` multiplies one step's loss in every arm.
+
 ``--model PATH`` loads a local transformers checkpoint (a folder saved by ``save_pretrained``) of any MoE
 family the sonar experts run, with ``from_pretrained`` (local files only), and every arm and seed starts
 from its weights (the seeds then differ in batch order only). The token ids stay the text's bytes
@@ -52,7 +58,9 @@ each rank trains on its own batches, DDP reduces the dense gradients and SonarAd
 expert gradient over the ranks before its update; the report names the ranks and the layout and gives
 a checksum of the expert weights per rank and arm (``distributed``).
 
-The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``checkpoint``
+The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``clipping`` (the
+expert-clipping arms' controls, telemetry and summary lines), ``verdicts`` (their verdicts and the spike's
+effect against ``--spike-baseline``), ``checkpoint``
 (``--model`` and ``--save``), ``memory`` (the estimate before the run, the MemTracker pass), ``report`` (table and figure), ``distributed`` (torchrun: the process group, the
 ranks' batches, DDP, the checksums), ``cli`` (``sonar-train``, ``python -m sonar_kernels.train``).
 """

@@ -15,6 +15,14 @@ import torch
 
 from sonar_kernels.optim.param_groups import torch_adamw_flags
 from sonar_kernels.train import distributed
+from sonar_kernels.train.clipping import (
+    CLIPPING_ARMS,
+    CLIPPING_CONTROLS,
+    CLIPPING_MODE,
+    LaggedControl,
+    SpikeControl,
+    clipping_telemetry,
+)
 from sonar_kernels.train.data import ByteData, Preset
 
 ARMS = ("standard", "sonar", "standard-dense-clip")
@@ -31,16 +39,17 @@ MASTER_ARMS = (
     "sonar-stochastic-8bit",
     "remainder-control",
 )
-OTHER_ARMS = ("all-in-backward", "paper", "sonar-8bit", "torchao-8bit", *MASTER_ARMS)
+# Expert clipping (--expert-clipping; train/clipping.py): sonar-spike, sonar-lagged and their controls.
+OTHER_ARMS = ("all-in-backward", "paper", "sonar-8bit", "torchao-8bit", *MASTER_ARMS, *CLIPPING_ARMS)
 # The arms that train with SonarAdamW: exact moments, 8-bit moments (docs/design.md, "8-bit moments"), bf16
 # master weights.
 # "paper": the Sonar-MoE paper's method, SonarAdamW's split path (fused_epilogue=False): each expert
 # tensor's gradient written as a tensor and applied in the backward, then released (the same bits as sonar).
 SONAR_ARMS = ("sonar", "paper", "sonar-8bit", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
-              "sonar-stochastic-8bit")  # fmt: skip
+              "sonar-stochastic-8bit", "sonar-spike", "sonar-lagged")  # fmt: skip
 # Each sonar arm's control, run on the first seed only: its training with materialized gradients and a
 # separate step that must give the same bits (dense clipping, the experts' update as the sonar arm's).
-CONTROLS = {"sonar": "standard-dense-clip", "sonar-remainder": "remainder-control"}
+CONTROLS = {"sonar": "standard-dense-clip", "sonar-remainder": "remainder-control", **CLIPPING_CONTROLS}
 
 
 EXPERT_PARAMS = ("gate_up_proj", "down_proj")
@@ -261,6 +270,10 @@ class Arm:
     # sonar: the expert updates counted from the tensors' AdamW step counts, in the backward and in
     # step() (device tensors; None when not counted, e.g. in the memory pass).
     updates: dict | None = None
+    # The expert-clipping arms' telemetry, one device tensor per step (None when not recorded, e.g. in
+    # the memory pass): the elements the spike rule replaced (int64), or the lagged coefficient that the
+    # next step's expert gradients are multiplied by (fp32).
+    clipping: list | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -269,8 +282,8 @@ class Arm:
 
 def build_arm(name: str, initial, args, steps: int, count_updates: bool = False) -> Arm:
     """Arm ``name`` on a copy of ``initial`` (moved to ``args.device_obj``), with its optimizer and LR
-    schedule over ``steps`` steps; ``count_updates``: count the sonar arm's expert updates (see
-    :func:`train_step`)."""
+    schedule over ``steps`` steps; ``count_updates`` (the training runs): count the sonar arms' expert
+    updates and record the expert-clipping arms' telemetry (see :func:`train_step`)."""
     import sonar_kernels
 
     model = copy.deepcopy(initial).to(args.device_obj)
@@ -291,12 +304,25 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
     clip = None
     if name in SONAR_ARMS:
         master = next((m for m in ("remainder", "stochastic") if m in name), None)
+        clipping = {}  # only for the clipping arms: the other arms build as before expert_clipping existed
+        if name in CLIPPING_MODE:
+            clipping["expert_clipping"] = CLIPPING_MODE[name]
+            if name == "sonar-spike":
+                clipping["spike_threshold"] = args.spike_threshold
         optimizer = sonar_kernels.SonarAdamW(
             model, **hyper, **flags, max_grad_norm=args.max_grad_norm,
             data_parallel_group=None if ep_experts is not None else distributed.group(),
             moments_dtype="8bit" if name.endswith("8bit") else None, master_weights=master,
-            fused_epilogue=name != "paper",
+            fused_epilogue=name != "paper", **clipping,
         )  # fmt: skip
+    elif name in ("spike-control", "lagged-control"):
+        params = [p for p in model.parameters() if p.requires_grad]
+        experts = [p for n, p in model.named_parameters() if p.requires_grad and n.endswith(EXPERT_PARAMS)]
+        if name == "spike-control":
+            optimizer = SpikeControl(params, experts, hyper, flags, args.spike_threshold)
+            clip = dense_parameters(model)
+        else:  # clips in its step(): the dense gradients by the norm over all of them
+            optimizer = LaggedControl(params, experts, hyper, flags, args.max_grad_norm)
     elif name in ("mixed-precision", "remainder-control"):
         control = name == "remainder-control"
         optimizer = Fp32Masters(model, hyper, flags, experts_only=control,
@@ -324,18 +350,24 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
     arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
     if name in SONAR_ARMS and count_updates:
         arm.updates = {"backward": 0, "step": 0}
+    if name in CLIPPING_MODE and count_updates:
+        arm.clipping = []
     arm.schedulers = [torch.optim.lr_scheduler.LambdaLR(o, schedule) for o in arm.optimizers]
     return arm
 
 
 def train_step(
-    arm: Arm, tokens: torch.Tensor, max_grad_norm: float
+    arm: Arm, tokens: torch.Tensor, max_grad_norm: float, spike: float | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One optimizer step; returns (loss, norm used for clipping, None when nothing is clipped) as device
-    tensors (no host sync). With ``arm.updates``, the expert tensors' AdamW step counts are read (on the
-    device) before and after the backward and after ``step()``: the increments are the updates that
-    happened in each."""
+    tensors (no host sync). ``spike``: the loss is multiplied by it before the backward (the injected
+    spike, ``--inject-spike``), and the returned loss is the multiplied one. With ``arm.updates``, the
+    expert tensors' AdamW step counts are read (on the device) before and after the backward and after
+    ``step()``: the increments are the updates that happened in each. With ``arm.clipping``, the step's
+    expert-clipping telemetry is appended (``clipping.clipping_telemetry``)."""
     loss = (arm.wrapped or arm.model)(input_ids=tokens, labels=tokens).loss
+    if spike is not None:
+        loss = loss * spike
     before = _expert_step_count(arm) if arm.updates is not None else None
     loss.backward()
     after_backward = _expert_step_count(arm) if arm.updates is not None else None
@@ -355,7 +387,11 @@ def train_step(
     if arm.updates is not None:
         arm.updates["backward"] = arm.updates["backward"] + (after_backward - before)
         arm.updates["step"] = arm.updates["step"] + (_expert_step_count(arm) - after_backward)
-    if arm.name in SONAR_ARMS:
+    if arm.clipping is not None:
+        arm.clipping.append(clipping_telemetry(arm.name, arm.optimizer))
+    if arm.name in ("sonar-lagged", "lagged-control"):  # the global norm: the dense gradients' clipping
+        norm = arm.optimizer.last_grad_norm
+    elif arm.name in SONAR_ARMS:
         norm = arm.optimizer.last_dense_grad_norm
     elif arm.name == "mixed-precision":  # clipped over the fp32 masters' gradients, in its step
         norm = arm.optimizer.last_grad_norm
@@ -400,16 +436,19 @@ def run_arm(
     arm: Arm, data: ByteData, steps: int, args, device: torch.device, heldout, label: str = ""
 ) -> dict:
     """Train ``arm`` for ``steps`` steps of ``data``, then evaluate it on ``heldout``. Every step is timed
-    (synchronized with the device around it); the caller leaves out the warm-up steps."""
+    (synchronized with the device around it); the caller leaves out the warm-up steps. ``args.inject_spike``
+    (STEP, SCALE), or None: the loss of step STEP (counted from 1) multiplied by SCALE."""
     from tqdm import tqdm
 
     label = label or arm.name
     losses, norms, times = [], [], []
+    spike_step, spike = args.inject_spike or (None, None)
     for step in tqdm(range(steps), desc=label, unit="step", file=sys.stderr, disable=args.quiet):
         tokens = data.batch(distributed.batch_index(step)).to(device)
+        injected = {"spike": spike} if step + 1 == spike_step else {}  # --inject-spike counts from 1
         sync(device)
         start = time.perf_counter()
-        loss, norm = train_step(arm, tokens, args.max_grad_norm)
+        loss, norm = train_step(arm, tokens, args.max_grad_norm, **injected)
         sync(device)
         times.append(time.perf_counter() - start)
         losses.append(loss)
@@ -426,6 +465,9 @@ def run_arm(
         else sum(n + 1e-6 > args.max_grad_norm for n in norms) / len(norms),
         "grad_norms": norms,
         "step_times_s": times,
+        # The expert-clipping arms: per step, elements replaced (spike) or the next step's coefficient
+        # (lagged); None for the other arms.
+        "clipping": None if arm.clipping is None else [x.item() for x in arm.clipping],
     }
 
 

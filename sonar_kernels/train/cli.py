@@ -27,6 +27,7 @@ from sonar_kernels.train.arms import (
     run_arm,
     time_interleaved,
 )
+from sonar_kernels.train.clipping import CLIPPING_MODE
 from sonar_kernels.train.data import PRESETS, ByteData, UsageError, load_text
 from sonar_kernels.train.memory import (
     LABELS,
@@ -46,6 +47,7 @@ from sonar_kernels.train.report import (
     step_time_summary,
     summary_table,
 )
+from sonar_kernels.train.verdicts import check_baseline, clipping_entry, spike_effect
 
 # What sonar-train imports beyond the base package: the [train] extra (pyproject.toml).
 TRAIN_EXTRA = ("transformers", "tqdm", "matplotlib")
@@ -91,6 +93,12 @@ def _run(args) -> int:
         raise UsageError(
             "--arms all-in-backward runs on one process only: its dense parameters are updated in the "
             "backward from their local, not yet averaged, gradient"
+        )
+    clipping = [name for name in args.arms if name in CLIPPING_MODE]
+    if ranks > 1 and clipping:
+        raise UsageError(
+            f"--expert-clipping ({', '.join(clipping)}) runs on one process only: its controls clip the "
+            "gradients of one process (their norms and second moments are not reduced over ranks)"
         )
     if args.ep > 1 and args.ep != ranks:
         raise UsageError(
@@ -189,6 +197,16 @@ def _run(args) -> int:
         "sequence_length": sequence_length,
         "lr": args.lr,
         "max_grad_norm": args.max_grad_norm,
+        # --inject-spike: {"step": STEP (counted from 1), "scale": SCALE}, the loss multiplied in every arm.
+        "inject_spike": (
+            None
+            if args.inject_spike is None
+            else dict(zip(("step", "scale"), args.inject_spike, strict=True))
+        ),
+        "spike_threshold": args.spike_threshold
+        if "sonar-spike" in args.arms or "spike-control" in args.arms
+        else None,
+        "warmup_steps": args.warmup_steps if args.warmup_steps is not None else max(1, steps // 10),
         "activation_checkpointing": args.checkpointing,
         "dtype": str(dtype).removeprefix("torch."),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -217,6 +235,10 @@ def _run(args) -> int:
     seeds = [args.seed + i for i in range(args.seeds)]
     report["seeds"] = seeds
     report["seeds_run"] = len(seeds)
+    if (
+        args.baseline_report is not None
+    ):  # before any training: the two runs must be the same but for the spike
+        check_baseline(args.baseline_report, report, args.spike_baseline)
     results = {name: [] for name in args.arms}  # per arm, one run_arm result per seed it ran
     # A sonar arm and its control (arms.CONTROLS), when both run: the parameters of the first to train (first
     # seed; with fp32 masters, the masters), on the CPU, until the other has trained.
@@ -224,7 +246,8 @@ def _run(args) -> int:
     pair_of = {name: arm for arm, control in pairs.items() for name in (arm, control)}
     final = {}
     equal = {}  # sonar arm -> its parameters equal its control's, bit for bit (first seed)
-    updates = {"backward": 0, "step": 0, "expected": 0}
+    # Per sonar arm with a control: its expert updates counted in the backward and in step(), and expected.
+    updates = {arm: {"backward": 0, "step": 0, "expected": 0} for arm in CONTROLS if arm in args.arms}
     for i, seed in enumerate(seeds):
         if i > 0:  # another batch order, and without --model another initialization
             data = ByteData(text, sequence_length, batch_size, seed)
@@ -246,12 +269,12 @@ def _run(args) -> int:
                     ("expert", [p for n, p in named if n.endswith(EXPERT_PARAMS)]),
                 ):
                     report["distributed"][f"{kind}_checksums"][name] = distributed.checksums(chosen)
-            if name == "sonar":
+            if name in updates:
                 # The verdict means something only if every expert tensor was updated in every backward:
                 # counted from the tensors' AdamW step counts, not assumed.
-                updates["backward"] += int(arm.updates["backward"])
-                updates["step"] += int(arm.updates["step"])
-                updates["expected"] += steps * len(arm.optimizer.expert_tensors)
+                updates[name]["backward"] += int(arm.updates["backward"])
+                updates[name]["step"] += int(arm.updates["step"])
+                updates[name]["expected"] += steps * len(arm.optimizer.expert_tensors)
                 report["expert_tensors"] = len(arm.optimizer.expert_tensors)
             if i == 0 and name == "sonar" and args.save is not None and leader:
                 checkpoint.save_model(arm.model, args.save, settings, args.quiet)
@@ -279,12 +302,13 @@ def _run(args) -> int:
             arm["step_time"] = step_time_summary([timing[name]])
             arm["step_time_s"] = arm["step_time"]["median_s"]
     if "sonar" in args.arms:
-        report["sonar_expert_updates_in_backward"] = updates["backward"]
-        report["sonar_expert_updates_in_step"] = updates["step"]
-        report["sonar_expert_updates_expected"] = updates["expected"]
+        report["sonar_expert_updates_in_backward"] = updates["sonar"]["backward"]
+        report["sonar_expert_updates_in_step"] = updates["sonar"]["step"]
+        report["sonar_expert_updates_expected"] = updates["sonar"]["expected"]
     if "sonar" in equal:
+        counted = updates["sonar"]
         report["sonar_equals_control_bitwise"] = (
-            updates["backward"] == updates["expected"] and updates["step"] == 0 and equal["sonar"]
+            counted["backward"] == counted["expected"] and counted["step"] == 0 and equal["sonar"]
         )
     if "sonar-remainder" in equal:  # its experts' fp32 masters (weight and remainder) and dense weights
         report["remainder_equals_control_bitwise"] = equal["sonar-remainder"]
@@ -296,6 +320,14 @@ def _run(args) -> int:
             1 - sonar_arm["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
         )
         report["speedup"], report["speedup_note"] = speedup(standard_arm["step_time"], sonar_arm["step_time"])
+    clipped = [name for name in ("sonar-spike", "sonar-lagged") if name in report["arms"]]
+    if clipped:
+        report["expert_clipping"] = {
+            name: clipping_entry(name, report, updates.get(name), equal.get(name), args.memory)
+            for name in clipped
+        }
+    if args.baseline_report is not None:
+        report["spike_effect"] = spike_effect(args.baseline_report, report, args.spike_baseline)
     if "mixed-precision" in report["arms"]:  # bf16 arms against standard mixed-precision AdamW
         reference = report["arms"]["mixed-precision"]
         report["versus_mixed_precision"] = {
@@ -380,10 +412,12 @@ def _timing_pass(args, initial, data, device, ranks, estimate, available) -> tup
 
 
 def _aggregate(runs: list[dict]) -> dict:
-    """One arm's results over the seeds it ran: per-seed lists and their summaries."""
+    """One arm's results over the seeds it ran: per-seed lists and their summaries (``clipping``: the
+    expert-clipping arms' per-step telemetry per seed, else None)."""
     heldout = [r["heldout_loss"] for r in runs]
     clip = [r["clip_fraction"] for r in runs]
     return {
+        "clipping": None if runs[0]["clipping"] is None else [r["clipping"] for r in runs],
         "seeds": [r["seed"] for r in runs],
         "heldout_losses": heldout,
         "heldout_loss": statistics.fmean(heldout),

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from sonar_kernels.train.arms import ARMS, MASTER_ARMS, OTHER_ARMS
+from sonar_kernels.train.clipping import SPIKE_THRESHOLD
 from sonar_kernels.train.data import PRESETS
 from sonar_kernels.train.report import TIMING_WARMUP
 
@@ -111,6 +112,28 @@ def parse_args(argv):
                         "are rounded stochastically (docs/usage.md; with --moments 8bit also their 8-bit-moments arms), "
                         "beside mixed-precision (standard AdamW on fp32 master copies of every parameter, their "
                         "reference) and, for remainder, remainder-control (its bitwise control, first seed)")  # fmt: skip
+    parser.add_argument("--expert-clipping", nargs="+", choices=("spike", "lagged"), default=[],
+                        help="also train sonar-spike and/or sonar-lagged, SonarAdamW(expert_clipping=...) whose "
+                        "in-backward expert update clips: spike, SPAM's rule (an element with g^2 > THETA v, v its "
+                        "exp_avg_sq before the update, replaced by sign(g) sqrt(THETA v); --spike-threshold), the "
+                        "dense gradients clipped by their own norm as in sonar; lagged, the expert gradients "
+                        "multiplied by the clipping coefficient of the previous step's global norm over all "
+                        "parameters (--max-grad-norm; 1 at the first step), the dense ones clipped by this step's. "
+                        "Each with its control on the first seed (spike-control, lagged-control: materialized "
+                        "gradients, the rule applied by hand before torch.optim.AdamW), which must equal it bit "
+                        "for bit")  # fmt: skip
+    parser.add_argument("--spike-threshold", type=float, metavar="THETA",
+                        help=f"SPAM's threshold theta of the sonar-spike arm and its control (default: {SPIKE_THRESHOLD:g}, "
+                        "the SPAM paper's)")  # fmt: skip
+    parser.add_argument("--inject-spike", type=_injected_spike, metavar="STEP:SCALE",
+                        help="multiply the loss of training step STEP (1 to the run's steps, as the report counts "
+                        "them) by SCALE (a finite number > 0) in every arm and seed before its backward, so that "
+                        "every arm sees the same gradient spike; the training loss recorded at that step is the "
+                        "multiplied one. The memory and timing passes inject nothing")  # fmt: skip
+    parser.add_argument("--spike-baseline", metavar="REPORT",
+                        help="with --inject-spike: the report.json of the same run without it (same model, data, "
+                        "steps, seeds and settings): the report adds, per arm, the held-out loss with the spike "
+                        "minus without it, paired over the seeds, with its verdict (whether the spike hurt)")  # fmt: skip
     parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
                         help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
     parser.add_argument("--dtype", choices=("float32", "bfloat16"),
@@ -167,6 +190,27 @@ def parse_args(argv):
         wanted = ["mixed-precision", f"sonar-{mode}"] + (["remainder-control"] if mode == "remainder" else [])
         wanted += [f"sonar-{mode}-8bit"] if args.moments == "8bit" else []
         args.arms += [arm for arm in wanted if arm not in args.arms]
+    for mode in args.expert_clipping:
+        args.arms += [arm for arm in (f"sonar-{mode}", f"{mode}-control") if arm not in args.arms]
+    spiking = [arm for arm in ("sonar-spike", "spike-control") if arm in args.arms]
+    if args.spike_threshold is None:
+        args.spike_threshold = SPIKE_THRESHOLD
+    elif not spiking:
+        parser.error("--spike-threshold applies to the sonar-spike arm: add --expert-clipping spike")
+    elif not (args.spike_threshold > 0 and math.isfinite(args.spike_threshold)):
+        parser.error(f"--spike-threshold must be a finite number > 0, got {args.spike_threshold}")
+    if args.inject_spike is not None and not 1 <= args.inject_spike[0] <= steps:
+        parser.error(
+            f"--inject-spike {args.inject_spike[0]}:{args.inject_spike[1]:g}: step {args.inject_spike[0]} is not "
+            f"one of the run's training steps (1 to {steps})"
+        )
+    args.baseline_report = None
+    if args.spike_baseline is not None:
+        if args.inject_spike is None:
+            parser.error(
+                "--spike-baseline compares a run with --inject-spike to one without: add --inject-spike"
+            )
+        args.baseline_report = _baseline_report(parser, args.spike_baseline)
     bf16_only = [arm for arm in args.arms if arm in MASTER_ARMS]
     if bf16_only and args.dtype != "bfloat16":
         parser.error(
@@ -218,3 +262,48 @@ def parse_args(argv):
         if path.exists() and not path.is_dir():
             parser.error(f"--out: {path} exists and is not a folder")
     return args
+
+
+def _injected_spike(text: str) -> tuple[int, float]:
+    """``--inject-spike STEP:SCALE`` as (STEP, SCALE): STEP an integer (checked against the run's steps
+    after parsing), SCALE a finite number > 0.
+
+    Raises:
+        argparse.ArgumentTypeError: another form, with what was expected.
+    """
+    step, colon, scale = text.partition(":")
+    if not colon:
+        raise argparse.ArgumentTypeError(f"expected STEP:SCALE (e.g. 60:1000), got {text!r}")
+    try:
+        step = int(step)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"STEP must be an integer, got {step!r} in {text!r}") from None
+    try:
+        scale = float(scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"SCALE must be a number, got {scale!r} in {text!r}") from None
+    if not (scale > 0 and math.isfinite(scale)):
+        raise argparse.ArgumentTypeError(f"SCALE must be a finite number > 0, got {scale:g} in {text!r}")
+    return step, scale
+
+
+def _baseline_report(parser: argparse.ArgumentParser, path: str) -> dict:
+    """The ``--spike-baseline`` report: a sonar-train report.json of a run without ``--inject-spike`` (its
+    settings are checked against this run's in ``cli``, once they are resolved)."""
+    import json
+
+    try:
+        report = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        parser.error(f"--spike-baseline {path}: no such file")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        parser.error(f"--spike-baseline {path}: not a readable report.json ({e})")
+    if not isinstance(report, dict) or not isinstance(report.get("arms"), dict) or "steps" not in report:
+        parser.error(f"--spike-baseline {path}: not a sonar-train report.json")
+    if report.get("inject_spike") is not None:
+        spike = report["inject_spike"]
+        parser.error(
+            f"--spike-baseline {path}: that run injected a spike too (step {spike['step']}, x{spike['scale']:g}); "
+            "give the report of the same run without --inject-spike"
+        )
+    return report

@@ -6,6 +6,7 @@ import math
 import statistics
 from pathlib import Path
 
+from sonar_kernels.train.clipping import clipping_lines, spike_effect_lines
 from sonar_kernels.train.memory import LABELS
 
 # Step times: the first TIMING_WARMUP steps of every run are left out (allocator, caches, lazy state);
@@ -199,6 +200,7 @@ def summary_table(report: dict) -> str:
         ratio = report.get(f"peak_memory_ratio_{suffix}")
         if ratio is not None:
             lines.append(f"  {arm} peak memory / standard's: {ratio:.3f}")
+    lines += clipping_lines(report) + spike_effect_lines(report)
     versus = report.get("versus_mixed_precision")
     if versus:
         lines.append("")
@@ -228,6 +230,15 @@ def summary_table(report: dict) -> str:
             f"sonar and standard-dense-clip bitwise identical (all parameters after training, seed "
             f"{arms['standard-dense-clip']['seeds'][0]}): {verdict}"
         )
+    for name, entry in report.get("expert_clipping", {}).items():
+        if entry["equals_control_bitwise"] is not None:
+            counted = entry["expert_updates"]
+            lines.append(
+                f"{name} and {entry['control']} bitwise identical (all parameters after training, seed "
+                f"{arms[entry['control']]['seeds'][0]}; {name}'s expert updates: {counted['backward']} in the "
+                f"backward, {counted['step']} in step(), of {counted['expected']} expected): "
+                f"{entry['equals_control_bitwise']}"
+            )
     verdict = report.get("remainder_equals_control_bitwise")
     if verdict is not None:
         lines.append(
@@ -286,6 +297,20 @@ def _title(report: dict) -> str:
     lines = [first, "; ".join(verdicts)]
     if heldout is not None:
         lines.append(f"held-out verdict: {heldout['verdict']}")
+    spike = report.get("inject_spike")
+    clipped = []
+    for name, entry in report.get("expert_clipping", {}).items():
+        for reference in ("standard", "sonar"):
+            held = entry.get(f"versus_{reference}")
+            if held is not None:
+                se = held["standard_error"]
+                pm = f" ± {se:.4f}" if se is not None else ""
+                clipped.append(f"{name} - {reference} {held['mean_delta']:+.4f}{pm}")
+    if clipped or spike is not None:
+        injected = (
+            f"spike: step {spike['step']}'s loss x{spike['scale']:g}" if spike is not None else "no spike"
+        )
+        lines.append(f"{injected}; " + "; ".join(clipped))
     return "\n".join(lines)
 
 
@@ -321,6 +346,10 @@ def plot(report: dict, path: Path) -> list[str]:
         "all-in-backward": "C3",
         "sonar-8bit": "C4",
         "torchao-8bit": "C5",
+        "sonar-spike": "C6",
+        "spike-control": "C6",
+        "sonar-lagged": "C8",
+        "lagged-control": "C8",
     }
     colors = {name: palette.get(name, f"C{4 + i}") for i, name in enumerate(names)}
     styles = {
@@ -330,6 +359,10 @@ def plot(report: dict, path: Path) -> list[str]:
         "all-in-backward": "-.",
         "sonar-8bit": "--",
         "torchao-8bit": ":",
+        "sonar-spike": "--",
+        "spike-control": ":",
+        "sonar-lagged": "--",
+        "lagged-control": ":",
     }
     if "loss" in axes:
         # Every arm's curve on the first seed (the paired comparison: the control lies on sonar's), and
@@ -337,8 +370,16 @@ def plot(report: dict, path: Path) -> list[str]:
         ax = axes["loss"]
         first = min(s for r in arms.values() for s in r["seeds"])
         banded = False
+        spike = report.get("inject_spike")
+        # The injected step's loss is SCALE times the others: left out of the curves (a gap) and marked, so
+        # that the curves keep their scale.
+        at = None if spike is None else spike["step"] - 1
+
+        def shown(run):
+            return [math.nan if i == at else x for i, x in enumerate(run)]
+
         for name, r in arms.items():
-            runs = r["train_losses"]
+            runs = [shown(run) for run in r["train_losses"]]
             steps = range(1, len(runs[0]) + 1)
             if first in r["seeds"]:
                 ax.plot(
@@ -353,6 +394,9 @@ def plot(report: dict, path: Path) -> list[str]:
                 low = [min(values) for values in zip(*runs, strict=True)]
                 high = [max(values) for values in zip(*runs, strict=True)]
                 ax.fill_between(steps, low, high, color=colors[name], alpha=0.12, linewidth=0)
+        if spike is not None:
+            ax.axvline(spike["step"], color="0.5", linestyle=":", linewidth=1,
+                       label=f"step {spike['step']}: loss x{spike['scale']:g} (not drawn)")  # fmt: skip
         ax.xaxis.get_major_locator().set_params(integer=True)
         ax.set_xlabel("step")
         ax.set_ylabel("training loss (nats per byte, incl. load balancing)")
