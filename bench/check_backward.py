@@ -123,13 +123,17 @@ STATE_KINDS = {
     "8bit": {"moments_dtype": "8bit"},
     "remainder": {"master_weights": "remainder"},
     "stochastic": {"master_weights": "stochastic", "rounding_seed": 7},
+    # Expert clipping's spike rule (docs/design.md, "Expert clipping"), at a threshold low enough that the
+    # second update replaces elements (the first has exp_avg_sq 0: the rule does nothing there).
+    "spike": {"expert_clipping": "spike", "spike_threshold": 1.0},
 }
 
 
 def check_state_kinds(shape_name: str, device: str) -> dict:
     """bf16 weights with each of :data:`STATE_KINDS`: one update through the fused epilogue and one through
     the split path from the same weights and gradient give the same bits (weights and every state tensor:
-    8-bit codes and scales, the remainder, moments), the project's rule for every state kind."""
+    8-bit codes and scales, the remainder, moments), the project's rule for every state kind; with expert
+    clipping two updates, the second with the rule firing (``rule_fired``)."""
     x, index, weights, w1, w2, grad_out = _inputs(SHAPES[shape_name], torch.bfloat16, device)
     kinds = {}
     for kind, options in STATE_KINDS.items():
@@ -137,7 +141,11 @@ def check_state_kinds(shape_name: str, device: str) -> dict:
         for fused in (True, False):
             p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
             optimizer = sonar_kernels.ExpertAdamW([p1, p2], **HYPER, **options, fused_epilogue=fused)
-            sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grad_out)
+            clipped = 0
+            for scale in (1.0, 3.0) if "expert_clipping" in options else (1.0,):
+                sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grad_out * scale)
+                optimizer.step()
+                clipped = int(optimizer.expert_clipped_elements())
             assert p1.grad is None and p2.grad is None
             runs[fused] = [p.detach().clone() for p in (p1, p2)] + [
                 t.clone()
@@ -154,6 +162,8 @@ def check_state_kinds(shape_name: str, device: str) -> dict:
             "weights_changed": moved,
             "finite": all(bool(torch.isfinite(t.float()).all()) for t in runs[True][:2]),
         }
+        if "expert_clipping" in options:
+            kinds[kind]["rule_fired"] = clipped > 0
     return {
         "shape": shape_name,
         "T_H_I_E_top_k": SHAPES[shape_name],

@@ -71,8 +71,8 @@ TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
 # Estimated seconds of each unit on an H200, Triton compilations included (bench/README.md, "Budget"):
 # --deadline starts no unit that would end past it. A unit's compilations are counted by --dry-run (at most
-# 21, in the first correctness units; none after the first layer unit).
-ESTIMATES = {"correctness": 35, "layers": 45, "gemms": 35, "full-steps": 75}
+# 24, in the first correctness units; none after the first layer unit).
+ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "full-steps": 75}
 # Seconds of one kernel's cold build for sm_90a, with a margin: --dry-run --compile-times measured a mean of
 # 0.7 s and a longest of 3.3 s per build on a 2-core CPU (bench/README.md, "Budget").
 COMPILE_S = 1.5
@@ -590,6 +590,7 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
     if section == "correctness" and "kinds" in r:
         kinds = "; ".join(
             f"{kind}: fused == split bitwise {v['fused_equals_split_bitwise']}"
+            + (f", rule fired {v['rule_fired']}" if "rule_fired" in v else "")
             for kind, v in r["kinds"].items()
         )
         return [f"- {name}: {kinds} ({unit['seconds']:.0f} s)"]

@@ -53,6 +53,8 @@ STATE_KIND_PROVIDERS = {
     "sonar-8bit": {"moments_dtype": "8bit"},
     "sonar-remainder": {"master_weights": "remainder"},
     "sonar-stochastic": {"master_weights": "stochastic"},
+    # Expert clipping's spike rule in the epilogue (docs/design.md, "Expert clipping"): what the guard costs.
+    "sonar-spike": {"expert_clipping": "spike"},
 }
 # The provider every ratio divides by.
 BASELINE = "standard-fused"

@@ -103,9 +103,10 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
     expected, count = [], 0
     for p, g in zip(params, grads, strict=True):
         state = optimizer.state[p]
-        if kind == "8bit":
-            m_state, v_state = (tuple(t.clone() for t in pair) for pair in _moments(optimizer, p, kind))
+        if kind == "8bit":  # the scheme's torch ops, on the CPU
+            m_state, v_state = (tuple(t.cpu().clone() for t in pair) for pair in _moments(optimizer, p, kind))
             v = q8.dequantize(*v_state, "exp_avg_sq")
+            g = g.cpu()
         else:
             v = state["exp_avg_sq"]
         if clipping == "spike":

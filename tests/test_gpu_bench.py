@@ -63,7 +63,7 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
     for name, check in units["correctness"].items():
         assert check["passed"] is True, name
         if name.endswith("state kinds"):
-            assert set(check["kinds"]) == {"8bit", "remainder", "stochastic"}
+            assert set(check["kinds"]) == {"8bit", "remainder", "stochastic", "spike"}
             assert all(all(v.values()) for v in check["kinds"].values()), check["kinds"]
         else:
             assert check["fused_equals_split_bitwise"] is True
@@ -71,6 +71,7 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
         rows = layer["rows"]
         assert list(rows) == [
             "standard-fused", "paper-inbwd", "sonar", "sonar-8bit", "sonar-remainder", "sonar-stochastic",
+            "sonar-spike",
         ]  # fmt: skip
         assert layer["dtype"] == "torch.bfloat16"
         for row in rows.values():
