@@ -169,6 +169,13 @@ def spike_clip(grad: torch.Tensor, exp_avg_sq: torch.Tensor, threshold: float) -
     return clipped.to(grad.dtype), int(spike.sum())
 
 
+def lagged_clip(grad: torch.Tensor, coef: torch.Tensor) -> torch.Tensor:
+    """The gradient ``expert_clipping="lagged"`` uses: ``grad * coef`` computed in fp32 and rounded once to
+    ``grad``'s dtype (torch's ``grad.mul_(coef)`` with an fp32 0-dim ``coef`` on the CPU; a CUDA ``mul`` may
+    round ``coef`` to the gradient's dtype first, so this writes the product out)."""
+    return (grad.float() * coef.float().to(grad.device)).to(grad.dtype)
+
+
 def lagged_clip_coef(total_norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     """torch.nn.utils.clip_grads_with_norm_'s coefficient, min(1, max_norm / (norm + 1e-6)), in fp32: what
     ``expert_clipping="lagged"`` multiplies the next step's expert gradients by (g * coef in fp32, rounded

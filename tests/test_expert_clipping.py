@@ -113,7 +113,7 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
             g, n = reference.spike_clip(g, v, THETA)
             count += n
         elif coef is not None:
-            g = g.mul(coef.to(g.device))
+            g = reference.lagged_clip(g, coef)
         if kind == "8bit":
             scalars = q8.adamw_8bit_scalars(state["step"].cpu() + 1, _hyper_tensor())
             new_p, m, v = q8.adamw_8bit_update(

@@ -18,11 +18,13 @@ SHAPE = Case(16, 96, 32, 4, 2)
 STEPS = 20
 
 
-def _inputs():
+def _inputs(device="cpu"):
     torch.manual_seed(0)
-    x, index, weights, w1, w2 = SHAPE.make(torch.bfloat16)
+    x, index, weights, w1, w2 = SHAPE.make(torch.bfloat16, device=device)
     generator = torch.Generator().manual_seed(1)
-    grads = [torch.randn(SHAPE.T, SHAPE.H, generator=generator).to(torch.bfloat16) for _ in range(STEPS)]
+    grads = [
+        torch.randn(SHAPE.T, SHAPE.H, generator=generator).to(torch.bfloat16).to(device) for _ in range(STEPS)
+    ]
     return x, index, weights, w1, w2, grads
 
 
@@ -103,8 +105,8 @@ def test_a_checkpoint_restores_the_remainder_and_one_without_it_starts_from_the_
     assert all(not plain.state[p]["remainder"].any() for p in (p1, p2))
 
 
-def _train_triton(fused: bool, steps: int):
-    x, index, weights, w1, w2, grads = _inputs()
+def _train_triton(fused: bool, steps: int, device: str):
+    x, index, weights, w1, w2, grads = _inputs(device)
     p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
     optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="remainder", fused_epilogue=fused, **HYPER)
     for grad_out in grads[:steps]:
@@ -113,19 +115,19 @@ def _train_triton(fused: bool, steps: int):
     return (p1, p2), optimizer
 
 
-def test_the_triton_epilogue_equals_its_split_path_and_torch_adamw_on_fp32_masters_within_its_arithmetic():
+def test_the_triton_epilogue_equals_its_split_path_and_torch_adamw_on_fp32_masters_within_its_arithmetic(device):
     # The wgrad epilogue and the split path (bitwise equal), against torch.optim.AdamW(fused=True) on fp32
     # masters fed the same gradients (the Triton backend's own backward of the masters' bf16 copies): the
     # AdamW arithmetics differ in the last bits (docs/design.md, "Arithmetic"), so the masters agree to fp32
     # rounding and the weights to their bf16 rounding of those masters.
     steps = 3
-    (f1, f2), fused = _train_triton(True, steps)
-    (s1, s2), split = _train_triton(False, steps)
+    (f1, f2), fused = _train_triton(True, steps, device)
+    (s1, s2), split = _train_triton(False, steps, device)
     for a, b in ((f1, s1), (f2, s2)):
         assert torch.equal(a, b)
         for key in ("remainder", "exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(fused.state[a][key], split.state[b][key]), key
-    x, index, weights, w1, w2, grads = _inputs()
+    x, index, weights, w1, w2, grads = _inputs(device)
     masters = [torch.nn.Parameter(w.float()) for w in (w1, w2)]
     reference = torch.optim.AdamW(masters, **HYPER, fused=True)
     for grad_out in grads[:steps]:
@@ -177,8 +179,8 @@ def test_sonar_adamw_passes_it_to_the_expert_tensors_and_trains_the_dense_ones_a
     assert "remainder" not in optimizer.state[head.weight]
 
 
-def _train_stochastic(seed: int, steps: int = 6, backend: str = "torch"):
-    x, index, weights, w1, w2, grads = _inputs()
+def _train_stochastic(seed: int, steps: int = 6, backend: str = "torch", device: str = "cpu"):
+    x, index, weights, w1, w2, grads = _inputs(device)
     p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
     optimizer = sonar_kernels.ExpertAdamW([p1, p2], master_weights="stochastic", rounding_seed=seed, **HYPER)
     for grad_out in grads[:steps]:
@@ -187,23 +189,23 @@ def _train_stochastic(seed: int, steps: int = 6, backend: str = "torch"):
     return (p1, p2), optimizer
 
 
-def _stochastic_reference(backend: str, steps: int, seed: int = 7):
+def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str = "cpu"):
     """The rule fed the gradients ``backend`` computes without an optimizer: each step, AdamW on the bf16
     weights read as fp32 in the "fp64" arithmetic (ops.moments_8bit.adamw_fp64, fp32 moments), then
     ops.master_weights.stochastic_round with the tensor's documented seed, the step and each element's
     offset."""
     from sonar_kernels.ops import moments_8bit as q8
 
-    x, index, weights, w1, w2, grads = _inputs()
+    x, index, weights, w1, w2, grads = _inputs(device)
     hyper = torch.tensor(
-        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
+        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64, device=device
     )
     tensors = [w1.clone(), w2.clone()]
-    moments = [(torch.zeros(w.shape), torch.zeros(w.shape)) for w in tensors]
+    moments = [(torch.zeros(w.shape, device=device), torch.zeros(w.shape, device=device)) for w in tensors]
     for step, grad_out in enumerate(grads[:steps], start=1):
         copies = [w.clone().requires_grad_() for w in tensors]
         sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grad_out)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step), device=device), hyper)
         for ordinal, copy in enumerate(copies):
             p, m, v = q8.adamw_fp64(tensors[ordinal], copy.grad.float(), *moments[ordinal], scalars, hyper)
             tensors[ordinal] = mw.stochastic_round(
@@ -253,11 +255,11 @@ def test_converting_the_experts_away_from_bf16_is_refused_at_their_next_forward(
     assert all(float(optimizer.state[p]["step"]) == 0.0 for p in experts.parameters())
 
 
-def test_stochastic_rounding_in_the_triton_epilogue_equals_its_split_path_and_the_rule_bitwise():
+def test_stochastic_rounding_in_the_triton_epilogue_equals_its_split_path_and_the_rule_bitwise(device):
     # Fused == split == the rule (the torch backend's arithmetic) fed the Triton backend's own gradients,
     # bitwise, over 3 steps: the "fp64" arithmetic on both backends (docs/design.md, "bf16 master weights").
-    (f1, f2), fused = _train_stochastic(seed=7, steps=3, backend="triton")
-    x, index, weights, w1, w2, grads = _inputs()
+    (f1, f2), fused = _train_stochastic(seed=7, steps=3, backend="triton", device=device)
+    x, index, weights, w1, w2, grads = _inputs(device)
     p1, p2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
     split = sonar_kernels.ExpertAdamW(
         [p1, p2], master_weights="stochastic", rounding_seed=7, fused_epilogue=False, **HYPER
@@ -265,7 +267,7 @@ def test_stochastic_rounding_in_the_triton_epilogue_equals_its_split_path_and_th
     for grad_out in grads[:3]:
         sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend="triton").backward(grad_out)
         split.step()
-    tensors, moments = _stochastic_reference("triton", 3)
+    tensors, moments = _stochastic_reference("triton", 3, device=device)
     for a, b, w, (m, v) in zip((f1, f2), (p1, p2), tensors, moments, strict=True):
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
         assert torch.equal(a.detach().view(torch.int16), w.view(torch.int16))
