@@ -35,18 +35,32 @@ def _benchmark_files(results: Path) -> list[Path]:
     return sorted(p for p in paths if p.parent == results and not p.name.endswith("-backward-check.json"))
 
 
+def _depth(commit: str) -> int:
+    """How many commits lead to ``commit`` in this checkout's history (-1 when it is not there): of two runs
+    on one date, the later commit's is the newer."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-list", "--count", commit.split("+")[0]], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        return int(out.strip())
+    except (OSError, ValueError, subprocess.CalledProcessError):
+        return -1
+
+
 def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
     """The markdown table; ``include_cpu`` renders CPU rehearsals too (tests). Each layer and full step
-    appears once per device, from the newest file that measured it; on one date a run with tuned tiles
-    (``--tune``, what a user's CUDA run does by default) is preferred over the pinned defaults."""
+    appears once per device, from the newest file that measured it (by date, then by commit); on one date a
+    run with tuned tiles (``--tune``, what a user's CUDA run does by default) is preferred over the pinned
+    defaults."""
     rows = {}
     runs = []
     for path in _benchmark_files(results) if results.is_dir() else []:
         r = json.loads(path.read_text())
         if r.get("schema") != 2 or (r["mode"] != "gpu" and not include_cpu):
             continue
-        runs.append((r["meta"]["date"], bool(r["meta"].get("tuning")), path.name, path, r))
-    for _, tuned, _, path, r in sorted(runs, key=lambda run: run[:3]):
+        meta = r["meta"]
+        runs.append((meta["date"], bool(meta.get("tuning")), _depth(meta["commit"]), path.name, path, r))
+    for _, tuned, _, _, path, r in sorted(runs, key=lambda run: run[:4]):
         meta = r["meta"]
         versions = meta["versions"]
         device = meta["device"]["device"]

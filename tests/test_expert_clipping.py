@@ -275,3 +275,25 @@ def test_bad_options_are_refused(options, error, words):
 def test_expert_adamw_refuses_lagged_and_names_sonar_adamw():
     with pytest.raises(ValueError, match="SonarAdamW"):
         sonar_kernels.ExpertAdamW([torch.nn.Parameter(torch.zeros(2, 4, 32))], expert_clipping="lagged")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clipping", ["none", "spike", "lagged"])
+def test_the_backward_with_its_updates_never_waits_for_the_device(clipping, device):
+    # torch.cuda's sync debug mode raises at any operation that waits for the device (a host read, a copy
+    # from the host): the wgrad launches with their in-epilogue updates, the check passes and the telemetry
+    # all stay on the device, with and without expert clipping.
+    x, index, weights, w1, w2, grads = _inputs(device, torch.bfloat16)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    optimizer = _optimizer(params, clipping) if clipping != "none" else sonar_kernels.ExpertAdamW(params, **HYPER)
+    for grad_out in grads[:2]:  # the first step builds the kernels and the state's tensors
+        sonar_kernels.moe_mlp(x, index, weights, *params, backend="triton").backward(grad_out)
+        optimizer.step()
+    out = sonar_kernels.moe_mlp(x, index, weights, *params, backend="triton")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out.backward(grads[2])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert float(optimizer.state[params[0]]["step"]) == 3.0

@@ -151,7 +151,10 @@ def torch_adamw_(
         grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
         skipped.add_(found.long())
         if clipped is not None:
-            clipped.copy_(torch.where(found, 0, count) if count is not None else 0)
+            if count is None:
+                clipped.zero_()
+            else:
+                clipped.copy_(torch.where(found, 0, count))
 
 
 def _adamw(weight, grad, exp_avg, exp_avg_sq, step, hyperparameters, foreach, fused, found) -> None:

@@ -470,8 +470,12 @@ def _wgrad(
     if update.skipped is not None:
         update.skipped.add_(skip.long())
     if update.clipped is not None:
-        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0).
-        update.clipped.copy_(counts.sum() if counts is not None else 0)
+        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0). On the
+        # device: a Python 0 copied in would be a host-to-device copy, which waits for the stream.
+        if counts is None:
+            update.clipped.zero_()
+        else:
+            update.clipped.copy_(counts.sum())
     if update.on_done is not None:
         update.on_done()
     return None

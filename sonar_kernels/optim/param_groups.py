@@ -182,9 +182,13 @@ class GroupHyperparameters:
                 else torch.empty(size, dtype=torch.float64, device=p.device)
             )
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
-                tensor[:5].copy_(torch.tensor(values, dtype=torch.float64))
+                # One copy from the host; a coefficient already on a device follows from there (no host read).
+                row = values
                 if clipping is not None:
-                    tensor[5] = clipping[0]
+                    threshold, coef = clipping
+                    row = (*values, threshold, float(coef) if coef.device.type == "cpu" else 1.0)
+                tensor.copy_(torch.tensor(row, dtype=torch.float64))
+                if clipping is not None and clipping[1].device.type != "cpu":
                     tensor[6].copy_(clipping[1])
             self._tensors[key] = (values, tensor)
             return tensor
