@@ -133,8 +133,15 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
 @pytest.mark.usefixtures("wgrad_tiles_of_the_8bit_update")
 @pytest.mark.parametrize("clipping", ["spike", "lagged"])
 @pytest.mark.parametrize("kind", list(KINDS))
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, clipping, device):
+@pytest.mark.parametrize("backend", ["torch", "torch-chunked", "triton"])
+def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, clipping, device, monkeypatch):
+    if backend == "torch-chunked":  # one expert per chunk, clipped in place in slices that do not divide it
+        from sonar_kernels.ops import clipping as clipping_ops
+        from sonar_kernels.ops import torch_backend
+
+        monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 4)
+        monkeypatch.setattr(clipping_ops, "CLIP_SLICE", 1000)
+        backend = "torch"
     dtype, options = KINDS[kind]
     x, index, weights, w1, w2, grads = _inputs(device, dtype)
     params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
@@ -297,3 +304,23 @@ def test_the_backward_with_its_updates_never_waits_for_the_device(clipping, devi
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert float(optimizer.state[params[0]]["step"]) == 3.0
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "remainder"])
+def test_the_torch_backends_chunks_and_slices_give_the_same_bits(kind, monkeypatch):
+    # The torch backend's chunked update clips each chunk in place, CLIP_SLICE elements at a time: one expert
+    # per chunk and slices that do not divide a chunk give the bits of the whole tensor's update ("spike";
+    # "lagged" reads the global norm, whose chunked sum rounds differently: the reference test covers it).
+    clipping = "spike"
+    from sonar_kernels.ops import clipping as clipping_ops
+    from sonar_kernels.ops import torch_backend
+
+    whole, whole_opt, whole_counts, _ = _train("torch", kind, clipping, "cpu")
+    monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 4)
+    monkeypatch.setattr(clipping_ops, "CLIP_SLICE", 1000)
+    sliced, sliced_opt, sliced_counts, _ = _train("torch", kind, clipping, "cpu")
+    assert sliced_counts == whole_counts
+    for a, b in zip(whole, sliced, strict=True):
+        assert torch.equal(_weight(whole_opt, a, kind), _weight(sliced_opt, b, kind))
+        for x, y in zip(_flat(_moments(whole_opt, a, kind)), _flat(_moments(sliced_opt, b, kind)), strict=True):
+            assert torch.equal(x, y)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from sonar_kernels.ops.clipping import clip_gradient
+from sonar_kernels.ops.clipping import clip_gradient, clip_gradient_
 from sonar_kernels.ops.common import inf_norm, whole
 from sonar_kernels.ops.master_weights import merge, remainder_adamw_, split
 
@@ -315,9 +315,8 @@ def torch_adamw_chunked_(
                 norm_sq += torch.dot(flat, flat)
             else:
                 norm_sq += torch.linalg.vector_norm(grad, dtype=torch.float32).square()
-            if clip is not None:
-                grad, replaced = clip_gradient(grad, exp_avg_sq[first:last], clip)
-                count += replaced
+            if clip is not None:  # in place on the chunk's own gradient, a slice at a time
+                count += clip_gradient_(grad, exp_avg_sq[first:last], clip)
             target = weight[first:last]
             if remainder is not None:
                 target, grad = merge(target, remainder[first:last]), grad.float()

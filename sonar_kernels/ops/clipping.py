@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["clip_gradient", "clips", "no_clipping_values"]
+__all__ = ["CLIP_SLICE", "clip_gradient", "clip_gradient_", "clips", "no_clipping_values"]
 
 
 def clips(hyper) -> bool:
@@ -73,3 +73,63 @@ def clip_gradient(
         g = torch.where(spike, torch.copysign(bound, g), g).to(dtype)
         count = spike.sum()
     return g.to(grad.dtype), count
+
+
+# Elements of one pass of :func:`clip_gradient_`: its scratch is two fp32 and two bool slices (640 KiB) and,
+# where the rule fires, the indices of the replaced elements of one slice (8 bytes each, at most 512 KiB).
+CLIP_SLICE = 1 << 16
+
+
+def clip_gradient_(grad: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
+    """:func:`clip_gradient` in place on ``grad`` (its own dtype is the gradient dtype), a slice of
+    :data:`CLIP_SLICE` elements at a time, so that the scratch stays small whatever the tensor's size (the
+    torch backend's chunked update: ``ops/adamw.py``, ``torch_adamw_chunked_``). Returns the count. The same
+    bits as :func:`clip_gradient`: the same operations on each element. ``grad`` and ``exp_avg_sq``
+    contiguous of one shape, else the out-of-place form is copied back."""
+    if not (grad.is_contiguous() and exp_avg_sq.is_contiguous() and grad.shape == exp_avg_sq.shape):
+        clipped, count = clip_gradient(grad, exp_avg_sq, hyper)
+        grad.copy_(clipped)
+        return count
+    threshold, scale = hyper[5], hyper[6]
+    on_host = hyper.device.type == "cpu"
+    scaled = not on_host or float(scale) != 1.0
+    scale32 = scale.float()
+    if scaled and grad.dtype == torch.float32:
+        grad.mul_(scale32)  # the fp32 product; narrower gradients slice by slice below
+        scaled = False
+    count = torch.zeros((), dtype=torch.int64, device=grad.device)
+    spiking = not on_host or math.isfinite(float(threshold))
+    if not (scaled or spiking):
+        return count
+    theta = threshold.float()
+    flat_g, flat_v = grad.view(-1), exp_avg_sq.view(-1)
+    size = min(CLIP_SLICE, flat_g.numel())
+    limit = torch.empty(size, dtype=torch.float32, device=grad.device)
+    square = torch.empty(size, dtype=torch.float32, device=grad.device)
+    spike = torch.empty(size, dtype=torch.bool, device=grad.device)
+    positive = torch.empty(size, dtype=torch.bool, device=grad.device)
+    for start in range(0, flat_g.numel(), size):
+        g, v = flat_g[start : start + size], flat_v[start : start + size]
+        n = g.numel()
+        if scaled:  # the product in fp32, rounded once to the gradient's dtype (a CUDA mul_ may round scale first)
+            g.copy_(g.float() * scale32)
+        if not spiking:
+            continue
+        g32 = g.float()
+        v32 = v.float()
+        torch.mul(v32, theta, out=limit[:n])
+        torch.mul(g32, g32, out=square[:n])
+        torch.gt(square[:n], limit[:n], out=spike[:n])
+        torch.gt(v32, 0.0, out=positive[:n])
+        spike[:n].logical_and_(positive[:n])
+        if on_host:  # the replaced elements only (a host read of their positions: free on the CPU)
+            index = spike[:n].nonzero().squeeze(1)
+            if index.numel():
+                bound = torch.sqrt(limit[:n][index].double()).float()
+                g[index] = torch.copysign(bound, g32[index]).to(g.dtype)
+                count += index.numel()
+        else:  # on a device: no host read
+            bound = torch.sqrt(limit[:n].double()).float()
+            g.copy_(torch.where(spike[:n], torch.copysign(bound, g32), g32).to(g.dtype))
+            count += spike[:n].sum()
+    return count
