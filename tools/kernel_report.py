@@ -437,10 +437,7 @@ def _backward_specs() -> list[Spec]:
                     f"x=bf16 w=bf16 {role} adamw-{arithmetic} clip",
                     _wgrad_pointers("bf16", "bf16", "bf16", "bf16") | {"clipped_ptr": "i32"},
                     _precision("bf16") | blocks
-                    | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                       "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False,
-                       "REMAINDER": False, "STOCHASTIC": False, "CLIP": True, "GRAD_DTYPE": TL_DTYPES["bf16"],
-                       "DOT_DTYPE": TL_DTYPES["bf16"]},
+                    | _bf16_adamw_constexprs(p_from_tokens, q_from_tokens, arithmetic, CLIP=True),
                     options | {"enable_fp_fusion": False},
                     unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                     is_gemm=True,
@@ -498,6 +495,16 @@ def _backward_specs() -> list[Spec]:
             )
         )
     return out
+
+
+def _bf16_adamw_constexprs(p_from_tokens: bool, q_from_tokens: bool, arithmetic: str, **flags) -> dict:
+    """The wgrad kernel's constexprs for a bf16 fused AdamW update (no gradient accumulation, the norm
+    summed, exact moments), with ``flags`` (REMAINDER, STOCHASTIC, CLIP) turned on where given."""
+    return {
+        "P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw", "HAS_GRAD_IN": False,
+        "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False, "REMAINDER": False, "STOCHASTIC": False,
+        "CLIP": False, "GRAD_DTYPE": TL_DTYPES["bf16"], "DOT_DTYPE": TL_DTYPES["bf16"],
+    } | flags  # fmt: skip
 
 
 def _wgrad_pointers(act_dtype: str, w_dtype: str, exp_avg: str, exp_avg_sq: str) -> dict:
@@ -588,10 +595,9 @@ def _wgrad_8bit_specs() -> list[Spec]:
                  "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS
                 | ({"remainder_ptr": "i16"} if remainder else {"rng_ptr": "i64"}),
                 _precision("bf16") | blocks
-                | {"P_FROM_TOKENS": p_from_tokens, "Q_FROM_TOKENS": q_from_tokens, "EPILOGUE": "adamw",
-                   "HAS_GRAD_IN": False, "HAS_NORM": True, "ARITHMETIC": arithmetic, "MOMENTS_8BIT": False,
-                   "REMAINDER": remainder, "STOCHASTIC": not remainder, "GRAD_DTYPE": TL_DTYPES["bf16"],
-                   "DOT_DTYPE": TL_DTYPES["bf16"]},
+                | _bf16_adamw_constexprs(
+                    p_from_tokens, q_from_tokens, arithmetic, REMAINDER=remainder, STOCHASTIC=not remainder
+                ),
                 options | {"enable_fp_fusion": False},
                 unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                 is_gemm=True,

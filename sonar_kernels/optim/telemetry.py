@@ -49,14 +49,7 @@ class ExpertTelemetry:
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
-        ordered = self._ordered(params)
-        if not ordered:
-            return torch.zeros((), dtype=torch.int64)
-        skipped = self._record.skipped
-        total = skipped[ordered[0]].clone()
-        for p in ordered[1:]:
-            total += skipped[p].to(total.device)
-        return total
+        return self._sum_counts(self._record.skipped, params)
 
     def expert_clipped_elements(self, params=None) -> torch.Tensor:
         """How many gradient entries the spike rule (``expert_clipping="spike"``, docs/design.md, "Expert
@@ -69,13 +62,17 @@ class ExpertTelemetry:
         Raises:
             ValueError: a tensor this optimizer does not update in the backward.
         """
+        return self._sum_counts(self._record.clipped, params)
+
+    def _sum_counts(self, counts: dict, params) -> torch.Tensor:
+        """The 0-dim int64 sum of ``counts`` (tensor -> 0-dim int64) over ``params`` in param_groups order,
+        on the first tensor's device (a CPU 0 when there is none)."""
         ordered = self._ordered(params)
         if not ordered:
             return torch.zeros((), dtype=torch.int64)
-        clipped = self._record.clipped
-        total = clipped[ordered[0]].clone()
+        total = counts[ordered[0]].clone()
         for p in ordered[1:]:
-            total += clipped[p].to(total.device)
+            total += counts[p].to(total.device)
         return total
 
     def _ordered(self, params) -> list[torch.Tensor]:
