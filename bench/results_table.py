@@ -40,7 +40,11 @@ def _depth(commit: str) -> int:
     on one date, the later commit's is the newer."""
     try:
         out = subprocess.run(
-            ["git", "rev-list", "--count", commit.split("+")[0]], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-list", "--count", commit.split("+")[0]],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         ).stdout
         return int(out.strip())
     except (OSError, ValueError, subprocess.CalledProcessError):

@@ -45,7 +45,9 @@ def _optimizer(params, clipping, threshold=THETA, **options):
         return sonar_kernels.SonarAdamW(
             params, **HYPER, max_grad_norm=MAX_NORM, expert_clipping="lagged", **options
         )
-    return sonar_kernels.ExpertAdamW(params, **HYPER, expert_clipping=clipping, spike_threshold=threshold, **options)
+    return sonar_kernels.ExpertAdamW(
+        params, **HYPER, expert_clipping=clipping, spike_threshold=threshold, **options
+    )
 
 
 def _bits(t):
@@ -69,7 +71,9 @@ def _train(backend, kind, clipping, device, **extra):
 
 
 def _hyper_tensor():
-    return torch.tensor([HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64)
+    return torch.tensor(
+        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
+    )
 
 
 def _moments(optimizer, p, kind):
@@ -157,7 +161,10 @@ def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, cl
         expected, count, norm = _expected_step(
             backend, kind, clipping, optimizer, params, (x, index, weights, grad_out), coef
         )
-        before = [[t.clone() for t in (_weight(optimizer, p, kind), *_flat(_moments(optimizer, p, kind)))] for p in params]
+        before = [
+            [t.clone() for t in (_weight(optimizer, p, kind), *_flat(_moments(optimizer, p, kind)))]
+            for p in params
+        ]
         sonar_kernels.moe_mlp(x, index, weights, *params, backend=backend).backward(grad_out)
         optimizer.step()
         counts.append(int(optimizer.expert_clipped_elements()))
@@ -192,7 +199,9 @@ def test_the_fused_epilogue_equals_the_split_path(kind, clipping, device):
     kind = "bf16" if kind == "stochastic" else kind
     runs = []
     for fused in (True, False):
-        params, optimizer, counts, _ = _train("triton", kind, clipping, device, fused_epilogue=fused, **options)
+        params, optimizer, counts, _ = _train(
+            "triton", kind, clipping, device, fused_epilogue=fused, **options
+        )
         runs.append((params, optimizer, counts))
     (fp, fo, fc), (sp, so, sc) = runs
     assert fc == sc
@@ -226,7 +235,9 @@ def test_the_rule_sees_the_accumulated_gradient_once():
     for step in range(2):
         for grad_out in grads[:2]:
             sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(grad_out * (step + 1))
-            sonar_kernels.moe_mlp(x, index, weights, *masters, backend="torch").backward(grad_out * (step + 1))
+            sonar_kernels.moe_mlp(x, index, weights, *masters, backend="torch").backward(
+                grad_out * (step + 1)
+            )
         optimizer.step()
         this_step = 0
         for m in masters:
@@ -251,7 +262,9 @@ def test_a_gradient_that_reaches_grad_is_clipped_too():
     ref = torch.optim.AdamW([twin], **HYPER, fused=True)
     counts = []
     for step in range(3):
-        c = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step)) * (100.0 if step == 2 else 1.0)
+        c = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step)) * (
+            100.0 if step == 2 else 1.0
+        )
         (w * c).sum().backward()
         optimizer.step()
         (twin * c).sum().backward()
@@ -292,7 +305,9 @@ def test_the_backward_with_its_updates_never_waits_for_the_device(clipping, devi
     # all stay on the device, with and without expert clipping.
     x, index, weights, w1, w2, grads = _inputs(device, torch.bfloat16)
     params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
-    optimizer = _optimizer(params, clipping) if clipping != "none" else sonar_kernels.ExpertAdamW(params, **HYPER)
+    optimizer = (
+        _optimizer(params, clipping) if clipping != "none" else sonar_kernels.ExpertAdamW(params, **HYPER)
+    )
     for grad_out in grads[:2]:  # the first step builds the kernels and the state's tensors
         sonar_kernels.moe_mlp(x, index, weights, *params, backend="triton").backward(grad_out)
         optimizer.step()
@@ -322,5 +337,7 @@ def test_the_torch_backends_chunks_and_slices_give_the_same_bits(kind, monkeypat
     assert sliced_counts == whole_counts
     for a, b in zip(whole, sliced, strict=True):
         assert torch.equal(_weight(whole_opt, a, kind), _weight(sliced_opt, b, kind))
-        for x, y in zip(_flat(_moments(whole_opt, a, kind)), _flat(_moments(sliced_opt, b, kind)), strict=True):
+        for x, y in zip(
+            _flat(_moments(whole_opt, a, kind)), _flat(_moments(sliced_opt, b, kind)), strict=True
+        ):
             assert torch.equal(x, y)

@@ -186,7 +186,12 @@ def test_the_ops_pass_opcheck_with_bf16_master_weights(master, moments):
     # counter, scales, then the remainder or seed), through the forward op and the torch backend's update op.
     x, index, weights, w1, w2 = Case(12, 32, 32, 3, 2).make(torch.bfloat16)
     extra = torch.zeros(w2.shape, dtype=torch.int16) if master == "remainder" else torch.tensor(5)
-    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)]
+    counters = [
+        torch.zeros(()),
+        torch.zeros(()),
+        torch.zeros((), dtype=torch.int64),
+        torch.zeros((), dtype=torch.int64),
+    ]
     if moments == "8bit":
         codes = [torch.zeros(w2.shape, dtype=torch.int8), torch.zeros(w2.shape, dtype=torch.uint8)]
         state = [*codes, *counters, torch.zeros(3, 32, 1), torch.zeros(3, 32, 1), extra]

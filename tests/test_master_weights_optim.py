@@ -115,7 +115,9 @@ def _train_triton(fused: bool, steps: int, device: str):
     return (p1, p2), optimizer
 
 
-def test_the_triton_epilogue_equals_its_split_path_and_torch_adamw_on_fp32_masters_within_its_arithmetic(device):
+def test_the_triton_epilogue_equals_its_split_path_and_torch_adamw_on_fp32_masters_within_its_arithmetic(
+    device,
+):
     # The wgrad epilogue and the split path (bitwise equal), against torch.optim.AdamW(fused=True) on fp32
     # masters fed the same gradients (the Triton backend's own backward of the masters' bf16 copies): the
     # AdamW arithmetics differ in the last bits (docs/design.md, "Arithmetic"), so the masters agree to fp32
@@ -198,7 +200,9 @@ def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str =
 
     x, index, weights, w1, w2, grads = _inputs(device)
     hyper = torch.tensor(
-        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64, device=device
+        [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]],
+        dtype=torch.float64,
+        device=device,
     )
     tensors = [w1.clone(), w2.clone()]
     moments = [(torch.zeros(w.shape, device=device), torch.zeros(w.shape, device=device)) for w in tensors]
@@ -280,7 +284,12 @@ def test_malformed_master_states_are_refused_before_anything_is_written():
 
     weight = torch.zeros(2, 8, 32, dtype=torch.bfloat16)
     moments = [torch.zeros(2, 8, 32), torch.zeros(2, 8, 32)]
-    counters = [torch.zeros(()), torch.zeros(()), torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)]
+    counters = [
+        torch.zeros(()),
+        torch.zeros(()),
+        torch.zeros((), dtype=torch.int64),
+        torch.zeros((), dtype=torch.int64),
+    ]
     hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
     grad = torch.ones_like(weight)
     # 8-bit moments: int8 and uint8 codes, then their fp32 block scales after the counters.

@@ -111,7 +111,9 @@ def clip_gradient_(grad: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: torch.Te
     for start in range(0, flat_g.numel(), size):
         g, v = flat_g[start : start + size], flat_v[start : start + size]
         n = g.numel()
-        if scaled:  # the product in fp32, rounded once to the gradient's dtype (a CUDA mul_ may round scale first)
+        if (
+            scaled
+        ):  # the product in fp32, rounded once to the gradient's dtype (a CUDA mul_ may round scale first)
             g.copy_(g.float() * scale32)
         if not spiking:
             continue

@@ -253,10 +253,9 @@ def stochastic_adamw_(
         index_base: added to every element's counter (a shard's position in the whole tensor).
     """
     from sonar_kernels.ops.adamw import grad_limit
+    from sonar_kernels.ops.clipping import clip_gradient, clips
     from sonar_kernels.ops.common import inf_norm, whole
     from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
-
-    from sonar_kernels.ops.clipping import clip_gradient, clips
 
     exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed = state
     if _is_dtensor(weight):

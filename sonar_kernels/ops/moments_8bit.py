@@ -322,9 +322,8 @@ def adamw_8bit_(
             the whole tensor).
     """
     from sonar_kernels.ops.adamw import grad_limit
-    from sonar_kernels.ops.common import inf_norm, whole
-
     from sonar_kernels.ops.clipping import clip_gradient, clips
+    from sonar_kernels.ops.common import inf_norm, whole
 
     m_codes, v_codes, step, grad_norm_sq, skipped, clipped, m_scales, v_scales, *master = state
     remainder = master[0] if master and master[0].dtype == torch.int16 else None

@@ -111,7 +111,9 @@ def torch_update_of(
     """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
     through ``defer`` (see ``ops/library.py``'s ``run_expert_wgrad``)."""
     if defer is None:
-        torch_update(weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip)
+        torch_update(
+            weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip
+        )
     else:
         defer(
             lambda later: torch_update(
@@ -120,7 +122,9 @@ def torch_update_of(
         )
 
 
-def torch_update(weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None, clip=None) -> None:
+def torch_update(
+    weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None, clip=None
+) -> None:
     """The body of ``sonar_kernels::expert_adamw_`` (``grad`` a tensor) and of the torch backend's in-backward update
     (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
     ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then

@@ -34,7 +34,6 @@ The parts, by concern (each module's public names are its seam; none reads anoth
 
 from __future__ import annotations
 
-import math
 import weakref
 
 import torch
@@ -53,35 +52,13 @@ from sonar_kernels.optim.expert_state import (
     with_cpu_steps,
 )
 from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
-from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
+from sonar_kernels.optim.param_groups import check_expert_clipping, check_group_options, torch_adamw_flags
 from sonar_kernels.optim.telemetry import ExpertTelemetry
 from sonar_kernels.optim.update_handle import OwnedUpdate, release_entries, signature
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
-
-
-EXPERT_CLIPPING = ("none", "spike", "lagged")
-
-
-def check_expert_clipping(expert_clipping, spike_threshold) -> tuple[str, float]:
-    """(expert_clipping, spike_threshold as a float) after checking them.
-
-    Raises:
-        ValueError: expert_clipping not one of :data:`EXPERT_CLIPPING`, or spike_threshold not a finite
-            number > 0.
-    """
-    if expert_clipping not in EXPERT_CLIPPING:
-        raise ValueError(f"expert_clipping must be one of {EXPERT_CLIPPING}, got {expert_clipping!r}")
-    if (
-        isinstance(spike_threshold, bool)
-        or not isinstance(spike_threshold, (int, float))
-        or not math.isfinite(spike_threshold)
-        or spike_threshold <= 0
-    ):
-        raise ValueError(f"spike_threshold must be a finite number > 0, got {spike_threshold!r}")
-    return expert_clipping, float(spike_threshold)
 
 
 def expert_optimizer(param: torch.Tensor):

@@ -8,6 +8,7 @@ and by the optimizers built on it.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -17,7 +18,14 @@ from sonar_kernels import ops, specs
 from sonar_kernels.ops.adamw import has_torch_fused_adamw
 from sonar_kernels.ops.validation import as_float
 
-__all__ = ["UNSUPPORTED_OPTIONS", "GroupHyperparameters", "check_group_options", "torch_adamw_flags"]
+__all__ = [
+    "EXPERT_CLIPPING",
+    "UNSUPPORTED_OPTIONS",
+    "GroupHyperparameters",
+    "check_expert_clipping",
+    "check_group_options",
+    "torch_adamw_flags",
+]
 
 # torch.optim.AdamW options the in-backward update does not implement, with the only value it accepts for
 # a parameter group that holds expert tensors (foreach and fused pick torch's AdamW path and are honoured;
@@ -92,6 +100,28 @@ def torch_hyperparameters(group: dict) -> tuple:
     tensor values, as standard training does."""
     beta1, beta2 = group["betas"]
     return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+
+
+EXPERT_CLIPPING = ("none", "spike", "lagged")
+
+
+def check_expert_clipping(expert_clipping, spike_threshold) -> tuple[str, float]:
+    """(expert_clipping, spike_threshold as a float) after checking them.
+
+    Raises:
+        ValueError: expert_clipping not one of :data:`EXPERT_CLIPPING`, or spike_threshold not a finite
+            number > 0.
+    """
+    if expert_clipping not in EXPERT_CLIPPING:
+        raise ValueError(f"expert_clipping must be one of {EXPERT_CLIPPING}, got {expert_clipping!r}")
+    if (
+        isinstance(spike_threshold, bool)
+        or not isinstance(spike_threshold, (int, float))
+        or not math.isfinite(spike_threshold)
+        or spike_threshold <= 0
+    ):
+        raise ValueError(f"spike_threshold must be a finite number > 0, got {spike_threshold!r}")
+    return expert_clipping, float(spike_threshold)
 
 
 class GroupHyperparameters:

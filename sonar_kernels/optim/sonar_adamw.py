@@ -25,8 +25,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     does it: in the wgrad epilogue on the Triton backend (no gradient tensor), through torch's AdamW with
     their group's foreach/fused flags as soon as their gradient is accumulated otherwise. ``step()``
     clips the other (dense) parameters by their global norm when ``max_grad_norm`` is set, and applies
-    torch.optim.AdamW to them. Expert gradients are not clipped: they never exist as a whole (the
-    Sonar-MoE paper clips the dense parameters only).
+    torch.optim.AdamW to them. Expert gradients never exist as a whole, so no global norm clips them (the
+    paper clips the dense parameters only); ``expert_clipping`` clips them inside their update.
 
     Which torch AdamW runs: with the default flags (foreach=None, fused=None) torch's fused AdamW
     (``torch.optim.AdamW(fused=True)``'s kernel), for the dense parameters and for the expert tensors that
@@ -97,19 +97,15 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             gradients of this step's backward (``expert_grad_norm()``), the norm standard training with
             clip_grad_norm_ over all parameters would see, and scale the dense gradients by it; the
             expert updates, already applied, are not scaled. Kept in ``last_grad_norm``.
-        expert_clipping: how the expert gradients are clipped inside their update (docs/design.md,
-            "Expert clipping"; docs/usage.md says which to choose). "none" (default): not at all (the
-            paper's method; the updates are bitwise what they were without the option). "spike": SPAM's
-            spike rule (Huang et al., ICLR 2025, arXiv 2501.06842): an element whose g^2 exceeds
-            ``spike_threshold`` times its exp_avg_sq (before this step's update) is replaced by
-            sign(g) * sqrt(spike_threshold * exp_avg_sq), then AdamW proceeds; nothing where exp_avg_sq is
-            0 (an element's first update). Exact inside the wgrad epilogue, no extra memory; the count per
-            tensor is ``expert_clipped_elements()``. "lagged" (needs max_grad_norm): the expert gradients of
-            step t are multiplied by torch's clipping coefficient min(1, max_grad_norm / (norm + 1e-6)) of
-            step t-1's global norm over all parameters (``last_grad_norm``: dense and expert gradients, as
-            with clip_norm_includes_experts, which it implies for the dense ones); the first step's experts
-            are not clipped, nor is the spike step itself (its norm is known after its updates). The
-            coefficient is ``expert_clip_coef`` (not saved in ``state_dict()``).
+        expert_clipping: the expert gradients clipped inside their update (docs/design.md, "Expert
+            clipping"; docs/usage.md: which to choose). "none" (default): not at all, the paper's method and
+            today's bits. "spike": SPAM's rule (Huang et al., ICLR 2025, arXiv 2501.06842): an element with
+            g^2 > spike_threshold * exp_avg_sq (before this step's update; nothing where it is 0) becomes
+            sign(g) * sqrt(spike_threshold * exp_avg_sq); counted by ``expert_clipped_elements()``. "lagged"
+            (needs max_grad_norm): step t's expert gradients times torch's coefficient
+            min(1, max_grad_norm / (norm + 1e-6)) of step t-1's global norm over all parameters
+            (``last_grad_norm``; the dense ones clipped by this step's, as with clip_norm_includes_experts);
+            1 at the first step; ``expert_clip_coef``, not saved in ``state_dict()``.
         spike_threshold: theta of "spike", a finite number > 0 (SPAM's default 5000).
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, master_weights, rounding_seed: for
             the expert tensors, as in ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments;
