@@ -12,18 +12,13 @@ import math
 
 import torch
 
-__all__ = ["CLIP_SLICE", "clip_gradient", "clip_gradient_", "clips", "no_clipping_values"]
+__all__ = ["CLIP_SLICE", "clip_gradient", "clip_gradient_", "clips"]
 
 
 def clips(hyper) -> bool:
     """Whether ``hyper`` (the [5] or [7] float64 tensor, or a tuple of the group's values) asks for expert
     clipping."""
     return isinstance(hyper, torch.Tensor) and hyper.numel() == 7
-
-
-def no_clipping_values() -> tuple[float, float]:
-    """(spike_threshold, grad_scale) that leave every gradient as it is: (inf, 1.0)."""
-    return (math.inf, 1.0)
 
 
 def clip_gradient(
@@ -111,9 +106,8 @@ def clip_gradient_(grad: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: torch.Te
     for start in range(0, flat_g.numel(), size):
         g, v = flat_g[start : start + size], flat_v[start : start + size]
         n = g.numel()
-        if (
-            scaled
-        ):  # the product in fp32, rounded once to the gradient's dtype (a CUDA mul_ may round scale first)
+        # The product in fp32, rounded once to the gradient's dtype (a CUDA mul_ may round scale first).
+        if scaled:
             g.copy_(g.float() * scale32)
         if not spiking:
             continue
