@@ -24,7 +24,24 @@ CLIPPING_MODE = {"sonar-spike": "spike", "spike-control": "spike", "sonar-lagged
 SPIKE_THRESHOLD = 5000.0
 
 
-class SpikeControl:
+class _Control:
+    """What both controls share: one torch.optim.AdamW (``self.optimizer``) seen as the arm's optimizer."""
+
+    optimizer: torch.optim.Optimizer
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [self.optimizer]
+
+    @property
+    def state(self) -> dict:
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none)
+
+
+class SpikeControl(_Control):
     """The control of SonarAdamW(expert_clipping="spike") ("spike-control"), with standard machinery over
     ``params`` (the model's trainable parameters in its order; ``experts`` the expert tensors among them):
     materialized gradients, the dense ones clipped by the caller by their own norm (as SonarAdamW clips
@@ -42,14 +59,6 @@ class SpikeControl:
         self.threshold = threshold
         self.last_clipped: torch.Tensor | None = None
 
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer]
-
-    @property
-    def state(self) -> dict:
-        return self.optimizer.state
-
     def step(self) -> None:
         clipped = torch.zeros((), dtype=torch.int64)
         for p in self.experts:
@@ -62,11 +71,8 @@ class SpikeControl:
         self.last_clipped = clipped
         self.optimizer.step()
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
 
-
-class LaggedControl:
+class LaggedControl(_Control):
     """The control of SonarAdamW(expert_clipping="lagged") ("lagged-control"), with standard machinery over
     ``params`` (the model's trainable parameters in its order; ``experts`` the expert tensors among them):
     materialized gradients; in ``step()`` the global L2 norm of this step's gradients over all parameters
@@ -89,14 +95,6 @@ class LaggedControl:
         self.last_grad_norm: torch.Tensor | None = None
         self._stepped = False
 
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.optimizer]
-
-    @property
-    def state(self) -> dict:
-        return self.optimizer.state
-
     def step(self) -> None:
         dense = [p for p in self.dense if p.grad is not None]
         experts = [p.grad for p in self.experts if p.grad is not None]
@@ -104,16 +102,15 @@ class LaggedControl:
         torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
         if self._stepped:  # the first step's coefficient is 1: the gradients as they are
             for grad in experts:
-                grad.mul_(self.coef.to(grad.device))  # torch's grad.mul_(coef): fp32, rounded to the dtype
+                # The product in fp32, rounded once to the gradient's dtype (torch's CPU grad.mul_(coef); a
+                # CUDA mul_ would round coef to a bf16 gradient's dtype first).
+                grad.copy_(grad.float() * self.coef.to(grad.device))
         # A norm that is not finite (an update skipped for a non-finite gradient) keeps the coefficient.
         coef = lagged_clip_coef(norm, self.max_grad_norm)
         self.coef = torch.where(torch.isfinite(norm), coef, self.coef.to(coef.device))
         self.last_grad_norm = norm
         self._stepped = True
         self.optimizer.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
 
 
 # The controls' rules, written plainly here: the package does not run sonar_kernels.reference (the tests'
