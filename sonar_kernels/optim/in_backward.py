@@ -94,7 +94,7 @@ class InBackwardAdamW(ExpertTelemetry):
         # Expert clipping (docs/design.md, "Expert clipping"), checked before anything else is set up.
         self.expert_clipping, self.spike_threshold = check_expert_clipping(expert_clipping, spike_threshold)
         # "lagged": the coefficient the next step's expert updates multiply their gradients by (step() sets it).
-        self.expert_clip_coef = torch.ones((), dtype=torch.float32)
+        self.expert_clip_coef, self.lagged_coef_set = torch.ones((), dtype=torch.float32), False
         for name, dtype in (("moments_dtype", moments_dtype), ("grad_dtype", grad_dtype)):
             if name == "moments_dtype" and dtype == EIGHT_BIT:
                 continue

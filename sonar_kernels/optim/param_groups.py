@@ -164,16 +164,18 @@ class GroupHyperparameters:
         """The parameter group that holds ``p``."""
         return self.param_groups[self.index(p)]
 
-    def _clipping(self) -> tuple[float, torch.Tensor] | None:
-        """(spike_threshold, the lagged coefficient tensor) of an optimizer with expert clipping, else None:
-        its hyperparameter tensors are then [7] (``specs.CLIPPING``), spike_threshold inf under "lagged"
-        and the coefficient 1 under "spike" (each rule an exact no-op when off)."""
+    def _clipping(self) -> tuple[float, torch.Tensor | None] | None:
+        """(spike_threshold, the lagged coefficient tensor or None for 1) of an optimizer with expert
+        clipping, else None: its hyperparameter tensors are then [7] (``specs.CLIPPING``), spike_threshold
+        inf under "lagged" and the coefficient 1 under "spike" and before the first ``step()`` (each rule an
+        exact no-op when off)."""
         optimizer = self._optimizer()
         mode = getattr(optimizer, "expert_clipping", "none")
         if mode == "none":
             return None
         threshold = optimizer.spike_threshold if mode == "spike" else float("inf")
-        return threshold, optimizer.expert_clip_coef
+        coef = optimizer.expert_clip_coef if mode == "lagged" and optimizer.lagged_coef_set else None
+        return threshold, coef
 
     def set_clip_coef(self, coef: torch.Tensor) -> None:
         """Write the lagged clipping coefficient (0-dim) into every hyperparameter tensor, on the device (no
@@ -212,13 +214,11 @@ class GroupHyperparameters:
                 else torch.empty(size, dtype=torch.float64, device=p.device)
             )
             with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(tensor):
-                # One copy from the host; a coefficient already on a device follows from there (no host read).
-                row = values
-                if clipping is not None:
-                    threshold, coef = clipping
-                    row = (*values, threshold, float(coef) if coef.device.type == "cpu" else 1.0)
+                # One copy from the host; a lagged coefficient follows from where step() computed it (the
+                # dense gradients' device: no host read).
+                row = values if clipping is None else (*values, clipping[0], 1.0)
                 tensor.copy_(torch.tensor(row, dtype=torch.float64))
-                if clipping is not None and clipping[1].device.type != "cpu":
+                if clipping is not None and clipping[1] is not None:
                     tensor[6].copy_(clipping[1])
             self._tensors[key] = (values, tensor)
             return tensor

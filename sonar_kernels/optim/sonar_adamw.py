@@ -246,8 +246,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         updates; a norm that is not finite (a skipped update) keeps the coefficient as it was. On the device,
         no host read."""
         coef = torch.clamp(self.max_grad_norm / (norm.float() + 1e-6), max=1.0)
-        old = self.expert_clip_coef.to(coef.device)
-        self.expert_clip_coef = torch.where(torch.isfinite(norm), coef, old)
+        old = self.expert_clip_coef.to(coef.device) if self.lagged_coef_set else torch.ones_like(coef)
+        self.expert_clip_coef, self.lagged_coef_set = torch.where(torch.isfinite(norm), coef, old), True
         self._record.groups.set_clip_coef(self.expert_clip_coef)
 
     def _refuse_pending(self) -> None:
