@@ -415,14 +415,17 @@ def _among(p: torch.Tensor, tensors) -> bool:
 def heldout_loss(model, batches: list[torch.Tensor], progress=None) -> float:
     """Mean next-byte cross-entropy (nats) over the held-out batches, without the load-balancing loss.
     ``progress``: tqdm keyword arguments for a progress bar (None: none)."""
+    from tqdm import tqdm
+
     model.eval()
     total = 0.0
-    if progress is not None:
-        from tqdm import tqdm
-
-        batches = tqdm(batches, unit="batch", file=sys.stderr, **progress)
-    for tokens in batches:
-        total += float(model(input_ids=tokens, labels=tokens, output_router_logits=False).loss)
+    # A context: the bar is closed (its line cleared) when Ctrl-C ends the run in the middle.
+    with tqdm(
+        total=len(batches), unit="batch", file=sys.stderr, disable=progress is None, **(progress or {})
+    ) as bar:
+        for tokens in batches:
+            total += float(model(input_ids=tokens, labels=tokens, output_router_logits=False).loss)
+            bar.update()
     model.train()
     return total / len(batches)
 
@@ -443,16 +446,19 @@ def run_arm(
     label = label or arm.name
     losses, norms, times = [], [], []
     spike_step, spike = args.inject_spike or (None, None)
-    for step in tqdm(range(steps), desc=label, unit="step", file=sys.stderr, disable=args.quiet):
-        tokens = data.batch(distributed.batch_index(step)).to(device)
-        injected = {"spike": spike} if step + 1 == spike_step else {}  # --inject-spike counts from 1
-        sync(device)
-        start = time.perf_counter()
-        loss, norm = train_step(arm, tokens, args.max_grad_norm, **injected)
-        sync(device)
-        times.append(time.perf_counter() - start)
-        losses.append(loss)
-        norms.append(norm)
+    # The bar leaves no line behind (the caller prints one per finished run) and is closed on Ctrl-C.
+    with tqdm(total=steps, desc=label, unit="step", file=sys.stderr, disable=args.quiet, leave=False) as bar:
+        for step in range(steps):
+            tokens = data.batch(distributed.batch_index(step)).to(device)
+            injected = {"spike": spike} if step + 1 == spike_step else {}  # --inject-spike counts from 1
+            sync(device)
+            start = time.perf_counter()
+            loss, norm = train_step(arm, tokens, args.max_grad_norm, **injected)
+            sync(device)
+            times.append(time.perf_counter() - start)
+            losses.append(loss)
+            norms.append(norm)
+            bar.update()
     losses = [float(x) for x in losses]
     norms = None if norms[0] is None else [float(x) for x in norms]
     progress = None if args.quiet else {"desc": f"{label} held-out", "leave": False}

@@ -6,9 +6,10 @@ import datetime
 import importlib.util
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from sonar_kernels.ops import has_torch_fused_adamw
 from sonar_kernels.ops.validation import resolve_backend
 from sonar_kernels.optim import UnownedExpertsWarning
-from sonar_kernels.train import checkpoint, distributed
+from sonar_kernels.train import checkpoint, distributed, resume
 from sonar_kernels.train.arms import (
     CONTROLS,
     EXPERT_PARAMS,
@@ -38,23 +39,25 @@ from sonar_kernels.train.memory import (
     local_processes,
     measure_memory,
 )
-from sonar_kernels.train.options import parse_args
-from sonar_kernels.train.report import (
-    TIMING_WARMUP,
-    heldout_statistics,
-    plot,
-    speedup,
-    step_time_summary,
-    summary_table,
-)
-from sonar_kernels.train.verdicts import check_baseline, clipping_entry, spike_effect
+from sonar_kernels.train.options import check_device, parse
+from sonar_kernels.train.report import TIMING_WARMUP, plot, summary_table
+from sonar_kernels.train.results import assemble
+from sonar_kernels.train.verdicts import check_baseline
 
 # What sonar-train imports beyond the base package: the [train] extra (pyproject.toml).
 TRAIN_EXTRA = ("transformers", "tqdm", "matplotlib")
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    """``python -m sonar_kernels.train`` (``sonar-train`` parses first, without torch: ``sonar_kernels_cli``)."""
+    return run(*parse(argv))
+
+
+def run(parser, args) -> int:
+    """Runs sonar-train on parsed options: the checks that need torch (``parser.error``, exit code 2), then
+    every arm and seed, the report; exit code 2 on a usage error found on the way, 130 on Ctrl-C (a partial
+    report and one line saying how to resume: :mod:`resume`)."""
+    check_device(parser, args)
     missing = [name for name in TRAIN_EXTRA if importlib.util.find_spec(name) is None]
     if missing:
         print(
@@ -64,20 +67,29 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    args.run_dir = None
+    args.run_dir, args.state = None, None
     # The standard arms train the "sonar" experts with torch.optim.AdamW on purpose (the baseline).
     warnings.filterwarnings("ignore", category=UnownedExpertsWarning)
+    finished = True  # whether a folder this run created may be given back when nothing was kept in it
     try:
         distributed.setup(args)  # under torchrun: one rank of a data-parallel run
         return _run(args)
     except UsageError as e:
         print(f"sonar-train: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        finished = False
+        return resume.interrupted(args.state)
     finally:
         distributed.teardown()
-        # A run that ended before writing its report gives its folder back (when nothing is in it).
-        if args.run_dir is not None and args.run_dir.is_dir() and not any(args.run_dir.iterdir()):
-            args.run_dir.rmdir()
+        # A new run that ended before finishing any (seed, arm) gives its folder back.
+        folder = args.run_dir
+        if finished and args.resume is None and folder is not None and not (folder / "report.json").exists():
+            kept = folder / resume.RESUME_FOLDER
+            if not kept.is_dir() or [p.name for p in kept.iterdir()] == ["options.json"]:
+                shutil.rmtree(kept, ignore_errors=True)
+                if not any(folder.iterdir()):
+                    folder.rmdir()
 
 
 def _run(args) -> int:
@@ -123,6 +135,21 @@ def _run(args) -> int:
     steps = args.steps or preset.steps
     sequence_length = args.seq_len or preset.sequence_length
     batch_size = args.batch_size or preset.batch_size
+    seeds = [args.seed + i for i in range(args.seeds)]
+    # Every (seed, arm) the run trains, in order; the exactness controls on the first seed only.
+    order = [
+        (seed, name)
+        for seed in seeds
+        for name in args.arms
+        if seed == seeds[0] or name not in CONTROLS.values()
+    ]
+    state = resume.RunState(None, order, resume.pairs_of(args.arms))
+    if args.resume is not None:  # before anything is built: the interrupted run's options, what it finished
+        if ranks > 1:
+            raise UsageError("--resume runs on one process only")
+        args.run_dir = state.folder = Path(args.resume)
+        state.load(resume.options_of(args))
+    args.state = state
     hf.register()
     # The model's shapes on the meta device (nothing allocated): the memory estimate, checked before the
     # model is built or loaded.
@@ -159,8 +186,9 @@ def _run(args) -> int:
     else:
         initial = build_model(preset, args.layers, args.seed, dtype, torch.device("cpu"))  # copied per arm
     hf.set_backend(initial, args.backend)  # an attribute of each experts module, copied with it
-    if leader:  # the run's folder, reserved once the data and the model are known to be good
-        args.run_dir = reserve_run_directory(Path(args.out), args.run_name)
+    if leader and args.resume is None:  # the run's folder, reserved once the data and the model are good
+        args.run_dir = state.folder = reserve_run_directory(Path(args.out), args.run_name)
+        state.start(args.argv, resume.options_of(args))
     n_params = sum(p.numel() for p in initial.parameters())
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
     source = f"model {args.model} ({initial.config.model_type})" if args.model else args.preset
@@ -232,134 +260,17 @@ def _run(args) -> int:
         )
         report["distributed"] = {"ranks": ranks, "layout": layout, "expert_parallel": args.ep > 1,
                                  "dense_checksums": {}, "expert_checksums": {}}  # fmt: skip
-    seeds = [args.seed + i for i in range(args.seeds)]
     report["seeds"] = seeds
     report["seeds_run"] = len(seeds)
+    report["resumed"] = None if args.resume is None else state.describe()
     if (
         args.baseline_report is not None
     ):  # before any training: the two runs must be the same but for the spike
         check_baseline(args.baseline_report, report, args.spike_baseline)
-    results = {name: [] for name in args.arms}  # per arm, one run_arm result per seed it ran
-    # A sonar arm and its control (arms.CONTROLS), when both run: the parameters of the first to train (first
-    # seed; with fp32 masters, the masters), on the CPU, until the other has trained.
-    pairs = {arm: control for arm, control in CONTROLS.items() if arm in args.arms and control in args.arms}
-    pair_of = {name: arm for arm, control in pairs.items() for name in (arm, control)}
-    final = {}
-    equal = {}  # sonar arm -> its parameters equal its control's, bit for bit (first seed)
-    # Per sonar arm with a control: its expert updates counted in the backward and in step(), and expected.
-    updates = {arm: {"backward": 0, "step": 0, "expected": 0} for arm in CONTROLS if arm in args.arms}
-    for i, seed in enumerate(seeds):
-        if i > 0:  # another batch order, and without --model another initialization
-            data = ByteData(text, sequence_length, batch_size, seed)
-            if args.model is None:
-                initial = None  # one initial model at a time (the real presets are large)
-                initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
-                hf.set_backend(initial, args.backend)
-        for name in args.arms:
-            if i > 0 and name in CONTROLS.values():
-                continue  # the exactness controls: compared bit for bit on the first seed
-            arm = build_arm(name, initial, args, steps, count_updates=True)
-            label = f"seed {seed} {name}" if len(seeds) > 1 else name
-            result = run_arm(arm, data, steps, args, device, heldout, label)
-            results[name].append({"seed": seed, **result})
-            if ranks > 1 and i == 0:  # the ranks' weights after training, one checksum each
-                named = list(arm.model.named_parameters())
-                for kind, chosen in (
-                    ("dense", [p for n, p in named if not n.endswith(EXPERT_PARAMS)]),
-                    ("expert", [p for n, p in named if n.endswith(EXPERT_PARAMS)]),
-                ):
-                    report["distributed"][f"{kind}_checksums"][name] = distributed.checksums(chosen)
-            if name in updates:
-                # The verdict means something only if every expert tensor was updated in every backward:
-                # counted from the tensors' AdamW step counts, not assumed.
-                updates[name]["backward"] += int(arm.updates["backward"])
-                updates[name]["step"] += int(arm.updates["step"])
-                updates[name]["expected"] += steps * len(arm.optimizer.expert_tensors)
-                report["expert_tensors"] = len(arm.optimizer.expert_tensors)
-            if i == 0 and name == "sonar" and args.save is not None and leader:
-                checkpoint.save_model(arm.model, args.save, settings, args.quiet)
-                report["saved"] = {"path": str(Path(args.save).resolve()), "arm": "sonar", "seed": seed}
-            if i == 0 and name in pair_of:
-                key = pair_of[name]
-                if key not in final:  # the first of the two: kept until the other has trained
-                    final[key] = master_values(arm)
-                else:
-                    kept = final.pop(key)  # compared: no copy held through the other arms and the memory pass
-                    equal[key] = all(
-                        a.dtype == b.dtype and torch.equal(a, b)
-                        for a, b in zip(kept, master_values(arm), strict=True)
-                    )
-            del arm
-        if i == 0:
-            memory = _memory_pass(args, initial, data, device)
-            timing, report["timing"] = _timing_pass(args, initial, data, device, ranks, estimate, available)
-    for name in args.arms:
-        report["arms"][name] = _aggregate(results[name])
-        report["arms"][name].update(memory[name])
-        if timing is not None:  # the side-by-side rounds replace the training runs' times
-            arm = report["arms"][name]
-            arm["training_step_time"] = arm["step_time"]
-            arm["step_time"] = step_time_summary([timing[name]])
-            arm["step_time_s"] = arm["step_time"]["median_s"]
-    if "sonar" in args.arms:
-        report["sonar_expert_updates_in_backward"] = updates["sonar"]["backward"]
-        report["sonar_expert_updates_in_step"] = updates["sonar"]["step"]
-        report["sonar_expert_updates_expected"] = updates["sonar"]["expected"]
-    if "sonar" in equal:
-        counted = updates["sonar"]
-        report["sonar_equals_control_bitwise"] = (
-            counted["backward"] == counted["expected"] and counted["step"] == 0 and equal["sonar"]
-        )
-    if "sonar-remainder" in equal:  # its experts' fp32 masters (weight and remainder) and dense weights
-        report["remainder_equals_control_bitwise"] = equal["sonar-remainder"]
-    if "sonar" in report["arms"] and "standard" in report["arms"]:
-        sonar_arm, standard_arm = report["arms"]["sonar"], report["arms"]["standard"]
-        report["heldout"] = heldout_statistics(standard_arm["heldout_losses"], sonar_arm["heldout_losses"])
-        report["heldout_loss_delta"] = report["heldout"]["mean_delta"]
-        report["peak_memory_reduction"] = (
-            1 - sonar_arm["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
-        )
-        report["speedup"], report["speedup_note"] = speedup(standard_arm["step_time"], sonar_arm["step_time"])
-    clipped = [name for name in ("sonar-spike", "sonar-lagged") if name in report["arms"]]
-    if clipped:
-        report["expert_clipping"] = {
-            name: clipping_entry(name, report, updates.get(name), equal.get(name), args.memory)
-            for name in clipped
-        }
-    if args.baseline_report is not None:
-        report["spike_effect"] = spike_effect(args.baseline_report, report, args.spike_baseline)
-    if "mixed-precision" in report["arms"]:  # bf16 arms against standard mixed-precision AdamW
-        reference = report["arms"]["mixed-precision"]
-        report["versus_mixed_precision"] = {
-            name: {
-                "heldout": heldout_statistics(
-                    reference["heldout_losses"], arm["heldout_losses"], name=name, reference="mixed-precision"
-                ),
-                "peak_memory_ratio": (
-                    arm["peak_memory_bytes"] / reference["peak_memory_bytes"] if args.memory else None
-                ),
-            }
-            for name, arm in report["arms"].items()
-            if name != "mixed-precision" and name not in CONTROLS.values()
-        }
-    for arm, suffix in (("sonar-8bit", "8bit"), ("torchao-8bit", "torchao_8bit")):
-        if arm in report["arms"] and "standard" in report["arms"]:
-            eight_bit, standard_arm = report["arms"][arm], report["arms"]["standard"]
-            report[f"heldout_{suffix}"] = heldout_statistics(
-                standard_arm["heldout_losses"], eight_bit["heldout_losses"], name=arm
-            )
-            report[f"peak_memory_ratio_{suffix}"] = (
-                eight_bit["peak_memory_bytes"] / standard_arm["peak_memory_bytes"] if args.memory else None
-            )
-    if ranks > 1:
-        # Replicated weights must be identical on every rank: the dense ones always, the experts when
-        # they are replicated (data parallel).
-        replicated = ("dense",) if args.ep > 1 else ("dense", "expert")
-        report["distributed"]["ranks_agree"] = all(
-            len(set(sums)) == 1
-            for kind in replicated
-            for sums in report["distributed"][f"{kind}_checksums"].values()
-        )
+    state.report = report
+    _train(args, state, seeds, initial, data, text, heldout, preset, dtype, device, steps, settings, estimate,
+           available)  # fmt: skip
+    report = assemble(report, args, state.records, order, state.memory, state.timing)
     if not leader:
         return 0
     out = args.run_dir
@@ -370,6 +281,92 @@ def _run(args) -> int:
     if "saved" in report:
         print(f"saved the sonar arm's model (seed {report['saved']['seed']}) to {report['saved']['path']}")
     return 0
+
+
+def _train(args, state, seeds, initial, data, text, heldout, preset, dtype, device, steps, settings, estimate,
+           available) -> None:  # fmt: skip
+    """Trains every (seed, arm) of ``state.order`` that has not finished, keeping each record as it finishes
+    (``state.record``), and runs the memory and timing passes after the first seed's arms unless they ran."""
+    from sonar_kernels.integrations import transformers as hf
+
+    ranks, leader = distributed.world_size(), distributed.rank() == 0
+    total = len(state.order)
+    if state.resumed and not args.quiet:
+        _say(f"sonar-train: resuming {state.folder}: {state.describe()} finished; running the rest")
+    # A sonar arm and its control (arms.CONTROLS), when both run: the parameters of the first to train (first
+    # seed; with fp32 masters, the masters), on the CPU, until the other has trained.
+    pair_of = {name: arm for arm, control in resume.pairs_of(args.arms).items() for name in (arm, control)}
+    final = {}
+    for i, seed in enumerate(seeds):
+        todo = [name for s, name in state.order if s == seed and (s, name) not in state.records]
+        if not todo and (i > 0 or (state.memory is not None and state.timing is not None)):
+            continue  # finished before the interruption
+        if i > 0:  # another batch order, and without --model another initialization
+            data = ByteData(text, data.sequence_length, data.batch_size, seed)
+            if args.model is None:
+                initial = None  # one initial model at a time (the real presets are large)
+                initial = build_model(preset, args.layers, seed, dtype, torch.device("cpu"))
+                hf.set_backend(initial, args.backend)
+        for name in todo:
+            position = state.order.index((seed, name)) + 1
+            what = f"seed {seed} {name}" if len(seeds) > 1 else name
+            started = time.perf_counter()
+            arm = build_arm(name, initial, args, steps, count_updates=True)
+            result = run_arm(arm, data, steps, args, device, heldout, f"run {position}/{total}: {what}")
+            record = {"seed": seed, "arm": name, **result, "updates": None, "expert_tensors": None,
+                      "checksums": None, "saved": None, "equal": None}  # fmt: skip
+            if ranks > 1 and i == 0:  # the ranks' weights after training, one checksum each
+                named = list(arm.model.named_parameters())
+                record["checksums"] = {
+                    "dense": distributed.checksums([p for n, p in named if not n.endswith(EXPERT_PARAMS)]),
+                    "expert": distributed.checksums([p for n, p in named if n.endswith(EXPERT_PARAMS)]),
+                }
+            if name in CONTROLS:
+                # The verdict means something only if every expert tensor was updated in every backward:
+                # counted from the tensors' AdamW step counts, not assumed.
+                record["updates"] = {"backward": int(arm.updates["backward"]), "step": int(arm.updates["step"]),
+                                     "expected": steps * len(arm.optimizer.expert_tensors)}  # fmt: skip
+                record["expert_tensors"] = len(arm.optimizer.expert_tensors)
+            if i == 0 and name == "sonar" and args.save is not None and leader:
+                checkpoint.save_model(arm.model, args.save, settings, args.quiet)
+                record["saved"] = {"path": str(Path(args.save).resolve()), "arm": "sonar", "seed": seed}
+            if i == 0 and name in pair_of:
+                key = pair_of[name]
+                if key not in final:  # the first of the two: kept until the other has trained
+                    final[key] = master_values(arm)
+                else:
+                    kept = final.pop(key)  # compared: no copy held through the other arms and the memory pass
+                    equal = all(
+                        a.dtype == b.dtype and torch.equal(a, b)
+                        for a, b in zip(kept, master_values(arm), strict=True)
+                    )
+                    record["equal"] = {"arm": key, "value": equal}
+            del arm
+            state.record(seed, name, record)
+            if not args.quiet:
+                _say(
+                    f"sonar-train: run {position} of {total} finished: {what}, {time.perf_counter() - started:.1f} s "
+                    f"(held-out loss {result['heldout_loss']:.4f})"
+                )
+        if i == 0:
+            for kind in ("memory", "timing"):
+                if getattr(state, kind) is not None:
+                    continue  # finished before the interruption: kept
+                started = time.perf_counter()
+                if kind == "memory":
+                    value = _memory_pass(args, initial, data, device)
+                else:
+                    value = list(_timing_pass(args, initial, data, device, ranks, estimate, available))
+                state.record_pass(kind, value)
+                if not args.quiet:
+                    _say(f"sonar-train: {kind} pass finished, {time.perf_counter() - started:.1f} s")
+
+
+def _say(line: str) -> None:
+    """A line on stderr above the progress bars."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stderr)
 
 
 def _memory_pass(args, initial, data, device) -> dict:
@@ -409,26 +406,6 @@ def _timing_pass(args, initial, data, device, ranks, estimate, available) -> tup
         f"every arm, the order rotated; {TIMING_WARMUP} warm-up rounds first)"
     )
     return times, note
-
-
-def _aggregate(runs: list[dict]) -> dict:
-    """One arm's results over the seeds it ran: per-seed lists and their summaries (``clipping``: the
-    expert-clipping arms' per-step telemetry per seed, else None)."""
-    heldout = [r["heldout_loss"] for r in runs]
-    clip = [r["clip_fraction"] for r in runs]
-    return {
-        "clipping": None if runs[0]["clipping"] is None else [r["clipping"] for r in runs],
-        "seeds": [r["seed"] for r in runs],
-        "heldout_losses": heldout,
-        "heldout_loss": statistics.fmean(heldout),
-        "train_losses": [r["train_losses"] for r in runs],
-        "grad_norms": [r["grad_norms"] for r in runs],
-        "clip_fractions": clip,
-        "clip_fraction": statistics.fmean(clip),
-        "step_times_s": [r["step_times_s"] for r in runs],
-        "step_time": (timing := step_time_summary([r["step_times_s"] for r in runs])),
-        "step_time_s": timing["median_s"],
-    }
 
 
 def reserve_run_directory(out: Path, name: str) -> Path:

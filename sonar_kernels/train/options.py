@@ -1,245 +1,28 @@
-"""sonar-train's options: the command line, its defaults and its checks (errors name the option before
-anything runs)."""
+"""sonar-train's options: the command line and its torch-free checks (``sonar_kernels_cli.options``, which
+``sonar-train`` parses before torch is imported), then the checks that need torch: the device and, for
+``--backend triton`` on the CPU, the Triton interpreter. Errors name the option before anything runs."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import math
-import sys
-from pathlib import Path
 
 import torch
 
-from sonar_kernels.train.arms import ARMS, MASTER_ARMS, OTHER_ARMS
-from sonar_kernels.train.clipping import SPIKE_THRESHOLD
-from sonar_kernels.train.data import PRESETS
-from sonar_kernels.train.report import TIMING_WARMUP
+from sonar_kernels_cli.options import HELDOUT_BATCHES, build_parser, parse
 
-# Held-out batches evaluated by default: enough that the evaluation costs a few training steps per arm.
-HELDOUT_BATCHES = 32
+__all__ = ["HELDOUT_BATCHES", "build_parser", "check_device", "parse_args"]
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows a default only where one is set and the help text does not describe it already."""
-
-    def _get_help_string(self, action):
-        if action.default is None or isinstance(action.default, bool) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """``sonar-train``'s options, every check made (:func:`check_device` included); exits with code 2 on a
+    bad one."""
+    parser, args = parse(argv)
+    return check_device(parser, args)
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(
-        prog="sonar-train",
-        description=(
-            "Train an MoE model (a transformers OLMoE or Granite MoE preset: tiny ones for a CPU, the real "
-            "models' dimensions for GPUs) three ways from the same initialization and batches: standard "
-            "(torch.optim.AdamW, global-norm clipping), sonar (SonarAdamW: expert tensors updated in the "
-            "backward, dense clipping) and standard-dense-clip (its control, which must equal sonar bit for "
-            "bit), over several seeds. Writes report.json and report.png under --out/--name and prints the "
-            "held-out loss per seed with a statistical verdict, peak memory and step time. --model PATH starts "
-            "every arm from a local transformers checkpoint instead, --save DIR writes the sonar arm's trained "
-            "model. Before any model is built, its training memory is estimated and a run that cannot fit is "
-            "refused (exit code 2)."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny-olmoe",
-                        help="model family and dimensions: tiny-* for a CPU, the others the real models' for GPUs")  # fmt: skip
-    parser.add_argument("--model", metavar="PATH",
-                        help="a local transformers checkpoint (a folder saved by save_pretrained) of an MoE family the "
-                        "sonar experts run (OLMoE, Qwen3-MoE, Granite MoE, Mixtral, ...), loaded with from_pretrained "
-                        "(local files only, in --dtype): every arm starts from its weights instead of the preset's "
-                        "random ones, and the seeds differ only in batch order. The token ids stay the text's UTF-8 "
-                        "bytes (0-255), not the checkpoint's tokenizer: its vocabulary must hold at least 256 ids "
-                        "(ids 256 and up are never seen), and its first losses are high (its embeddings of ids 0-255 "
-                        "mean other tokens). --preset then only sets the defaults of --steps, --batch-size and "
-                        "--seq-len")  # fmt: skip
-    parser.add_argument("--save", metavar="DIR",
-                        help="save the sonar arm's trained model (first seed) to DIR with save_pretrained, in the "
-                        "training dtype: a transformers checkpoint that loads without sonar_kernels (its config "
-                        "does not select the sonar experts; transformers' default experts run it). DIR must be a "
-                        "new or empty folder")  # fmt: skip
-    parser.add_argument(
-        "--layers",
-        type=int,
-        metavar="N",
-        help="number of decoder layers (default: the preset's, 4 for tiny-*)",
-    )
-    parser.add_argument("--data", metavar="PATH", help="UTF-8 text file, or .jsonl with a 'text' field; the last tenth is "
-                        "held out (default: the Python docs in pydoc_data.topics)")  # fmt: skip
-    parser.add_argument(
-        "--steps",
-        type=int,
-        metavar="N",
-        help="training steps per arm and seed (default: the preset's, 200 for tiny-*, 20 for the real ones)",
-    )
-    parser.add_argument("--seeds", type=int, default=3,
-                        metavar="N", help="runs per arm, with seeds S, S+1, ... (S the first seed): each another initialization and batch "
-                        "order; the held-out difference is judged over them (standard-dense-clip runs the "
-                        "first seed only)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, metavar="S", help="the first seed")
-    parser.add_argument(
-        "--batch-size", type=int, metavar="N", help="sequences per step (default: the preset's, 4)"
-    )
-    parser.add_argument(
-        "--seq-len",
-        type=int,
-        metavar="N",
-        help="bytes per sequence (default: the preset's, 128 for tiny-*, 1024 for the real ones)",
-    )
-    parser.add_argument("--lr", type=float, default=3e-3, metavar="LR", help="peak AdamW learning rate")
-    parser.add_argument("--warmup-steps", type=int, metavar="N", help="linear LR warm-up, then cosine decay to a tenth of "
-                        "--lr (default: a tenth of the steps)")  # fmt: skip
-    parser.add_argument(
-        "--max-grad-norm", type=float, default=1.0, metavar="NORM", help="clipping threshold of every arm"
-    )
-    parser.add_argument("--heldout-batches", type=int, default=HELDOUT_BATCHES,
-                        metavar="N", help="held-out batches to evaluate, the same for every arm and seed (0: the whole split)")  # fmt: skip
-    parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
-                        help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
-                        "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
-                        "clipped, the paper's other comparison; sonar-8bit: sonar with 8-bit moments (--moments); torchao-8bit: "
-                        "standard training with torchao's AdamW8bit for the experts (the anchor of --moments 8bit)")  # fmt: skip
-    parser.add_argument("--moments", choices=("exact", "8bit"), default="exact",
-                        help="8bit: also train the sonar-8bit arm, SonarAdamW(moments_dtype=\"8bit\"), whose expert "
-                        "moments are 8-bit codes and block scales updated in the backward (docs/usage.md), and, when torchao is "
-                        "installed, the torchao-8bit arm")  # fmt: skip
-    parser.add_argument("--master-weights", nargs="+", choices=("remainder", "stochastic"), default=[],
-                        help="with --dtype bfloat16: also train sonar-remainder and/or sonar-stochastic, "
-                        "SonarAdamW(master_weights=...) whose bf16 experts keep an fp32 master as a 16-bit remainder or "
-                        "are rounded stochastically (docs/usage.md; with --moments 8bit also their 8-bit-moments arms), "
-                        "beside mixed-precision (standard AdamW on fp32 master copies of every parameter, their "
-                        "reference) and, for remainder, remainder-control (its bitwise control, first seed)")  # fmt: skip
-    parser.add_argument("--expert-clipping", nargs="+", choices=("spike", "lagged"), default=[],
-                        help="also train sonar-spike and/or sonar-lagged, SonarAdamW(expert_clipping=...) whose "
-                        "in-backward expert update clips: spike, SPAM's rule (an element with g^2 > THETA v, v its "
-                        "exp_avg_sq before the update, replaced by sign(g) sqrt(THETA v); --spike-threshold), the "
-                        "dense gradients clipped by their own norm as in sonar; lagged, the expert gradients "
-                        "multiplied by the clipping coefficient of the previous step's global norm over all "
-                        "parameters (--max-grad-norm; 1 at the first step), the dense ones clipped by this step's. "
-                        "Each with its control on the first seed (spike-control, lagged-control: materialized "
-                        "gradients, the rule applied by hand before torch.optim.AdamW), which must equal it bit "
-                        "for bit")  # fmt: skip
-    parser.add_argument("--spike-threshold", type=float, metavar="THETA",
-                        help=f"SPAM's threshold theta of the sonar-spike arm and its control (default: {SPIKE_THRESHOLD:g}, "
-                        "the SPAM paper's)")  # fmt: skip
-    parser.add_argument("--inject-spike", type=_injected_spike, metavar="STEP:SCALE",
-                        help="multiply the loss of training step STEP (1 to the run's steps, as the report counts "
-                        "them) by SCALE (a finite number > 0) in every arm and seed before its backward, so that "
-                        "every arm sees the same gradient spike; the training loss recorded at that step is the "
-                        "multiplied one. The memory and timing passes inject nothing")  # fmt: skip
-    parser.add_argument("--spike-baseline", metavar="REPORT",
-                        help="with --inject-spike: the report.json of the same run without it (same model, data, "
-                        "steps, seeds and settings): the report adds, per arm, the held-out loss with the spike "
-                        "minus without it, paired over the seeds, with its verdict (whether the spike hurt)")  # fmt: skip
-    parser.add_argument("--backend", choices=("auto", "triton", "torch"), default="auto",
-                        help="moe_mlp backend of the experts (auto: triton on CUDA, torch on CPU)")  # fmt: skip
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"),
-                        help="default: bfloat16 on CUDA, float32 on CPU")  # fmt: skip
-    parser.add_argument("--device", metavar="DEVICE", help="default: cuda when available, else cpu")
-    parser.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
-                        help="turn activation checkpointing off (on by default)")  # fmt: skip
-    parser.add_argument("--foreach", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default: torch's choice)")  # fmt: skip
-    parser.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.optim.AdamW's flag, the same in every arm (default, when neither --fused nor --foreach "
-                        "is given: on wherever torch has a fused AdamW for the device and dtype, the CPU and CUDA among "
-                        "them)")  # fmt: skip
-    parser.add_argument("--no-memory", dest="memory", action="store_false",
-                        help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
-    parser.add_argument("--timing-rounds", type=int, default=40, metavar="N",
-                        help="after training, time the arms side by side on the first seed's model: "
-                        f"{TIMING_WARMUP} + N rounds of one step of every arm (order rotated per round), the "
-                        "reported step times and their ratio then come from these N rounds (a machine that "
-                        "slows down for a while weighs on every arm alike); 0: the step times of the training "
-                        "runs. Single-process runs whose arms fit in memory together")  # fmt: skip
-    parser.add_argument("--no-memory-check", dest="memory_check", action="store_false",
-                        help="start even when the estimate of the training memory (parameters, gradients, AdamW "
-                        "state, activations, from the model's shapes before it is built) exceeds the memory "
-                        "available; by default such a run is refused with exit code 2")  # fmt: skip
-    parser.add_argument("--ep", type=int, default=1,
-                        metavar="N", help="expert parallelism over N ranks (under torchrun with N processes; 1: data "
-                        "parallel on several processes)")  # fmt: skip
-    parser.add_argument("--out", default="runs", metavar="DIR", help="output folder")
-    parser.add_argument("--name", metavar="NAME", help="run name: the run creates --out/NAME, or NAME-2, NAME-3, ... when that "
-                        "exists (default: the preset, or the --model folder's name)")  # fmt: skip
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.timing_rounds < 0:
-        parser.error(f"--timing-rounds must be >= 0, got {args.timing_rounds}")
-    steps = args.steps or PRESETS[args.preset].steps
-    if args.warmup_steps is not None and args.warmup_steps > steps:
-        parser.error(f"--warmup-steps {args.warmup_steps} is more than the {steps} training steps")
-    torchao = importlib.util.find_spec("torchao") is not None
-    if "torchao-8bit" in args.arms and not torchao:
-        parser.error("--arms torchao-8bit needs torchao (pip install torchao)")
-    if args.moments == "8bit":
-        for arm in ("sonar-8bit", "torchao-8bit") if torchao else ("sonar-8bit",):
-            if arm not in args.arms:
-                args.arms.append(arm)
-        if not torchao:
-            print("sonar-train: torchao is not installed, so the torchao-8bit arm (the anchor of --moments 8bit) "
-                  "does not run (pip install torchao)", file=sys.stderr)  # fmt: skip
-    for mode in args.master_weights:
-        wanted = ["mixed-precision", f"sonar-{mode}"] + (["remainder-control"] if mode == "remainder" else [])
-        wanted += [f"sonar-{mode}-8bit"] if args.moments == "8bit" else []
-        args.arms += [arm for arm in wanted if arm not in args.arms]
-    for mode in args.expert_clipping:
-        args.arms += [arm for arm in (f"sonar-{mode}", f"{mode}-control") if arm not in args.arms]
-    spiking = [arm for arm in ("sonar-spike", "spike-control") if arm in args.arms]
-    if args.spike_threshold is None:
-        args.spike_threshold = SPIKE_THRESHOLD
-    elif not spiking:
-        parser.error("--spike-threshold applies to the sonar-spike arm: add --expert-clipping spike")
-    elif not (args.spike_threshold > 0 and math.isfinite(args.spike_threshold)):
-        parser.error(f"--spike-threshold must be a finite number > 0, got {args.spike_threshold}")
-    if args.inject_spike is not None and not 1 <= args.inject_spike[0] <= steps:
-        parser.error(
-            f"--inject-spike {args.inject_spike[0]}:{args.inject_spike[1]:g}: step {args.inject_spike[0]} is not "
-            f"one of the run's training steps (1 to {steps})"
-        )
-    args.baseline_report = None
-    if args.spike_baseline is not None:
-        if args.inject_spike is None:
-            parser.error(
-                "--spike-baseline compares a run with --inject-spike to one without: add --inject-spike"
-            )
-        args.baseline_report = _baseline_report(parser, args.spike_baseline)
-    bf16_only = [arm for arm in args.arms if arm in MASTER_ARMS]
-    if bf16_only and args.dtype != "bfloat16":
-        parser.error(
-            f"{', '.join(bf16_only)} train{'s' if len(bf16_only) == 1 else ''} bf16 weights with fp32 masters: "
-            "add --dtype bfloat16"
-        )
-    repeated = sorted({arm for arm in args.arms if args.arms.count(arm) > 1})
-    if repeated:
-        parser.error(f"--arms: {', '.join(repeated)} given more than once")
-    if args.model is not None and args.layers is not None:
-        parser.error("--layers does not apply to --model: a checkpoint has its own layers")
-    if args.save is not None:
-        if "sonar" not in args.arms:
-            parser.error("--save saves the sonar arm's model: add sonar to --arms")
-        save = Path(args.save)
-        if save.exists() and (not save.is_dir() or any(save.iterdir())):
-            parser.error(f"--save {args.save}: exists and is not an empty folder")
-    if args.name is not None and (
-        not args.name or Path(args.name).name != args.name or args.name in (".", "..")
-    ):
-        parser.error(f"--name {args.name!r} must be a folder name, without a path")
-    for name in ("warmup_steps", "heldout_batches"):
-        value = getattr(args, name)
-        if value is not None and value < 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0, got {value}")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        parser.error(f"--lr must be a finite number > 0, got {args.lr}")
-    if not (args.max_grad_norm > 0 and math.isfinite(args.max_grad_norm)):
-        parser.error(f"--max-grad-norm must be a finite number > 0, got {args.max_grad_norm}")
+def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Resolves ``--device`` (default: cuda when available) into ``args.device_obj``; ``parser.error`` (exit
+    code 2) when it is not here, or when ``--backend triton`` on the CPU has no interpreter to run on."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         args.device_obj = torch.device(device)
@@ -256,54 +39,4 @@ def parse_args(argv):
             parser.error(
                 "--backend triton on the CPU needs TRITON_INTERPRET=1 (the interpreter: tests, not training)"
             )
-    out = Path(args.out)
-    args.run_name = args.name or (Path(args.model).resolve().name if args.model else args.preset)
-    for path in (out, out / args.run_name):
-        if path.exists() and not path.is_dir():
-            parser.error(f"--out: {path} exists and is not a folder")
     return args
-
-
-def _injected_spike(text: str) -> tuple[int, float]:
-    """``--inject-spike STEP:SCALE`` as (STEP, SCALE): STEP an integer (checked against the run's steps
-    after parsing), SCALE a finite number > 0.
-
-    Raises:
-        argparse.ArgumentTypeError: another form, with what was expected.
-    """
-    step, colon, scale = text.partition(":")
-    if not colon:
-        raise argparse.ArgumentTypeError(f"expected STEP:SCALE (e.g. 60:1000), got {text!r}")
-    try:
-        step = int(step)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"STEP must be an integer, got {step!r} in {text!r}") from None
-    try:
-        scale = float(scale)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"SCALE must be a number, got {scale!r} in {text!r}") from None
-    if not (scale > 0 and math.isfinite(scale)):
-        raise argparse.ArgumentTypeError(f"SCALE must be a finite number > 0, got {scale:g} in {text!r}")
-    return step, scale
-
-
-def _baseline_report(parser: argparse.ArgumentParser, path: str) -> dict:
-    """The ``--spike-baseline`` report: a sonar-train report.json of a run without ``--inject-spike`` (its
-    settings are checked against this run's in ``cli``, once they are resolved)."""
-    import json
-
-    try:
-        report = json.loads(Path(path).read_text())
-    except FileNotFoundError:
-        parser.error(f"--spike-baseline {path}: no such file")
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        parser.error(f"--spike-baseline {path}: not a readable report.json ({e})")
-    if not isinstance(report, dict) or not isinstance(report.get("arms"), dict) or "steps" not in report:
-        parser.error(f"--spike-baseline {path}: not a sonar-train report.json")
-    if report.get("inject_spike") is not None:
-        spike = report["inject_spike"]
-        parser.error(
-            f"--spike-baseline {path}: that run injected a spike too (step {spike['step']}, x{spike['scale']:g}); "
-            "give the report of the same run without --inject-spike"
-        )
-    return report

@@ -1,4 +1,4 @@
-"""sonar-train's report: the statistics over seeds and steps, the summary table and the figure."""
+"""sonar-train's report: the summary table and the figure (the statistics they print: ``stats``)."""
 
 from __future__ import annotations
 
@@ -8,95 +8,29 @@ from pathlib import Path
 
 from sonar_kernels.train.clipping import clipping_lines, spike_effect_lines
 from sonar_kernels.train.memory import LABELS
+from sonar_kernels.train.stats import (
+    MIN_TIMED_STEPS,
+    NEGLIGIBLE_DELTA,
+    TIMING_WARMUP,
+    heldout_statistics,
+    memory_note,
+    nats,
+    paired_difference,
+    peak_shares,
+    speedup,
+    step_time_summary,
+)
 
-# Step times: the first TIMING_WARMUP steps of every run are left out (allocator, caches, lazy state);
-# a time ratio is given only when both arms have at least MIN_TIMED_STEPS timed steps.
-TIMING_WARMUP = 5
-MIN_TIMED_STEPS = 10
+# The statistics live in ``stats``; the report's readers (verdicts, cli, the tests) find them here as well.
+__all__ = ["MIN_TIMED_STEPS", "NEGLIGIBLE_DELTA", "TIMING_WARMUP", "heldout_statistics", "memory_note", "nats",
+           "paired_difference", "peak_shares", "plot", "speedup", "step_time_summary", "summary_table"]  # fmt: skip
+
 
 # What the sonar arm executes, by resolved backend.
 BACKEND_RUNS = {
     "triton": "the Triton kernels, AdamW in the wgrad epilogue",
     "torch": "torch's grouped GEMM, each expert tensor's AdamW right after its gradient (no Triton kernel)",
 }
-
-
-def step_time_summary(times_per_run: list[list[float]]) -> dict:
-    """The step times of one arm over its runs (seeds), each run's first ``TIMING_WARMUP`` steps left
-    out: median, 10th and 90th percentiles (seconds, None without samples) and the number of samples."""
-    samples = sorted(t for times in times_per_run for t in times[TIMING_WARMUP:])
-    if not samples:
-        return {"median_s": None, "p10_s": None, "p90_s": None, "samples": 0, "warmup_steps": TIMING_WARMUP}
-    deciles = statistics.quantiles(samples, n=10, method="inclusive") if len(samples) > 1 else samples * 9
-    return {
-        "median_s": statistics.median(samples),
-        "p10_s": deciles[0],
-        "p90_s": deciles[-1],
-        "samples": len(samples),
-        "warmup_steps": TIMING_WARMUP,
-    }
-
-
-def speedup(standard: dict, sonar: dict) -> tuple[float | None, str]:
-    """standard's median step time over sonar's (> 1: sonar faster), or None and the reason when either
-    arm has fewer than ``MIN_TIMED_STEPS`` timed steps."""
-    fewest = min(standard["samples"], sonar["samples"])
-    if fewest < MIN_TIMED_STEPS:
-        return None, (
-            f"no time ratio: {fewest} timed steps (after {TIMING_WARMUP} warm-up steps per run), fewer than "
-            f"{MIN_TIMED_STEPS}"
-        )
-    ratio = standard["median_s"] / sonar["median_s"]
-    return ratio, f"ratio of median step times over {fewest}+ timed steps per arm"
-
-
-def heldout_statistics(
-    standard: list[float], sonar: list[float], name: str = "sonar", reference: str = "standard"
-) -> dict:
-    """The held-out difference sonar - standard over paired seeds (same initialization and batches per
-    seed): per-seed differences, their mean and its standard error (sample standard deviation / sqrt(n)),
-    the standard arm's own seed-to-seed standard deviation, and a verdict in words: no difference
-    detectable when |mean| <= 2 standard errors, otherwise which arm has the lower loss and by how much.
-    One seed gives no verdict. ``name`` and ``reference``: the two arms' names in the verdict."""
-    deltas = [b - a for a, b in zip(standard, sonar, strict=True)]
-    n = len(deltas)
-    mean = statistics.fmean(deltas)
-    result = {
-        "seeds": n,
-        "deltas": deltas,
-        "mean_delta": mean,
-        "standard_error": None,
-        "standard_seed_sd": None,
-    }
-    if n < 2:
-        result["verdict"] = (
-            "one seed: no statistical verdict (run --seeds 2 or more; 3 or more for a useful one)"
-        )
-        return result
-    se = statistics.stdev(deltas) / math.sqrt(n)
-    result["standard_error"] = se
-    result["standard_seed_sd"] = statistics.stdev(standard)
-    if abs(mean) <= 2 * se:
-        result["verdict"] = (
-            f"no difference detectable at this scale (|mean| {abs(mean):.4f} <= 2 standard errors, {2 * se:.4f})"
-        )
-    else:
-        better = name if mean < 0 else reference
-        weak = f"; with {n} seeds a weak test, more seeds narrow it" if n < 5 else ""
-        result["verdict"] = (
-            f"{better} lower by {abs(mean):.4f} nats per byte (more than 2 standard errors, {2 * se:.4f}{weak})"
-        )
-    return result
-
-
-def paired_difference(arm: dict, standard: dict) -> float:
-    """Mean over the seeds both arms ran of (arm's held-out loss - standard's)."""
-    by_seed = dict(zip(standard["seeds"], standard["heldout_losses"], strict=True))
-    return statistics.fmean(
-        loss - by_seed[seed]
-        for seed, loss in zip(arm["seeds"], arm["heldout_losses"], strict=True)
-        if seed in by_seed
-    )
 
 
 def summary_table(report: dict) -> str:
@@ -162,6 +96,8 @@ def summary_table(report: dict) -> str:
         for name, r in arms.items():
             parts = " ".join(f"{r['peak_memory'][c] / 2**20:8.2f}" for c in LABELS)
             lines.append(f"  {name:<20} {parts}")
+        if report.get("peak_memory_note"):
+            lines.append(report["peak_memory_note"])
     else:
         lines.append("peak memory: not measured (--no-memory)")
     heldout = report.get("heldout")
@@ -291,7 +227,12 @@ def _title(report: dict) -> str:
         pm = f" ± {se:.4f} (SE)" if se is not None else ""
         verdicts.append(f"held-out sonar - standard {heldout['mean_delta']:+.4f}{pm}")
     if report.get("peak_memory_reduction") is not None:
-        verdicts.append(f"peak memory {-100 * report['peak_memory_reduction']:+.1f} %")
+        alike = (
+            f" (standard's peak: {peak_shares(report['arms']['standard'])})"
+            if report.get("peak_memory_note")
+            else ""
+        )
+        verdicts.append(f"peak memory {-100 * report['peak_memory_reduction']:+.1f} %{alike}")
     if report.get("speedup") is not None:
         verdicts.append(f"step time sonar / standard {1 / report['speedup']:.2f}x")
     lines = [first, "; ".join(verdicts)]
