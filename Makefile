@@ -1,48 +1,65 @@
-# sonar-kernels: every target does its own set-up in .venv, on a machine that has only Python and pip.
+# sonar-kernels: every target does its own set-up, on a machine that has only Python and pip, in one of
+# two virtual environments: .venv for the product (make demo, quickstart: torch, triton, the package with
+# its [train] extra) and .venv-test for the test suite and the tools (make test, lint, bench: the [test]
+# extra adds pytest, ruff, torchao, torchtitan, TRL, PEFT ...). Two, because transformers imports torchao
+# whenever it is installed, and torchao prints load errors on a CPU: the product's environment has none.
 PYTHON ?= python3
 VENV ?= .venv
+TEST_VENV ?= .venv-test
 BIN := $(VENV)/bin
+TEST_BIN := $(TEST_VENV)/bin
 # torch 2.13.0 is the CPU build on the project's machines (a local wheel); on a CUDA machine, set
 # TORCH_SPEC to the build you want. Triton 3.6 is what the GPU machine has; its interpreter (the CPU
-# test lane) fails with numpy >= 2.4.
+# test lane) fails with numpy >= 2.4. Every other version tested is pinned in constraints.txt.
 TORCH_SPEC ?= torch==2.13.0
 TRITON_SPEC ?= triton==3.6.0
 NUMPY_SPEC ?= numpy<2.4
-# torchtitan, for tests/test_torchtitan.py and docs/frameworks.md's torchtitan block: the release
-# sonar_kernels.integrations.torchtitan is tested with, installed --no-deps with what its modules import
-# (spmd_types, tyro and tyro's docstring_parser and typeguard), without its trainer's dependencies
-# (datasets, tensorboard, wandb, ...) and never another torch.
-TORCHTITAN_VERSION ?= 0.3.0
+# torchtitan, for tests/test_torchtitan.py and docs/frameworks.md's torchtitan block: installed --no-deps
+# with what its modules import (spmd_types, tyro and tyro's docstring_parser and typeguard), without its
+# trainer's dependencies (datasets, tensorboard, wandb, ...) and never another torch; versions in
+# constraints.txt.
+TORCHTITAN := torchtitan spmd_types tyro docstring_parser typeguard
 STAMP := $(VENV)/.installed
+TEST_STAMP := $(TEST_VENV)/.installed
 
-.PHONY: install test lint fmt kernel-report demo quickstart bench bench-gpu bench-gpu-rehearse gpu-wheels memory-real memory-real-check clean
+.PHONY: install install-test test lint fmt kernel-report demo demo-short quickstart layer-check bench bench-gpu bench-gpu-rehearse gpu-wheels memory-real memory-real-check clean
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
-	$(BIN)/python -m pip install -e ".[test,train]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
-	$(BIN)/python -m pip install --no-deps "torchtitan==$(TORCHTITAN_VERSION)" "spmd_types==0.2.3" "tyro==1.0.17" \
-		"docstring_parser==0.18.0" "typeguard==4.6.1"
+	$(BIN)/python -m pip install -c constraints.txt -e ".[train]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
 	touch $(STAMP)
 
+$(TEST_STAMP): pyproject.toml constraints.txt Makefile
+	$(PYTHON) -m venv $(TEST_VENV)
+	$(TEST_BIN)/python -m pip install "$(TORCH_SPEC)" "$(TRITON_SPEC)" "$(NUMPY_SPEC)"
+	$(TEST_BIN)/python -m pip install -c constraints.txt -e ".[test,train]" "$(TORCH_SPEC)" "$(TRITON_SPEC)" \
+		"$(NUMPY_SPEC)"
+	$(TEST_BIN)/python -m pip install -c constraints.txt --no-deps $(TORCHTITAN)
+	touch $(TEST_STAMP)
+
+# The product: what `make demo` and `make quickstart` run with (pip install -e '.[train]').
 install: $(STAMP)
+
+# The product and the test tools, in .venv-test.
+install-test: $(TEST_STAMP)
 
 # The whole suite. Without CUDA, tests/conftest.py sets TRITON_INTERPRET=1 (the Triton interpreter on
 # CPU); with CUDA the kernels run compiled on the GPU.
 # TEST_WORKERS pytest-xdist processes (auto: one per core; 0 runs the tests in this process).
 TEST_WORKERS ?= auto
-test: install
-	$(BIN)/python -m pytest -n $(TEST_WORKERS)
+test: install-test
+	$(TEST_BIN)/python -m pytest -n $(TEST_WORKERS)
 
 # ruff, and the import layers of the package (import-linter, contracts in pyproject.toml).
-lint: install
-	$(BIN)/ruff check .
-	$(BIN)/ruff format --check .
-	$(BIN)/lint-imports
+lint: install-test
+	$(TEST_BIN)/ruff check .
+	$(TEST_BIN)/ruff format --check .
+	$(TEST_BIN)/lint-imports
 
-fmt: install
-	$(BIN)/ruff check --fix .
-	$(BIN)/ruff format .
+fmt: install-test
+	$(TEST_BIN)/ruff check --fix .
+	$(TEST_BIN)/ruff format .
 
 # Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma. Then
 # every variant the GPU benchmark compiles, in both AdamW arithmetics (bench/gpu_bench.py --dry-run).
@@ -78,9 +95,9 @@ demo: install
 # expert-gradient bytes its peak saves, and a last line saying whether the machine was quiet enough to
 # compare the times (bench/README.md). The JSON (per row provider, phase, shape, peak and expert-gradient
 # bytes, device, versions, commit, p10/p90) goes to runs/bench/.
-bench: install
+bench: install-test
 	mkdir -p runs/bench
-	$(BIN)/python -m pytest bench/test_layer.py -p no:cacheprovider --benchmark-only \
+	$(TEST_BIN)/python -m pytest bench/test_layer.py -p no:cacheprovider --benchmark-only \
 		--benchmark-json=runs/bench/layer.json
 
 # On one CUDA GPU whose Python already has torch and triton (no venv, no package index): bench/gpu_run.sh
@@ -108,10 +125,16 @@ gpu-wheels:
 bench-gpu-rehearse: install
 	$(BIN)/python bench/gpu_bench.py --rehearse --out runs/bench-gpu/rehearsal.json
 
-# One SonarExperts layer under the Triton interpreter: the forward vs float64, the backward, ExpertAdamW
-# steps (fused == split bitwise).
+# README's quick start (a tiny transformers OLMoE with experts_implementation="sonar" and SonarAdamW, three
+# steps, saved with save_pretrained), run as written from runs/quickstart/: seconds, most of it importing.
 quickstart: install
-	$(BIN)/python examples/quickstart.py
+	mkdir -p runs/quickstart
+	cd runs/quickstart && $(abspath $(BIN))/python $(CURDIR)/examples/quickstart.py
+
+# One SonarExperts layer under the Triton interpreter (the kernels' CPU lane, a few minutes): the forward vs
+# float64, the backward, ExpertAdamW steps (fused == split bitwise).
+layer-check: install
+	$(BIN)/python examples/layer_check.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

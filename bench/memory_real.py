@@ -31,7 +31,7 @@ Writes ``runs/memory-real/report.json`` (``--out``): ``{"rows": [...], "commit",
 row with ``preset``, ``layers``, ``layout`` ("1 gpu" or "fsdp2"), ``world_size``, ``precision``, ``arm``,
 ``checkpointing``, ``peak_bytes`` (the trace), ``model_peak_bytes`` (bench/memory_model's prediction),
 ``parameters``, ``mode`` ("fake" or "real"), the peak's ``breakdown`` by MemTracker's categories and its
-``phase``, and the ``seconds`` the trace took; and ``report.md``: the README's table
+``phase``, and the ``seconds`` the trace took; and ``report.md``: docs/distributed.md's decision table
 (:func:`decision_table`), then every row (:func:`table`). Its limits (docs/distributed.md, "Traced at full
 size"): an allocation trace, not the CUDA caching allocator (rounding, fragmentation), and no NCCL buffers
 or cuBLAS workspaces.

@@ -1,11 +1,11 @@
-"""README.md's GPU results table, built only from the files gpu_bench.py wrote under bench/results/ and
-that git tracks (committed or staged; a CPU run of gpu_bench.py is not a result).
+"""docs/benchmarks.md's GPU results table ("GPU results"), built only from the files gpu_bench.py wrote under
+bench/results/ and that git tracks (committed or staged; a CPU run of gpu_bench.py is not a result).
 
     python bench/results_table.py            # print the table
-    python bench/results_table.py --write    # replace the table between README.md's markers
+    python bench/results_table.py --write    # replace the table between docs/benchmarks.md's markers
 
-tests/test_bench_check.py checks that README.md holds exactly this table, so the README cannot show a
-number that no committed results file backs.
+tests/test_bench_check.py checks that docs/benchmarks.md holds exactly this table, so the docs cannot show
+a number that no committed results file backs (README's "Measured" quotes its ranges).
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "benchmarks.md"
 RESULTS = ROOT / "bench" / "results"
 BEGIN, END = "<!-- gpu-results:begin -->", "<!-- gpu-results:end -->"
 
@@ -72,7 +73,7 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
             f"{device}, {meta['date']}, torch {versions['torch']}, triton {versions['triton']}, "
             f"{meta['commit'][:9]}{', tuned tiles' if tuned else ''}"
         )
-        link = f"[{path.name}](bench/results/{path.name})"
+        link = f"[{path.name}](../bench/results/{path.name})"
         sections = r["sections"]
         slowest = {
             name: unit["result"]["min_gemm_fraction_of_torch_mm"]
@@ -113,21 +114,20 @@ def table(results: Path = RESULTS, include_cpu: bool = False) -> str:
     return "\n".join(head + list(rows.values()))
 
 
-def readme_table(readme: Path = ROOT / "README.md") -> str:
-    text = readme.read_text()
+def docs_table(docs: Path = DOCS) -> str:
+    text = docs.read_text()
     return text[text.index(BEGIN) + len(BEGIN) : text.index(END)].strip()
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--write", action="store_true", help="replace the table in README.md")
+    parser.add_argument("--write", action="store_true", help="replace the table in docs/benchmarks.md")
     args = parser.parse_args(argv)
     new = table()
     if args.write:
-        readme = ROOT / "README.md"
-        text = readme.read_text()
+        text = DOCS.read_text()
         start, end = text.index(BEGIN) + len(BEGIN), text.index(END)
-        readme.write_text(text[:start] + "\n" + new + "\n" + text[end:])
+        DOCS.write_text(text[:start] + "\n" + new + "\n" + text[end:])
     print(new)
     return 0
 

@@ -32,6 +32,6 @@ def _results_table():
     return module
 
 
-def test_readme_results_table_is_exactly_what_the_committed_results_files_say():
+def test_the_docs_gpu_results_table_is_exactly_what_the_committed_results_files_say():
     module = _results_table()
-    assert module.readme_table() == module.table()
+    assert module.docs_table() == module.table()

@@ -1,5 +1,6 @@
-"""examples/quickstart.py (`make quickstart`) runs to its end and prints the bound its forward is held to
-(at a smaller shape than its own, to keep the suite short; `make quickstart` runs the script as it is).
+"""examples/layer_check.py (`make layer-check`) runs to its end and prints the bound its forward is held to
+(at a smaller shape than its own, to keep the suite short; `make layer-check` runs the script as it is).
+examples/quickstart.py is README's quick start (tests/test_readme.py runs it and keeps the two the same).
 The examples that illustrate docs/usage.md and docs/distributed.md run as they are and check their own
 claims against an independent reference (torch.optim.AdamW on a copy, an uninterrupted run, single-process
 training); each test asserts on the line the script prints. examples/trainer_data_parallel.py is run by
@@ -24,9 +25,9 @@ def _run_example(name: str, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_quickstart_runs_within_the_bf16_bound(capsys):
-    quickstart = runpy.run_path(str(ROOT / "examples" / "quickstart.py"), run_name="quickstart")
-    quickstart["main"](T=48, H=32, I=16, E=4, top_k=2)
+def test_the_layer_check_runs_within_the_bf16_bound(capsys):
+    layer_check = runpy.run_path(str(ROOT / "examples" / "layer_check.py"), run_name="layer_check")
+    layer_check["main"](T=48, H=32, I=16, E=4, top_k=2)
     out = capsys.readouterr().out
     assert "within the bf16 bound 1.56e-02 (4 unit roundoffs)" in out, out
     assert "fused == split bitwise: True" in out, out

@@ -104,7 +104,72 @@ def test_makefile_versions_satisfy_pyproject_bounds():
     numpy = re.search(r"^NUMPY_SPEC \?= (\S+)$", makefile, re.M).group(1)
     assert numpy == "numpy" + _spec(deps, "numpy")
     extras = PYPROJECT["project"]["optional-dependencies"]
-    # The test extra holds what sonar-train and Trainer need, so `make install` ([test,train]) and
+    # The test extra holds what sonar-train and Trainer need, so `make install-test` ([test,train]) and
     # `pip install .[train]` agree on them.
     assert set(extras["train"]) <= set(extras["test"])
     assert "accelerate" in {re.split(r"[<>=!~]", r)[0] for r in extras["train"]}
+
+
+# torchtitan's own imports, installed --no-deps beside it: versions the README need not name.
+TORCHTITAN_DEPENDENCIES = {"spmd_types", "tyro", "docstring_parser", "typeguard"}
+
+
+def _constraints() -> dict[str, str]:
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            name, version = line.split("==")
+            pins[name] = version
+    return pins
+
+
+def _tested_with() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("Tested with")
+    return " ".join(readme[start : readme.index("\n\n", start)].split())
+
+
+def test_the_tested_versions_live_in_one_place_and_the_readme_names_them():
+    pins = _constraints()
+    makefile = (ROOT / "Makefile").read_text()
+    line = _tested_with()
+    named = dict(re.findall(r"\b([a-z][a-z_-]*) (\d+\.\d+\.\d+)\b", line))
+    for name, version in pins.items():
+        if name not in TORCHTITAN_DEPENDENCIES:
+            assert named.get(name) == version, (name, version, line)
+    for var, name in (("TORCH_SPEC", "torch"), ("TRITON_SPEC", "triton")):
+        assert named[name] == re.search(rf"^{var} \?= {name}==(\S+)$", makefile, re.M).group(1), line
+    # The GPU lane's versions: the H200's torch, and the transformers wheel bench/gpu_run.sh installs.
+    gpu_wheels = (ROOT / "bench" / "gpu_wheels.txt").read_text()
+    gpu_transformers = re.search(r"^transformers==(\S+)$", gpu_wheels, re.M).group(1)
+    assert f"2.11.0 (CUDA, on the H200, with transformers {gpu_transformers})" in line, line
+    # Every exact pin of pyproject.toml's extras is constraints.txt's, and constraints.txt satisfies every
+    # bound (so `make` installs what pip would accept).
+    from packaging.requirements import Requirement
+
+    for extra in PYPROJECT["project"]["optional-dependencies"].values():
+        for requirement in map(Requirement, extra):
+            name = requirement.name.lower()
+            if name in pins:
+                assert requirement.specifier.contains(pins[name]), (str(requirement), pins[name])
+    # The Makefile installs with these constraints, in both environments.
+    assert makefile.count("-c constraints.txt") >= 3
+
+
+def test_this_environment_runs_the_tested_versions():
+    import importlib.metadata
+
+    import torch
+
+    if torch.version.cuda is not None:
+        pytest.skip("the GPU lane runs the GPU machine's own versions (bench/results/ records them)")
+    checked = []
+    for name, version in _constraints().items():
+        try:
+            installed = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue  # an environment without that stack skips its tests too
+        assert installed == version, f"{name} {installed} installed, constraints.txt tests {version}"
+        checked.append(name)
+    assert "transformers" in checked and "accelerate" in checked, checked

@@ -115,3 +115,18 @@ def test_a_block_that_raises_fails(tmp_path):
     script = "# torchrun --nproc-per-node 2 x.py\nraise RuntimeError('broken script')\n"
     done = run_block(script, tmp_path)
     assert done.returncode != 0 and "broken script" in done.stderr
+
+
+def test_make_quickstart_runs_the_readmes_quick_start_as_written():
+    # `make quickstart` runs examples/quickstart.py: README's first block, as written there (its docstring
+    # aside), so the block the test above runs is the one the target runs.
+    script = (ROOT / "examples" / "quickstart.py").read_text(encoding="utf-8")
+    docstring_end = script.index('"""', 3) + 3
+    body = script[docstring_end:].lstrip("\n")
+    readme = README.read_text(encoding="utf-8")
+    first = readme[readme.index("## Quick start: a transformers model") :]
+    ((_, block), *_) = python_blocks(first)
+    assert body == block
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    target = makefile[makefile.index("\nquickstart:") :].split("\n\n")[0]
+    assert "examples/quickstart.py" in target, target

@@ -12,7 +12,7 @@ Everything is restored at unconfigure.
 Usage (README.md next to this file has the recipe): from the root of a transformers test tree of the
 installed version, with ``REPO`` this repository's root,
 
-    PYTHONPATH=$REPO/tools $REPO/.venv/bin/python -m pytest -p transformers_model_tests.conftest tests/models/olmoe
+    PYTHONPATH=$REPO/tools $REPO/.venv-test/bin/python -m pytest -p transformers_model_tests.conftest tests/models/olmoe
 
 (``transformers_model_tests`` is a namespace package once ``$REPO/tools`` is on sys.path.) Without
 ``-p transformers_model_tests.conftest`` the same command runs transformers' default. Set SONAR_DEFAULT=0
