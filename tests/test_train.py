@@ -188,19 +188,26 @@ def test_heldout_verdict_over_seeds():
     from sonar_kernels.train.report import heldout_statistics
 
     standard = [2.00, 2.10, 1.95, 2.05]
-    # Differences +0.010, -0.012, +0.004, -0.001: |mean| far inside 2 standard errors.
-    same = heldout_statistics(standard, [2.010, 2.088, 1.954, 2.049])
+    # Differences +0.010, -0.008, +0.012, -0.006: |mean| 0.002, above the negligible 0.001 and far inside
+    # 2 standard errors; the verdict gives the effect first.
+    same = heldout_statistics(standard, [2.010, 2.092, 1.962, 2.044])
     d = torch.tensor(same["deltas"], dtype=torch.float64)
     assert same["standard_error"] == pytest.approx(float(d.std() / 2), rel=1e-12)
     assert same["standard_seed_sd"] == pytest.approx(float(torch.tensor(standard, dtype=torch.float64).std()))
-    assert same["verdict"].startswith("no difference detectable at this scale")
+    assert same["verdict"].startswith(
+        "sonar - standard +0.0020 nats per byte: no difference detectable at this scale"
+    )
+    assert same["negligible"] is False
     # Every seed 0.02 +- 0.001 lower: sonar better, by the mean.
     better = heldout_statistics(standard, [1.979, 2.081, 1.930, 2.030])
     assert better["verdict"].startswith("sonar lower by 0.0200")
     worse = heldout_statistics(standard, [2.021, 2.119, 1.970, 2.070])
     assert worse["verdict"].startswith("standard lower by 0.0200")
     one = heldout_statistics([2.0], [2.5])
-    assert one["standard_error"] is None and one["verdict"].startswith("one seed: no statistical verdict")
+    assert one["standard_error"] is None
+    assert one["verdict"].startswith(
+        "sonar - standard +0.5000 nats per byte on one seed: no statistical verdict"
+    )
 
 
 def test_step_times_leave_out_the_warm_up_and_give_no_ratio_on_too_few_samples():
@@ -234,7 +241,9 @@ def test_figure_leaves_out_panels_without_data(tmp_path):
               "heldout": heldout_statistics([2.0], [2.1]), "speedup": None, "speedup_note": "no time ratio"}  # fmt: skip
     assert plot(report, tmp_path / "a.png") == ["heldout"]
     table = summary_table(report)
-    assert "nan" not in table and "peak memory: not measured" in table and "verdict: one seed" in table
+    assert (
+        "nan" not in table and "peak memory: not measured" in table and "on one seed: no statistical" in table
+    )
     report["steps"] = 2
     for r in report["arms"].values():
         r["train_losses"] = [[3.0, 2.5]]

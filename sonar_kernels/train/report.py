@@ -232,7 +232,7 @@ def _title(report: dict) -> str:
             if report.get("peak_memory_note")
             else ""
         )
-        verdicts.append(f"peak memory {-100 * report['peak_memory_reduction']:+.1f} %{alike}")
+        verdicts.append(f"peak memory {-100 * report['peak_memory_reduction'] + 0.0:+.1f} %{alike}")
     if report.get("speedup") is not None:
         verdicts.append(f"step time sonar / standard {1 / report['speedup']:.2f}x")
     lines = [first, "; ".join(verdicts)]

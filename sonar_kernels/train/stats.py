@@ -56,9 +56,10 @@ def heldout_statistics(
     """The held-out difference sonar - standard over paired seeds (same initialization and batches per
     seed): per-seed differences, their mean and its standard error (sample standard deviation / sqrt(n)),
     the standard arm's own seed-to-seed standard deviation, and a verdict in words that states the effect
-    size first: negligible when |mean| < ``NEGLIGIBLE_DELTA`` (whatever its standard error, one seed
-    included), else no difference detectable when |mean| <= 2 standard errors, otherwise which arm has the
-    lower loss and by how much; one seed gives no statistical verdict beyond that. ``name`` and
+    size first: negligible when |mean| < ``NEGLIGIBLE_DELTA``, however many standard errors it is (one seed
+    included; when 2 standard errors exceed the threshold the verdict adds that the seeds cannot rule out a
+    difference that matters), else no difference detectable when |mean| <= 2 standard errors, otherwise
+    which arm has the lower loss and by how much; one seed gives no statistical verdict beyond that. ``name`` and
     ``reference``: the two arms' names in the verdict."""
     deltas = [b - a for a, b in zip(standard, sonar, strict=True)]
     n = len(deltas)
@@ -79,14 +80,21 @@ def heldout_statistics(
     if n < 2:
         verdict = negligible if result["negligible"] else "no statistical verdict"
         result["verdict"] = (
-            f"{effect} on one seed: {verdict} (run --seeds 2 or more; 3 or more for a useful verdict)"
+            f"{effect} on one seed: {verdict}; run --seeds 2 or more (3 or more for a useful verdict)"
         )
         return result
     se = statistics.stdev(deltas) / math.sqrt(n)
     result["standard_error"] = se
     result["standard_seed_sd"] = statistics.stdev(standard)
-    if result["negligible"]:
-        result["verdict"] = f"{effect} ± {se:.4f} (standard error): {negligible}, whatever its standard error"
+    if result["negligible"] and 2 * se < NEGLIGIBLE_DELTA:
+        result["verdict"] = (
+            f"{effect} ± {nats(se)[1:]} (standard error): {negligible}, however many standard errors"
+        )
+    elif result["negligible"]:  # small as measured, but the seeds' spread leaves room for one that matters
+        result["verdict"] = (
+            f"{effect} ± {se:.4f} (standard error): {negligible} as measured; no difference detectable at this "
+            f"scale either (2 standard errors, {2 * se:.4f}, span differences that matter)"
+        )
     elif abs(mean) <= 2 * se:
         result["verdict"] = (
             f"{effect}: no difference detectable at this scale (|mean| <= 2 standard errors, {2 * se:.4f})"
