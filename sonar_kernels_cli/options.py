@@ -337,7 +337,7 @@ def _baseline_report(parser: argparse.ArgumentParser, path: str) -> dict:
 
 
 def _interrupted_argv(parser: argparse.ArgumentParser, folder: str) -> list[str]:
-    """The command line of the interrupted run in ``folder`` (its resume/options.json)."""
+    """The command line of the interrupted run in ``folder`` (its resume/options.json), less ``--quiet``."""
     path = Path(folder) / RESUME_FOLDER / "options.json"
     try:
         stored = json.loads(path.read_text())
@@ -350,4 +350,5 @@ def _interrupted_argv(parser: argparse.ArgumentParser, folder: str) -> list[str]
     report = Path(folder) / "report.json"
     if report.exists() and "partial" not in json.loads(report.read_text()):
         parser.error(f"--resume {folder}: that run finished (its report.json is complete); nothing to resume")
-    return list(stored["argv"])
+    # Whether the bars show is the resumed run's own choice.
+    return [arg for arg in stored["argv"] if arg != "--quiet"]
