@@ -37,9 +37,8 @@ def test_the_wheel_builds_installs_into_a_clean_venv_and_imports(tmp_path):
     src.mkdir()
     for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
-    shutil.copytree(
-        ROOT / "sonar_kernels", src / "sonar_kernels", ignore=shutil.ignore_patterns("__pycache__")
-    )
+    for package in ("sonar_kernels", "sonar_kernels_cli"):  # the library, sonar-train's torch-free launcher
+        shutil.copytree(ROOT / package, src / package, ignore=shutil.ignore_patterns("__pycache__"))
     dist = tmp_path / "dist"
     # `python -m build`: the sdist, then the wheel built from the sdist.
     _run(sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(src), cwd=tmp_path)
@@ -52,7 +51,9 @@ def test_the_wheel_builds_installs_into_a_clean_venv_and_imports(tmp_path):
         metadata = Parser().parsestr(zf.read(metadata_name).decode())
         entry_points = zf.read(metadata_name.replace("METADATA", "entry_points.txt")).decode()
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
-    assert top == {"sonar_kernels"}, top  # no tests/, bench/ or a top-level package that shadows another
+    # No tests/, bench/ or a top-level package that shadows another; sonar_kernels_cli parses sonar-train's
+    # command line before torch loads (importing anything under sonar_kernels imports torch).
+    assert top == {"sonar_kernels", "sonar_kernels_cli"}, top
     assert "sonar_kernels/kernels/__init__.py" in names
     requires = metadata.get_all("Requires-Dist")
     from packaging.requirements import Requirement
@@ -62,7 +63,7 @@ def test_the_wheel_builds_installs_into_a_clean_venv_and_imports(tmp_path):
         assert base.get(dep.name) == dep.specifier, (dep, requires)
     assert {"transformers", "train", "test"} <= set(metadata.get_all("Provides-Extra"))
     assert any(r.startswith("accelerate") and 'extra == "train"' in r for r in requires), requires
-    assert "sonar-train = sonar_kernels.train:main" in entry_points
+    assert "sonar-train = sonar_kernels_cli:main" in entry_points
 
     # A clean venv that sees this environment's torch, triton and numpy but not this checkout.
     env_dir = tmp_path / "venv"

@@ -60,9 +60,13 @@ a checksum of the expert weights per rank and arm (``distributed``).
 
 The package: ``data`` (text, presets), ``arms`` (models, optimizers, the training step), ``clipping`` (the
 expert-clipping arms' controls, telemetry and summary lines), ``verdicts`` (their verdicts and the spike's
-effect against ``--spike-baseline``), ``checkpoint``
-(``--model`` and ``--save``), ``memory`` (the estimate before the run, the MemTracker pass), ``report`` (table and figure), ``distributed`` (torchrun: the process group, the
-ranks' batches, DDP, the checksums), ``cli`` (``sonar-train``, ``python -m sonar_kernels.train``).
+effect against ``--spike-baseline``), ``checkpoint`` (``--model`` and ``--save``), ``memory`` (the estimate
+before the run, the MemTracker pass), ``stats`` (step times, the held-out statistics and verdicts, the note
+on alike peaks), ``report`` (table and figure), ``results`` (the report from the finished runs' records),
+``resume`` (the run folder's records: Ctrl-C's partial report, ``--resume``), ``distributed`` (torchrun: the
+process group, the ranks' batches, DDP, the checksums), ``options`` (the command line: the parser itself
+lives in the torch-free launcher ``sonar_kernels_cli``, which ``sonar-train`` runs), ``cli`` (the run;
+``python -m sonar_kernels.train``).
 """
 
 from sonar_kernels.train.arms import (
