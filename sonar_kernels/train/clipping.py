@@ -10,6 +10,7 @@ import torch
 
 from sonar_kernels.ops import has_torch_fused_adamw, torch_backend
 from sonar_kernels.ops.expert_gradient import CHUNK_ALIGN
+from sonar_kernels.train.stats import nats
 
 # sonar-spike: SPAM's spike rule inside the in-backward update; sonar-lagged: the experts scaled by the
 # previous step's global clipping coefficient; each with its control (materialized gradients, the rule
@@ -227,7 +228,7 @@ def clipping_lines(report: dict) -> list[str]:
             pm = f" ± {se:.4f} (SE)" if se is not None else ""
             lines.append(
                 f"  {name} - {reference}: {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean "
-                f"{held['mean_delta']:+.4f}{pm}; verdict: {held['verdict']}"
+                f"{nats(held['mean_delta'])}{pm}; verdict: {held['verdict']}"
             )
         parts = []
         if entry.get("peak_memory_ratio_to_sonar") is not None:
@@ -277,7 +278,7 @@ def spike_effect_lines(report: dict) -> list[str]:
         se = held["standard_error"]
         pm = f" ± {se:.4f} (SE)" if se is not None else ""
         lines.append(
-            f"  {name:<20} {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean {held['mean_delta']:+.4f}{pm}; "
+            f"  {name:<20} {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean {nats(held['mean_delta'])}{pm}; "
             f"verdict: {held['verdict']}"
         )
     return lines

@@ -122,7 +122,7 @@ def summary_table(report: dict) -> str:
         )
         lines.append(
             f"  sonar - standard: {' '.join(f'{d:+.4f}' for d in heldout['deltas'])}; "
-            f"mean {heldout['mean_delta']:+.4f}{spread}"
+            f"mean {nats(heldout['mean_delta'])}{spread}"
         )
         lines.append(f"  verdict: {heldout['verdict']}")
     for arm, suffix in (("sonar-8bit", "8bit"), ("torchao-8bit", "torchao_8bit")):
@@ -131,7 +131,7 @@ def summary_table(report: dict) -> str:
             continue
         lines.append(
             f"  {arm} - standard: {' '.join(f'{d:+.4f}' for d in eight_bit['deltas'])}; "
-            f"mean {eight_bit['mean_delta']:+.4f}; verdict: {eight_bit['verdict']}"
+            f"mean {nats(eight_bit['mean_delta'])}; verdict: {eight_bit['verdict']}"
         )
         ratio = report.get(f"peak_memory_ratio_{suffix}")
         if ratio is not None:
@@ -149,7 +149,7 @@ def summary_table(report: dict) -> str:
             ratio = entry["peak_memory_ratio"]
             memory = f"; peak memory {ratio:.3f}x" if ratio is not None else ""
             lines.append(
-                f"  {name:<22} {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean {held['mean_delta']:+.4f}"
+                f"  {name:<22} {' '.join(f'{d:+.4f}' for d in held['deltas'])}; mean {nats(held['mean_delta'])}"
                 f"{memory}; verdict: {held['verdict']}"
             )
     updates = report.get("sonar_expert_updates_in_backward")
@@ -225,7 +225,7 @@ def _title(report: dict) -> str:
     if heldout is not None:
         se = heldout["standard_error"]
         pm = f" ± {se:.4f} (SE)" if se is not None else ""
-        verdicts.append(f"held-out sonar - standard {heldout['mean_delta']:+.4f}{pm}")
+        verdicts.append(f"held-out sonar - standard {nats(heldout['mean_delta'])}{pm}")
     if report.get("peak_memory_reduction") is not None:
         alike = (
             f" (standard's peak: {peak_shares(report['arms']['standard'])})"
@@ -246,7 +246,7 @@ def _title(report: dict) -> str:
             if held is not None:
                 se = held["standard_error"]
                 pm = f" ± {se:.4f}" if se is not None else ""
-                clipped.append(f"{name} - {reference} {held['mean_delta']:+.4f}{pm}")
+                clipped.append(f"{name} - {reference} {nats(held['mean_delta'])}{pm}")
     if clipped or spike is not None:
         injected = (
             f"spike: step {spike['step']}'s loss x{spike['scale']:g}" if spike is not None else "no spike"
