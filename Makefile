@@ -83,9 +83,18 @@ memory-real-check: install
 
 # The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by
 # side over 3 seeds; writes runs/tiny-olmoe/report.json and report.png (runs/tiny-olmoe-2/ ... when taken).
-# On CPU the experts run the torch backend.
+# On CPU the experts run the torch backend. Each finished run is kept: after Ctrl-C,
+# `.venv/bin/sonar-train --resume runs/tiny-olmoe` finishes it (docs/sonar-train.md).
 demo: install
+	@echo "make demo: DEMO_TIME on a quiet 2-core CPU (measured at DEMO_COMMIT), longer on a busy one;" \
+		"Ctrl-C keeps the finished runs (sonar-train --resume); 'make demo-short' is a first look in DEMO_SHORT_TIME"
 	$(BIN)/sonar-train
+
+# The same comparison, smaller (2 seeds x 40 steps of a 2-layer tiny OLMoE, fewer held-out batches and
+# timing rounds): every verdict of `make demo`, in about DEMO_SHORT_TIME on a quiet 2-core CPU.
+demo-short: install
+	$(BIN)/sonar-train --seeds 2 --steps 40 --layers 2 --heldout-batches 8 --timing-rounds 10 \
+		--name tiny-olmoe-short
 
 # One expert-MLP layer's training step by each provider side by side (pytest-benchmark; on CPU the torch
 # backend at sonar-train's tiny-olmoe layer and a larger one; the Triton interpreter is never timed): sonar,
