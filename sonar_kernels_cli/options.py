@@ -12,11 +12,12 @@ import re
 import sys
 from pathlib import Path
 
-# The names the parser offers, kept here so that --help and argument errors answer without importing torch
-# (importing anything under sonar_kernels imports torch). Each is a copy of the training package's
-# (tests/test_train_launcher.py checks that they agree): the arms (sonar_kernels.train.arms: ARMS,
-# OTHER_ARMS, MASTER_ARMS), the presets' names and default steps (data.PRESETS), SPAM's threshold
-# (clipping.SPIKE_THRESHOLD) and the timing warm-up (report.TIMING_WARMUP).
+# The names the parser offers, defined here so that --help and argument errors answer without importing
+# torch (importing anything under sonar_kernels imports torch); the training package imports them from
+# here: the arms (sonar_kernels.train.arms), the clipping arms and SPAM's default threshold theta (Huang et
+# al., ICLR 2025, arXiv 2501.06842: an element is a spike when its squared gradient exceeds theta times its
+# second moment; train/clipping.py), the presets' default steps (train/data.py's PRESETS) and the timing
+# warm-up (train/stats.py).
 ARMS = ("standard", "sonar", "standard-dense-clip")
 MASTER_ARMS = ("mixed-precision", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
                "sonar-stochastic-8bit", "remainder-control")  # fmt: skip

@@ -70,9 +70,7 @@ lives in the torch-free launcher ``sonar_kernels_cli``, which ``sonar-train`` ru
 """
 
 from sonar_kernels.train.arms import (
-    ARMS,
     EXPERT_PARAMS,
-    OTHER_ARMS,
     AllInBackward,
     Arm,
     build_arm,
@@ -89,6 +87,7 @@ from sonar_kernels.train.data import PRESETS, ByteData, Preset, UsageError, defa
 from sonar_kernels.train.memory import LABELS, measure_memory
 from sonar_kernels.train.options import parse_args
 from sonar_kernels.train.report import plot, summary_table
+from sonar_kernels_cli.options import ARMS, OTHER_ARMS
 
 __all__ = [
     "ARMS", "EXPERT_PARAMS", "LABELS", "OTHER_ARMS", "PRESETS", "AllInBackward", "Arm", "ByteData", "Preset",

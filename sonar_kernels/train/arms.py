@@ -16,7 +16,6 @@ import torch
 from sonar_kernels.optim.param_groups import torch_adamw_flags
 from sonar_kernels.train import distributed
 from sonar_kernels.train.clipping import (
-    CLIPPING_ARMS,
     CLIPPING_CONTROLS,
     CLIPPING_MODE,
     LaggedControl,
@@ -25,22 +24,11 @@ from sonar_kernels.train.clipping import (
 )
 from sonar_kernels.train.data import ByteData, Preset
 
-ARMS = ("standard", "sonar", "standard-dense-clip")
+# The arms' names (ARMS by default; OTHER_ARMS on request; MASTER_ARMS with --dtype bfloat16, docs/design.md
+# "bf16 master weights": SonarAdamW with a remainder or stochastic rounding for the experts, mixed-precision
+# AdamW as their reference, the remainder's bitwise control; the clipping arms: train/clipping.py) live with
+# the command line that offers them (sonar_kernels_cli.options: --help answers without torch).
 
-
-# bf16 master weights (docs/design.md, "bf16 master weights"; --dtype bfloat16): SonarAdamW with a
-# remainder or stochastic rounding for the experts (fp32 moments, or 8-bit), the reference of standard
-# mixed-precision AdamW (an fp32 master copy of every parameter) and the remainder's bitwise control.
-MASTER_ARMS = (
-    "mixed-precision",
-    "sonar-remainder",
-    "sonar-stochastic",
-    "sonar-remainder-8bit",
-    "sonar-stochastic-8bit",
-    "remainder-control",
-)
-# Expert clipping (--expert-clipping; train/clipping.py): sonar-spike, sonar-lagged and their controls.
-OTHER_ARMS = ("all-in-backward", "paper", "sonar-8bit", "torchao-8bit", *MASTER_ARMS, *CLIPPING_ARMS)
 # The arms that train with SonarAdamW: exact moments, 8-bit moments (docs/design.md, "8-bit moments"), bf16
 # master weights.
 # "paper": the Sonar-MoE paper's method, SonarAdamW's split path (fused_epilogue=False): each expert

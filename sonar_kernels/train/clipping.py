@@ -15,14 +15,12 @@ from sonar_kernels.train.stats import nats
 # sonar-spike: SPAM's spike rule inside the in-backward update; sonar-lagged: the experts scaled by the
 # previous step's global clipping coefficient; each with its control (materialized gradients, the rule
 # applied by hand before torch.optim.AdamW), run on the first seed and compared bit for bit.
-CLIPPING_ARMS = ("sonar-spike", "spike-control", "sonar-lagged", "lagged-control")
+# (CLIPPING_ARMS, their names, and SPIKE_THRESHOLD, SPAM's default theta, are the command line's:
+# sonar_kernels_cli.options.)
 CLIPPING_CONTROLS = {"sonar-spike": "spike-control", "sonar-lagged": "lagged-control"}
 # The expert_clipping mode of each clipping arm, sonar arm and control alike.
 CLIPPING_MODE = {"sonar-spike": "spike", "spike-control": "spike", "sonar-lagged": "lagged",
                  "lagged-control": "lagged"}  # fmt: skip
-# SPAM's default threshold theta (Huang et al., ICLR 2025, arXiv 2501.06842): an element is a spike when
-# its squared gradient exceeds theta times its second moment.
-SPIKE_THRESHOLD = 5000.0
 
 
 class _Control:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from sonar_kernels_cli.options import PRESET_STEPS
+
 
 @dataclass(frozen=True)
 class Preset:
@@ -22,7 +24,7 @@ class Preset:
     num_heads: int
     num_kv_heads: int
     vocab_size: int
-    steps: int = 200
+    steps: int = 200  # the default training steps (the presets below: the command line's PRESET_STEPS)
     batch_size: int = 8
     sequence_length: int = 128
     extra: dict = field(default_factory=dict)
@@ -31,11 +33,24 @@ class Preset:
 PRESETS = {
     # Sized for a 2-core CPU: experts are ~95 % of the parameters and activation checkpointing keeps the
     # activations small, so gradients and optimizer state set the peak (the regime of real LLM training).
-    "tiny-olmoe": Preset("olmoe", 128, 256, 32, 2, 4, 4, 4, 256, batch_size=4),
-    "tiny-granitemoe": Preset("granitemoe", 128, 256, 32, 2, 4, 4, 4, 256, batch_size=4),
+    "tiny-olmoe": Preset("olmoe", 128, 256, 32, 2, 4, 4, 4, 256, PRESET_STEPS["tiny-olmoe"], batch_size=4),
+    "tiny-granitemoe": Preset(
+        "granitemoe", 128, 256, 32, 2, 4, 4, 4, 256, PRESET_STEPS["tiny-granitemoe"], batch_size=4
+    ),
     # The real dimensions (random initialisation; no hub access).
     "olmoe-1b-7b": Preset(
-        "olmoe", 2048, 1024, 64, 8, 16, 16, 16, 50304, steps=20, batch_size=4, sequence_length=1024
+        "olmoe",
+        2048,
+        1024,
+        64,
+        8,
+        16,
+        16,
+        16,
+        50304,
+        steps=PRESET_STEPS["olmoe-1b-7b"],
+        batch_size=4,
+        sequence_length=1024,
     ),
     "granite-3.1-3b-a800m": Preset(
         "granitemoe",
@@ -47,7 +62,7 @@ PRESETS = {
         24,
         8,
         49155,
-        steps=20,
+        steps=PRESET_STEPS["granite-3.1-3b-a800m"],
         batch_size=4,
         sequence_length=1024,
         extra={
@@ -68,7 +83,7 @@ PRESETS = {
         32,
         4,
         151936,
-        steps=20,
+        steps=PRESET_STEPS["qwen3-30b-a3b"],
         batch_size=4,
         sequence_length=1024,
         extra={

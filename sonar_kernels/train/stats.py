@@ -6,9 +6,11 @@ from __future__ import annotations
 import math
 import statistics
 
+from sonar_kernels_cli.options import TIMING_WARMUP
+
 # Step times: the first TIMING_WARMUP steps of every run are left out (allocator, caches, lazy state);
 # a time ratio is given only when both arms have at least MIN_TIMED_STEPS timed steps.
-TIMING_WARMUP = 5
+# (TIMING_WARMUP: the command line's, sonar_kernels_cli.options.)
 MIN_TIMED_STEPS = 10
 
 # Held-out differences (nats per byte) smaller than this are "negligible" in the verdicts, whatever their
