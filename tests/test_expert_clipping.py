@@ -10,9 +10,10 @@ from numerics import rel_err
 
 import sonar_kernels
 from sonar_kernels import reference
-from sonar_kernels.ops import master_weights as mw
-from sonar_kernels.ops import moments_8bit as q8
 from sonar_kernels.optim.in_backward import mark_expert_tensors
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import master_weights as mw
+from sonar_kernels.rules import moments_8bit as q8
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # T, H, I, E, top_k: W1 [2, 64, 96], W2 [2, 96, 32] (8-bit moments need the last dimension a multiple of 32).
@@ -119,7 +120,7 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
         elif coef is not None:
             g = reference.lagged_clip(g, coef)
         if kind == "8bit":
-            scalars = q8.adamw_8bit_scalars(state["step"].cpu() + 1, _hyper_tensor())
+            scalars = rules_adamw.adamw_scalars(state["step"].cpu() + 1, _hyper_tensor())
             new_p, m, v = q8.adamw_8bit_update(
                 p.detach().cpu(), g.float().cpu(), m_state, v_state, scalars, _hyper_tensor()
             )
@@ -140,8 +141,8 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
 @pytest.mark.parametrize("backend", ["torch", "torch-chunked", "triton"])
 def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, clipping, device, monkeypatch):
     if backend == "torch-chunked":  # one expert per chunk, clipped in place in slices that do not divide it
-        from sonar_kernels.ops import clipping as clipping_ops
         from sonar_kernels.ops import torch_backend
+        from sonar_kernels.rules import clipping as clipping_ops
 
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 4)
         monkeypatch.setattr(clipping_ops, "CLIP_SLICE", 1000)
@@ -327,8 +328,8 @@ def test_the_torch_backends_chunks_and_slices_give_the_same_bits(kind, monkeypat
     # per chunk and slices that do not divide a chunk give the bits of the whole tensor's update ("spike";
     # "lagged" reads the global norm, whose chunked sum rounds differently: the reference test covers it).
     clipping = "spike"
-    from sonar_kernels.ops import clipping as clipping_ops
     from sonar_kernels.ops import torch_backend
+    from sonar_kernels.rules import clipping as clipping_ops
 
     whole, whole_opt, whole_counts, _ = _train("torch", kind, clipping, "cpu")
     monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 4)

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from sonar_kernels.kernels import master_weights as kernels
-from sonar_kernels.ops import master_weights as mw
+from sonar_kernels.ops import adamw as ops_adamw
+from sonar_kernels.rules import master_weights as mw
 
 
 def _finite_patterns(n: int, seed: int = 0) -> torch.Tensor:
@@ -199,7 +200,7 @@ def test_the_remainders_adamw_is_torch_adamw_on_fp32_master_weights_bitwise(fuse
         if i == 7:
             grad[1, 2, 3] = float("inf")
             before = [t.clone() for t in (weight, remainder, exp_avg, exp_avg_sq, step)]
-        mw.remainder_adamw_(weight, remainder, grad, exp_avg, exp_avg_sq, step, values, norm_sq, skipped,
+        ops_adamw.remainder_adamw_(weight, remainder, grad, exp_avg, exp_avg_sq, step, values, norm_sq, skipped,
                             foreach=None, fused=fused)  # fmt: skip
         if i == 7:
             after = (weight, remainder, exp_avg, exp_avg_sq, step)

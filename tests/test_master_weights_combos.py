@@ -15,8 +15,9 @@ from cases import Case
 from numerics import rel_err
 
 import sonar_kernels
-from sonar_kernels.ops import master_weights as mw
-from sonar_kernels.ops import moments_8bit as q8
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import master_weights as mw
+from sonar_kernels.rules import moments_8bit as q8
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # W1 [E, 64, 96], W2 [E, 96, 32]: last dimensions of whole 8-bit blocks.
@@ -86,7 +87,7 @@ def _rule(mode, moments, steps, backend):
     for step, grad_out in enumerate(grads, start=1):
         copies = [w.clone().requires_grad_() for w in tensors]
         sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grad_out)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         for ordinal, copy in enumerate(copies):
             g = copy.grad.float()
             if mode == "remainder" and moments == torch.bfloat16:
@@ -110,7 +111,7 @@ def _rule(mode, moments, steps, backend):
                     state[ordinal] = (*m, *v)
                 else:
                     m, v = (t.float() for t in state[ordinal])
-                    p, m, v = q8.adamw_fp64(start, g, m, v, scalars, hyper)
+                    p, m, v = rules_adamw.adamw_fp64(start, g, m, v, scalars, hyper)
                     state[ordinal] = (m.to(moments), v.to(moments))
             if mode == "remainder":
                 tensors[ordinal], remainders[ordinal] = mw.split(p.float())

@@ -38,8 +38,9 @@ def _fsdp_rank(rank, world_size, out, mode, moments):
     from torch.distributed.tensor import DTensor, Shard
     from torch.optim.adamw import adamw
 
-    from sonar_kernels.ops import master_weights as mw
-    from sonar_kernels.ops import moments_8bit as q8
+    from sonar_kernels.rules import adamw as rules_adamw
+    from sonar_kernels.rules import master_weights as mw
+    from sonar_kernels.rules import moments_8bit as q8
 
     mesh = init_device_mesh("cpu", (world_size,))
     models = []
@@ -74,7 +75,7 @@ def _fsdp_rank(rank, world_size, out, mode, moments):
         optimizer.step()
         optimizer.zero_grad()
         dense_optimizer.step()
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         with torch.no_grad():
             for i, p in enumerate(experts):
                 g = p.grad.full_tensor().float()
@@ -89,7 +90,7 @@ def _fsdp_rank(rank, world_size, out, mode, moments):
                         weight_decay=HYPER["weight_decay"], eps=HYPER["eps"], maximize=False,
                     )  # fmt: skip
                 else:
-                    new, m, v = q8.adamw_fp64(masters[i], g, *states[i], scalars, hyper)
+                    new, m, v = rules_adamw.adamw_fp64(masters[i], g, *states[i], scalars, hyper)
                     states[i] = (m, v)
                 if mode == "remainder":
                     masters[i], weight = new, mw.split(new)[0]
@@ -168,7 +169,8 @@ def _sharded_skip_rank(rank, world_size, out, mode):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from sonar_kernels.ops import master_weights as mw
+    from sonar_kernels.ops import adamw as ops_adamw
+    from sonar_kernels.ops import fp64_update
 
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(5)
@@ -185,12 +187,12 @@ def _sharded_skip_rank(rank, world_size, out, mode):
         whole = torch.randint(-(2**15), 2**15, (E, 8, 64), dtype=torch.int16, generator=generator)
         remainder = DTensor.from_local(whole.chunk(world_size)[rank], mesh, [Shard(0)], run_check=False)
         kept = remainder.to_local().clone()
-        mw.remainder_adamw_(
+        ops_adamw.remainder_adamw_(
             weight, remainder, grad, m, v, step, hyper, norm_sq, skipped, foreach=False, fused=True
         )
         assert torch.equal(remainder.to_local(), kept)
     else:
-        mw.stochastic_adamw_(
+        fp64_update.stochastic_adamw_(
             weight, grad, None, [m, v, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), torch.tensor(9)],
             torch.tensor(hyper, dtype=torch.float64), grad_dtype=None, chunk_bytes=None,
         )  # fmt: skip

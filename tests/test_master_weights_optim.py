@@ -10,7 +10,8 @@ from cases import Case
 from numerics import rel_err
 
 import sonar_kernels
-from sonar_kernels.ops import master_weights as mw
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import master_weights as mw
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # W1 [E, 64, 96], W2 [E, 96, 32]: whole experts' chunks on the torch backend.
@@ -196,7 +197,6 @@ def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str =
     weights read as fp32 in the "fp64" arithmetic (ops.moments_8bit.adamw_fp64, fp32 moments), then
     ops.master_weights.stochastic_round with the tensor's documented seed, the step and each element's
     offset."""
-    from sonar_kernels.ops import moments_8bit as q8
 
     x, index, weights, w1, w2, grads = _inputs(device)
     hyper = torch.tensor(
@@ -209,9 +209,11 @@ def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str =
     for step, grad_out in enumerate(grads[:steps], start=1):
         copies = [w.clone().requires_grad_() for w in tensors]
         sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grad_out)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step), device=device), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step), device=device), hyper)
         for ordinal, copy in enumerate(copies):
-            p, m, v = q8.adamw_fp64(tensors[ordinal], copy.grad.float(), *moments[ordinal], scalars, hyper)
+            p, m, v = rules_adamw.adamw_fp64(
+                tensors[ordinal], copy.grad.float(), *moments[ordinal], scalars, hyper
+            )
             tensors[ordinal] = mw.stochastic_round(
                 p, mw.tensor_seed(seed, ordinal), step, mw.element_index(p)
             )

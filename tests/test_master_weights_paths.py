@@ -21,8 +21,9 @@ from test_master_weights_combos import _moments_of, _rule_start
 
 import sonar_kernels
 from sonar_kernels import specs
-from sonar_kernels.ops import master_weights as mw
-from sonar_kernels.ops import moments_8bit as q8
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import master_weights as mw
+from sonar_kernels.rules import moments_8bit as q8
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 SEED = 7
@@ -104,7 +105,7 @@ def _rule(mode, moments, *, layout="concatenated", backend="torch", micro=1, ste
         for micro_batch in range(micro):
             grad_out = grads[(step - 1) * micro + micro_batch]
             _forward(x, index, weights, leaves, layout, backend).backward(grad_out)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         if mode == "remainder" and moments != "8bit":
             for master, leaf in zip(masters, leaves, strict=True):
                 master.grad = leaf.grad.float()
@@ -128,7 +129,9 @@ def _rule(mode, moments, *, layout="concatenated", backend="torch", micro=1, ste
                 p, m, v = q8.adamw_8bit_update(start, g, (mc, ms), (vc, vs), scalars, hyper)
                 state[ordinal] = (*m, *v)
             else:
-                p, m, v = q8.adamw_fp64(start, g, *(t.float() for t in state[ordinal]), scalars, hyper)
+                p, m, v = rules_adamw.adamw_fp64(
+                    start, g, *(t.float() for t in state[ordinal]), scalars, hyper
+                )
                 state[ordinal] = (m.to(moments), v.to(moments))
             if mode == "remainder":
                 tensors[ordinal], remainders[ordinal] = mw.split(p.float())
@@ -321,13 +324,13 @@ class _ExpertRule:
     @torch.no_grad()
     def step(self):
         self.steps += 1
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(self.steps)), self.hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(self.steps)), self.hyper)
         for ordinal, (p, master) in enumerate(zip(self.experts, self.masters, strict=True)):
             g, p.grad = p.grad.float(), None
             if self.mode == "remainder":
                 master.grad = g
                 continue
-            new, m, v = q8.adamw_fp64(p, g, *self.moments[ordinal], scalars, self.hyper)
+            new, m, v = rules_adamw.adamw_fp64(p, g, *self.moments[ordinal], scalars, self.hyper)
             self.moments[ordinal] = (m, v)
             index_of = torch.arange(p.numel()).view(p.shape)
             p.copy_(mw.stochastic_round(new, mw.tensor_seed(SEED, ordinal), self.steps, index_of))

@@ -16,7 +16,9 @@ from cases import Case
 
 from sonar_kernels import ops
 from sonar_kernels.kernels.moments_8bit import quantize_tile
-from sonar_kernels.ops import moments_8bit as q8
+from sonar_kernels.ops import moments_8bit as ops_8bit
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import moments_8bit as q8
 
 BLOCK = 32
 
@@ -190,7 +192,7 @@ def test_a_last_dimension_not_a_multiple_of_the_block_is_refused():
 @pytest.mark.parametrize("step", [1, 7, 1000])
 def test_the_scalars_equal_the_reference(step):
     hyper = torch.tensor([3e-3, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64)
-    scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+    scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
     bc1, bc2 = f32(1.0 - 0.9**step), f32(1.0 - 0.999**step)
     assert scalars.dtype == torch.float32
     assert scalars[0].item() == float(f32(3e-3 / float(bc1)))
@@ -212,7 +214,7 @@ def test_updates_equal_the_reference_step_after_step(weight_dtype, weight_decay)
         g[0, 0, :BLOCK] = 0.0  # a block without gradient
         if weight_dtype != torch.float32:
             g = torch.from_numpy(g).to(weight_dtype).float().numpy()  # rounded to the gradient dtype
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         new_p, m_state, v_state = q8.adamw_8bit_update(
             p, torch.from_numpy(g), m_state, v_state, scalars, hyper
         )
@@ -242,14 +244,14 @@ def test_the_split_kernel_equals_the_torch_update(weight_dtype, device):
     hyper = torch.tensor([1e-2, 0.9, 0.999, 1e-8, 0.1], dtype=torch.float64, device=device)
     for step in range(1, 4):
         g = (torch.randn(shape) * 10 ** (torch.rand(shape) * 6 - 5)).to(weight_dtype).to(device)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step), device=device), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step), device=device), hyper)
         want_p, want_m, want_v = q8.adamw_8bit_update(p, g.float(), m, v, scalars, hyper)
-        q8.adamw_8bit_triton_(p, g, m, v, scalars, torch.zeros((), device=device), hyper)
+        ops_8bit.adamw_8bit_triton_(p, g, m, v, scalars, torch.zeros((), device=device), hyper)
         assert torch.equal(p, want_p.to(weight_dtype)), step
         assert all(torch.equal(a, b) for a, b in zip(m + v, want_m + want_v, strict=True)), step
     # A set skip flag leaves everything as it was.
     before = [t.clone() for t in (p, *m, *v)]
-    q8.adamw_8bit_triton_(p, g, m, v, scalars, torch.ones((), device=device), hyper)
+    ops_8bit.adamw_8bit_triton_(p, g, m, v, scalars, torch.ones((), device=device), hyper)
     assert all(torch.equal(a, b) for a, b in zip((p, *m, *v), before, strict=True))
 
 
@@ -281,7 +283,7 @@ def test_the_fused_epilogue_equals_the_split_path_and_the_torch_update(dtype, de
                 grads = ops.moe_mlp_bwd(grad_out, x, weights, *weights_now, hpre, meta, "silu", (True,) * 4)
                 for w, state, s, g in zip(weights_now, states, steps, grads[2:4], strict=True):
                     s.add_(1)
-                    scalars = q8.adamw_8bit_scalars(s, hyper)
+                    scalars = rules_adamw.adamw_scalars(s, hyper)
                     new_p, m, v = q8.adamw_8bit_update(w, g.float(), *state, scalars, hyper)
                     w.copy_(new_p.to(dtype))
                     for held, new in zip(state[0] + state[1], m + v, strict=True):

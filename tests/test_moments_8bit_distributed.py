@@ -89,7 +89,8 @@ def _fsdp_rank(rank, world_size, out):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    from sonar_kernels.ops import moments_8bit as q8
+    from sonar_kernels.rules import adamw as rules_adamw
+    from sonar_kernels.rules import moments_8bit as q8
 
     mesh = init_device_mesh("cpu", (world_size,))
     models = []
@@ -119,7 +120,7 @@ def _fsdp_rank(rank, world_size, out):
         optimizer.step()
         optimizer.zero_grad()
         dense_optimizer.step()
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step + 1)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step + 1)), hyper)
         with torch.no_grad():
             for i, p in enumerate(experts):
                 new, m, v = q8.adamw_8bit_update(full[i], p.grad.full_tensor(), *states[i], scalars, hyper)
@@ -172,7 +173,8 @@ def _sharded_skip_rank(rank, world_size, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from sonar_kernels.ops import moments_8bit as q8
+    from sonar_kernels.ops import fp64_update
+    from sonar_kernels.rules import moments_8bit as q8
 
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(5)
@@ -190,14 +192,14 @@ def _sharded_skip_rank(rank, world_size, out):
     step, norm_sq, skipped = torch.tensor(3.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
     before = [t.full_tensor().clone() for t in (shard[0], *state)]
     hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
-    q8.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
+    fp64_update.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
                    hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
     assert all(torch.equal(a, t.full_tensor()) for a, t in zip(before, (shard[0], *state), strict=True))
     assert float(step) == 3.0 and int(skipped) == 1 and float(norm_sq) == float("inf")
     # A finite gradient: each rank updates its shard; the norm is the whole gradient's.
     grad[0, 3, 5] = 0.0
     shard[1] = distribute_tensor(grad, mesh, [Shard(0)])
-    q8.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
+    fp64_update.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
                    hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
     assert float(step) == 4.0 and int(skipped) == 1
     torch.testing.assert_close(norm_sq, torch.linalg.vector_norm(grad).square(), rtol=1e-6, atol=0)
@@ -248,7 +250,8 @@ def _single_process_reference(steps):
     """One process: each rank's gradient computed apart, averaged as DDP averages (divided by 2, then
     summed), the dense parameters stepped by torch.optim.AdamW (SonarAdamW's fused default) and the expert
     tensors by the 8-bit scheme's torch ops (sonar_kernels/ops/moments_8bit.py)."""
-    from sonar_kernels.ops import moments_8bit as q8
+    from sonar_kernels.rules import adamw as rules_adamw
+    from sonar_kernels.rules import moments_8bit as q8
 
     torch.manual_seed(0)
     model = Tiny()
@@ -272,7 +275,7 @@ def _single_process_reference(steps):
         for p, g0, g1 in zip(model.parameters(), *grads, strict=True):
             p.grad = g0 / 2 + g1 / 2
         optimizer.step()
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step + 1)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step + 1)), hyper)
         with torch.no_grad():
             for i, p in enumerate(experts):
                 new_p, m, v = q8.adamw_8bit_update(p, p.grad, *states[i], scalars, hyper)

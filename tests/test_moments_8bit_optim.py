@@ -8,7 +8,8 @@ import torch
 from cases import Case
 
 import sonar_kernels
-from sonar_kernels.ops import moments_8bit as q8
+from sonar_kernels.rules import adamw as rules_adamw
+from sonar_kernels.rules import moments_8bit as q8
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # T, H, I, E, top_k: W1 [E, 64, 96] (a partial column tile of the wgrad kernel), W2 [E, 96, 32].
@@ -50,7 +51,7 @@ def _reference(backend, device, dtype=torch.float32):
     for step, grad_out in enumerate(grads, start=1):
         p1, p2 = (t.clone().requires_grad_() for t in tensors)
         sonar_kernels.moe_mlp(x, index, weights, p1, p2, backend=backend).backward(grad_out)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         for i, p in enumerate((p1, p2)):
             new_p, m, v = q8.adamw_8bit_update(
                 tensors[i].cpu(),
@@ -155,7 +156,7 @@ def test_accumulated_micro_batches_equal_the_scheme_on_their_summed_gradient(bac
     hyper = torch.tensor(
         [HYPER["lr"], *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64
     )
-    scalars = q8.adamw_8bit_scalars(torch.tensor(1.0), hyper)
+    scalars = rules_adamw.adamw_scalars(torch.tensor(1.0), hyper)
     for p, q in ((p1, q1), (p2, q2)):
         zeros = (
             q8.quantize(torch.zeros(q.shape), "exp_avg"),
@@ -241,7 +242,7 @@ def test_a_scheduled_tensor_lr_and_the_expert_grad_norm_with_8bit_moments(backen
         )
         torch.testing.assert_close(optimizer.expert_grad_norm().cpu(), norm.cpu(), rtol=1e-5, atol=0)
         hyper = torch.tensor([lr, *HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]], dtype=torch.float64)
-        scalars = q8.adamw_8bit_scalars(torch.tensor(float(step)), hyper)
+        scalars = rules_adamw.adamw_scalars(torch.tensor(float(step)), hyper)
         for i, q in enumerate((q1, q2)):
             new_p, m, v = q8.adamw_8bit_update(
                 tensors[i].cpu(), q.grad.float().cpu(), *[tuple(t.cpu() for t in s) for s in states[i]],

@@ -646,7 +646,7 @@ def _adamw_specs() -> list[Spec]:
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip
-    # The split path with 8-bit moments (ops/moments_8bit.py).
+    # The split path with 8-bit moments (ops/moments_8bit.py, the launcher).
     c8 = moments_8bit.ADAMW_8BIT_CONFIG
     for w_dtype, master in (
         ("fp32", None),

@@ -30,7 +30,7 @@ def adamw_temporaries(adamw: str, sizes: list[int]) -> int:
 
 
 def remainder_update_temporaries(elements: int) -> int:
-    """Bytes ``sonar_kernels/ops/master_weights.py``'s ``remainder_adamw_`` holds at its peak on a tensor of
+    """Bytes ``sonar_kernels/ops/adamw.py``'s ``remainder_adamw_`` holds at its peak on a tensor of
     ``elements`` bf16 weights with an int16 remainder, not chunked (SonarAdamW's update of an FSDP2 shard
     from its reduced gradient, ``optim/updates.py`` ``apply_grad``): ``split`` of the merged fp32 master (4
     bytes per element), with the master's bits as int64, their rounded high half, that half shifted back
@@ -69,7 +69,7 @@ class Tape:
         self._note(transient)
 
 
-# The torch ops' 8-bit update (sonar_kernels/ops/moments_8bit.py, ``adamw_8bit_update``) at its peak holds
+# The torch ops' 8-bit update (sonar_kernels/rules/update.py, run op by op) at its peak holds
 # about 66 bytes per element of the call (fp64 copies of the weight, gradient and moments, the dequantized
 # and requantized moments, the table search's int32 indices; MemTracker: 65.6), on UPDATE_ELEMENTS
 # elements per call.
@@ -84,9 +84,9 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: s
     ops/adamw.py ``torch_adamw_chunked_``). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a``
     (activation bytes), w1 and w2 (the local weight tensors), E (the local experts), ``routing_grad``
     (whether the routing weights get a gradient: not under expert parallelism, where they are ones).
-    ``moments`` "8bit": the update is chunked whatever ``adamw`` (ops/moments_8bit.py ``adamw_8bit_``), each
+    ``moments`` "8bit": the update is chunked whatever ``adamw`` (ops/fp64_update.py ``adamw_8bit_``), each
     chunk updated :data:`UPDATE_ELEMENTS` at a time."""
-    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS
+    from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS
     from sonar_kernels.ops.torch_backend import ROW_BLOCK_BYTES, WGRAD_CHUNK_BYTES
 
     S, T, k, H, I, a, w1, w2, E = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2", "E"))

@@ -110,7 +110,7 @@ class Setup:
             balanced routing, T * top_k each, the average).
         collectives: "nccl" or "gloo" (whose reduce-scatter, which FSDP2 uses, works on a copy of its input).
         moments: "exact" (AdamW's moments in the parameter dtype) or "8bit" (the expert tensors' moments
-            as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/ops/moments_8bit.py``: 2.25
+            as 8-bit codes and fp32 scales per 32 elements, ``sonar_kernels/rules/moments_8bit.py``: 2.25
             bytes per expert parameter; the torch backend's update chunked whatever ``adamw``; validated
             against MemTracker on one rank, tests/test_memory_model.py).
         fp32_masters: standard mixed precision as sonar-train's ``mixed-precision`` arm runs it

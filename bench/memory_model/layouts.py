@@ -277,7 +277,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     inputs cast to bf16 by a foreach copy), the unsharded parameters, the model's computation and its
     unsharded gradients in bf16; each reduce-scatter input in fp32 (``chunk_cat`` of the bf16 gradients
     into an fp32 buffer) and its output, the sharded gradients, in fp32 (the shards' own dtype: no cast)."""
-    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS
+    from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS
 
     d, p, T, L, lay = s.dims, s.param_bytes, s.tokens, s.dims.num_layers, s.layout
     a = s.compute_bytes or p
@@ -392,7 +392,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
             # post-accumulate-grad hook, which foreach_reduce calls (_fsdp_collectives.py) with the
             # reduce-scatter's input and output alive, in the post-backward that still sees the node's
             # down_proj output; gate_up_proj's shard first, the larger. Its temporaries: torch's AdamW's; with
-            # 8-bit moments the slices of ops/moments_8bit.py's update; with a remainder (exact moments) the
+            # 8-bit moments the slices of ops/fp64_update.py's update; with a remainder (exact moments) the
             # shard's fp32 master and split's int64 bits (updates.py ``apply_grad``).
             update = adamw_temporaries(s.adamw, [w1_shard])
             if s.moments == "8bit":

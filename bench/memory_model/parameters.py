@@ -66,7 +66,7 @@ def optimizer_state_bytes(
     """AdamW's state of the tensors ``nbytes`` (name -> this rank's parameter bytes): exp_avg and
     exp_avg_sq in the parameter dtype (``sonar_kernels/optim/expert_state.py``) and an fp32 step each; with
     ``moments`` "8bit" an expert tensor's moments are int8 and uint8 codes and one fp32 scale per 32
-    elements of each (``sonar_kernels/ops/moments_8bit.py``): 9 / 4 bytes per element. With bf16 master
+    elements of each (``sonar_kernels/rules/moments_8bit.py``): 9 / 4 bytes per element. With bf16 master
     weights (``master``) an expert tensor's exact moments are fp32 (8 bytes per element) and it keeps an
     int16 remainder per element ("remainder") or a 0-dim int64 seed ("stochastic")."""
     total = 4 * len(nbytes)

@@ -145,7 +145,7 @@ def expert_mlp_bwd_dw_kernel(
     exp_avg_scales_ptr,  # MOMENTS_8BIT: [E, M, N / 32] fp32, read and written by "adamw" (exp_avg_ptr:
     #                      its int8 codes, exp_avg_sq_ptr: its uint8 codes)
     exp_avg_sq_scales_ptr,  # MOMENTS_8BIT: [E, M, N / 32] fp32, read and written by "adamw"
-    tables_ptr,  # MOMENTS_8BIT: [384] fp32, the codes' tables (ops/moments_8bit.py)
+    tables_ptr,  # MOMENTS_8BIT: [384] fp32, the codes' tables (rules/moments_8bit.py)
     remainder_ptr,  # REMAINDER: [E, M, N] int16 (W's strides), read and written by "adamw" (w_ptr: the
     #                 bf16 weight's int16 bits; docs/design.md, "bf16 master weights")
     rng_ptr,  # STOCHASTIC: [2] int64, read by "adamw": the seed and the step (w_ptr: the int16 bits)

@@ -1,7 +1,7 @@
 """bf16 master weights in registers: the 16-bit remainder's split and merge, and stochastic rounding with a
 counter-based stream (docs/design.md, "bf16 master weights").
 
-``sonar_kernels/ops/master_weights.py``'s rules, operation for operation, on int32 bit patterns: a bf16
+``sonar_kernels/rules/master_weights.py``'s rules, operation for operation, on int32 bit patterns: a bf16
 weight travels as its int16 bits (the caller loads and stores the weight through an int16 view, which
 also keeps the interpreter's bf16 storage out of the way). The masters are finite (the update never
 writes a non-finite one: a non-finite gradient skips it), so ``bits + 2**15`` does not overflow.
@@ -41,7 +41,7 @@ def merge_tile(weight_bits, remainder):
 
 @triton.jit
 def hash32(x):
-    """``lowbias32`` of the uint32 ``x`` (ops/master_weights.py ``hash32``): uint32 arithmetic, wrapping."""
+    """``lowbias32`` of the uint32 ``x`` (rules/master_weights.py ``hash32``): uint32 arithmetic, wrapping."""
     x = x ^ (x >> 16)
     x = x * tl.full((), HASH_A, tl.uint32)
     x = x ^ (x >> 15)

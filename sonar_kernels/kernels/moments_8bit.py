@@ -1,8 +1,8 @@
 """AdamW with 8-bit moments in registers: dequantize, update, requantize (docs/design.md, "8-bit moments").
 
-The scheme is ``sonar_kernels/ops/moments_8bit.py``'s, operation for operation: blocks of :data:`BLOCK`
+The scheme is ``sonar_kernels/rules/moments_8bit.py``'s, operation for operation: blocks of :data:`BLOCK`
 consecutive elements along a tile's columns (the weight's contiguous dimension), one fp32 scale per block
-(its largest magnitude), codes into the tables that ``ops/moments_8bit.py`` builds (exp_avg: int8
+(its largest magnitude), codes into the tables that ``rules/moments_8bit.py`` builds (exp_avg: int8
 ``sign * k`` into 128 magnitudes; exp_avg_sq: uint8 into 256 levels), the nearest entry with exact ties
 to the smaller magnitude, and AdamW in the "fp64" arithmetic of ``kernels/adamw.py``. A tile's columns are
 whole blocks (the launchers check it), so a block's scale is known in registers.
@@ -144,7 +144,7 @@ def adamw_8bit_kernel(
     exp_avg_sq_scales_ptr,  # [R, C // BLOCK] fp32, read and written
     magnitudes_ptr,  # [128] fp32, read
     levels_ptr,  # [256] fp32, read
-    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (ops/moments_8bit.py, adamw_8bit_scalars)
+    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (rules/adamw.py, adamw_scalars)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read ([7] with CLIP)
     remainder_ptr,  # REMAINDER: [R, C] int16, read and written (w_ptr: the bf16 weight's int16 bits)

@@ -2,30 +2,24 @@
 
 ``torch_adamw_`` applies torch's own AdamW (``torch.optim.adamw.adamw``, with torch.optim.AdamW's foreach
 and fused flags) to one tensor, skipping the update as a whole for a non-finite or too large gradient as
-the Triton kernels do: the update of the torch backend, and of a gradient that reached ``.grad``.
+the Triton kernels do: the update of the torch backend, and of a gradient that reached ``.grad``, with
+exact moments; ``remainder_adamw_`` the same on the fp32 master of a bf16 weight and its 16-bit remainder
+(``rules/master_weights.py``). The other state kinds follow the "fp64" arithmetic: ``ops/fp64_update.py``.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import warnings
 from pathlib import Path
 
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from sonar_kernels.ops.clipping import clip_gradient, clip_gradient_
 from sonar_kernels.ops.common import inf_norm, whole
-from sonar_kernels.ops.master_weights import merge, remainder_adamw_, split
-
-
-def grad_limit(moments_dtype: torch.dtype) -> float:
-    """The largest gradient magnitude an in-backward AdamW update takes with exp_avg_sq in
-    ``moments_dtype``: the largest power of two whose square that dtype holds (2**63 for float32 and
-    bfloat16, 2**7 for float16). exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * g * g then stays
-    finite for every beta2."""
-    return 2.0 ** (math.floor(math.log2(torch.finfo(moments_dtype).max)) // 2)
+from sonar_kernels.rules.adamw import grad_limit
+from sonar_kernels.rules.clipping import clip_gradient, clip_gradient_
+from sonar_kernels.rules.master_weights import merge, split
 
 
 @functools.cache
@@ -129,7 +123,7 @@ def torch_adamw_(
             and step size computed in the tensor's dtype) as in torch.optim.AdamW.step.
         foreach, fused: torch.optim.AdamW's flags.
         clip: None, or the update's [7] float64 hyperparameter tensor with the expert-clipping entries: the
-            gradient is clipped first (``ops/clipping.py``; the skip and ``grad_norm_sq`` are the unclipped
+            gradient is clipped first (``rules/clipping.py``; the skip and ``grad_norm_sq`` are the unclipped
             gradient's), and ``clipped`` receives the number of entries the spike rule replaced;
             ``clip_dtype``: the dtype the clipped values are rounded to (None: ``grad``'s; the gradient
             dtype when ``grad`` holds its values widened, as for an fp32 master).
@@ -242,7 +236,7 @@ def torch_adamw_chunked_(
         chunk_bytes: the budget of one chunk's gradient (None: the whole tensor).
         remainder: the int16 remainder of a bf16 ``weight`` (docs/design.md, "bf16 master weights"): the
             update runs on the fp32 master (each chunk's merged, the gradient as fp32) and
-            splits it again: :func:`sonar_kernels.ops.master_weights.remainder_adamw_`, chunk by chunk.
+            splits it again: :func:`remainder_adamw_`, chunk by chunk.
         clip, clipped: expert clipping, as :func:`torch_adamw_` takes them (each chunk clipped against its
             slice of ``exp_avg_sq``; an element's rule reads that element alone).
     """
@@ -340,3 +334,58 @@ def torch_adamw_chunked_(
         grad_norm_sq.copy_(norm_sq)
         if clipped is not None:
             clipped.copy_(count)
+
+
+def remainder_adamw_(
+    weight: torch.Tensor,
+    remainder: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: torch.Tensor,
+    hyperparameters: tuple,
+    grad_norm_sq: torch.Tensor,
+    skipped: torch.Tensor,
+    *,
+    foreach: bool | None,
+    fused: bool | None,
+    clip: torch.Tensor | None = None,
+    clipped: torch.Tensor | None = None,
+) -> None:
+    """torch's AdamW on the fp32 master of a bf16 ``weight`` and its int16 ``remainder``, in place: the
+    master merged (``rules.master_weights.merge``), updated by :func:`torch_adamw_` with ``grad``
+    as fp32 (the moments fp32, or bf16: then torch's AdamW on fp32 copies, each moment rounded once at
+    the store), and split again (``rules.master_weights.split``). So the master follows torch.optim.AdamW on fp32 master
+    weights bit for bit (fp32 moments), and the weight is the master rounded to nearest (a tie away from
+    zero). A skipped update (a non-finite gradient) leaves weight, remainder, moments and step as they
+    were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors). A DTensor
+    weight (FSDP2's shard; remainder, gradient and moments DTensors of its placements): each rank merges and
+    splits its own shard, torch's AdamW runs on the sharded master (the skip decided over the whole
+    gradient). ``clip``, ``clipped``: expert clipping (:func:`torch_adamw_`), the
+    clipped values rounded to ``grad``'s dtype."""
+    with torch.no_grad():
+        local_weight, local_remainder = _local(weight), _local(remainder)
+        master = merge(local_weight, local_remainder)
+        if _is_dtensor(weight):  # FSDP2's shard: the master sharded as the weight
+            from torch.distributed.tensor import DTensor
+
+            master = DTensor.from_local(
+                master, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
+                stride=weight.stride(),
+            )  # fmt: skip
+        torch_adamw_(
+            master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
+            foreach=foreach, fused=fused, clip=clip, clipped=clipped, clip_dtype=grad.dtype,
+        )  # fmt: skip
+        new_weight, new_remainder = split(_local(master))
+        local_weight.copy_(new_weight)
+        local_remainder.copy_(new_remainder)
+
+
+def _is_dtensor(t) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+def _local(t):
+    """This rank's part of a DTensor (FSDP2's shard); any other tensor as it is."""
+    return t.to_local() if _is_dtensor(t) else t

@@ -21,7 +21,6 @@ from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
-from sonar_kernels.ops.clipping import clips
 from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
 from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
 from sonar_kernels.ops.torch_update import (
@@ -32,6 +31,7 @@ from sonar_kernels.ops.torch_update import (
     torch_update,
     torch_update_of,
 )
+from sonar_kernels.rules.clipping import clips
 from sonar_kernels.specs import RoutingMetadata
 
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),

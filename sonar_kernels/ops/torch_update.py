@@ -1,6 +1,6 @@
 """The torch backend's in-backward update of one expert tensor, the body of the ``sonar_kernels::`` ops that
 apply it (``ops/library.py``): torch's AdamW on exact moments (by chunks of experts with its fused AdamW),
-or the 8-bit scheme (``ops/moments_8bit.py``) on codes and scales.
+or the rules in the "fp64" arithmetic (8-bit moments, stochastic rounding: ``ops/fp64_update.py``).
 """
 
 from __future__ import annotations
@@ -8,11 +8,10 @@ from __future__ import annotations
 import torch
 
 from sonar_kernels.ops import torch_backend
-from sonar_kernels.ops.adamw import torch_adamw_, torch_adamw_chunked_
-from sonar_kernels.ops.clipping import clips
+from sonar_kernels.ops.adamw import remainder_adamw_, torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
-from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
-from sonar_kernels.ops.moments_8bit import adamw_8bit_
+from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
+from sonar_kernels.rules.clipping import clips
 
 __all__ = [
     "STATE_FIELDS",
@@ -133,7 +132,7 @@ def torch_update(
     to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
     ``grad_in`` (already in that dtype) is rounded once more. ``clip``: None, or the [7] float64 tensor of
     an update with expert clipping (docs/design.md, "Expert clipping"; taken from ``hyper`` when that is one):
-    the gradient is clipped first, as the Triton kernels clip it (``ops/clipping.py``)."""
+    the gradient is clipped first, as the Triton kernels clip it (``rules/clipping.py``)."""
     check_master_state("weight", weight, state)
     if clip is None and clips(hyper):
         clip = hyper

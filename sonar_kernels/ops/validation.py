@@ -254,7 +254,7 @@ def _check_8bit(name: str, weight: torch.Tensor, update) -> None:
     """The 8-bit moments of ``update`` (docs/design.md, "8-bit moments"): int8 and uint8 codes, fp32 block
     scales of their shape, contiguous on the weight's device; a weight contiguous along its last
     dimension, a multiple of the block."""
-    from sonar_kernels.ops.moments_8bit import scales_shape
+    from sonar_kernels.rules.moments_8bit import scales_shape
 
     expected = scales_shape(tuple(weight.shape))  # raises for a last dimension not a multiple of the block
     if weight.stride(-1) != 1:

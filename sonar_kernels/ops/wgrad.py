@@ -17,7 +17,7 @@ import triton
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.kernels.expert_wgrad import expert_mlp_bwd_dw_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
-from sonar_kernels.ops.adamw import adamw_arithmetic, grad_limit, overflow_possible
+from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
 from sonar_kernels.ops.bias import ones_rows
 from sonar_kernels.ops.common import (
     TL_DTYPES,
@@ -28,6 +28,8 @@ from sonar_kernels.ops.common import (
     triton_interpreting,
 )
 from sonar_kernels.ops.validation import check_buffer, check_update
+from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
+from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
 from sonar_kernels.specs import down_view, gate_up_bias_view, gate_up_view
 
 
@@ -102,7 +104,7 @@ class AdamWUpdate(NamedTuple):
     def moments_8bit(self) -> bool:
         """Whether the moments are 8-bit (``exp_avg`` int8 and ``exp_avg_sq`` uint8 codes with the weight's
         shape and strides, ``exp_avg_scales`` and ``exp_avg_sq_scales`` fp32 of
-        :func:`sonar_kernels.ops.moments_8bit.scales_shape`, contiguous; docs/design.md, "8-bit moments")."""
+        :func:`sonar_kernels.rules.moments_8bit.scales_shape`, contiguous; docs/design.md, "8-bit moments")."""
         return self.exp_avg_scales is not None
 
 
@@ -410,9 +412,9 @@ def _wgrad(
         # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments and
         # stochastic rounding the torch ops that the torch backend's update reads too.
         if eight_bit or update.seed is not None:
-            scalars = moments_8bit.adamw_8bit_scalars(update.step, hyper)
+            scalars = adamw_scalars(update.step, hyper)
             scales = (
-                (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit.tables(weight.device))
+                (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit_tables(weight.device))
                 if eight_bit
                 else None
             )

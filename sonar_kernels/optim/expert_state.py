@@ -15,9 +15,9 @@ from torch.distributed.tensor import DTensor, Shard
 
 from sonar_kernels import ops
 from sonar_kernels.ops.common import inf_norm, whole
-from sonar_kernels.ops.master_weights import REMAINDER, STOCHASTIC, split
-from sonar_kernels.ops.moments_8bit import dequantize, quantize, scales_shape
 from sonar_kernels.optim.param_groups import check_group_options
+from sonar_kernels.rules.master_weights import REMAINDER, STOCHASTIC, split
+from sonar_kernels.rules.moments_8bit import dequantize, quantize, scales_shape
 
 __all__ = [
     "EIGHT_BIT",

@@ -40,7 +40,6 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.master_weights import STOCHASTIC, shard_index_base, tensor_seed
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
@@ -56,6 +55,7 @@ from sonar_kernels.optim.param_groups import check_expert_clipping, check_group_
 from sonar_kernels.optim.telemetry import ExpertTelemetry
 from sonar_kernels.optim.update_handle import OwnedUpdate, release_entries, signature
 from sonar_kernels.optim.updates import InBackwardUpdates
+from sonar_kernels.rules.master_weights import STOCHASTIC, shard_index_base, tensor_seed
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]

@@ -16,9 +16,8 @@ import weakref
 import torch
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.clipping import clips
-from sonar_kernels.ops.master_weights import remainder_adamw_, stochastic_adamw_
-from sonar_kernels.ops.moments_8bit import adamw_8bit_
+from sonar_kernels.ops.adamw import remainder_adamw_
+from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.optim import distributed, loss_scaling, ownership
 from sonar_kernels.optim.accumulation import MicroBatches
 from sonar_kernels.optim.expert_state import moment_tensors
@@ -30,6 +29,7 @@ from sonar_kernels.optim.param_groups import (
     torch_hyperparameters,
 )
 from sonar_kernels.optim.reentrant import HeldGradients
+from sonar_kernels.rules.clipping import clips
 
 __all__ = ["InBackwardUpdates"]
 

@@ -175,7 +175,7 @@ class Fp32Masters:
     weights: every parameter has a master, the gradients are clipped over all masters at
     ``max_grad_norm``, the bf16 copy is torch's cast, ties to even). ``experts_only=True``: the control of
     SonarAdamW(master_weights="remainder") ("remainder-control"): masters for the expert tensors only,
-    rounded with the remainder's rule (``ops.master_weights.split``, ties away from zero), nothing clipped
+    rounded with the remainder's rule (``rules.master_weights.split``, ties away from zero), nothing clipped
     here (the caller clips the dense gradients, as SonarAdamW does); its masters must equal the sonar
     arm's reconstructed ones bit for bit."""
 
@@ -204,7 +204,7 @@ class Fp32Masters:
         return next((m for q, m in self.pairs if q is p), None)
 
     def step(self) -> None:
-        from sonar_kernels.ops.master_weights import split
+        from sonar_kernels.rules.master_weights import split
 
         for p, master in self.pairs:  # one fp32 gradient at a time replaces its bf16 one
             master.grad = None if p.grad is None else p.grad.float()
@@ -223,7 +223,7 @@ class Fp32Masters:
 def master_values(arm) -> list[torch.Tensor]:
     """The arm's parameters in the model's order as it trains them, CPU copies: a tensor with an fp32
     master (Fp32Masters) or a remainder (SonarAdamW with master_weights="remainder") as that master."""
-    from sonar_kernels.ops.master_weights import merge
+    from sonar_kernels.rules.master_weights import merge
 
     values = []
     for p in arm.model.parameters():

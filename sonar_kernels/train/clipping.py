@@ -114,7 +114,7 @@ class LaggedControl(_Control):
 
 # The controls' rules, written plainly here: the package does not run sonar_kernels.reference (the tests'
 # oracle; pyproject.toml's import contract), and the controls do not run the library's own clipping
-# (ops/clipping.py), which they check. tests/test_train_clipping.py checks both against the reference.
+# (rules/clipping.py), which they check. tests/test_train_clipping.py checks both against the reference.
 
 
 def spike_clip(

@@ -1,6 +1,6 @@
 """Expert clipping on the torch side (docs/design.md, "Expert clipping"): the arithmetic of the Triton
-kernels' ``clip_tile`` (kernels/adamw.py), op for op, for the torch backend's updates and the gradients
-that reach ``.grad``.
+kernels' ``clip_tile`` (``sonar_kernels/kernels/adamw.py``), op for op, for the torch backend's updates and
+the gradients that reach ``.grad``.
 
 An update clips its gradient when its hyperparameter tensor has the two clipping entries ([7]:
 lr, beta1, beta2, eps, weight_decay, spike_threshold, grad_scale; :data:`sonar_kernels.specs.CLIPPING`).
@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["CLIP_SLICE", "clip_gradient", "clip_gradient_", "clips"]
+__all__ = ["CLIP_SLICE", "clip_elements", "clip_gradient", "clip_gradient_", "clips"]
 
 
 def clips(hyper) -> bool:
@@ -55,19 +55,26 @@ def clip_gradient(
         return clipped, count
     dtype = dtype or grad.dtype
     threshold, scale = hyper[5], hyper[6]
-    on_host = hyper.device.type == "cpu"
-    g = grad.float()
-    if not on_host or float(scale) != 1.0:
-        g = (g * scale.float()).to(dtype).float()
-    count = torch.zeros((), dtype=torch.int64, device=grad.device)
-    if not on_host or math.isfinite(float(threshold)):
-        v = exp_avg_sq.float()
-        limit = v * threshold.float()
-        spike = (g * g > limit) & (v > 0.0)
-        bound = torch.sqrt(limit.double()).float()  # torch's fp32 sqrt on the CPU is not correctly rounded
-        g = torch.where(spike, torch.copysign(bound, g), g).to(dtype)
-        count = spike.sum()
+    if hyper.device.type == "cpu" and float(scale) == 1.0 and not math.isfinite(float(threshold)):
+        return grad, torch.zeros((), dtype=torch.int64, device=grad.device)  # neither rule can change a bit
+    g, count = clip_elements(grad.float(), exp_avg_sq.float(), hyper, dtype)
     return g.to(grad.dtype), count
+
+
+def clip_elements(
+    g: torch.Tensor, v: torch.Tensor, hyper: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`clip_gradient`'s two rules on fp32 ``g`` (values of ``dtype``) against the fp32 second moment
+    ``v``, both always applied (no host read: what a compiled update runs): returns the clipped gradient
+    as fp32 (values of ``dtype``) and the count. A grad_scale of 1 and a spike_threshold of inf change no
+    bit, so this gives :func:`clip_gradient`'s bits whatever it skips."""
+    threshold, scale = hyper[5], hyper[6]
+    g = (g * scale.float()).to(dtype).float()
+    limit = v * threshold.float()
+    spike = (g * g > limit) & (v > 0.0)
+    bound = torch.sqrt(limit.double()).float()  # torch's fp32 sqrt on the CPU is not correctly rounded
+    g = torch.where(spike, torch.copysign(bound, g), g).to(dtype).float()
+    return g, spike.sum()
 
 
 # Elements of one pass of :func:`clip_gradient_`: its scratch is two fp32 and two bool slices (640 KiB) and,

@@ -1,5 +1,6 @@
 """bf16 expert weights with fp32-quality updates: the 16-bit remainder and stochastic rounding, in torch ops
-(docs/design.md, "bf16 master weights").
+(docs/design.md, "bf16 master weights"); their Triton device functions, operation for operation on int32
+bit patterns, are in ``sonar_kernels/kernels/master_weights.py``.
 
 Both keep the expert weight as the model's plain bf16 tensor. The rules, written once here and followed by
 every update path:
@@ -27,12 +28,14 @@ import torch
 __all__ = [
     "REMAINDER",
     "STOCHASTIC",
+    "element_index",
     "hash32",
     "merge",
     "random_bits",
-    "remainder_adamw_",
+    "shard_index_base",
     "split",
     "stochastic_round",
+    "tensor_seed",
 ]
 
 REMAINDER = "remainder"
@@ -109,63 +112,6 @@ def stochastic_round(
     return high.to(torch.int16).view(torch.bfloat16)
 
 
-def remainder_adamw_(
-    weight: torch.Tensor,
-    remainder: torch.Tensor,
-    grad: torch.Tensor,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    step: torch.Tensor,
-    hyperparameters: tuple,
-    grad_norm_sq: torch.Tensor,
-    skipped: torch.Tensor,
-    *,
-    foreach: bool | None,
-    fused: bool | None,
-    clip: torch.Tensor | None = None,
-    clipped: torch.Tensor | None = None,
-) -> None:
-    """torch's AdamW on the fp32 master of a bf16 ``weight`` and its int16 ``remainder``, in place: the
-    master merged (:func:`merge`), updated by :func:`sonar_kernels.ops.adamw.torch_adamw_` with ``grad``
-    as fp32 (the moments fp32, or bf16: then torch's AdamW on fp32 copies, each moment rounded once at
-    the store), and split again (:func:`split`). So the master follows torch.optim.AdamW on fp32 master
-    weights bit for bit (fp32 moments), and the weight is the master rounded to nearest (a tie away from
-    zero). A skipped update (a non-finite gradient) leaves weight, remainder, moments and step as they
-    were. Temporaries: the master and the gradient in fp32 (the caller chunks large tensors). A DTensor
-    weight (FSDP2's shard; remainder, gradient and moments DTensors of its placements): each rank merges and
-    splits its own shard, torch's AdamW runs on the sharded master (the skip decided over the whole
-    gradient). ``clip``, ``clipped``: expert clipping (:func:`sonar_kernels.ops.adamw.torch_adamw_`), the
-    clipped values rounded to ``grad``'s dtype."""
-    from sonar_kernels.ops.adamw import torch_adamw_
-
-    with torch.no_grad():
-        local_weight, local_remainder = _local(weight), _local(remainder)
-        master = merge(local_weight, local_remainder)
-        if _is_dtensor(weight):  # FSDP2's shard: the master sharded as the weight
-            from torch.distributed.tensor import DTensor
-
-            master = DTensor.from_local(
-                master, weight.device_mesh, weight.placements, run_check=False, shape=weight.shape,
-                stride=weight.stride(),
-            )  # fmt: skip
-        torch_adamw_(
-            master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            foreach=foreach, fused=fused, clip=clip, clipped=clipped, clip_dtype=grad.dtype,
-        )  # fmt: skip
-        new_weight, new_remainder = split(_local(master))
-        local_weight.copy_(new_weight)
-        local_remainder.copy_(new_remainder)
-
-
-def _is_dtensor(t) -> bool:
-    return callable(getattr(t, "to_local", None))
-
-
-def _local(t):
-    """This rank's part of a DTensor (FSDP2's shard); any other tensor as it is."""
-    return t.to_local() if _is_dtensor(t) else t
-
-
 def shard_index_base(t: torch.Tensor) -> int:
     """The row-major position, in the whole tensor, of the first element of this rank's part of the DTensor
     ``t`` sharded along its first dimension only (FSDP2's default): the stream's counter of that element
@@ -216,89 +162,3 @@ def tensor_seed(seed: int, ordinal: int) -> int:
     """The seed of the ``ordinal``-th tensor an optimizer with ``seed`` manages (its stream's key):
     ``hash32(hash32(seed) ^ ordinal)``, so that tensors, and optimizers with other seeds, draw apart."""
     return hash32(hash32(seed & MASK32) ^ (ordinal & MASK32))  # Python ints: no tensor, no host read
-
-
-def stochastic_adamw_(
-    weight: torch.Tensor,
-    gradient,
-    grad_in: torch.Tensor | None,
-    state: list[torch.Tensor],
-    hyper: torch.Tensor,
-    *,
-    grad_dtype: torch.dtype | None,
-    chunk_bytes: int | None,
-    found: torch.Tensor | None = None,
-    index_base: int = 0,
-) -> None:
-    """The torch backend's update of a bf16 ``weight`` rounded stochastically, in place: AdamW on the
-    weight read as fp32 in the "fp64" arithmetic of ``sonar_kernels/kernels/adamw.py`` (the Triton
-    kernels', op for op: :func:`sonar_kernels.ops.moments_8bit.adamw_fp64`; moments fp32 or bf16, read as
-    fp32 and rounded to their dtype once at the store), the result
-    rounded back with :func:`stochastic_round` at the tensor's seed, the update's step (incremented) and
-    each element's offset (:func:`element_index`): given the same gradient, the same bits as the Triton
-    epilogue and split path. ``state``: exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed
-    (``ops/torch_update.py``'s STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters ([7]:
-    expert clipping first, ``ops/clipping.py``);
-    ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes`` and the skip as
-    :func:`sonar_kernels.ops.moments_8bit.chunked_fp64_update_` takes them (a skipped update leaves weight,
-    moments and step unchanged). Temporaries: fp64 copies of :data:`UPDATE_ELEMENTS` elements at a time.
-
-    A DTensor ``weight`` (FSDP2's shard along the first dimension; its gradient and moments DTensors of its
-    placements): each rank rounds its own shard with the counters of those elements in the whole tensor
-    (:func:`shard_index_base`), the skip and ``grad_norm_sq`` decided over the whole gradient: the bits one
-    process gives on the unsharded tensor.
-
-    Args:
-        found: the skip decided by the caller (a 0-dim bool), for a whole gradient only.
-        index_base: added to every element's counter (a shard's position in the whole tensor).
-    """
-    from sonar_kernels.ops.adamw import grad_limit
-    from sonar_kernels.ops.clipping import clip_gradient, clips
-    from sonar_kernels.ops.common import inf_norm, whole
-    from sonar_kernels.ops.moments_8bit import UPDATE_ELEMENTS, adamw_fp64, chunked_fp64_update_
-
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed = state
-    if _is_dtensor(weight):
-        if not _is_dtensor(gradient) or grad_in is not None:
-            raise ValueError("a sharded (DTensor) weight's update takes its whole gradient as a DTensor")
-        base = shard_index_base(weight)
-        with torch.no_grad():
-            grad = gradient.to(grad_dtype or weight.dtype)
-            decided = ~(whole(inf_norm(grad)) <= grad_limit(torch.float32))
-            norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
-            local = [_local(t) for t in (weight, grad, *state)]
-            stochastic_adamw_(
-                local[0], local[1], None, local[2:], hyper, grad_dtype=grad.dtype, chunk_bytes=None, found=decided,
-                index_base=base,
-            )  # fmt: skip
-            grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
-        return
-    start = weight.storage_offset()
-    clip = clips(hyper)
-    clipped.zero_()
-    dtype = grad_dtype or weight.dtype
-
-    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, found=None) -> None:
-        """Experts ``first`` to ``last - 1``, a slice of rows of one expert at a time (views whatever the
-        layout), each unchanged where ``found`` is set."""
-        rows = weight.shape[1] if weight.dim() > 2 else 1
-        per = max(1, UPDATE_ELEMENTS // max(1, weight[0].numel() // rows))
-        for e in range(first, last):
-            for r in range(0, rows, per):
-                part = (e, slice(r, r + per)) if weight.dim() > 2 else (slice(e, e + 1),)
-                w, m, v = (t[part] for t in (weight, exp_avg, exp_avg_sq))
-                g = grad[(e - first, *part[1:])] if weight.dim() > 2 else grad[e - first : e - first + 1]
-                g = g.float()
-                if clip:  # a skipped update's gradient is zeros here: nothing counted
-                    g, replaced = clip_gradient(g, v, hyper, dtype)
-                    clipped.add_(replaced)
-                p, m_new, v_new = adamw_fp64(w, g, m, v, scalars, hyper)
-                index = element_index(w) + (w.storage_offset() - start + index_base)
-                new_w = stochastic_round(p, seed, step, index)
-                for target, new in ((w, new_w), (m, m_new), (v, v_new)):
-                    target.copy_(new if found is None else torch.where(found, target, new))
-
-    chunked_fp64_update_(
-        weight, gradient, grad_in, step, grad_norm_sq, skipped, hyper, apply,
-        grad_dtype=grad_dtype or weight.dtype, chunk_bytes=chunk_bytes, found=found,
-    )  # fmt: skip

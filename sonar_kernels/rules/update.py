@@ -1,0 +1,114 @@
+"""One update of one element, for every state kind the "fp64" arithmetic covers: the rules composed.
+
+A state kind is a moments kind (exact exp_avg and exp_avg_sq in fp32 or bf16, or 8-bit codes and block
+scales: ``rules/moments_8bit.py``) times a master kind (none: the weight itself in its dtype; the 16-bit
+remainder or stochastic rounding of a bf16 weight: ``rules/master_weights.py``), with or without expert
+clipping (``rules/clipping.py``). :func:`adamw_update_` reads the master and the moments, clips, runs
+AdamW (``rules/adamw.py``) and writes them back, in that order; the Triton tiles that compute the same
+(``sonar_kernels/kernels/adamw.py``'s ``adamw_tile``, ``kernels/moments_8bit.py``'s ``adamw_8bit_tile``,
+with ``kernels/master_weights.py``'s ``load_weight`` and ``store_weight``) follow the same order. Exact
+moments without a master kind are not here: torch's own AdamW updates them (``ops/adamw.py``).
+
+:data:`adamw_update` is :func:`adamw_update_` compiled on the CPU (``rules/compiled.py``): the torch backend's
+update. The driver that feeds it a slice at a time is ``sonar_kernels/ops/fp64_update.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sonar_kernels.rules.adamw import adamw_fp64
+from sonar_kernels.rules.clipping import clip_elements
+from sonar_kernels.rules.compiled import CompiledRule
+from sonar_kernels.rules.master_weights import merge, split, stochastic_round
+from sonar_kernels.rules.moments_8bit import BLOCK, dequantize_blocks, quantize_blocks
+
+__all__ = ["adamw_update", "adamw_update_"]
+
+
+def adamw_update_(
+    weight: torch.Tensor,
+    grad: torch.Tensor,
+    moments: tuple[torch.Tensor, ...],
+    scalars: torch.Tensor,
+    hyper: torch.Tensor,
+    found: torch.Tensor,
+    tables: torch.Tensor,
+    *,
+    grad_dtype: torch.dtype,
+    remainder: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    step: torch.Tensor | None = None,
+    index: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One AdamW update of ``weight`` and its state, in place, each element (each block of :data:`BLOCK`
+    for 8-bit moments) from its own state alone; nothing changes where ``found`` is set.
+
+    Args:
+        weight: [..., C], any float dtype; bf16 with ``remainder`` or ``seed``.
+        grad: fp32, ``weight``'s shape: the gradient as the update uses it (rounded to ``grad_dtype``).
+        moments: (exp_avg, exp_avg_sq), fp32 or bf16, ``weight``'s shape; or 8-bit: (exp_avg's int8 codes,
+            its fp32 scales, exp_avg_sq's uint8 codes, its scales), codes ``weight``'s shape, scales
+            [..., C // BLOCK], ``weight`` contiguous.
+        scalars: [2] fp32, ``rules.adamw.adamw_scalars`` at the update's step.
+        hyper: [5] fp64 (lr, beta1, beta2, eps, weight_decay); [7] with expert clipping (spike_threshold,
+            grad_scale follow): the gradient clipped against exp_avg_sq before the update.
+        found: 0-dim bool: the update is skipped (a non-finite gradient, decided by the caller).
+        tables: ``rules.moments_8bit.tables`` on the weight's device (read with 8-bit moments).
+        grad_dtype: the gradient dtype (clipping rounds to it).
+        remainder: int16, ``weight``'s shape: the fp32 master is (weight, remainder) (``merge``, ``split``).
+        seed, step, index: stochastic rounding: the tensor's 0-dim int64 seed, the 0-dim fp32 step (already
+            incremented), each element's int64 counter (``rules.master_weights.stochastic_round``).
+    Returns:
+        the 0-dim int64 count of the gradient entries expert clipping replaced (0 without it, or skipped).
+    """
+    eight_bit = len(moments) == 4
+    if eight_bit:
+        m_codes, m_scales, v_codes, v_scales = moments
+        m = dequantize_blocks(_blocks(m_codes), m_scales.reshape(-1, 1), "exp_avg", tables[:128])
+        v = dequantize_blocks(_blocks(v_codes), v_scales.reshape(-1, 1), "exp_avg_sq", tables[128:])
+        m, v = m.reshape(weight.shape), v.reshape(weight.shape)
+    else:
+        exp_avg, exp_avg_sq = moments
+        m, v = exp_avg.float(), exp_avg_sq.float()
+    master = weight if remainder is None else merge(weight, remainder)
+    count = torch.zeros((), dtype=torch.int64, device=weight.device)
+    if hyper.shape[0] == 7:
+        grad, count = clip_elements(grad, v, hyper, grad_dtype)
+        count = torch.where(found, 0, count)
+    p, m, v = adamw_fp64(master, grad, m, v, scalars, hyper)
+    if remainder is not None:
+        new_weight, new_remainder = split(p)
+        remainder.copy_(torch.where(found, remainder, new_remainder))
+    elif seed is not None:
+        new_weight = stochastic_round(p, seed, step, index)
+    else:
+        new_weight = p.to(weight.dtype)
+    weight.copy_(torch.where(found, weight, new_weight))
+    if eight_bit:
+        for codes, scales, values, kind, table in (
+            (m_codes, m_scales, m, "exp_avg", tables[:128]),
+            (v_codes, v_scales, v, "exp_avg_sq", tables[128:]),
+        ):
+            new_codes, new_scales = quantize_blocks(_blocks(values), kind, table)
+            codes.copy_(torch.where(found, codes, new_codes.reshape(codes.shape)))
+            scales.copy_(torch.where(found, scales, new_scales.reshape(scales.shape)))
+    else:
+        exp_avg.copy_(torch.where(found, exp_avg, m.to(exp_avg.dtype)))
+        exp_avg_sq.copy_(torch.where(found, exp_avg_sq, v.to(exp_avg_sq.dtype)))
+    return count
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1, BLOCK)
+
+
+def _kind(
+    weight, grad, moments, scalars, hyper, found, tables, *, grad_dtype, remainder=None, seed=None, **_
+):
+    """The kind of an :func:`adamw_update_` call (the first-call accounting's key)."""
+    master = "remainder" if remainder is not None else "stochastic" if seed is not None else "none"
+    return (weight.dtype, weight.dim(), tuple(t.dtype for t in moments), master, hyper.shape[0], grad_dtype)
+
+
+adamw_update = CompiledRule(adamw_update_, _kind)
