@@ -61,7 +61,9 @@ def _state(moments: str, master: str, weight_dtype: torch.dtype, clip: bool, see
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Equal bit patterns (signed zeros and NaN payloads count)."""
-    return a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    return a.dtype == b.dtype and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
 
 
 # One graph each (a test's cold compilation is seconds): every moments kind and master kind, clipping on
@@ -77,10 +79,14 @@ KINDS = [
 
 
 @pytest.mark.parametrize("moments,master,weight_dtype,clip", KINDS)
-def test_the_compiled_rule_gives_the_bits_of_the_rule_op_by_op(moments, master, weight_dtype, clip, monkeypatch):
+def test_the_compiled_rule_gives_the_bits_of_the_rule_op_by_op(
+    moments, master, weight_dtype, clip, monkeypatch
+):
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
     assert not adamw_update._failed
-    scalars = adamw_scalars(torch.tensor(5.0), torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01], dtype=torch.float64))
+    scalars = adamw_scalars(
+        torch.tensor(5.0), torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01], dtype=torch.float64)
+    )
     tables = q8.tables()
     for found in (False, True):
         runs = []
@@ -90,7 +96,8 @@ def test_the_compiled_rule_gives_the_bits_of_the_rule_op_by_op(moments, master, 
             args = (weight, grad, state, scalars, hyper, torch.tensor(found), tables)
             kwargs = {"grad_dtype": weight_dtype if master == "none" else torch.bfloat16, **extra}
             if compiled:
-                count = adamw_update(weight.numel(), weight.device, *args, **kwargs)
+                assert adamw_update.wanted(weight.numel(), weight.device)
+                count = adamw_update(True, *args, **kwargs)
             else:
                 count = adamw_update_(*args, **kwargs)
             after = [weight, *state, *extra.values()]
@@ -118,7 +125,9 @@ def test_a_failing_compiler_leaves_the_rule_op_by_op_with_one_warning(monkeypatc
 
     monkeypatch.setattr(torch, "compile", lambda *a, **k: broken)
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
-    scalars = adamw_scalars(torch.tensor(1.0), torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.0], dtype=torch.float64))
+    scalars = adamw_scalars(
+        torch.tensor(1.0), torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.0], dtype=torch.float64)
+    )
     results = []
     for use in (rule, None):
         weight, grad, state, hyper, _ = _state("8bit", "none", torch.float32, False, seed=1)
@@ -128,11 +137,11 @@ def test_a_failing_compiler_leaves_the_rule_op_by_op_with_one_warning(monkeypatc
             if use is None:
                 adamw_update_(*args, grad_dtype=torch.float32)
             else:
-                use(weight.numel(), weight.device, *args, grad_dtype=torch.float32)
-                use(weight.numel(), weight.device, *args, grad_dtype=torch.float32)  # no second warning
+                use(True, *args, grad_dtype=torch.float32)
+                use(True, *args, grad_dtype=torch.float32)  # no second warning
                 weight, grad, state, hyper, _ = _state("8bit", "none", torch.float32, False, seed=1)
                 args = (weight, grad, state, scalars, hyper[:5], torch.tensor(False), q8.tables())
-                use(weight.numel(), weight.device, *args, grad_dtype=torch.float32)
+                use(True, *args, grad_dtype=torch.float32)
         if use is not None:
             messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
             assert len(messages) == 1 and "no C++ compiler" in messages[0] and "op by op" in messages[0]
@@ -149,6 +158,6 @@ def test_a_call_the_rule_refuses_raises_its_own_error_not_a_compiler_warning(mon
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.raises(RuntimeError):  # codes of a shape the blocks cannot hold
-            rule(weight.numel(), weight.device, weight, grad, (state[0][..., :31], *state[1:]), scalars, hyper,
+            rule(True, weight, grad, (state[0][..., :31], *state[1:]), scalars, hyper,
                  torch.tensor(False), q8.tables(), grad_dtype=torch.float32)  # fmt: skip
     assert not rule._failed

@@ -1,7 +1,7 @@
 """The torch backend's driver of the updates in the "fp64" arithmetic: 8-bit moments (any master kind) and
 stochastic rounding (exact moments). The rule of one element is ``sonar_kernels/rules/update.py``'s
 ``adamw_update``; this module decides the skip, counts the step, computes the gradient by chunks of experts
-and feeds the rule a slice of :data:`UPDATE_ELEMENTS` elements at a time.
+and feeds the rule a slice at a time (:data:`UPDATE_ELEMENTS`, :data:`COMPILED_UPDATE_ELEMENTS`).
 """
 
 from __future__ import annotations
@@ -13,15 +13,23 @@ from sonar_kernels.ops.common import inf_norm, whole
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.master_weights import element_index, shard_index_base
-from sonar_kernels.rules.moments_8bit import tables
+from sonar_kernels.rules.moments_8bit import BLOCK, tables
 from sonar_kernels.rules.update import adamw_update
 
-__all__ = ["UPDATE_ELEMENTS", "adamw_8bit_", "chunked_fp64_update_", "stochastic_adamw_"]
+__all__ = [
+    "COMPILED_UPDATE_ELEMENTS",
+    "UPDATE_ELEMENTS",
+    "adamw_8bit_",
+    "chunked_fp64_update_",
+    "stochastic_adamw_",
+]
 
-# Elements per call of the rule: its temporaries (op by op: fp64 operands, int32 indices, about 66 bytes an
-# element; compiled: a few fp32 and int32 buffers) stay a few MiB whatever the chunk of experts, and a
-# compiled call's fixed cost (tens of microseconds) stays small beside its work.
-UPDATE_ELEMENTS = 1 << 16
+# Elements per call of the rule, so that its temporaries stay small whatever the chunk of experts: op by op
+# (fp64 operands, int32 indices: about 66 bytes an element) about 1 MiB; compiled (the new fp32 moments
+# and the block scales: about 9 bytes an element) about 2.3 MiB, in calls large enough that a compiled
+# call's fixed cost (Python and the compiled graph's guards: tens of microseconds) stays small.
+UPDATE_ELEMENTS = 1 << 14
+COMPILED_UPDATE_ELEMENTS = 1 << 18
 
 
 def adamw_8bit_(
@@ -133,28 +141,36 @@ def _update_(
             )  # fmt: skip
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
-    table = tables(weight.device)
     start_offset = weight.storage_offset()
+    table = tables(weight.device)
     clipped.zero_()
     no = torch.zeros((), dtype=torch.bool, device=weight.device)
     extras = (weight, *moments, *([] if remainder is None else [remainder]))
 
-    def parts(first: int, last: int, grad: torch.Tensor):
+    def parts(first: int, last: int, grad: torch.Tensor, elements: int):
         """(weight, grad, moments, remainder) of experts ``first`` to ``last - 1`` a slice of at most
-        :data:`UPDATE_ELEMENTS` at a time: rows of the [-1, C] view when every tensor is contiguous (8-bit
-        moments' scales follow their rows), else rows of one expert at a time (any layout)."""
-        columns = weight.shape[-1]
+        ``elements`` at a time: when every tensor is contiguous, slices of their flat views
+        ([-1, BLOCK] with 8-bit moments, their scales [-1, 1]: the layout the compiled rule runs fastest
+        on), else rows of one expert at a time (any layout)."""
         if all(t.is_contiguous() for t in extras) and grad.is_contiguous():
-            held = [t[first:last].reshape(-1, t.shape[-1]) for t in extras]
-            flat = grad.reshape(-1, columns)
-            rows = max(1, UPDATE_ELEMENTS // columns)
-            for start in range(0, flat.shape[0], rows):
-                w, *rest = (t[start : start + rows] for t in held)
-                yield w, flat[start : start + rows], rest[: len(moments)], rest[len(moments) :]
+            width = BLOCK if len(moments) == 4 else None
+            scales = (2, 4) if width else ()  # the 8-bit moments' scales among the extras
+
+            def flat(t: torch.Tensor, i: int) -> torch.Tensor:
+                if width is None:
+                    return t.reshape(-1)
+                return t.reshape(-1, 1) if i in scales else t.reshape(-1, width)
+
+            held = [flat(t[first:last], i) for i, t in enumerate(extras)]
+            flat_grad = flat(grad, 0)
+            step_rows = elements // (width or 1)
+            for start in range(0, flat_grad.shape[0], step_rows):
+                w, *rest = (t[start : start + step_rows] for t in held)
+                yield w, flat_grad[start : start + step_rows], rest[: len(moments)], rest[len(moments) :]
             return
         for e in range(first, last):
             if weight.dim() > 2:
-                rows = max(1, UPDATE_ELEMENTS // max(1, weight[0].numel() // weight.shape[1]))
+                rows = max(1, elements // max(1, weight[0].numel() // weight.shape[1]))
                 spans = [(e, slice(r, r + rows)) for r in range(0, weight.shape[1], rows)]
             else:
                 spans = [(slice(e, e + 1),)]
@@ -164,13 +180,15 @@ def _update_(
                 yield w, g, rest[: len(moments)], rest[len(moments) :]
 
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, skip: torch.Tensor) -> None:
-        for w, g, held_moments, held_remainder in parts(first, last, grad):
+        compiled = adamw_update.wanted(weight[first:last].numel(), weight.device)
+        elements = COMPILED_UPDATE_ELEMENTS if compiled else UPDATE_ELEMENTS
+        for w, g, held_moments, held_remainder in parts(first, last, grad, elements):
             index = None
             if seed is not None:
                 index = element_index(w) + (w.storage_offset() - start_offset + index_base)
             # detach: a slice enters the compiled rule as a tensor of its own, not a view of its base
             count = adamw_update(
-                w.numel(), w.device, w.detach(), g.float(), tuple(t.detach() for t in held_moments), scalars,
+                compiled, w.detach(), g.float(), tuple(t.detach() for t in held_moments), scalars,
                 hyper, skip, table, grad_dtype=dtype, remainder=held_remainder[0].detach() if held_remainder else None,
                 seed=seed, step=step, index=index,
             )  # fmt: skip

@@ -59,7 +59,8 @@ def first_call_seconds() -> float:
 
 class CompiledRule:
     """``fn`` (an element-wise rule in torch ops that writes its results in place) run compiled on the CPU
-    for tensors of at least :data:`COMPILE_MIN_ELEMENTS` elements, op by op otherwise (module docstring).
+    for tensors of at least :data:`COMPILE_MIN_ELEMENTS` elements (:meth:`wanted`), op by op otherwise
+    (module docstring).
 
     ``key(*args)`` names the kind of a call (what a compiled graph specializes on) for the first-call
     accounting. A compilation that fails (inductor compiles before anything runs: the call changed
@@ -73,8 +74,16 @@ class CompiledRule:
         self._failed = False
         self._seen: set[tuple] = set()  # the kinds of call already compiled
 
-    def __call__(self, size: int, device: torch.device, *args, **kwargs):
-        if self._failed or device.type != "cpu" or size < COMPILE_MIN_ELEMENTS or not compile_enabled():
+    def wanted(self, size: int, device: torch.device) -> bool:
+        """Whether a call on a tensor of ``size`` elements on ``device`` (a whole tensor, or the chunk a
+        driver cuts into slices) should run compiled."""
+        return (
+            not self._failed and device.type == "cpu" and size >= COMPILE_MIN_ELEMENTS and compile_enabled()
+        )
+
+    def __call__(self, compiled: bool, *args, **kwargs):
+        """``fn(*args, **kwargs)``, compiled when ``compiled`` (:meth:`wanted`) and the compiler works."""
+        if not compiled or self._failed:
             return self.fn(*args, **kwargs)
         key = (self.fn.__name__, *self.key(*args, **kwargs))
         first = key not in self._seen

@@ -79,24 +79,34 @@ def adamw_update_(
     p, m, v = adamw_fp64(master, grad, m, v, scalars, hyper)
     if remainder is not None:
         new_weight, new_remainder = split(p)
-        remainder.copy_(torch.where(found, remainder, new_remainder))
+        remainder.copy_(_keep(found, remainder, new_remainder))
     elif seed is not None:
         new_weight = stochastic_round(p, seed, step, index)
     else:
         new_weight = p.to(weight.dtype)
-    weight.copy_(torch.where(found, weight, new_weight))
+    weight.copy_(_keep(found, weight, new_weight))
     if eight_bit:
         for codes, scales, values, kind, table in (
             (m_codes, m_scales, m, "exp_avg", tables[:128]),
             (v_codes, v_scales, v, "exp_avg_sq", tables[128:]),
         ):
             new_codes, new_scales = quantize_blocks(_blocks(values), kind, table)
-            codes.copy_(torch.where(found, codes, new_codes.reshape(codes.shape)))
-            scales.copy_(torch.where(found, scales, new_scales.reshape(scales.shape)))
+            codes.copy_(_keep(found, codes, new_codes.reshape(codes.shape)))
+            scales.copy_(_keep(found, scales, new_scales.reshape(scales.shape)))
     else:
-        exp_avg.copy_(torch.where(found, exp_avg, m.to(exp_avg.dtype)))
-        exp_avg_sq.copy_(torch.where(found, exp_avg_sq, v.to(exp_avg_sq.dtype)))
+        exp_avg.copy_(_keep(found, exp_avg, m.to(exp_avg.dtype)))
+        exp_avg_sq.copy_(_keep(found, exp_avg_sq, v.to(exp_avg_sq.dtype)))
     return count
+
+
+def _keep(found: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """``old`` where ``found``, else ``new``, bit for bit (a NaN's payload kept). 8- and 16-bit values are
+    chosen as int32: inductor's C++ blends narrow lanes one at a time, a scalar loop in the kernel."""
+    if old.element_size() >= 4:
+        return torch.where(found, old, new)
+    bits = {1: torch.int8 if old.dtype == torch.int8 else torch.uint8, 2: torch.int16}[old.element_size()]
+    chosen = torch.where(found, old.view(bits).to(torch.int32), new.view(bits).to(torch.int32))
+    return chosen.to(bits).view(old.dtype)
 
 
 def _blocks(t: torch.Tensor) -> torch.Tensor:
