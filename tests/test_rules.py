@@ -14,7 +14,7 @@ from sonar_kernels.rules import compiled as compiled_rules
 from sonar_kernels.rules import master_weights as mw
 from sonar_kernels.rules import moments_8bit as q8
 from sonar_kernels.rules.adamw import adamw_scalars
-from sonar_kernels.rules.update import adamw_update, adamw_update_
+from sonar_kernels.rules.update import adamw_update, adamw_update_, remainder_merge, remainder_split_
 
 # [E, R, C] of exactly the size from which the rule is compiled.
 SHAPE = (4, 64, compiled_rules.COMPILE_MIN_ELEMENTS // (4 * 64))
@@ -49,10 +49,11 @@ def _state(moments: str, master: str, weight_dtype: torch.dtype, clip: bool, see
         extra["remainder"] = bits.to(torch.int16)
         weight = weight.to(torch.bfloat16)
     elif master == "stochastic":
-        extra.update(
-            seed=torch.tensor(mw.tensor_seed(7, 3)), step=torch.tensor(5.0),
-            index=torch.arange(weight.numel(), dtype=torch.int64).reshape(SHAPE) + 1000,
-        )  # fmt: skip
+        extra.update(seed=torch.tensor(mw.tensor_seed(7, 3)), step=torch.tensor(5.0))
+        if moments == "8bit":  # each element's counter given, or the first one's (a contiguous slice)
+            extra["index"] = torch.arange(weight.numel(), dtype=torch.int64).reshape(SHAPE) + 1000
+        else:
+            extra["first_index"] = torch.tensor(1000)
         weight = weight.to(torch.bfloat16)
     else:
         weight = weight.to(weight_dtype)
@@ -83,7 +84,7 @@ def test_the_compiled_rule_gives_the_bits_of_the_rule_op_by_op(
     moments, master, weight_dtype, clip, monkeypatch
 ):
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
-    assert not adamw_update._failed
+    assert not (adamw_update.moments._failed or adamw_update.master._failed)
     scalars = adamw_scalars(
         torch.tensor(5.0), torch.tensor([1e-3, 0.9, 0.999, 1e-8, 0.01], dtype=torch.float64)
     )
@@ -112,13 +113,32 @@ def test_the_compiled_rule_gives_the_bits_of_the_rule_op_by_op(
         assert int(eager_count) == int(fast_count)
         if clip and not found:
             assert int(fast_count) > 0  # the spike rule fired: the clipped path is exercised
-    assert not adamw_update._failed  # compiled, not fallen back
-    key = ("adamw_update_", *adamw_update.key(*args, **kwargs))
-    assert key in compiled_rules._first_calls
+    # compiled, not fallen back
+    assert not (adamw_update.moments._failed or adamw_update.master._failed)
+    assert adamw_update.moments._seen and (master == "none" or adamw_update.master._seen)
+
+
+def test_the_compiled_merge_and_split_give_the_bits_of_the_rules():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(SHAPE, generator=gen).to(torch.bfloat16)
+    weight.view(-1)[:4] = torch.tensor([0.0, -0.0, 0.0, -0.0])
+    remainder = torch.randint(-(2**15), 2**15, SHAPE, generator=gen, dtype=torch.int32).to(torch.int16)
+    remainder.view(-1)[:4] = torch.tensor([-5, 5, -(2**15), 7], dtype=torch.int16)  # stale across a zero
+    assert remainder_merge.wanted(weight.numel(), weight.device)
+    master = remainder_merge(True, weight, remainder)
+    assert _same_bits(master, mw.merge(weight, remainder))
+    master = master * 1.0001 - 1e-3
+    master.view(-1)[:4] = torch.tensor([0.0, -0.0, 1e-40, -3.0])
+    bits = master.view(torch.int32).view(-1)
+    bits[4:8] = (bits[4:8] & ~0xFFFF) | 0x8000  # exact ties of the split
+    new_weight, new_remainder = torch.empty_like(weight), torch.empty_like(remainder)
+    remainder_split_(True, master, new_weight, new_remainder)
+    expected = mw.split(master)
+    assert _same_bits(new_weight, expected[0]) and _same_bits(new_remainder, expected[1])
 
 
 def test_a_failing_compiler_leaves_the_rule_op_by_op_with_one_warning(monkeypatch):
-    rule = compiled_rules.CompiledRule(adamw_update_, adamw_update.key)
+    rule = compiled_rules.CompiledRule(adamw_update_, lambda *args, **kwargs: ())
 
     def broken(*args, **kwargs):
         raise RuntimeError("no C++ compiler")
@@ -152,7 +172,7 @@ def test_a_failing_compiler_leaves_the_rule_op_by_op_with_one_warning(monkeypatc
 
 def test_a_call_the_rule_refuses_raises_its_own_error_not_a_compiler_warning(monkeypatch):
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
-    rule = compiled_rules.CompiledRule(adamw_update_, adamw_update.key)
+    rule = compiled_rules.CompiledRule(adamw_update_, lambda *args, **kwargs: ())
     weight, grad, state, hyper, _ = _state("8bit", "none", torch.float32, False, seed=2)
     scalars = torch.zeros(2)
     with warnings.catch_warnings():

@@ -19,7 +19,7 @@ from torch.optim.adamw import adamw as torch_adamw
 from sonar_kernels.ops.common import inf_norm, whole
 from sonar_kernels.rules.adamw import grad_limit
 from sonar_kernels.rules.clipping import clip_gradient, clip_gradient_
-from sonar_kernels.rules.master_weights import merge, split
+from sonar_kernels.rules.update import remainder_merge, remainder_split_
 
 
 @functools.cache
@@ -313,7 +313,11 @@ def torch_adamw_chunked_(
                 count += clip_gradient_(grad, exp_avg_sq[first:last], clip)
             target = weight[first:last]
             if remainder is not None:
-                target, grad = merge(target, remainder[first:last]), grad.float()
+                compiled = remainder_merge.wanted(target.numel(), target.device)
+                target, grad = (
+                    remainder_merge(compiled, target.detach(), remainder[first:last].detach()),
+                    grad.float(),
+                )
             if direct:
                 torch._fused_adamw_(
                     [target], [grad], [exp_avg[first:last]], [exp_avg_sq[first:last]], [], [chunk_step],
@@ -327,9 +331,9 @@ def torch_adamw_chunked_(
                     hyperparameters, foreach, fused, no,
                 )  # fmt: skip
             if remainder is not None:
-                new_weight, new_remainder = split(target)
-                weight[first:last].copy_(new_weight)
-                remainder[first:last].copy_(new_remainder)
+                remainder_split_(
+                    compiled, target, weight[first:last].detach(), remainder[first:last].detach()
+                )
         step.copy_(chunk_step)
         grad_norm_sq.copy_(norm_sq)
         if clipped is not None:
@@ -365,7 +369,8 @@ def remainder_adamw_(
     clipped values rounded to ``grad``'s dtype."""
     with torch.no_grad():
         local_weight, local_remainder = _local(weight), _local(remainder)
-        master = merge(local_weight, local_remainder)
+        compiled = remainder_merge.wanted(local_weight.numel(), local_weight.device)
+        master = remainder_merge(compiled, local_weight, local_remainder)
         if _is_dtensor(weight):  # FSDP2's shard: the master sharded as the weight
             from torch.distributed.tensor import DTensor
 
@@ -377,9 +382,7 @@ def remainder_adamw_(
             master, grad.float(), exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
             foreach=foreach, fused=fused, clip=clip, clipped=clipped, clip_dtype=grad.dtype,
         )  # fmt: skip
-        new_weight, new_remainder = split(_local(master))
-        local_weight.copy_(new_weight)
-        local_remainder.copy_(new_remainder)
+        remainder_split_(compiled, _local(master), local_weight, local_remainder)
 
 
 def _is_dtensor(t) -> bool:

@@ -182,15 +182,24 @@ def _update_(
     def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, skip: torch.Tensor) -> None:
         compiled = adamw_update.wanted(weight[first:last].numel(), weight.device)
         elements = COMPILED_UPDATE_ELEMENTS if compiled else UPDATE_ELEMENTS
+        if compiled:  # the CPU: the skip read here (free), so the compiled rule writes without a blend
+            if bool(skip):
+                return
+            skip = None
         for w, g, held_moments, held_remainder in parts(first, last, grad, elements):
-            index = None
-            if seed is not None:
-                index = element_index(w) + (w.storage_offset() - start_offset + index_base)
+            index = first_index = None
+            if seed is not None:  # the elements' counters: their offsets in the whole tensor
+                offset = w.storage_offset() - start_offset + index_base
+                if w.is_contiguous():
+                    first_index = torch.tensor(offset, dtype=torch.int64)
+                else:
+                    index = element_index(w) + offset
             # detach: a slice enters the compiled rule as a tensor of its own, not a view of its base
             count = adamw_update(
-                compiled, w.detach(), g.float(), tuple(t.detach() for t in held_moments), scalars,
+                compiled, w.detach(), g.detach() if skip is None else torch.where(skip, 0.0, g.float()),
+                tuple(t.detach() for t in held_moments), scalars,
                 hyper, skip, table, grad_dtype=dtype, remainder=held_remainder[0].detach() if held_remainder else None,
-                seed=seed, step=step, index=index,
+                seed=seed, step=step, index=index, first_index=first_index,
             )  # fmt: skip
             clipped.add_(count)
 
@@ -240,7 +249,7 @@ def chunked_fp64_update_(
                 found = ~(inf_norm(grad) <= limit)
             step.add_((~found).float())
             scalars = adamw_scalars(step, hyper)
-            apply(0, weight.shape[0], torch.where(found, 0.0, grad.float()), scalars, found)
+            apply(0, weight.shape[0], grad, scalars, found)  # a skipped update's gradient zeroed by ``apply``
             norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
             grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
             skipped.add_(found.long())

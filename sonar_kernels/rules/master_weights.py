@@ -70,8 +70,11 @@ def merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
         raise TypeError(
             f"expected a bf16 weight and an int16 remainder, got {weight.dtype} and {remainder.dtype}"
         )
-    high = weight.view(torch.int16).to(torch.int32) << 16
-    bits = (high.to(torch.int64) + remainder.to(torch.int64)).to(torch.int32)
+    # Both read as fp32 (a 16-bit pattern widened to fp32 is that pattern shifted up 16 bits, exactly, NaN
+    # patterns included): no 16-bit integer arithmetic, which compiled CPU code runs a lane at a time.
+    high = weight.float().view(torch.int32)
+    low = remainder.view(torch.bfloat16).float().view(torch.int32) >> 16
+    bits = (high.to(torch.int64) + low.to(torch.int64)).to(torch.int32)
     bits = torch.where((bits < 0) != (high < 0), high, bits)
     return bits.view(torch.float32)
 

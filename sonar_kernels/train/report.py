@@ -90,6 +90,11 @@ def summary_table(report: dict) -> str:
         )
     if "timing" in report:
         lines.append(f"step times from {report['timing']}")
+    if report.get("rule_compile_s"):
+        lines.append(
+            f'compiled update rules (torch.compile, docs/design.md "The update rules"): their first calls took '
+            f"{report['rule_compile_s']:.1f} s in this process, compilation included, outside every step time"
+        )
     if measured:
         lines.append("")
         lines.append("peak memory by category (MiB, first seed): " + ", ".join(LABELS))

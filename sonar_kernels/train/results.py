@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
+from sonar_kernels.rules.compiled import first_call_seconds
 from sonar_kernels.train.arms import CONTROLS
 from sonar_kernels.train.stats import heldout_statistics, memory_note, speedup, step_time_summary
 from sonar_kernels.train.verdicts import clipping_entry, spike_effect
@@ -49,6 +50,9 @@ def assemble(report: dict, args, records: dict, order: list, memory: dict, timin
     pair, ``equal``), the memory pass (per arm) and the timing pass ((step times per arm or None, note))."""
     runs = by_arm(records, order)
     times, report["timing"] = timing
+    # The torch backend's compiled update rules (8-bit moments, master weights): the seconds their first
+    # calls took in this process (compilation included), which no reported step time contains.
+    report["rule_compile_s"] = round(first_call_seconds(), 2)
     # Per sonar arm with a control: its expert updates counted in the backward and in step(), and expected.
     updates = {
         name: {kind: sum(r["updates"][kind] for r in runs[name]) for kind in ("backward", "step", "expected")}
