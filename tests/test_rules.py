@@ -181,3 +181,27 @@ def test_a_call_the_rule_refuses_raises_its_own_error_not_a_compiler_warning(mon
             rule(True, weight, grad, (state[0][..., :31], *state[1:]), scalars, hyper,
                  torch.tensor(False), q8.tables(), grad_dtype=torch.float32)  # fmt: skip
     assert not rule._failed
+
+
+def test_under_a_dispatch_mode_or_a_compiler_trace_the_rule_runs_op_by_op(monkeypatch):
+    # torch's MemTracker and FakeTensorMode are dispatch modes: they must see each op of the rule, which
+    # compiled code does not dispatch; a compiler tracing the caller traces the rule's ops into its graph.
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
+    device = torch.device("cpu")
+    assert adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], device)
+    with Seen():
+        assert not adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], device)
+        assert not remainder_merge.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], device)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], device)
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert not adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], torch.device("meta"))
+    assert not adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2] - 1, device)  # below the threshold
+    monkeypatch.setenv("SONAR_KERNELS_COMPILE", "0")
+    assert not adamw_update.wanted(SHAPE[0] * SHAPE[1] * SHAPE[2], device)

@@ -26,7 +26,7 @@ __all__ = [
 
 # Elements per call of the rule, so that its temporaries stay small whatever the chunk of experts: op by op
 # (fp64 operands, int32 indices: about 66 bytes an element) about 1 MiB; compiled (the new fp32 moments
-# and the block scales: about 9 bytes an element) about 2.3 MiB, in calls large enough that a compiled
+# and master: about 12 bytes an element) about 3 MiB, in calls large enough that a compiled
 # call's fixed cost (Python and the compiled graph's guards: tens of microseconds) stays small.
 UPDATE_ELEMENTS = 1 << 14
 COMPILED_UPDATE_ELEMENTS = 1 << 18

@@ -11,8 +11,9 @@ reciprocal).
 The first call of each kind of call (state kind, dtypes, number of dimensions) compiles: seconds, once per
 process, then served from inductor's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``) in later processes;
 :func:`first_call_seconds` reports the time those first calls took. ``SONAR_KERNELS_COMPILE=0`` in the
-environment runs the ops as they are; a compiler that fails (no C++ compiler on the machine) does the
-same, after one warning that says so.
+environment runs the ops as they are, as do a call traced by a compiler (it becomes part of that graph) and
+one under a dispatch mode (torch's MemTracker, FakeTensorMode: they must see each op); a compiler that fails
+(no C++ compiler on the machine) does the same, after one warning that says so.
 """
 
 from __future__ import annotations
@@ -57,6 +58,15 @@ def first_call_seconds() -> float:
         return sum(_first_calls.values())
 
 
+def _traced_or_observed() -> bool:
+    """Whether the rule runs under a compiler's trace (it is traced into that graph as ops) or a dispatch
+    mode (torch's MemTracker, FakeTensorMode: they must see every op, which compiled code does not
+    dispatch)."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
+
+
 class CompiledRule:
     """``fn`` (an element-wise rule in torch ops that writes its results in place) run compiled on the CPU
     for tensors of at least :data:`COMPILE_MIN_ELEMENTS` elements (:meth:`wanted`), op by op otherwise
@@ -78,7 +88,11 @@ class CompiledRule:
         """Whether a call on a tensor of ``size`` elements on ``device`` (a whole tensor, or the chunk a
         driver cuts into slices) should run compiled."""
         return (
-            not self._failed and device.type == "cpu" and size >= COMPILE_MIN_ELEMENTS and compile_enabled()
+            not self._failed
+            and device.type == "cpu"
+            and size >= COMPILE_MIN_ELEMENTS
+            and compile_enabled()
+            and not _traced_or_observed()
         )
 
     def __call__(self, compiled: bool, *args, **kwargs):
