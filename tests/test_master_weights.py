@@ -1,4 +1,4 @@
-"""The bf16 master-weight rules of sonar_kernels/ops/master_weights.py against independent references:
+"""The bf16 master-weight rules of sonar_kernels/rules/master_weights.py against independent references:
 the 16-bit remainder's split (nearest, a tie away from zero) and merge, against a numpy float64 choice of
 the nearest bf16 neighbour; stochastic rounding's unbiasedness against a float64 expectation with a bound
 from the binomial standard error; its counter-based stream against a pure-Python hash."""

@@ -3,9 +3,9 @@ moments beside the fp32 ones of tests/test_master_weights_optim.py (docs/design.
 
 The reference is the documented rule composed from the scheme's own pieces, fed the gradients each backend
 computes from the current bf16 weights: the master merged from the weight and its remainder
-(``ops.master_weights.merge``) or the bf16 weight read as fp32; AdamW (torch.optim.AdamW on an fp32 copy
+(``rules.master_weights.merge``) or the bf16 weight read as fp32; AdamW (torch.optim.AdamW on an fp32 copy
 for a remainder with bf16 moments, the "fp64" arithmetic for everything with 8-bit moments or stochastic
-rounding); the moments rounded to bf16 or requantized (``ops.moments_8bit.quantize``); the master split
+rounding); the moments rounded to bf16 or requantized (``rules.moments_8bit.quantize``); the master split
 again or rounded stochastically at the tensor's seed, the step and each element's offset.
 """
 

@@ -194,8 +194,8 @@ def _train_stochastic(seed: int, steps: int = 6, backend: str = "torch", device:
 
 def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str = "cpu"):
     """The rule fed the gradients ``backend`` computes without an optimizer: each step, AdamW on the bf16
-    weights read as fp32 in the "fp64" arithmetic (ops.moments_8bit.adamw_fp64, fp32 moments), then
-    ops.master_weights.stochastic_round with the tensor's documented seed, the step and each element's
+    weights read as fp32 in the "fp64" arithmetic (rules.adamw.adamw_fp64, fp32 moments), then
+    rules.master_weights.stochastic_round with the tensor's documented seed, the step and each element's
     offset."""
 
     x, index, weights, w1, w2, grads = _inputs(device)

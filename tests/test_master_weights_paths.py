@@ -6,7 +6,7 @@ parallelism and expert parallelism over 2 gloo ranks.
 The reference is the documented rule composed from the scheme's own pieces (as in
 tests/test_master_weights_combos.py), fed the gradients the backend computes from the rule's own bf16
 weights on plain leaves: the micro-batches' gradients summed in bf16 as autograd sums ``.grad``; the master
-merged from the weight and its remainder (``ops.master_weights.merge``) or the bf16 weight read as fp32;
+merged from the weight and its remainder (``rules.master_weights.merge``) or the bf16 weight read as fp32;
 AdamW (torch.optim.AdamW(fused=True) on fp32 masters for a remainder with fp32 moments, the "fp64"
 arithmetic with 8-bit moments or stochastic rounding); the master split again, or rounded stochastically
 at the tensor's seed, the step and each element's position in the tensor.

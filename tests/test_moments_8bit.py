@@ -1,4 +1,4 @@
-"""8-bit AdamW moments (sonar_kernels/ops/moments_8bit.py) against an independent float64 implementation of
+"""8-bit AdamW moments (sonar_kernels/rules/moments_8bit.py) against an independent float64 implementation of
 the documented scheme (docs/design.md, "8-bit moments"), written here in numpy: the code tables, the
 quantization with its tie rule, the dequantization and one AdamW update from given codes, scales and
 gradient."""

@@ -84,7 +84,7 @@ def _ep_rank(rank, world_size, out):
 def _fsdp_rank(rank, world_size, out):
     """Two FSDP2 models from one seed: SonarAdamW with 8-bit moments, and a reference whose dense
     parameters torch.optim.AdamW steps and whose expert tensors one process's scheme (the torch ops of
-    sonar_kernels/ops/moments_8bit.py) updates on the unsharded tensor from FSDP2's reduced gradient."""
+    sonar_kernels/rules/moments_8bit.py) updates on the unsharded tensor from FSDP2's reduced gradient."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor, Shard
@@ -249,7 +249,7 @@ def test_fsdp2_sharding_the_last_dimension_is_refused_with_8bit_moments(tmp_path
 def _single_process_reference(steps):
     """One process: each rank's gradient computed apart, averaged as DDP averages (divided by 2, then
     summed), the dense parameters stepped by torch.optim.AdamW (SonarAdamW's fused default) and the expert
-    tensors by the 8-bit scheme's torch ops (sonar_kernels/ops/moments_8bit.py)."""
+    tensors by the 8-bit scheme's torch ops (sonar_kernels/rules/moments_8bit.py)."""
     from sonar_kernels.rules import adamw as rules_adamw
     from sonar_kernels.rules import moments_8bit as q8
 

@@ -1,5 +1,5 @@
 """ExpertAdamW and SonarAdamW with ``moments_dtype="8bit"`` (docs/design.md, "8-bit moments"): the update each
-backend applies equals the scheme's torch ops (sonar_kernels/ops/moments_8bit.py, tested against a float64
+backend applies equals the scheme's torch ops (sonar_kernels/rules/moments_8bit.py, tested against a float64
 implementation in test_moments_8bit.py) fed the gradient that backend computes; the fused epilogue equals
 the split path; checkpoints restore the state exactly and convert to and from torch.optim.AdamW."""
 
