@@ -144,7 +144,6 @@ def _update_(
     start_offset = weight.storage_offset()
     table = tables(weight.device)
     clipped.zero_()
-    no = torch.zeros((), dtype=torch.bool, device=weight.device)
     extras = (weight, *moments, *([] if remainder is None else [remainder]))
 
     def parts(first: int, last: int, grad: torch.Tensor, elements: int):
@@ -179,10 +178,12 @@ def _update_(
                 g = grad[(e - first, *span[1:])] if weight.dim() > 2 else grad[e - first : e - first + 1]
                 yield w, g, rest[: len(moments)], rest[len(moments) :]
 
-    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, skip: torch.Tensor) -> None:
+    def apply(first: int, last: int, grad: torch.Tensor, scalars: torch.Tensor, skip=None) -> None:
+        """Experts ``first`` to ``last - 1`` from their gradient; ``skip``: None (decided already), or the
+        device flag of a whole gradient's skip (its gradient zeroed and its state kept where it is set)."""
         compiled = adamw_update.wanted(weight[first:last].numel(), weight.device)
         elements = COMPILED_UPDATE_ELEMENTS if compiled else UPDATE_ELEMENTS
-        if compiled:  # the CPU: the skip read here (free), so the compiled rule writes without a blend
+        if compiled and skip is not None:  # the CPU: the skip read here (free), no blend in the kernel
             if bool(skip):
                 return
             skip = None
@@ -205,7 +206,7 @@ def _update_(
 
     chunked_fp64_update_(
         weight, gradient, grad_in, step, grad_norm_sq, skipped, hyper,
-        lambda first, last, grad, scalars, skip=None: apply(first, last, grad, scalars, no if skip is None else skip),
+        apply,
         grad_dtype=dtype, chunk_bytes=chunk_bytes, found=found,
     )  # fmt: skip
 

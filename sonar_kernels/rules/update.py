@@ -66,14 +66,10 @@ def adamw_update_(
     Returns:
         the 0-dim int64 count of the gradient entries expert clipping replaced (0 without it, or skipped).
     """
-    new_master, count = _moments_(
-        weight, grad, moments, scalars, hyper, found, tables, grad_dtype=grad_dtype, remainder=remainder,
-        master=remainder is not None or seed is not None,
+    return adamw_update(
+        False, weight, grad, moments, scalars, hyper, found, tables, grad_dtype=grad_dtype, remainder=remainder,
+        seed=seed, step=step, index=index, first_index=first_index,
     )  # fmt: skip
-    if new_master is not None:
-        _store_master_(new_master, weight, found, remainder=remainder, seed=seed, step=step, index=index,
-                       first_index=first_index)  # fmt: skip
-    return count
 
 
 def _moments_(
@@ -166,13 +162,14 @@ class _CompiledUpdate:
         )  # fmt: skip
 
     def wanted(self, size: int, device: torch.device) -> bool:
+        """``CompiledRule.wanted`` of the update (both stages decide alike)."""
         return self.moments.wanted(size, device)
 
     def __call__(
         self, compiled: bool, weight, grad, moments, scalars, hyper, found, tables, *, grad_dtype, remainder=None,
         seed=None, step=None, index=None, first_index=None,
     ) -> torch.Tensor:  # fmt: skip
-        """:func:`adamw_update_`, its stages compiled when ``compiled`` (``CompiledRule.wanted``)."""
+        """:func:`adamw_update_` (the two stages in order), compiled when ``compiled`` (:meth:`wanted`)."""
         new_master, count = self.moments(
             compiled, weight, grad, moments, scalars, hyper, found, tables, grad_dtype=grad_dtype,
             remainder=remainder, master=remainder is not None or seed is not None,
@@ -186,10 +183,6 @@ class _CompiledUpdate:
 adamw_update = _CompiledUpdate()
 
 
-def _merge(weight: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    return merge(weight, remainder)
-
-
 def _split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor) -> None:
     new_weight, new_remainder = split(master)
     weight.copy_(new_weight)
@@ -198,5 +191,5 @@ def _split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor)
 
 # The 16-bit remainder with exact moments: torch's own AdamW runs on the merged fp32 master
 # (ops/adamw.py), the merge and the split around it are these, one pass each when compiled.
-remainder_merge = CompiledRule(_merge, lambda weight, remainder: (weight.dim(),))
+remainder_merge = CompiledRule(merge, lambda weight, remainder: (weight.dim(),))
 remainder_split_ = CompiledRule(_split_, lambda master, weight, remainder: (master.dim(),))
