@@ -127,7 +127,8 @@ class ExpertUpdate:
         clipped: [] int64, receives the number of gradient entries the spike rule replaced in each update
             (expert clipping, when ``hyper`` has its [7] form; docs/design.md, "Expert clipping").
         grad_dtype: the fp32 wgrad is rounded to this dtype before the AdamW math.
-        fused: Triton backend: AdamW in the wgrad epilogue (True) or the split path (False, same bits).
+        fused: Triton backend: AdamW in the wgrad epilogue (True), the split path (False, same bits), or
+            the faster of the two, tuned on CUDA (None; ``ops/wgrad_update.py``).
         foreach, torch_fused: torch.optim.AdamW's flags for the updates that torch's AdamW applies (the
             torch backend, and gradients that reach ``.grad``).
         accumulation_steps: micro-batches per optimizer step.
@@ -151,7 +152,7 @@ class ExpertUpdate:
         skipped: torch.Tensor,
         grad_dtype: torch.dtype,
         clipped: torch.Tensor | None = None,
-        fused: bool = True,
+        fused: bool | None = True,
         foreach: bool | None = None,
         torch_fused: bool | None = None,
         accumulation_steps: int = 1,

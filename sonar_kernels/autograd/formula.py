@@ -433,10 +433,17 @@ def forward_inputs(hidden_states, top_k_index, top_k_weights, tensors, activatio
         [t for state in states for t in state], [len(state) for state in states],
         [u.hyper if u is not None else None for u in updates],
         [library.grad_dtype_code(u.grad_dtype if u is not None else None) for u in updates],
-        all(u.fused for u in given),
+        _fused_epilogue(given),
         first.foreach if first is not None else None,
         first.torch_fused if first is not None else None,
     )  # fmt: skip
+
+
+def _fused_epilogue(updates) -> bool | None:
+    """The layer's path for its updates (``specs.ExpertUpdate.fused``): False when one asks for the split
+    path, True when every one asks for the fused epilogue (or there is none), else None (the tuner's)."""
+    paths = {u.fused for u in updates}
+    return False if False in paths else True if paths <= {True} else None
 
 
 def apply(inputs: tuple) -> torch.Tensor:

@@ -390,7 +390,7 @@ def sonar_adamw(
     lr: float = 8e-4,
     *,
     accumulation_steps: int = 1,
-    fused_epilogue: bool = True,
+    fused_epilogue: bool | None = None,
     moments_dtype: torch.dtype | None = None,
     grad_dtype: torch.dtype | None = None,
     **kwargs,

@@ -232,6 +232,7 @@ def adamw_kernel(
     clipped_ptr,  # CLIP: [grid] int32, written: each program's count of elements the spike rule replaced
     # sizes
     numel,
+    index_base,  # STOCHASTIC: the tensor offset of element 0 (a chunk of experts: its first element's)
     # meta-parameters
     BLOCK: tl.constexpr,
     ARITHMETIC: tl.constexpr,
@@ -245,7 +246,8 @@ def adamw_kernel(
 
     Grid: (cdiv(numel, BLOCK),).
     Preconditions: the four tensors are dense with identical strides (element i of the storage order is
-    the same element in each), so they are walked as flat arrays.
+    the same element in each), so they are walked as flat arrays; with STOCHASTIC, element i's stream
+    counter is index_base + i (its offset in the whole tensor when these are a chunk of its experts).
     """
     pid = tl.program_id(0)
     if tl.load(skip_ptr) != 0.0:
@@ -256,7 +258,7 @@ def adamw_kernel(
     bc2_sqrt = tl.load(scalars_ptr + 1)
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     clipped = adamw_tile(
-        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, offs,
+        grad, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, index_base + offs,
         step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, grad_ptr.dtype.element_ty,
         INTERPRET,
     )  # fmt: skip

@@ -153,6 +153,7 @@ def adamw_8bit_kernel(
     # sizes
     R,
     C,
+    index_base,  # STOCHASTIC: the tensor offset of element 0 (a chunk of experts: its first element's)
     # meta-parameters
     BLOCK_R: tl.constexpr,
     BLOCK_C: tl.constexpr,
@@ -163,7 +164,7 @@ def adamw_8bit_kernel(
 ):
     """Standalone AdamW with 8-bit moments (the split path): the tensors seen as [R, C] rows of their
     contiguous dimension (C a multiple of BLOCK, every tensor contiguous), updated in place unless the flag
-    at ``skip_ptr`` is set.
+    at ``skip_ptr`` is set. With STOCHASTIC, element i's stream counter is index_base + i.
 
     Grid: (cdiv(R, BLOCK_R), cdiv(C, BLOCK_C)).
     """
@@ -179,8 +180,8 @@ def adamw_8bit_kernel(
     grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     clipped = adamw_8bit_tile(
         grad, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_codes_ptr, exp_avg_scales_ptr,
-        exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr, remainder_ptr, rng_ptr, offs,
-        tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, REMAINDER, STOCHASTIC,
+        exp_avg_sq_codes_ptr, exp_avg_sq_scales_ptr, magnitudes_ptr, levels_ptr, remainder_ptr, rng_ptr,
+        index_base + offs, tl.load(scalars_ptr), tl.load(scalars_ptr + 1), hyper_ptr, BLOCK_R, BLOCK_C, REMAINDER, STOCHASTIC,
         CLIP, grad_ptr.dtype.element_ty, INTERPRET,
     )  # fmt: skip
     if CLIP:

@@ -56,6 +56,15 @@ class Config(NamedTuple):
         return {"num_warps": self.num_warps, "num_stages": self.num_stages}
 
 
+class UpdateChoice(NamedTuple):
+    """How a wgrad with an AdamW update runs (ops/wgrad.py): ``path`` "fused" (AdamW in the wgrad's epilogue,
+    no gradient tensor) or "split" (the wgrad into a bounded scratch, a chunk of experts at a time, then the
+    standalone AdamW kernel: the same bits at the same tile), and the wgrad's tile ``config``."""
+
+    path: str
+    config: Config
+
+
 def _config(d: dict) -> Config:
     return Config(
         d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], d["num_warps"], d["num_stages"], d.get("EPILOGUE_SPLIT", 1)
@@ -96,13 +105,25 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
     },
     "wgrad": {
         ("fp32", None): (_DEFAULTS["wgrad"],),
-        ("16bit", 9): (_DEFAULTS["wgrad"], Config(128, 128, 64, 8, 3, 4), Config(128, 64, 64, 8, 4, 4)),
+        # s5: 3 operand buffers and a main loop that waits on the copies of 3 iterations back
+        # (`cp.async.wait_group 3`), where s3 and s4 give 2 and wait on every copy (the gathered rows'
+        # index costs a stage); BLOCK_K 64 halves the iterations per tile (make kernel-report).
+        ("16bit", 9): (
+            _DEFAULTS["wgrad"],
+            Config(128, 128, 64, 8, 3, 4),
+            Config(128, 64, 64, 8, 4, 4),
+            Config(128, 64, 32, 8, 5, 4),
+            Config(128, 64, 64, 8, 5, 4),
+            Config(128, 128, 64, 8, 5, 4),
+        ),
         ("16bit", 8): (_DEFAULTS["wgrad"], Config(128, 128, 32, 8, 4, 4), Config(64, 128, 32, 8, 3, 4)),
     },
 }
 
 _pinned: dict[str, Config] = {}
 _chosen: dict[tuple, Config] = {}
+# The tuner's median seconds per option, by key (for results files: :func:`timings`).
+_timings: dict[tuple, dict] = {}
 _tuning_override: list[bool] = []
 
 
@@ -163,6 +184,7 @@ def pin(family: str | None = None, config: Config | None = None) -> None:
     if family is None:
         _pinned.clear()
         _chosen.clear()
+        _timings.clear()
         return
     if family not in FAMILIES:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
@@ -174,10 +196,16 @@ def pin(family: str | None = None, config: Config | None = None) -> None:
     _pinned[family] = config
 
 
-def chosen() -> dict[str, Config]:
-    """The configuration tuned for each key so far, as {"family E=.. H=.. I=.. ...": Config} (for results
-    files)."""
+def chosen() -> dict[str, Config | UpdateChoice]:
+    """The configuration tuned for each key so far, as {"family E=.. H=.. I=.. ...": Config, or an
+    :class:`UpdateChoice` for a wgrad with its update} (for results files)."""
     return {" ".join(str(part) for part in key): config for key, config in _chosen.items()}
+
+
+def timings() -> dict[str, list[tuple[object, float]]]:
+    """What the tuner measured for each key so far (the keys of :func:`chosen`): [(option, median seconds),
+    ...] in the candidates' order; inf for an option that could not launch (resources)."""
+    return {" ".join(str(part) for part in key): list(times.items()) for key, times in _timings.items()}
 
 
 def choose(
@@ -186,36 +214,44 @@ def choose(
     dtype: torch.dtype,
     device: torch.device,
     run: Callable[[Config], None] | None = None,
-) -> Config:
+    options: tuple | None = None,
+):
     """The configuration of one launch of ``family``.
 
     Args:
         key: what the choice depends on besides family, dtype and device: (E, H, I, ...) and the layout;
             never the token count.
-        run: launches the kernel (or its side-effect-free variant) with a given configuration; called once
-            per candidate, timed, when tuning is enabled and ``key`` was not tuned yet.
+        run: launches the kernel (or its side-effect-free variant) with a given option; called once per
+            option, timed, when tuning is enabled and ``key`` was not tuned yet.
+        options: what to choose from, the default first; None: :func:`candidates` of the family (a
+            wgrad with its update passes its :class:`UpdateChoice` options).
     Returns:
-        The pinned configuration, the one tuned for the key, or the default (the first candidate).
+        The pinned configuration (a :class:`Config`, whatever ``options`` hold), the option tuned for the
+        key, or the default (the first option).
     """
     if family in _pinned:
         return _pinned[family]
-    options = candidates(family, dtype, device)
+    options = candidates(family, dtype, device) if options is None else options
     full_key = (family, *key, str(dtype).removeprefix("torch."), device.type, device.index)
     if full_key in _chosen:
         return _chosen[full_key]
     if run is None or len(options) == 1 or not tuning_enabled(device):
         return options[0]
     best, best_time = options[0], float("inf")
+    measured = {}
     for config in options:
         try:
             elapsed = _time(run, config, device)
         except Exception as error:
             if _out_of_resources(error):
+                measured[config] = float("inf")
                 continue
             raise
+        measured[config] = elapsed
         if elapsed < best_time:
             best, best_time = config, elapsed
     _chosen[full_key] = best
+    _timings[full_key] = measured
     return best
 
 
@@ -224,7 +260,7 @@ def _out_of_resources(error: Exception) -> bool:
     return name in ("OutOfResources", "OutOfMemoryError") or "out of resource" in str(error).lower()
 
 
-def _time(run: Callable[[Config], None], config: Config, device: torch.device) -> float:
+def _time(run: Callable, config, device: torch.device) -> float:
     """Median seconds of ``run(config)`` over 5 runs after one warm-up run (which also compiles it); one
     run off CUDA (the interpreter's times mean nothing)."""
     run(config)

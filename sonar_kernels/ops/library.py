@@ -69,7 +69,7 @@ def moe_mlp_fwd(
     state_sizes: list[int],
     hypers: list[Tensor | None],
     grad_dtypes: list[int],
-    fused_epilogue: bool,
+    fused_epilogue: bool | None,
     foreach: bool | None,
     torch_fused: bool | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -255,7 +255,7 @@ def expert_wgrad_(
     buffer: Tensor | None,
     buffer_add: bool,
     grad_dtype: torch.dtype | None,
-    fused_epilogue: bool,
+    fused_epilogue: bool | None,
     foreach: bool | None,
     torch_fused: bool | None,
     backend: str,

@@ -22,6 +22,7 @@ def adamw_8bit_triton_(
     *,
     remainder: torch.Tensor | None = None,
     rng: torch.Tensor | None = None,
+    index_base: int = 0,
 ) -> torch.Tensor | None:
     """The split path's update on the Triton backend: ``weight`` and both moments' (codes, scales) updated
     in place by :func:`sonar_kernels.kernels.moments_8bit.adamw_8bit_kernel` from ``grad`` (the weight's
@@ -29,7 +30,8 @@ def adamw_8bit_triton_(
     arithmetic of ``rules.moments_8bit.adamw_8bit_update``, bit for bit. Every tensor contiguous, the last dimension a
     multiple of ``rules.moments_8bit.BLOCK``. A bf16 ``weight`` with its int16 ``remainder`` is updated as its fp32 master
     (docs/design.md, "bf16 master weights"); with ``rng`` ([2] int64: the tensor's seed and the step) it is
-    rounded back stochastically, each element's counter its offset in the tensor. A ``hyper`` of [7] clips the
+    rounded back stochastically, each element's counter its offset in the tensor plus ``index_base`` (the
+    offset of a chunk of experts' first element in the whole tensor). A ``hyper`` of [7] clips the
     gradient first (docs/design.md, "Expert clipping"); returns then the per-program int32 counts of the
     elements the spike rule replaced (zeros when skipped), else None."""
     import triton
@@ -54,7 +56,7 @@ def adamw_8bit_triton_(
         adamw_8bit_kernel[grid](
             weight.view(torch.int16) if bits else weight, grad, *exp_avg, *exp_avg_sq, magnitudes, levels, scalars,
             skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
-            hyper if counts is None else counts, R, C,
+            hyper if counts is None else counts, R, C, index_base,
             BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], REMAINDER=remainder is not None,
             STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=triton_interpreting(), num_warps=config["num_warps"],
             enable_fp_fusion=False,

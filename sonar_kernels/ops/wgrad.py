@@ -12,24 +12,13 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import triton
 
-from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
-from sonar_kernels.kernels.expert_wgrad import expert_mlp_bwd_dw_kernel
-from sonar_kernels.ops import common, configs, moments_8bit
-from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
+from sonar_kernels.ops import configs
 from sonar_kernels.ops.bias import ones_rows
-from sonar_kernels.ops.common import (
-    TL_DTYPES,
-    inf_norm,
-    input_precision,
-    like,
-    on_device,
-    triton_interpreting,
-)
+from sonar_kernels.ops.common import inf_norm, like, on_device, triton_interpreting
 from sonar_kernels.ops.validation import check_buffer, check_update
-from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
-from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
+from sonar_kernels.ops.wgrad_launch import WgradLaunch
+from sonar_kernels.ops.wgrad_update import apply_update
 from sonar_kernels.specs import down_view, gate_up_bias_view, gate_up_view
 
 
@@ -45,8 +34,12 @@ class AdamWUpdate(NamedTuple):
             (docs/design.md, "Expert clipping"): then spike_threshold (inf: no spike rule) and grad_scale
             (1: no scaling), applied to the gradient before the AdamW math (kernels/adamw.py, clip_tile).
         grad_dtype: the fp32 wgrad accumulator is rounded to this dtype before the AdamW math.
-        fused: True: AdamW in the wgrad epilogue, no gradient tensor. False: the split path, the same
-            wgrad kernel writing a temporary gradient, then the standalone AdamW kernel (same bits).
+        fused: True: AdamW in the wgrad epilogue, no gradient tensor (the least memory). False: the split
+            path, the same wgrad kernel writing the gradient of a chunk of experts into a scratch buffer
+            (at most 1/8 of the tensor's gradient or 64 MiB, whichever is larger:
+            ``ops.wgrad_update.split_chunk``), then the standalone AdamW kernel, chunk after chunk (the same
+            bits at the same tiles). None: the faster of the two, timed per layer shape, dtype, state
+            kind and clipping on CUDA (``ops/configs.py``; the fused path elsewhere).
         grad_in: the gradient of earlier micro-batches (gradient accumulation), in ``grad_dtype`` with
             the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
             them in ``.grad``. None: this backward's gradient alone.
@@ -83,7 +76,7 @@ class AdamWUpdate(NamedTuple):
     step: torch.Tensor
     hyper: torch.Tensor
     grad_dtype: torch.dtype
-    fused: bool = True
+    fused: bool | None = None
     grad_in: torch.Tensor | None = None
     grad_norm_sq: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
@@ -207,20 +200,23 @@ def expert_wgrad(
         if q is None:  # a bias: the wgrad kernel with a column of ones for X (db1) or A (db2), N = 1
             q = ones_rows(top_k_weights.numel(), dtype, weight.device)
         bound = None
-        if update is not None and update.fused:
-            # The magnitudes that bound the gradient: (largest |P|, largest |Q|, most rows of an expert).
-            one = torch.ones((), dtype=torch.float32, device=weight.device)
-            most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
-            # P = w * dO[token] (rounded) or dHpre; Q = A, X[token] or ones.
-            p_max = inf_norm(top_k_weights) * inf_norm(p) if down else largest[1]
-            q_max = (
-                largest[0]
-                if name == "down_proj"
-                else inf_norm(q)
-                if name in ("gate_up_proj", "up_proj")
-                else one
-            )
-            bound = (p_max, q_max, most_rows)
+        if update is not None:
+
+            def bound():
+                """The magnitudes that bound the gradient, computed when the update needs them:
+                (largest |P|, largest |Q|, most rows of an expert). P = w * dO[token] (rounded) or dHpre;
+                Q = A, X[token] or ones."""
+                one = torch.ones((), dtype=torch.float32, device=weight.device)
+                most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
+                p_max = inf_norm(top_k_weights) * inf_norm(p) if down else largest[1]
+                if name == "down_proj":
+                    q_max = largest[0]
+                elif name in ("gate_up_proj", "up_proj"):
+                    q_max = inf_norm(q)
+                else:
+                    q_max = one
+                return p_max, q_max, most_rows
+
         return _wgrad(
             p, down, q, name in ("gate_up_proj", "up_proj"), top_k_weights, meta, weight, update, M, N,
             top_k_weights.shape[1], dtype, triton_interpreting(), bound, accumulator, name=name, view=view,
@@ -244,16 +240,9 @@ def _wgrad(
     bound=None, accumulator=None, name="weight", view=None,
 ):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight``; returns dW (the weight's shape and, when it
-    is dense, strides), or None when
-    ``update`` was applied (fused in the epilogue, or the split path) and reported through on_done, when
-    it was deferred (``update.defer``), or when the gradient was added to ``accumulator``.
-
-    With an update the decision to skip it (non-finite or too large gradient, see
-    :class:`AdamWUpdate`) is made on the device before the update's launch: on the split path from the
-    gradient it wrote; on the fused path by a check pass of the same kernel (EPILOGUE "check": it
-    recomputes each tile's gradient and flags the tiles with an entry beyond :func:`grad_limit`), which
-    returns at once unless ``bound`` (largest |P|, largest |Q|, most rows of an expert) says the
-    gradient may exceed the limit. No host sync.
+    is dense, strides), or None when ``update`` was applied (fused in the epilogue, or the split path:
+    ``ops/wgrad_update.py``) and reported through on_done, when it was deferred (``update.defer``), or
+    when the gradient was added to ``accumulator``.
 
     ``view`` maps a tensor of the weight's shape and strides (the weight, its moments, gradients and
     buffers) to what the kernel indexes: [E, M, N], or W1's [E, 2, M / 2, N] halves
@@ -270,214 +259,35 @@ def _wgrad(
 
         update.defer(run)
         return None
-    E = weight.shape[0]
-    view = view or (lambda t: t)
-
-    def grid_of(cfg):
-        return (E * triton.cdiv(M, cfg.BLOCK_M) * triton.cdiv(N, cfg.BLOCK_N),)
-
-    def launch(epilogue, grad, grad_in, flag, partial, target, exp_avg, exp_avg_sq, step, hyper, limit,
-               grad_dtype, arithmetic, has_norm, cfg=None, scales=None, remainder=None, rng=None,
-               clip_counts=None, **options):  # fmt: skip
-        cfg = cfg or chosen
-        if remainder is not None or rng is not None:
-            # The weight as its int16 bits (merged with the remainder, or rounded stochastically, in the
-            # epilogue), on the 8-bit update's 64-row tiles (the exact update's spill with the remainder on
-            # sm_80: make kernel-report).
-            target, cfg = target.view(torch.int16), configs.WGRAD_8BIT
-            remainder = None if remainder is None else view(remainder)
-        if scales is None:  # exact moments: the 8-bit arguments are not read
-            scale_args, scale_strides = (hyper, hyper, hyper), (0, 0, 0)
-        else:  # (exp_avg's scales, exp_avg_sq's scales, tables); its own tiles: slices of one block each
-            scale_args = (*scales[:2], scales[2])
-            sv = view(scales[0])
-            scale_strides = (
-                (sv.stride(0), sv.stride(1), sv.stride(2))
-                if sv.dim() == 4
-                else (sv.stride(0), 0, sv.stride(1))
-            )
-            cfg = configs.WGRAD_8BIT
-        grad, target, exp_avg, exp_avg_sq = view(grad), view(target), view(exp_avg), view(exp_avg_sq)
-        grad_in = None if grad_in is None else view(grad_in)
-        if grad.dim() == 4:  # W1's halves: row m of the gradient is (half m // I, row m % I)
-            strides = (grad.stride(0), grad.stride(1), grad.stride(2), grad.stride(3), grad.shape[2])
-        else:
-            strides = (grad.stride(0), 0, grad.stride(1), grad.stride(2), M)
-        expert_mlp_bwd_dw_kernel[grid_of(cfg)](
-            p, q, top_k_weights, meta.slot_of_row, meta.expert_offsets,
-            grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
-            *scale_args, hyper if remainder is None else remainder, hyper if rng is None else rng,
-            hyper if clip_counts is None else clip_counts,
-            E, M, N, top_k,
-            p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-            top_k_weights.stride(0), top_k_weights.stride(1),
-            *strides, *scale_strides,
-            limit,
-            P_FROM_TOKENS=p_from_tokens, Q_FROM_TOKENS=q_from_tokens, **cfg.blocks(),
-            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
-            HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
-            REMAINDER=remainder is not None, STOCHASTIC=rng is not None, CLIP=clip_counts is not None,
-            GRAD_DTYPE=TL_DTYPES[grad_dtype],
-            DOT_DTYPE=TL_DTYPES[dtype], INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret,
-            **cfg.launch(), **options,
-        )  # fmt: skip
-
-    # The tile configuration (ops/configs.py): tuned per layer shape on a GPU by the check pass with its flag
-    # set, which computes every tile of the gradient and writes one flag per program (no gradient, no
-    # update, no weight-sized scratch), so the update itself runs once, with the winner.
+    launch = WgradLaunch(
+        p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, M, N, dtype, view or (lambda t: t), interpret
+    )
+    # The tuning key: the layer shape, dtypes and operands, never the token count (ops/configs.py).
     grad_dtype = update.grad_dtype if update is not None else weight.dtype
+    key = (weight.shape[0], M, N, name, str(weight.dtype), str(grad_dtype), p_from_tokens, q_from_tokens)
+    if update is not None:
+        apply_update(launch, weight, update, bound, key)
+        return None
+    offsets = meta.expert_offsets
+    if accumulator is None:
+        grad, grad_in = like(weight, weight.dtype), None
+    else:
+        grad = accumulator.buffer
+        grad_in = grad if accumulator.add else None
 
-    def trial(cfg):
-        # The check pass's arguments as the update's launch gives them (the same compiled variant); it
-        # reads the gradient's operands only.
-        flag_on = torch.ones((), dtype=torch.float32, device=weight.device)
-        if update is not None:
-            moments, hyper_arg = (update.exp_avg, update.exp_avg_sq, update.step), update.hyper
-        else:
-            moments, hyper_arg = (weight, weight, flag_on), flag_on.double()
-        partial = common.empty(grid_of(cfg), torch.float32, weight.device)
+    def store(cfg, out):
         launch(
-            "check", weight, None, flag_on, partial, weight, *moments, hyper_arg, float("inf"), grad_dtype,
-            adamw_arithmetic(weight.device), False, cfg=cfg,
-        )  # fmt: skip
-
-    key = (E, M, N, name, str(weight.dtype), str(grad_dtype), p_from_tokens, q_from_tokens)
-    chosen = configs.choose("wgrad", key, dtype, weight.device, trial)
-    grid = grid_of(chosen)
-
-    if update is None:
-        offsets = meta.expert_offsets
-        if accumulator is None:
-            grad, grad_in = like(weight, weight.dtype), None
-        else:
-            grad = accumulator.buffer
-            grad_in = grad if accumulator.add else None
-        launch(
-            "store", grad, grad_in, offsets, offsets, grad, grad, grad, offsets, offsets, 0.0, grad.dtype,
+            "store", cfg, offsets, out, grad_in, offsets, offsets, out, out, out, offsets, offsets, 0.0, out.dtype,
             "fp64", False,
         )  # fmt: skip
-        if accumulator is None:
-            return grad
-        if accumulator.on_done is not None:
-            accumulator.on_done()
-        return None
 
-    hyper = update.hyper
-    eight_bit = update.moments_8bit
-    # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
-    limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
-    # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too.
-    arithmetic = "fp64" if eight_bit or update.seed is not None else adamw_arithmetic(weight.device)
-    state = (weight, update.exp_avg, update.exp_avg_sq, update.step)
-    # The AdamW launches compile without automatic fma contraction, so the arithmetic is the one written
-    # in kernels/adamw.py (explicit fmas only); the wgrad kernel's other epilogues keep it.
-    no_fusion = {"enable_fp_fusion": False}
-    # The 8-bit update and bf16 master weights run their GEMM on their own tiles (configs.WGRAD_8BIT), in the
-    # fused epilogue and, so that both give the same bits, on the split path (a tile shape sums in its own
-    # order, on a GPU and under the interpreter alike).
-    own = eight_bit or update.remainder is not None or update.seed is not None
-    split_cfg = configs.WGRAD_8BIT if own else chosen
-    # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
-    partial = common.empty(grid if update.fused else grid_of(split_cfg), torch.float32, weight.device)
-    if update.fused:
-        if bound is None:
-            raise ValueError("a fused update needs the bound of its gradient")
-        # A gradient entry beyond the limit, or beyond what the gradient dtype holds (it would round to inf).
-        entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
-        maybe = overflow_possible(bound, update.grad_in, entry_limit, torch.finfo(dtype).max)
-        launch(
-            "check", weight, update.grad_in, maybe, partial, *state, hyper, limit, update.grad_dtype,
-            arithmetic, False,
-        )  # fmt: skip
-        skip = partial.amax()
-        grad = None
-    else:
-        grad = like(weight, update.grad_dtype)
-        launch(
-            "store", grad, update.grad_in, update.step, partial, *state, hyper, limit, update.grad_dtype,
-            arithmetic, update.grad_norm_sq is not None, cfg=split_cfg,
-        )  # fmt: skip
-        skip = (~(inf_norm(grad) <= limit)).float()
-    # torch's AdamW increments the step before it computes the bias corrections; a skipped update
-    # leaves it (as torch's fused AdamW does with found_inf).
-    advance = 1.0 - skip
-    update.step.add_(advance)
-    # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
-    rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
-    # Expert clipping: one int32 count per program of the update's launch (the spike rule's replacements).
-    clip = update.clipping
-    counts = None
-    applied = False
-    try:
-        # step_size and sqrt(bc2) of this step, once (the update kernels read them); for 8-bit moments and
-        # stochastic rounding the torch ops that the torch backend's update reads too.
-        if eight_bit or update.seed is not None:
-            scalars = adamw_scalars(update.step, hyper)
-            scales = (
-                (update.exp_avg_scales, update.exp_avg_sq_scales, moments_8bit_tables(weight.device))
-                if eight_bit
-                else None
-            )
-        else:
-            scalars, scales = common.empty((2,), torch.float32, weight.device), None
-            # The "fp32" arithmetic's beta ** step: torch's own pow (the one its fused AdamW calls; Triton's
-            # libdevice powf rounds differently, kernels/adamw.py).
-            powers = torch.pow(hyper[1:3].to(torch.float32), update.step) if arithmetic == "fp32" else scalars
-            adamw_scalars_kernel[(1,)](
-                update.step,
-                hyper,
-                powers,
-                scalars,
-                ARITHMETIC=arithmetic,
-                INTERPRET=interpret,
-                num_warps=1,
-                **no_fusion,
-            )
-        if update.fused:
-            if own:  # one sum of squares per program of their own tiles' grid
-                partial = common.empty(grid_of(configs.WGRAD_8BIT), torch.float32, weight.device)
-            if clip:
-                counts = torch.zeros(partial.numel(), dtype=torch.int32, device=weight.device)
-            launch(
-                "adamw", weight, update.grad_in, skip, partial, weight, update.exp_avg, update.exp_avg_sq,
-                scalars, hyper, limit, update.grad_dtype, arithmetic, update.grad_norm_sq is not None, scales=scales,
-                remainder=update.remainder, rng=rng, clip_counts=counts, **no_fusion,
-            )  # fmt: skip
-        elif eight_bit:
-            counts = moments_8bit.adamw_8bit_triton_(
-                weight, grad, (update.exp_avg, update.exp_avg_scales), (update.exp_avg_sq, update.exp_avg_sq_scales),
-                scalars, skip, hyper, remainder=update.remainder, rng=rng,
-            )  # fmt: skip
-        else:
-            remainder = update.remainder
-            bits = remainder is not None or rng is not None  # the weight through its int16 bits
-            ac = ADAMW_MASTER_CONFIG if bits else ADAMW_CONFIG
-            programs = triton.cdiv(weight.numel(), ac["BLOCK"])
-            if clip:
-                counts = torch.zeros(programs, dtype=torch.int32, device=weight.device)
-            adamw_kernel[(programs,)](
-                weight.view(torch.int16) if bits else weight, grad, update.exp_avg, update.exp_avg_sq, scalars,
-                skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
-                hyper if counts is None else counts, weight.numel(),
-                BLOCK=ac["BLOCK"], ARITHMETIC=arithmetic, REMAINDER=remainder is not None,
-                STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=interpret, num_warps=ac["num_warps"], **no_fusion,
-            )  # fmt: skip
-        applied = True
-    finally:
-        if not applied:
-            # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
-            update.step.sub_(advance)
-    if update.grad_norm_sq is not None:
-        update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
-    if update.skipped is not None:
-        update.skipped.add_(skip.long())
-    if update.clipped is not None:
-        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0). On the
-        # device: a Python 0 copied in would be a host-to-device copy, which waits for the stream.
-        if counts is None:
-            update.clipped.zero_()
-        else:
-            update.clipped.copy_(counts.sum())
-    if update.on_done is not None:
-        update.on_done()
+    def trial(cfg):
+        # The store as it ships, into a scratch gradient (an accumulator's buffer is only read).
+        store(cfg, like(weight, grad.dtype))
+
+    store(configs.choose("wgrad", key, dtype, weight.device, trial), grad)
+    if accumulator is None:
+        return grad
+    if accumulator.on_done is not None:
+        accumulator.on_done()
     return None

@@ -72,9 +72,12 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             ``exp_avg_sq_scales``), biases exact (docs/design.md, "8-bit moments"; docs/usage.md).
         grad_dtype: dtype the fp32 wgrad accumulator is rounded to before the AdamW math; None: the
             parameter's dtype (what a ``.grad`` would hold); torch.float32 keeps the fp32 value.
-        fused_epilogue: True: AdamW in the wgrad epilogue. False: docs/design.md's split path, the same
-            wgrad kernel writing a temporary gradient (one weight tensor's worth), then a standalone
-            AdamW kernel; bit-identical to the fused path, for checking it.
+        fused_epilogue: True: AdamW in the wgrad epilogue, no gradient tensor (the least memory). False:
+            docs/design.md's split path, the same wgrad kernel writing the gradient of a chunk of experts
+            into a scratch buffer (at most 1/8 of the tensor's gradient bytes or 64 MiB, whichever is
+            larger), then a standalone AdamW kernel, chunk after chunk; bit-identical to the fused path at
+            the same tiles. None (the default): the faster of the two, timed on the first step of each
+            layer shape on CUDA (docs/benchmarks.md, "The update's path"); the fused path off CUDA.
         accumulation_steps: k micro-batches per optimizer step (gradient accumulation). The gradients
             of micro-batches 1 .. k-1 are summed in ``.grad`` as autograd does, in the parameter's
             dtype (one gradient tensor per expert tensor lives between micro-batches: 2 bytes per
@@ -133,7 +136,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         *,
         moments_dtype: torch.dtype | str | None = None,
         grad_dtype: torch.dtype | None = None,
-        fused_epilogue: bool = True,
+        fused_epilogue: bool | None = None,
         accumulation_steps: int = 1,
         data_parallel_group=None,
         master_weights: str | None = None,

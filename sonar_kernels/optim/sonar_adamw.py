@@ -155,7 +155,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         max_grad_norm: float | None = None,
         moments_dtype: torch.dtype | str | None = None,
         grad_dtype: torch.dtype | None = None,
-        fused_epilogue: bool = True,
+        fused_epilogue: bool | None = None,
         accumulation_steps: int = 1,
         clip_norm_includes_experts: bool = False,
         data_parallel_group=None,

@@ -1,0 +1,290 @@
+"""One expert tensor's AdamW update from its wgrad, on the Triton backend (docs/design.md, "Backward and the
+fused update"): the decision to skip it, made on the device before anything changes; then one of two paths
+that give the same bits at the same tile configuration:
+
+- "fused": AdamW in the wgrad's epilogue, one launch, no gradient tensor;
+- "split": the wgrad into a scratch buffer of a bounded number of experts (:func:`split_chunk`), then the
+  standalone AdamW kernel on those experts, chunk after chunk.
+
+Which one runs, and at which tile configuration, is ``AdamWUpdate.fused`` (True, False) or, when it is None,
+the tuner's choice (``ops/configs.py``): on CUDA each option is timed as it ships, on scratch copies of the
+first chunk's experts (the weight and its state), once per layer shape, dtype, state kind and clipping.
+No host sync on the update's path (the tuning pass syncs once per key).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
+from sonar_kernels.ops import common, configs, moments_8bit
+from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
+from sonar_kernels.ops.common import inf_norm, is_dense, like
+from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
+from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
+
+# The split path's scratch (the gradient of a chunk of experts): at most 1/SPLIT_SCRATCH_FRACTION of the
+# tensor's gradient bytes or SPLIT_SCRATCH_MIN_BYTES, whichever is larger, in whole experts (at least one).
+# A tensor whose experts are not its outermost dimension in memory is updated in one chunk.
+SPLIT_SCRATCH_FRACTION = 8
+SPLIT_SCRATCH_MIN_BYTES = 64 << 20
+
+
+def split_chunk(weight: torch.Tensor, grad_dtype: torch.dtype) -> int:
+    """Experts per chunk of the split path's scratch for ``weight`` [E, ...] with gradients of
+    ``grad_dtype``: the most experts whose gradient fits the bound (:data:`SPLIT_SCRATCH_FRACTION`,
+    :data:`SPLIT_SCRATCH_MIN_BYTES`), at least 1; E when the experts are not the tensor's outermost
+    dimension (a chunk would not be a dense block of it)."""
+    E = weight.shape[0]
+    if E <= 1 or not is_dense(weight) or weight.stride(0) * E != weight.numel():
+        return max(E, 1)
+    itemsize = torch.empty((), dtype=grad_dtype).element_size()
+    expert_bytes = weight[0].numel() * itemsize
+    bound = max(E * expert_bytes // SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES)
+    return min(E, max(1, bound // max(expert_bytes, 1)))
+
+
+class _State(NamedTuple):
+    """The tensors one update reads and writes, each of the weight's experts (or a chunk of them)."""
+
+    weight: torch.Tensor
+    exp_avg: torch.Tensor
+    exp_avg_sq: torch.Tensor
+    exp_avg_scales: torch.Tensor | None
+    exp_avg_sq_scales: torch.Tensor | None
+    remainder: torch.Tensor | None
+    grad_in: torch.Tensor | None
+
+    def experts(self, e0: int, e1: int) -> _State:
+        return _State(*(None if t is None else t[e0:e1] for t in self))
+
+    def clone(self) -> _State:
+        return _State(*(None if t is None else t.clone() for t in self))
+
+
+def apply_update(launch, weight, update, bound, key) -> None:
+    """Apply ``update`` (an :class:`sonar_kernels.ops.AdamWUpdate`) to ``weight`` from the wgrad that
+    ``launch`` (:class:`sonar_kernels.ops.wgrad_launch.WgradLaunch`) computes: skip decided on the device
+    (a gradient entry non-finite or beyond :func:`grad_limit`, see ``AdamWUpdate``), step advanced unless
+    skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written, and
+    ``update.on_done`` called. ``bound``: a callable that returns (largest |P|, largest |Q|, most rows of
+    an expert), the cheap test that spares the check pass (called only where that pass runs); ``key``: the wgrad's tuning key (shape, dtypes, operands).
+
+    Raises:
+        ValueError: ``bound`` is None.
+    """
+    if bound is None:
+        raise ValueError("an update needs the bound of its gradient")
+    E, device = weight.shape[0], weight.device
+    eight_bit = update.moments_8bit
+    # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
+    limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
+    # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too.
+    arithmetic = "fp64" if eight_bit or update.seed is not None else adamw_arithmetic(device)
+    state = _State(
+        weight, update.exp_avg, update.exp_avg_sq, update.exp_avg_scales, update.exp_avg_sq_scales,
+        update.remainder, update.grad_in,
+    )  # fmt: skip
+    job = _Update(launch, update, limit, arithmetic, split_chunk(weight, update.grad_dtype))
+    choice = job.choose(state, key)
+    cfg = choice.config
+    # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
+    partial = common.empty(launch.grid(cfg, E), torch.float32, device)
+    grad = None
+    if choice.path == "split" and job.chunk >= E:
+        # One chunk: the whole gradient written first, the skip read from it.
+        grad = like(weight, update.grad_dtype)
+        launch(
+            "store", cfg, launch.meta.expert_offsets, grad, update.grad_in, update.step, partial, *state[:3],
+            update.step, update.hyper, limit, update.grad_dtype, arithmetic, job.has_norm,
+        )  # fmt: skip
+        skip = (~(inf_norm(grad) <= limit)).float()
+    else:
+        # The check pass of the same kernel and tiles: it recomputes each tile's gradient and flags the tiles
+        # with an entry beyond the limit (or beyond what the gradient dtype holds: it would round to inf),
+        # and returns at once unless the bound says the gradient may exceed it. One tile cannot skip an
+        # update once other tiles (or chunks) are stored.
+        entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
+        maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
+        launch(
+            "check", cfg, launch.meta.expert_offsets, weight, update.grad_in, maybe, partial, *state[:3],
+            update.step, update.hyper, limit, update.grad_dtype, arithmetic, False,
+        )  # fmt: skip
+        skip = partial.amax()
+    # torch's AdamW increments the step before it computes the bias corrections; a skipped update
+    # leaves it (as torch's fused AdamW does with found_inf).
+    advance = 1.0 - skip
+    update.step.add_(advance)
+    applied = False
+    try:
+        scalars = job.scalars()
+        # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
+        rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
+        clipped = job.apply(choice, state, launch.meta.expert_offsets, scalars, skip, rng, 0, partial, grad)
+        applied = True
+    finally:
+        if not applied:
+            # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
+            update.step.sub_(advance)
+    if update.grad_norm_sq is not None:
+        update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
+    if update.skipped is not None:
+        update.skipped.add_(skip.long())
+    if update.clipped is not None:
+        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0). On the
+        # device: a Python 0 copied in would be a host-to-device copy, which waits for the stream.
+        if clipped is None:
+            update.clipped.zero_()
+        else:
+            update.clipped.copy_(clipped)
+    if update.on_done is not None:
+        update.on_done()
+
+
+class _Update(NamedTuple):
+    """One update's fixed parts: the wgrad launch, the ``AdamWUpdate``, the gradient limit, the arithmetic
+    and the split path's experts per chunk."""
+
+    launch: object
+    update: object
+    limit: float
+    arithmetic: str
+    chunk: int
+
+    @property
+    def has_norm(self) -> bool:
+        return self.update.grad_norm_sq is not None
+
+    @property
+    def own_tiles(self) -> bool:
+        # The 8-bit update and bf16 master weights run their GEMM on their own tiles (configs.WGRAD_8BIT),
+        # on both paths (the exact update's spill with the remainder on sm_80: make kernel-report).
+        u = self.update
+        return u.moments_8bit or u.remainder is not None or u.seed is not None
+
+    def choose(self, state: _State, key: tuple) -> configs.UpdateChoice:
+        """The path and tiles: pinned by ``update.fused`` (the path) or ``configs.pin("wgrad", ...)`` (the
+        tiles), else tuned on CUDA (each option timed on scratch copies of the first chunk's experts), else
+        the first option (the fused path at the default tiles)."""
+        u, launch = self.update, self.launch
+        device = state.weight.device
+        cfgs = (configs.WGRAD_8BIT,) if self.own_tiles else configs.candidates("wgrad", launch.dtype, device)
+        paths = {None: ("fused", "split"), True: ("fused",), False: ("split",)}[u.fused]
+        options = tuple(configs.UpdateChoice(path, cfg) for path in paths for cfg in cfgs)
+        moments = "8bit" if u.moments_8bit else str(u.exp_avg.dtype).removeprefix("torch.")
+        master = "remainder" if u.remainder is not None else "stochastic" if u.seed is not None else "none"
+        full_key = (
+            *key,
+            "update",
+            moments,
+            master,
+            "clip" if u.clipping else "noclip",
+            u.grad_in is not None,
+        )
+        scratch = []
+
+        def trial(choice: configs.UpdateChoice) -> None:
+            # The update as it ships, on copies of the first chunk's experts (made once, outside the timing;
+            # each trial updates them again: values that stay finite, results that are dropped).
+            n = min(self.chunk, state.weight.shape[0])
+            if not scratch:
+                scratch.append(state.experts(0, n).clone())
+            copy = scratch[0]
+            scalars = torch.ones(2, dtype=torch.float32, device=device)  # step_size, sqrt(bc2): any finite
+            skip = torch.zeros((), dtype=torch.float32, device=device)
+            rng = None if u.seed is None else torch.zeros(2, dtype=torch.int64, device=device)
+            partial = common.empty(launch.grid(choice.config, n), torch.float32, device)
+            self.apply(choice, copy, launch.meta.expert_offsets[: n + 1], scalars, skip, rng, 0, partial)
+
+        picked = configs.choose("wgrad", full_key, launch.dtype, device, trial, options)
+        if isinstance(picked, configs.Config):  # the wgrad's tiles pinned: those tiles, the first path
+            picked = configs.UpdateChoice(paths[0], cfgs[0] if self.own_tiles else picked)
+        return picked
+
+    def scalars(self) -> torch.Tensor:
+        """step_size and sqrt(bc2) of this step ([2] fp32, after the step's increment), once (the update
+        kernels read them); for 8-bit moments and stochastic rounding the torch ops that the torch
+        backend's update reads too."""
+        u = self.update
+        if u.moments_8bit or u.seed is not None:
+            return adamw_scalars(u.step, u.hyper)
+        scalars = common.empty((2,), torch.float32, u.step.device)
+        # The "fp32" arithmetic's beta ** step: torch's own pow (the one its fused AdamW calls; Triton's
+        # libdevice powf rounds differently, kernels/adamw.py).
+        powers = torch.pow(u.hyper[1:3].to(torch.float32), u.step) if self.arithmetic == "fp32" else scalars
+        adamw_scalars_kernel[(1,)](
+            u.step, u.hyper, powers, scalars, ARITHMETIC=self.arithmetic, INTERPRET=self.launch.interpret,
+            num_warps=1, enable_fp_fusion=False,
+        )  # fmt: skip
+        return scalars
+
+    def apply(self, choice, state, offsets, scalars, skip, rng, base, partial, grad=None):
+        """AdamW by ``choice`` on ``state`` (the experts ``offsets`` covers), unless ``skip``; ``base``: the
+        offset of the state's first element in the whole tensor (stochastic rounding's counter);
+        ``partial``: one fp32 per program of ``choice``'s tiles over those experts, receives the sums of
+        squares; ``grad``: the split path's gradient of every expert, already written (one chunk), or None.
+        Returns the number of entries the spike rule replaced (0-dim int32 tensor), or None without
+        clipping. The AdamW launches compile without automatic fma contraction, so the arithmetic is the
+        one written in kernels/adamw.py (explicit fmas only); the wgrad's other epilogues keep it."""
+        u, launch, cfg = self.update, self.launch, choice.config
+        clip = u.clipping
+        device = state.weight.device
+        scales = (
+            (state.exp_avg_scales, state.exp_avg_sq_scales, moments_8bit_tables(device))
+            if u.moments_8bit
+            else None
+        )
+        if choice.path == "fused":
+            counts = torch.zeros(partial.numel(), dtype=torch.int32, device=device) if clip else None
+            launch(
+                "adamw", cfg, offsets, state.weight, state.grad_in, skip, partial, *state[:3], scalars, u.hyper,
+                self.limit, u.grad_dtype, self.arithmetic, self.has_norm, scales=scales, remainder=state.remainder,
+                rng=rng, clip_counts=counts, enable_fp_fusion=False,
+            )  # fmt: skip
+            return None if counts is None else counts.sum()
+        experts, tiles = offsets.numel() - 1, launch.tiles(cfg)
+        scratch, clipped = None, None
+        for e0 in range(0, experts, self.chunk):
+            e1 = min(e0 + self.chunk, experts)
+            part = state.experts(e0, e1)
+            g = grad
+            if g is None:
+                if scratch is None:
+                    scratch = like(state.weight[: min(self.chunk, experts)], u.grad_dtype)
+                g = scratch[: e1 - e0]
+                launch(
+                    "store", cfg, offsets[e0 : e1 + 1], g, part.grad_in, skip, partial[e0 * tiles : e1 * tiles],
+                    *part[:3], skip, u.hyper, self.limit, u.grad_dtype, self.arithmetic, self.has_norm,
+                )  # fmt: skip
+            counts = self._adamw(part, g, scalars, skip, rng, base + e0 * state.weight.stride(0))
+            if counts is not None:
+                clipped = counts.sum() if clipped is None else clipped + counts.sum()
+        return clipped
+
+    def _adamw(self, part, grad, scalars, skip, rng, index_base):
+        """The standalone AdamW kernel on one chunk (``grad`` its gradient); the spike rule's per-program
+        counts, or None."""
+        u = self.update
+        if u.moments_8bit:
+            return moments_8bit.adamw_8bit_triton_(
+                part.weight, grad, (part.exp_avg, part.exp_avg_scales), (part.exp_avg_sq, part.exp_avg_sq_scales),
+                scalars, skip, u.hyper, remainder=part.remainder, rng=rng, index_base=index_base,
+            )  # fmt: skip
+        weight, remainder = part.weight, part.remainder
+        bits = remainder is not None or rng is not None  # the weight through its int16 bits
+        ac = ADAMW_MASTER_CONFIG if bits else ADAMW_CONFIG
+        programs = triton.cdiv(weight.numel(), ac["BLOCK"])
+        counts = torch.zeros(programs, dtype=torch.int32, device=weight.device) if u.clipping else None
+        hyper = u.hyper
+        adamw_kernel[(programs,)](
+            weight.view(torch.int16) if bits else weight, grad, part.exp_avg, part.exp_avg_sq, scalars,
+            skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
+            hyper if counts is None else counts, weight.numel(), index_base,
+            BLOCK=ac["BLOCK"], ARITHMETIC=self.arithmetic, REMAINDER=remainder is not None,
+            STOCHASTIC=rng is not None, CLIP=u.clipping, INTERPRET=self.launch.interpret, num_warps=ac["num_warps"],
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        return counts
