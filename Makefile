@@ -61,8 +61,10 @@ fmt: install-test
 	$(TEST_BIN)/ruff check --fix .
 	$(TEST_BIN)/ruff format .
 
-# Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma. Then
-# every variant the GPU benchmark compiles, in both AdamW arithmetics (bench/gpu_bench.py --dry-run).
+# Compile every kernel for sm_90a and sm_80 without a GPU; registers, spills, shared memory, wgmma; for the
+# wgrad's bf16 variants at each sm_90 tile, "wgrad variants on sm_90a": CTAs per SM, the main loop's operand
+# buffers and cp.async.wait_group depth, the epilogue's SASS instructions per element. Then every variant
+# the GPU benchmark compiles, in both AdamW arithmetics (bench/gpu_bench.py --dry-run).
 kernel-report: install
 	env -u TRITON_INTERPRET $(BIN)/python tools/kernel_report.py
 	for a in fp64 fp32; do env -u TRITON_INTERPRET $(BIN)/python bench/gpu_bench.py --dry-run --compile-times \

@@ -4,7 +4,9 @@ shipped configurations for Hopper (sm_90a) in the aligned specialisation (the on
 the tuning candidates for one dtype pair on their own architecture (sm_90a or Ampere's sm_80);
 `make kernel-report` builds everything: the shipped configurations for sm_80 too, the unaligned
 specialisation (correct but slow code for odd sizes, which the interpreter tests run) and the candidates
-for every 16-bit pair."""
+for every 16-bit pair. The wgrad's fused update at the default configuration and each sm_90 candidate is
+also built on its own (12 builds) and read for what decides its speed on an H100/H200: CTAs per SM, the
+main loop's prefetch depth, the epilogue's instructions."""
 
 import json
 import os
@@ -40,20 +42,19 @@ def report(tmp_path_factory):
     return json.loads(out.read_text())
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, *options: str) -> None:
+    """tools/kernel_report.py with ``options`` (default: the shipped configurations for sm_90a, aligned,
+    and the candidates for CANDIDATE_DTYPES), its rows written to ``out``."""
+    options = options or (
+        "--targets",
+        "sm_90a",
+        "--unaligned-targets",
+        "--candidate-dtypes",
+        *CANDIDATE_DTYPES,
+    )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "kernel_report.py"),
-            "--json",
-            str(out),
-            "--targets",
-            "sm_90a",
-            "--unaligned-targets",
-            "--candidate-dtypes",
-            *CANDIDATE_DTYPES,
-        ],
+        [sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--json", str(out), *options],
         env=env,
         cwd=ROOT,
         check=True,
@@ -62,12 +63,17 @@ def _build(out: Path) -> None:
     )
 
 
-def test_every_kernel_and_configuration_builds(report):
+def _kernel_report():
     sys.path.insert(0, str(ROOT / "tools"))
     try:
         import kernel_report
     finally:
         sys.path.pop(0)
+    return kernel_report
+
+
+def test_every_kernel_and_configuration_builds(report):
+    kernel_report = _kernel_report()
     kernels = {s.kernel.fn.__name__ for s in kernel_report.specs()}
     assert kernels == {
         "routing_histogram_kernel",
@@ -162,3 +168,77 @@ def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
             assert row["wgmma"], row
         else:
             assert row["mma_sync"], row
+
+
+@pytest.fixture(scope="module")
+def wgrad_adamw(tmp_path_factory):
+    """The rows of kernel_report's table "wgrad variants on sm_90a" for the fused update in AdamW's fp32
+    arithmetic (the one torch's fused AdamW uses on the GPU, so the one a GPU run's update compiles), bf16
+    weights and moments, dW1 and dW2, at the default and each sm_90 candidate: 12 builds, about 30 s."""
+    out = tmp_path_factory.mktemp("wgrad") / "wgrad-adamw.json"
+    _build(out, "--wgrad-variants", "adamw-fp32", "--candidate-dtypes", "bf16/bf16", "--jobs", "1")
+    return json.loads(out.read_text())
+
+
+def test_wgrad_update_on_sm90a_occupancy_pipeline_and_epilogue(wgrad_adamw):
+    from sonar_kernels.ops import configs
+
+    candidates = configs.CANDIDATES["wgrad"][("16bit", 9)]
+    rows = {}
+    for r in wgrad_adamw:
+        c = r["config"]
+        config = configs.Config(
+            c["BLOCK_M"], c["BLOCK_N"], c["BLOCK_K"], c["num_warps"], c["num_stages"], c["EPILOGUE_SPLIT"]
+        )
+        rows[config, r["wgrad_table"]] = r
+    # Every configuration the GPU's tuner can pick, for both weights.
+    assert set(rows) == {(c, f"{role} adamw-fp32") for c in candidates for role in ("dW1", "dW2")}
+    for (config, name), r in rows.items():
+        assert r["target"] == "sm_90a" and r["wgmma"], (config, name)
+        assert r["spill_stores"] == r["spill_loads"] == 0, (config, name, r)
+        # The main loop and the epilogue were found: a loop holding the wgmma that waits on its cp.async
+        # copies, and SASS after it.
+        assert r["loop_wait_groups"] and r["epilogue_instructions"], (config, name, r)
+        # At 5 stages the loop waits with copies still in flight (wait_group 3, 3 buffers of Q). At 3 and 4
+        # the gathered rows' index load takes a stage: 2 buffers, wait_group 0, each iteration's operands
+        # fetched only one iteration ahead.
+        if config.num_stages >= 5:
+            assert min(r["loop_wait_groups"]) >= 1, (config, name, r["loop_wait_groups"])
+        # The update's epilogue costs about 85 SASS instructions per element at 128x64 and 78 at 128x128
+        # (IEEE division and square root as torch's kernel, int64 offsets), which bounds its issue rate.
+        assert r["epilogue_per_element"] <= 90, (config, name, r["epilogue_per_element"])
+    # The default configuration runs 2 blocks per SM (109 registers x 256 threads), for both weights.
+    for role in ("dW1", "dW2"):
+        assert rows[candidates[0], f"{role} adamw-fp32"]["ctas_per_sm"] == 2
+
+
+def test_sm90_occupancy_and_main_loop_reading():
+    kernel_report = _kernel_report()
+    # Registers decide (109 round up to 112: 28,672 a block of 256 threads), or shared memory (120 KB and 1
+    # KB reserved), or the 2,048 threads, or the 32 blocks.
+    assert kernel_report.ctas_per_sm(109, 24704, 8) == 2
+    assert kernel_report.ctas_per_sm(59, 24704, 8) == 4
+    assert kernel_report.ctas_per_sm(63, 120 * 1024, 4) == 1
+    assert kernel_report.ctas_per_sm(24, 0, 16) == 4
+    assert kernel_report.ctas_per_sm(16, 0, 1) == 32
+    # Only the waits inside the loop that issues the MMA count: not the prologue's, nor the epilogue's.
+    ptx = """
+\tcp.async.wait_group \t2;
+$L__BB0_4:                              // =>This Inner Loop Header: Depth=1
+\tcp.async.wait_group \t0;
+\tbar.sync \t0;
+\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%r1}, %rd1, %rd2, %p1, 1, 1, 1, 1;
+\twgmma.wait_group.sync.aligned 1;
+\t@%p18 bra \t$L__BB0_4;
+\tcp.async.wait_group \t0;
+$L__BB0_6:
+\tcp.async.wait_group \t5;
+\t@%p2 bra \t$L__BB0_6;
+"""
+    assert kernel_report.loop_wait_groups(ptx) == [0]
+    assert kernel_report.loop_wait_groups(ptx.replace("group \t0;\n\tbar", "group \t3;\n\tbar")) == [3]
+    assert kernel_report.operand_buffers(
+        "%p = ttg.local_alloc : () -> !ttg.memdesc<3x128x32xbf16, #shared1, #smem, mutable>\n"
+        "%s = ttg.local_alloc : () -> !ttg.memdesc<1x32xi32, #shared, #smem, mutable>\n"
+        "%q = ttg.local_alloc : () -> !ttg.memdesc<2x32x64xbf16, #shared2, #smem, mutable>"
+    ) == [3, 2]

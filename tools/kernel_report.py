@@ -15,8 +15,15 @@ Each kernel is compiled in two specialisations, as Triton's JIT would compile it
 Scalar arguments are i32, or the type their annotation gives (``lr: tl.float64`` -> fp64), or i64 where a
 spec says so (a separate layout's half stride: the distance between two allocations).
 
-Usage: ``python tools/kernel_report.py`` prints a table; ``--json PATH`` also writes the rows; ``--jobs N``
-compiles in N processes (default: one per CPU).
+For the wgrad kernel's variants that a bf16 GPU run compiles (WGRAD_TABLE_KINDS, at the default and
+each sm_90 tuning candidate) a second table, "wgrad variants on sm_90a", reads what decides their speed
+from the sm_90a build: CTAs per SM (from registers, shared memory and warps), the main loop's pipeline (the
+operands' shared-memory buffers, its ``cp.async.wait_group`` depth in the PTX) and the epilogue's SASS
+instructions per output element (:func:`read_sm90_code`).
+
+Usage: ``python tools/kernel_report.py`` prints the tables; ``--json PATH`` also writes the rows; ``--jobs N``
+compiles in N processes (default: one per CPU); ``--wgrad-variants [KIND ...]`` builds only the wgrad
+table's rows.
 Must run without TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled).
 """
 
@@ -53,6 +60,7 @@ TOP_K_INTS = ("top_k", "stride_wt", "stride_index_t")
 
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+CUOBJDUMP = PTXAS.parent / "cuobjdump"
 TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 # The wgrad kernel's 8-bit moments' pointers where its moments are exact (never read; typed as the JIT
 # types the placeholder tensor ops.wgrad passes).
@@ -65,6 +73,14 @@ NO_8BIT_POINTERS = {
 # (activation dtype, weight dtype) pairs the launchers accept: weights in the activation dtype, or fp32
 # master weights.
 DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
+# The wgrad variants the GPU benchmark compiles for a bf16 model with bf16 moments (bench/dry_run.py
+# records them), at the default configuration and at each sm_90 tuning candidate, as the table "wgrad
+# variants on sm_90a" shows them: the fused update in AdamW's fp32 arithmetic (torch's on the GPU) and fp64,
+# the plain gradient (EPILOGUE "store" without the norm: paper-inbwd's) and the check pass (the tuner times
+# it). Two differ from the JIT's key only where the code does not look, and give the same cubin: the check
+# pass is built with ARITHMETIC "fp64" (the GPU run passes "fp32"), the plain gradient with the unread
+# pointers' types of the other specs (ops.wgrad passes int32 offsets).
+WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "grad", "check")
 
 
 @dataclass
@@ -82,6 +98,9 @@ class Spec:
     config: dict = field(default_factory=dict)
     targets: tuple[str, ...] = tuple(TARGETS)  # a tuning candidate: its architecture's target only
     aligned_only: bool = False  # a tuning candidate: the tuner times it at the layer's real shapes
+    # A row of the wgrad variants' table ("dW1 adamw-fp32", ...; WGRAD_TABLE_KINDS): its sm_90a build's
+    # main loop and epilogue are read too (read_sm90_code).
+    wgrad_table: str = ""
 
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
@@ -165,7 +184,9 @@ CANDIDATE_DTYPES_ENV = "SONAR_KERNEL_REPORT_CANDIDATE_DTYPES"
 
 def _candidate_specs() -> list[Spec]:
     """Every tuning candidate of ops/configs.py beyond the default (which the specs above build), at its
-    architecture, aligned, for the kernels' main variants and each 16-bit dtype pair."""
+    architecture, aligned, for the kernels' main variants and each 16-bit dtype pair (the wgrad's fused
+    update in both AdamW arithmetics: fp64 has the most registers, fp32 is the one a tuned update runs in on
+    the GPU)."""
     from sonar_kernels.ops import configs
 
     variants = {
@@ -174,7 +195,11 @@ def _candidate_specs() -> list[Spec]:
         "dhpre": (expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel, ["silu"]),
         "wgrad": (
             expert_wgrad.expert_mlp_bwd_dw_kernel,
-            [f"{role} {kind}" for role in ("dW1", "dW2") for kind in ("adamw-fp64", "check", "grad")],
+            [
+                f"{role} {kind}"
+                for role in ("dW1", "dW2")
+                for kind in ("adamw-fp64", "adamw-fp32", "check", "grad")
+            ],
         ),
     }
     base = {(s.kernel.fn.__name__, s.variant): s for s in _forward_specs() + _backward_specs()}
@@ -204,6 +229,7 @@ def _candidate_specs() -> list[Spec]:
                                 config=blocks,
                                 targets=(arch,),
                                 aligned_only=True,
+                                wgrad_table=spec.wgrad_table if arch == "sm_90a" else "",
                             )
                         )
     return out
@@ -425,6 +451,9 @@ def _backward_specs() -> list[Spec]:
                         unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
                         is_gemm=True,
                         config=blocks,
+                        wgrad_table=f"{role} {kind}"
+                        if (act_dtype, w_dtype, m_dtype) == ("bf16",) * 3 and kind in WGRAD_TABLE_KINDS
+                        else "",
                     )
                 )  # fmt: skip
     # Expert clipping's fused update (kernels/adamw.py, clip_tile: the hyperparameters [7], one count per
@@ -710,6 +739,107 @@ def _ptxas_stats(ptx: str, arch: str, log: str = "") -> dict:
     }
 
 
+# What one sm_90 SM (H100, H200) holds at once: 65,536 registers, allocated per warp in units of 256 (a
+# thread's count rounded up to a multiple of 8); 228 KB of shared memory, 1 KB of it reserved per block;
+# 2,048 threads; 32 blocks.
+SM90_REGISTERS, SM90_SHARED, SM90_BLOCK_RESERVED, SM90_THREADS, SM90_BLOCKS = (
+    65536,
+    228 * 1024,
+    1024,
+    2048,
+    32,
+)
+
+
+def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
+    """Blocks (CTAs) of a kernel resident on one sm_90 SM at once: the fewest that its registers, shared
+    memory, threads and the block limit allow."""
+    threads = 32 * num_warps
+    by_registers = SM90_REGISTERS // (-(-registers // 8) * 8 * threads)
+    by_shared = SM90_SHARED // (shared_bytes + SM90_BLOCK_RESERVED)
+    return min(by_registers, by_shared, SM90_THREADS // threads, SM90_BLOCKS)
+
+
+def operand_buffers(ttgir: str) -> list[int]:
+    """The shared-memory buffers of each floating-point GEMM operand the pipeliner allocates (the leading
+    dimension of each 3-d ``ttg.local_alloc`` without an initial value), in allocation order."""
+    pattern = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32|tf32|f8)"
+    return [int(n) for n in re.findall(pattern, ttgir)]
+
+
+def loop_wait_groups(ptx: str) -> list[int]:
+    """The ``cp.async.wait_group N`` values inside the GEMM's main loop in the PTX, sorted, without repeats.
+
+    The main loop is each innermost loop that issues a tensor-core MMA (``wgmma.mma_async`` or
+    ``mma.sync``): the lines from a label to a branch back to it. The loop waits there until at most N
+    groups of its copies are in flight: with N = 0 every copy issued so far must land, the operands of the
+    next iteration were issued one iteration ahead, and each iteration waits on memory latency; with N > 0
+    the copies of N more iterations stay in flight. Empty: no such loop, or one without cp.async (plain
+    loads, or TMA)."""
+    lines = ptx.splitlines()
+    labels = {m.group(1): i for i, line in enumerate(lines) if (m := re.match(r"(\$L__\w+):", line))}
+    mma = [i for i, line in enumerate(lines) if "wgmma.mma_async" in line or "mma.sync" in line]
+    loops = []  # (label line, backward branch line) of each loop holding an MMA
+    for i, line in enumerate(lines):
+        m = re.search(r"\bbra(?:\.uni)?\s+(\$L__\w+);", line)
+        start = labels.get(m.group(1), i) if m else i
+        if start < i and any(start < j < i for j in mma):
+            loops.append((start, i))
+    innermost = [(a, b) for a, b in loops if not any(a <= c < d <= b and (c, d) != (a, b) for c, d in loops)]
+    waits = {
+        int(n)
+        for a, b in innermost
+        for line in lines[a:b]
+        for n in re.findall(r"cp\.async\.wait_group\s+(\d+);", line)
+    }
+    return sorted(waits)
+
+
+def epilogue_instructions(cubin: bytes) -> int | None:
+    """The SASS instructions after the GEMM's main loop, a static count (each instruction once, however
+    often it runs; the epilogue's column slices are unrolled).
+
+    ``cuobjdump --dump-sass`` (from the triton wheel) disassembles the cubin. The main loop ends at the
+    last backward branch (a ``BRA`` to a lower address) whose range holds an ``HGMMA`` (sm_90a's wgmma);
+    counted: every instruction after it to the end of the kernel, the slow-path subroutines it calls (IEEE
+    division and square root) included, the padding after the kernel (``NOP``s, the closing branch to
+    itself) not. None: no loop with an HGMMA."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "k.cubin"
+        path.write_bytes(cubin)
+        sass = subprocess.run(
+            [str(CUOBJDUMP), "--dump-sass", str(path)], capture_output=True, text=True, check=True
+        ).stdout
+    # (address, instruction) pairs, e.g. (0x1760, "@!P4 BRA 0x1000").
+    code = [(int(a, 16), t.strip()) for a, t in re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M)]
+    hgmma = [address for address, text in code if "HGMMA" in text]
+    loop_end = None
+    for address, text in code:
+        m = re.search(r"\bBRA\b.*\b0x([0-9a-f]+)$", text)
+        if m and any(int(m.group(1), 16) <= a < address for a in hgmma):
+            loop_end = address
+    if loop_end is None:
+        return None
+    padding = ("NOP",)
+    return sum(1 for a, t in code if a > loop_end and t not in padding and t != f"BRA 0x{a:x}")
+
+
+def read_sm90_code(compiled, registers: int, num_warps: int, tile_elements: int) -> dict:
+    """What an sm_90a build of a GEMM says about its speed beyond registers: CTAs per SM
+    (:func:`ctas_per_sm`), its main loop's pipeline (:func:`operand_buffers`, :func:`loop_wait_groups`)
+    and its epilogue's SASS instructions (:func:`epilogue_instructions`), in all and per output element a
+    thread owns (``tile_elements`` / (32 * num_warps))."""
+    epilogue = epilogue_instructions(compiled.asm["cubin"])
+    per_thread = tile_elements / (32 * num_warps)
+    return {
+        "ctas_per_sm": ctas_per_sm(registers, compiled.metadata.shared, num_warps),
+        "operand_buffers": operand_buffers(compiled.asm["ttgir"]),
+        "loop_wait_groups": loop_wait_groups(compiled.asm["ptx"]),
+        "epilogue_instructions": epilogue,
+        "epilogue_per_element": None if epilogue is None else epilogue / per_thread,
+    }
+
+
 def _build(task: tuple[int, bool, str]) -> dict:
     """Compile specs()[index] for one specialisation and target; one row of the report."""
     index, aligned, arch = task
@@ -721,7 +851,7 @@ def _build(task: tuple[int, bool, str]) -> dict:
         knobs.nvidia.dump_ptxas_log = True
         compiled = triton.compile(_source(spec, aligned), target=TARGETS[arch], options=spec.options)
     ptx = compiled.asm["ptx"]
-    return {
+    row = {
         "kernel": spec.kernel.fn.__name__,
         "variant": spec.variant,
         "config": spec.config | spec.options,
@@ -737,6 +867,11 @@ def _build(task: tuple[int, bool, str]) -> dict:
         "f64_params": len(re.findall(r"\.param \.f64\b", ptx)),
         **_ptxas_stats(ptx, arch, log.getvalue()),
     }
+    if spec.wgrad_table and arch == "sm_90a":
+        tile = spec.constexprs["BLOCK_M"] * spec.constexprs["BLOCK_N"]
+        row["wgrad_table"] = spec.wgrad_table
+        row |= read_sm90_code(compiled, row["registers"], spec.options["num_warps"], tile)
+    return row
 
 
 def compile_all(
@@ -744,29 +879,83 @@ def compile_all(
     kernels: tuple[str, ...] = (),
     unaligned_targets: tuple[str, ...] = tuple(TARGETS),
     targets: tuple[str, ...] = tuple(TARGETS),
+    wgrad_kinds: tuple[str, ...] | None = None,
 ) -> list[dict]:
     """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
     ``kernels``: only the kernels whose name contains one of these strings (all when empty);
     ``targets``: the targets the shipped configurations are built for (a tuning candidate is built for
-    its own architecture); ``unaligned_targets``: those of them the unaligned specialisation is built for."""
+    its own architecture); ``unaligned_targets``: those of them the unaligned specialisation is built for;
+    ``wgrad_kinds``: only the rows of the wgrad variants' table of these kinds (WGRAD_TABLE_KINDS), aligned,
+    for sm_90a."""
     every = specs()
     chosen = [
         i for i, spec in enumerate(every) if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
     ]
-    tasks = [
-        (i, aligned, arch)
-        for i in chosen
-        for aligned in (True, False)
-        for arch in every[i].targets
-        if (every[i].aligned_only or arch in targets)
-        and (aligned or arch in unaligned_targets)
-        and not (every[i].aligned_only and not aligned)
-    ]
+    if wgrad_kinds is not None:
+        # wgrad_table is "<role> <kind>"; "" outside the table.
+        kinds = [every[i].wgrad_table.rpartition(" ")[2] for i in chosen]
+        tasks = [
+            (i, True, "sm_90a") for i, kind in zip(chosen, kinds, strict=True) if kind and kind in wgrad_kinds
+        ]
+    else:
+        tasks = [
+            (i, aligned, arch)
+            for i in chosen
+            for aligned in (True, False)
+            for arch in every[i].targets
+            if (every[i].aligned_only or arch in targets)
+            and (aligned or arch in unaligned_targets)
+            and not (every[i].aligned_only and not aligned)
+        ]
     if jobs <= 1:
         return [_build(task) for task in tasks]
     # spawn: a fresh interpreter per worker, nothing inherited from this process's threads.
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
         return list(pool.map(_build, tasks, chunksize=1))
+
+
+def _print_wgrad_table(rows: list[dict]) -> None:
+    """The section "wgrad variants on sm_90a": one line per configuration, role and kind (the default
+    configuration first, then the sm_90 candidates in ops/configs.py's order)."""
+    from sonar_kernels.ops import configs
+
+    order = [
+        c.blocks() | c.launch() | {"EPILOGUE_SPLIT": c.EPILOGUE_SPLIT}
+        for c in configs.CANDIDATES["wgrad"][("16bit", 9)]
+    ]
+
+    def key(r):
+        cfg = {k: r["config"][k] for k in order[0]}
+        role, kind = r["wgrad_table"].split()
+        return (order.index(cfg) if cfg in order else len(order), role, WGRAD_TABLE_KINDS.index(kind))
+
+    print(
+        "\n## wgrad variants on sm_90a (expert_mlp_bwd_dw_kernel; bf16 activations, weights and moments)\n"
+        "CTAs/SM: blocks one SM holds (65,536 registers, a thread's count rounded up to 8; 228 KB of shared "
+        "memory, 1 KB more a block; 2,048 threads; 32 blocks).\n"
+        "buffers: shared-memory buffers of each operand. wait: cp.async.wait_group N in the main loop's PTX "
+        "(0: the loop prefetches one iteration ahead).\n"
+        "epilogue: SASS instructions after the main loop (after the last backward branch of the loop that "
+        "holds the HGMMA), in all and per output element of a thread."
+    )
+    header = (
+        f"{'BMxBNxBK warps stages split':28} {'role':4} {'kind':10} {'regs':>4} {'spill':>5} {'smem KB':>7} "
+        f"{'CTAs/SM':>7} {'buffers':>7} {'wait':>4} {'epilogue':>8} {'/elem':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in sorted(rows, key=key):
+        c = r["config"]
+        cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split{c['EPILOGUE_SPLIT']}"
+        role, kind = r["wgrad_table"].split()
+        buffers = ",".join(map(str, r["operand_buffers"])) or "-"
+        waits = ",".join(map(str, r["loop_wait_groups"])) or "-"
+        epilogue, per = r["epilogue_instructions"], r["epilogue_per_element"]
+        print(
+            f"{cfg:28} {role:4} {kind:10} {r['registers']:4d} {r['spill_stores'] + r['spill_loads']:5d} "
+            f"{r['shared_bytes'] / 1024:7.1f} {r['ctas_per_sm']:7d} {buffers:>7} {waits:>4} "
+            + ("       -     -" if epilogue is None else f"{epilogue:8d} {per:5.1f}")
+        )
 
 
 def main(argv=None) -> int:
@@ -803,12 +992,22 @@ def main(argv=None) -> int:
         help="the (activation/weight) dtype pairs the tuning candidates are built for (default: every 16-bit "
         "pair; none: no candidates; the test suite builds bf16/fp32 only, to save time)",
     )
+    parser.add_argument(
+        "--wgrad-variants",
+        nargs="*",
+        choices=WGRAD_TABLE_KINDS,
+        help="build only the rows of the table of wgrad variants on sm_90a, of these kinds (none named: "
+        "all); its candidates' rows need bf16/bf16 among --candidate-dtypes",
+    )
     args = parser.parse_args(argv)
     os.environ[CANDIDATE_DTYPES_ENV] = ",".join(args.candidate_dtypes)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
-    rows = compile_all(args.jobs, tuple(args.kernels), tuple(args.unaligned_targets), tuple(args.targets))
+    wgrad_kinds = None if args.wgrad_variants is None else tuple(args.wgrad_variants or WGRAD_TABLE_KINDS)
+    rows = compile_all(
+        args.jobs, tuple(args.kernels), tuple(args.unaligned_targets), tuple(args.targets), wgrad_kinds
+    )
     header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))
@@ -823,6 +1022,9 @@ def main(argv=None) -> int:
         r for r in rows if r["specialisation"] == "aligned" and (r["spill_stores"] or r["spill_loads"])
     ]
     print(f"\n{len(rows)} builds; aligned builds with spills: {len(aligned_spills)}")
+    table = [r for r in rows if "wgrad_table" in r]
+    if table:
+        _print_wgrad_table(table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0
