@@ -74,13 +74,14 @@ NO_8BIT_POINTERS = {
 # master weights.
 DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "fp32"), ("fp16", "fp32"))
 # The wgrad variants the GPU benchmark compiles for a bf16 model with bf16 moments (bench/dry_run.py
-# records them), at the default configuration and at each sm_90 tuning candidate, as the table "wgrad
-# variants on sm_90a" shows them: the fused update in AdamW's fp32 arithmetic (torch's on the GPU) and fp64,
-# the plain gradient (EPILOGUE "store" without the norm: paper-inbwd's) and the check pass (the tuner times
-# it). Two differ from the JIT's key only where the code does not look, and give the same cubin: the check
-# pass is built with ARITHMETIC "fp64" (the GPU run passes "fp32"), the plain gradient with the unread
-# pointers' types of the other specs (ops.wgrad passes int32 offsets).
-WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "grad", "check")
+# records them), at the default configuration and at each sm_90 tuning candidate (the tuner times the fused
+# update against the split path at each), as the table "wgrad variants on sm_90a" shows them: the fused
+# update in AdamW's fp32 arithmetic (torch's on the GPU) and fp64, the split path's store (EPILOGUE "store",
+# the gradient and its norm), the plain gradient (the store without the norm: paper-inbwd's) and the check
+# pass. Some differ from the JIT's key only where the code does not look, and give the same cubin: the check
+# pass and the split path's store are built with ARITHMETIC "fp64" (the GPU run passes "fp32"), the plain
+# gradient with the unread pointers' types of the other specs (ops.wgrad passes int32 offsets).
+WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "split", "grad", "check")
 
 
 @dataclass
@@ -186,7 +187,7 @@ def _candidate_specs() -> list[Spec]:
     """Every tuning candidate of ops/configs.py beyond the default (which the specs above build), at its
     architecture, aligned, for the kernels' main variants and each 16-bit dtype pair (the wgrad's fused
     update in both AdamW arithmetics: fp64 has the most registers, fp32 is the one a tuned update runs in on
-    the GPU)."""
+    the GPU; its split path's store, gradient and norm, which the tuner times against it)."""
     from sonar_kernels.ops import configs
 
     variants = {
@@ -198,7 +199,7 @@ def _candidate_specs() -> list[Spec]:
             [
                 f"{role} {kind}"
                 for role in ("dW1", "dW2")
-                for kind in ("adamw-fp64", "adamw-fp32", "check", "grad")
+                for kind in ("adamw-fp64", "adamw-fp32", "check", "grad", "split")
             ],
         ),
     }
@@ -215,7 +216,10 @@ def _candidate_specs() -> list[Spec]:
                 for pair in filter(None, chosen.split(",")):  # empty: --candidate-dtypes with no pair
                     act_dtype, w_dtype = pair.split("/")
                     for name in names:
-                        spec = base[(kernel.fn.__name__, f"x={act_dtype} w={w_dtype} {name}")]
+                        key = (kernel.fn.__name__, f"x={act_dtype} w={w_dtype} {name}")
+                        if name.endswith(" split") and key not in base:
+                            continue  # the split path's store: for the pairs the shipped specs build it for
+                        spec = base[key]
                         blocks = config.blocks() | (
                             {"EPILOGUE_SPLIT": config.EPILOGUE_SPLIT} if family == "wgrad" else {}
                         )
