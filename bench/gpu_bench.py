@@ -11,7 +11,9 @@ Sections, each a list of units run in order (``--sections`` picks sections):
   torch's fused AdamW), the paper's method, sonar, and sonar with 8-bit moments, with the 16-bit remainder
   and with stochastic rounding (bench/providers.py): median time and its p10-p90, TFLOP/s, peak memory;
 - ``gemms``: at 4096 tokens, sonar's step kernel by kernel, every grouped GEMM against torch.mm on its
-  shape (bench/kernel_times.py), and the device's copy bandwidth;
+  shape, each launch's roofline floor (max(its GEMM at torch.mm's rate, its bytes at the copy bandwidth
+  measured in the unit)) and each wgrad against torch.bmm over equal per-expert slabs
+  (bench/kernel_times.py), and the device's copy bandwidth;
 - ``full-steps``: whole training steps of OLMoE-1B-7B and Granite-3.1-3B-A800M at reduced depth
   (``--full-step-layers``), sonar-train's standard, sonar and all-in-backward arms.
 
@@ -71,7 +73,8 @@ TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
 # Estimated seconds of each unit on an H200, Triton compilations included (bench/README.md, "Budget"):
 # --deadline starts no unit that would end past it. A unit's compilations are counted by --dry-run (at most
-# 24, in the first correctness units; none after the first layer unit).
+# 24, in the first correctness units; none after the first layer unit). A gemms unit took 2 to 6 s on the
+# H200 (2026-12-04); its floors add a copy and two torch.bmm timings (about 0.5 s): 35 s still covers it.
 ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "full-steps": 75}
 # Seconds of one kernel's cold build for sm_90a, with a margin: --dry-run --compile-times measured a mean of
 # 0.7 s and a longest of 3.3 s per build on a 2-core CPU (bench/README.md, "Budget").
@@ -324,29 +327,62 @@ def layer(plan: Plan, device, model: str, tokens: int) -> dict:
 
 
 def gemms(plan: Plan, device, model: str) -> dict:
-    """sonar's step kernel by kernel against torch.mm on each GEMM's shape (the dense roofline)."""
+    """sonar's step kernel by kernel against torch.mm on each GEMM's shape (the dense roofline), each
+    launch's floor (bench/kernel_times.py: max(its GEMM at torch.mm's rate, its bytes at the copy bandwidth
+    measured here)) and each wgrad against torch.bmm over equal per-expert slabs."""
     shape = plan.shape(model, plan.tokens[0])
+    shapes = gemm_shapes(shape)
     roof = {}
-    for name, (M, K, N) in gemm_shapes(shape).items():
+    for name, (M, K, N) in shapes.items():
         a = torch.randn(M, K, device=device.kind, dtype=device.dtype)
         b = torch.randn(K, N, device=device.kind, dtype=device.dtype)
         seconds = device.seconds(lambda a=a, b=b: torch.mm(a, b))["median_s"]
         roof[name] = {"seconds": seconds, "tflops": 2 * M * K * N / seconds / 1e12}
+    slabs = {name: wgrad_slabs(device, shape, *shapes[name]) for name in ("wgrad dW2", "wgrad dW1")}
+    copy = bandwidth(plan, device)  # before the step's tensors exist (1 GiB each way on the GPU)
     inputs = providers.make_inputs(shape, device.dtype, device.kind)
     step = providers.build("sonar", inputs, backend="triton")
     step.run()
+    gate_up_proj = step.params[0]
+    dtypes = {
+        "activations": device.dtype,
+        "weights": gate_up_proj.dtype,
+        "moments": step.optimizer.state[gate_up_proj]["exp_avg"].dtype,
+        "routing_weights": inputs.weights.dtype,
+    }
+    moved = kernel_times.traffic(shape, **dtypes)
     kernels = kernel_times.kernel_table(
-        step, gemm_shapes(shape), {k: v["seconds"] for k, v in roof.items()}, device.kind == "cuda",
-        5 if device.kind == "cuda" else 1,
+        step, shapes, {k: v["seconds"] for k, v in roof.items()}, device.kind == "cuda",
+        5 if device.kind == "cuda" else 1, moved=moved, copy_gbs=copy["gbs"],
+        bmm_seconds={k: v["seconds"] for k, v in slabs.items()},
     )  # fmt: skip
     fractions = {label: row["fraction_of_torch_mm"] for label, row in kernels.items() if row.get("gemm_only")}
     return {
         "shape": model,
         "T_H_I_E_top_k": list(shape),
+        "dtypes": {k: str(v) for k, v in dtypes.items()},
         "torch_mm": roof,
+        "torch_bmm": slabs,
+        "copy_gbs": copy["gbs"],
         "kernels": kernels,
         "min_gemm_fraction_of_torch_mm": min(fractions.values(), default=float("nan")),
+        # The step's floor is the sum of its launches' floors; the launches without one move none of the
+        # layer's tensors (routing, scalars, the check pass) and count in the measured sum only.
+        "floor_s": sum(row.get("floor_s", 0.0) for row in kernels.values()),
+        "kernels_s": sum(row["seconds"] for row in kernels.values()),
     }
+
+
+def wgrad_slabs(device, shape: providers.Shape, M: int, S: int, N: int) -> dict:
+    """torch.bmm over equal per-expert slabs, [E, M, S / E] x [E, S / E, N] in the run's dtype: the GEMM-only
+    reference of a wgrad of (M, S, N) over S routed rows, whose K per expert is S / E (a dense torch.mm with
+    K = S runs a K loop E times longer). Both operands token-major, as the wgrad reads its rows."""
+    E = shape.E
+    rows = max(1, S // E)
+    p = torch.randn(E, rows, M, device=device.kind, dtype=device.dtype).transpose(1, 2)  # [E, M, rows]
+    q = torch.randn(E, rows, N, device=device.kind, dtype=device.dtype)
+    seconds = device.seconds(lambda: torch.bmm(p, q))["median_s"]
+    return {"slabs": [E, M, rows, N], "seconds": seconds, "tflops": 2 * E * M * rows * N / seconds / 1e12}
 
 
 def bandwidth(plan: Plan, device) -> dict:
@@ -618,18 +654,7 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
             )
         return [*lines, ""]
     if section == "gemms":
-        if "gbs" in r:
-            return [f"- copy bandwidth: {r['gbs']:.0f} GB/s"]
-        lines = [
-            "", f"{name}: sonar's step kernel by kernel, (T, H, I, E, top_k) = {tuple(r['T_H_I_E_top_k'])}; slowest "
-            f"GEMM at {r['min_gemm_fraction_of_torch_mm']:.2f} of torch.mm", "",
-            "| launch | ms | TFLOP/s | of torch.mm on the same GEMM |", "|---|---|---|---|",
-        ]  # fmt: skip
-        for label, row in r["kernels"].items():
-            gemm = f"{row['tflops']:.1f} | {row['fraction_of_torch_mm']:.2f}" if "tflops" in row else " | "
-            what = label if row.get("gemm_only", True) else f"{label} (GEMM + AdamW)"
-            lines.append(f"| {what} | {1000 * row['seconds']:.3f} | {gemm} |")
-        return [*lines, ""]
+        return _gemm_lines(name, r)
     lines = [
         "", f"{name} ({r['preset']}, {r['layers']} layers, batch {r['batch']} x {r['sequence_length']}):", "",
         "| arm | step ms | time / standard | peak MiB | memory / standard |", "|---|---|---|---|---|",
@@ -640,6 +665,66 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
             f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f} |"
         )
     return [*lines, ""]
+
+
+def _gemm_lines(name: str, r: dict) -> list[str]:
+    """The gemms section's unit: the copy bandwidth, or a layer's step launch by launch with its floors."""
+    if "gbs" in r:
+        return [f"- copy bandwidth: {r['gbs']:.0f} GB/s"]
+    lines = [
+        "", f"{name}: sonar's step kernel by kernel, (T, H, I, E, top_k) = {tuple(r['T_H_I_E_top_k'])}; slowest "
+        f"GEMM at {r['min_gemm_fraction_of_torch_mm']:.2f} of torch.mm", "",
+    ]  # fmt: skip
+    if "floor_s" in r:  # reports written before the floors were measured have none
+        moments = r["dtypes"]["moments"].removeprefix("torch.")
+        bmm = "; ".join(
+            f"{gemm.removeprefix('wgrad ')} {' x '.join(map(str, v['slabs']))} {1000 * v['seconds']:.3f} ms "
+            f"({v['tflops']:.1f} TFLOP/s)"
+            for gemm, v in r["torch_bmm"].items()
+        )
+        lines += [
+            f"Floor of a launch: max(its GEMM at torch.mm's rate on the same (M, K, N), its bytes at the copy "
+            f"bandwidth measured in this unit, {r['copy_gbs']:.4g} GB/s); bytes: each tensor read or written once "
+            f"({moments} moments); no floor for the launches that move none of the layer's tensors. Sum of the "
+            f"floors {1000 * r['floor_s']:.3f} ms, of the launches {1000 * r['kernels_s']:.3f} ms. torch.bmm over "
+            f"equal per-expert slabs [E, M, S/E, N] (a wgrad's GEMM-only reference): {bmm}.",
+            "",
+        ]  # fmt: skip
+    lines += [
+        "| launch | ms | TFLOP/s | of torch.mm on the same GEMM | GFLOP | MB moved | GEMM ms at torch.mm's rate "
+        "| bytes ms at the copy bandwidth | floor ms | ms / floor | torch.bmm ms | ms / torch.bmm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for label, row in r["kernels"].items():
+        gemm = f"{row['tflops']:.1f} | {row['fraction_of_torch_mm']:.2f}" if "tflops" in row else " | "
+        what = label if row.get("gemm_only", True) else f"{label} (GEMM + AdamW)"
+        floor = " | | | | | "
+        if "floor_s" in row:  # "-": a launch without a GEMM
+            flops = f"{row['flops'] / 1e9:.4g}" if row["flops"] else "-"
+            gemm_ms = _ms(row["floor_gemm_s"]) if row["flops"] else "-"
+            floor = (
+                f"{flops} | {row['bytes'] / 1e6:.4g} | {gemm_ms} | {_ms(row['floor_bytes_s'])} | "
+                f"{_ms(row['floor_s'])} | {row['time_over_floor']:.1f}"
+            )
+        bmm = (
+            f"{_ms(row['torch_bmm_s'])} | {row['time_over_torch_bmm']:.1f}" if "torch_bmm_s" in row else " | "
+        )
+        lines.append(f"| {what} | {1000 * row['seconds']:.3f} | {gemm} | {floor} | {bmm} |")
+    floored = [row for row in r["kernels"].values() if "floor_s" in row]
+    if floored:  # the sums over the launches with a floor; the measured sum is over every launch
+        lines.append(
+            f"| all launches | {1000 * r['kernels_s']:.3f} | | | {sum(f['flops'] for f in floored) / 1e9:.4g} | "
+            f"{sum(f['bytes'] for f in floored) / 1e6:.4g} | {_ms(sum(f['floor_gemm_s'] for f in floored))} | "
+            f"{_ms(sum(f['floor_bytes_s'] for f in floored))} | {_ms(r['floor_s'])} | "
+            f"{r['kernels_s'] / r['floor_s']:.1f} | | |"
+        )
+    return [*lines, ""]
+
+
+def _ms(seconds: float) -> str:
+    """Milliseconds to 3 decimals, or 2 significant digits below 0.01 ms (the rehearsal's tiny floors)."""
+    ms = 1000 * seconds
+    return f"{ms:.3f}" if ms >= 0.01 or ms == 0 else f"{ms:.2g}"
 
 
 def main(argv=None) -> int:

@@ -80,10 +80,17 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
     gemms = ["up", "down", "dgrad G", "dgrad dX"]
     for name in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
         kernels = units["gemms"][name]["kernels"]
-        assert {*gemms, "wgrad dW2 adamw", "wgrad dW1 adamw", "combine"} <= set(kernels)
-        for label in [*gemms, "wgrad dW2 adamw", "wgrad dW1 adamw"]:
+        # Each weight's update fused into its wgrad, or its split path (the wgrad's store, then AdamW).
+        wgrads = [
+            f"wgrad {w} adamw" if f"wgrad {w} adamw" in kernels else f"wgrad {w} store"
+            for w in ("dW2", "dW1")
+        ]
+        split = [f"adamw {w}" for w in ("dW2", "dW1") if f"wgrad {w} store" in kernels]
+        assert {*gemms, *wgrads, *split, "combine", "combine dX"} <= set(kernels)
+        for label in [*gemms, *wgrads]:
             assert kernels[label]["seconds"] > 0 and kernels[label]["fraction_of_torch_mm"] > 0, label
         assert set(units["gemms"][name]["torch_mm"]) == {*gemms, "wgrad dW2", "wgrad dW1"}
+        _check_floors(units["gemms"][name], [*gemms, *wgrads, *split, "combine", "combine dX"])
     assert units["gemms"]["copy bandwidth"]["gbs"] > 0
     for full in units["full-steps"].values():
         assert set(full["arms"]) == {"standard", "sonar", "all-in-backward"}
@@ -91,7 +98,8 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
     md = out.with_suffix(".md").read_text()
     for heading in ("## correctness: done", "## layers: done", "## gemms: done", "## full-steps: done"):
         assert heading in md
-    assert "| sonar-stochastic |" in md and "| wgrad dW1 adamw (GEMM + AdamW) |" in md
+    assert "| sonar-stochastic |" in md and "| wgrad dW1 " in md
+    assert "| floor ms | ms / floor | torch.bmm ms | ms / torch.bmm |" in md and "| all launches |" in md
     # README's results table renders such a file; a rehearsal is not a GPU result.
     table = _module("results_table", ROOT / "bench" / "results_table.py")
     assert "No GPU results" in table.table(out.parent)
@@ -111,6 +119,95 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
     assert rendered.count("| layer olmoe-1b-7b T16;") == 1 and "1500.00" in rendered
     assert rendered.count("| full step granite-3.1-3b-a800m, 1 layers;") == 1
     assert rendered.count("tuned tiles") == len(units["layers"]) + len(units["full-steps"])
+
+
+def _moved(label: str, T: int, H: int, I: int, E: int, top_k: int, size: int = 2) -> int:
+    """Bytes a launch must move, every tensor read or written once in a ``size``-byte dtype (the rehearsal's
+    bf16 everywhere): gathered X and dO at [T, H], the updated weight and both moments read and written."""
+    S = T * top_k
+    w = {"dW2": E * H * I, "dW1": E * 2 * I * H}
+    operands = {"dW2": T * H + T * top_k + S * I, "dW1": S * 2 * I + T * H}
+    elements = {
+        "up": T * H + E * 2 * I * H + S * 2 * I + S * I,
+        "down": S * I + E * H * I + S * H,
+        "combine": S * H + T * top_k + T * H,
+        "dgrad G": T * H + E * H * I + S * 2 * I + T * top_k + S * 2 * I + S * I,
+        "dgrad dX": S * 2 * I + E * 2 * I * H + S * H,
+        "combine dX": S * H + T * H,
+    }
+    for g in ("dW2", "dW1"):
+        elements[f"wgrad {g} adamw"] = operands[g] + 6 * w[g]
+        elements[f"wgrad {g} store"] = operands[g] + w[g]
+        elements[f"adamw {g}"] = 7 * w[g]
+    return size * elements[label]
+
+
+def _check_floors(unit: dict, labels: list[str]) -> None:
+    """Every launch of ``labels`` has its floor, from bytes and FLOPs computed here from the shape; the
+    wgrads their torch.bmm over per-expert slabs; the launches that move none of the layer's tensors none."""
+    T, H, I, E, top_k = unit["T_H_I_E_top_k"]
+    S = T * top_k
+    assert set(unit["dtypes"].values()) == {"torch.bfloat16"}
+    mnk = {"up": (S, H, 2 * I), "down": (S, I, H), "dgrad G": (S, H, I), "dgrad dX": (S, 2 * I, H),
+           "wgrad dW2": (H, S, I), "wgrad dW1": (2 * I, S, H)}  # fmt: skip
+    copy = unit["copy_gbs"] * 1e9
+    assert copy > 0
+    for label in labels:
+        row = unit["kernels"][label]
+        gemm = next((g for g in mnk if label == g or label.startswith(g + " ")), None)
+        M, K, N = mnk.get(gemm, (0, 0, 0))
+        assert row["bytes"] == sum(row["bytes_by_tensor"].values()) == _moved(label, T, H, I, E, top_k), label
+        assert row["flops"] == 2 * M * K * N, label
+        assert row["floor_gemm_s"] == (unit["torch_mm"][gemm]["seconds"] if gemm else 0.0), label
+        assert row["floor_bytes_s"] == pytest.approx(row["bytes"] / copy, rel=1e-12), label
+        assert row["floor_s"] == max(row["floor_gemm_s"], row["floor_bytes_s"]) > 0, label
+        assert row["time_over_floor"] == pytest.approx(row["seconds"] / row["floor_s"], rel=1e-12), label
+        if label.startswith("wgrad "):
+            bmm = unit["torch_bmm"][gemm]
+            assert bmm["slabs"] == [E, M, S // E, N] and bmm["seconds"] > 0
+            assert row["torch_bmm_s"] == bmm["seconds"], label
+            assert row["time_over_torch_bmm"] == pytest.approx(row["seconds"] / bmm["seconds"], rel=1e-12)
+        else:
+            assert "torch_bmm_s" not in row, label
+    no_floor = [
+        "routing histogram",
+        "routing scan",
+        "routing scatter",
+        "routing-weight grad",
+        "adamw scalars",
+    ]
+    assert all("floor_s" not in unit["kernels"][label] for label in no_floor)
+    rows = unit["kernels"].values()
+    assert unit["floor_s"] == pytest.approx(sum(r["floor_s"] for r in rows if "floor_s" in r), rel=1e-12)
+    assert unit["kernels_s"] == pytest.approx(sum(r["seconds"] for r in rows), rel=1e-12)
+
+
+def test_the_floor_counts_each_tensor_once_in_its_dtype():
+    """bench/kernel_times.traffic at OLMoE-1B-7B's layer (4096 tokens): the fused update moves W, exp_avg and
+    exp_avg_sq in and out (12 B per element with bf16 moments, 20 with fp32), the split path writes the
+    gradient and reads it back beside them (16 B per element with bf16 moments)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        kernel_times = _module("kernel_times_under_test", ROOT / "bench" / "kernel_times.py")
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    import torch
+
+    T, H, I, E, top_k = shape = (4096, 2048, 1024, 64, 8)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    moved = {
+        m: kernel_times.traffic(shape, activations=bf16, weights=bf16, moments=m, routing_weights=fp32)
+        for m in (bf16, fp32)
+    }
+    w1 = E * 2 * I * H
+    operands = 2 * (T * top_k * 2 * I + T * H)  # dHpre [S, 2I], X [T, H] gathered once
+    for m, per_element in ((bf16, 12), (fp32, 20)):
+        assert sum(moved[m]["wgrad dW1 adamw"].values()) == operands + per_element * w1
+    split = sum(moved[bf16]["wgrad dW1 store"].values()) + sum(moved[bf16]["adamw dW1"].values())
+    assert split == operands + 16 * w1
+    assert round(sum(moved[bf16]["wgrad dW1 adamw"].values()) / 1e6) == 3372  # MB
+    for label, expected in (("up", 755), ("down", 470), ("dgrad dX", 805), ("combine", 151)):
+        assert round(sum(moved[bf16][label].values()) / 1e6) == expected, label
 
 
 def test_a_deadline_too_short_for_any_unit_writes_a_report_that_marks_them_not_run(tmp_path):
@@ -223,3 +320,9 @@ def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_bu
         assert count * bench.COMPILE_S < bench.ESTIMATES[unit.split(":")[0]], unit
     # The library's kernel path reads nothing back to the host at the real shapes.
     assert result["library_host_reads"] == []
+    # The gemms units compute their floors at the real shapes too (the values are placeholders).
+    for name in ("olmoe-1b-7b", "granite-3.1-3b-a800m"):
+        gemms = units[f"gemms: {name}"]["result"]
+        assert gemms["floor_s"] > 0 and set(gemms["torch_bmm"]) == {"wgrad dW2", "wgrad dW1"}
+        experts = 64 if name.startswith("olmoe") else 40
+        assert gemms["torch_bmm"]["wgrad dW1"]["slabs"][2] == 4096 * 8 // experts  # rows per expert
