@@ -254,7 +254,7 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool
     what they write left uninitialised; torch's matrix products not computed, their outputs zeros:
     :class:`_UncomputedProducts`), the check of a fake trace against real allocations."""
     from sonar_kernels.autograd import formula
-    from sonar_kernels.ops import validation, wgrad
+    from sonar_kernels.ops import validation, wgrad_update
 
     launches = Launches(target)
 
@@ -290,7 +290,7 @@ def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool
 
         patches.append(mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda ids: None))
     if arithmetic is not None:
-        patches.append(mock.patch.object(wgrad, "adamw_arithmetic", lambda device: arithmetic))
+        patches.append(mock.patch.object(wgrad_update, "adamw_arithmetic", lambda device: arithmetic))
     with contextlib.ExitStack() as stack:
         for patch in patches:
             stack.enter_context(patch)

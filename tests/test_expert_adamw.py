@@ -601,7 +601,7 @@ def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
 def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
     # On CUDA the update follows the arithmetic of the installed torch's fused AdamW; check the "fp32"
     # variant (torch 2.13's) here against an independent evaluation of its formula, and fused == split.
-    monkeypatch.setattr(ops.wgrad, "adamw_arithmetic", lambda device: "fp32")
+    monkeypatch.setattr(ops.wgrad_update, "adamw_arithmetic", lambda device: "fp32")
     results = {}
     for fused in (True, False):
         w1, w2 = _weights(dtype, device)

@@ -302,7 +302,7 @@ def test_precheck_does_not_fire_on_ordinary_gradients(dtype, device, monkeypatch
     fired = []
     original = ops.wgrad_update.overflow_possible
     monkeypatch.setattr(
-        ops.wgrad,
+        ops.wgrad_update,
         "overflow_possible",
         lambda *args: fired.append(float(original(*args))) or original(*args),
     )

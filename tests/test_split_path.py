@@ -138,6 +138,15 @@ def test_split_chunk_follows_the_documented_bound():
     assert wgrad_update.split_chunk(wide, torch.bfloat16) == 1  # at least one expert
     transposed = torch.empty(64, 2048, 2048, dtype=torch.bfloat16, device=meta).transpose(0, 1)
     assert wgrad_update.split_chunk(transposed, torch.bfloat16) == 2048
+    # The bound set for a block: the whole gradient (the paper's method), or 1/4 without a floor.
+    with wgrad_update.split_scratch(fraction=1):
+        assert wgrad_update.split_chunk(olmoe_w1, torch.bfloat16) == 64
+    with wgrad_update.split_scratch(fraction=4, min_bytes=0):
+        assert wgrad_update.split_chunk(olmoe_w1, torch.bfloat16) == 16
+    assert wgrad_update.split_chunk(olmoe_w1, torch.bfloat16) == 8  # restored
+    for bad in ({"fraction": 0}, {"fraction": 2.0}, {"min_bytes": -1}):
+        with pytest.raises(ValueError, match="must be an int"), wgrad_update.split_scratch(**bad):
+            pass
 
 
 def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device):
@@ -166,3 +175,21 @@ def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device)
             _assert_bits_equal(again[ordinal], tuned[ordinal])
     finally:
         configs.pin()
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp32-master", "remainder", "stochastic", "spike", "accumulation"])
+def test_the_prefetched_epilogue_gives_the_plain_epilogues_bits(kind, device):
+    # EPILOGUE_PREFETCH only moves each slice's loads before the previous slice's stores: at the same tiles,
+    # the same bits for every exact-moment state kind (8-bit moments keep their own epilogue).
+    options, weight_dtype = KINDS[kind]
+    plain, prefetched = configs.Config(128, 64, 32, 8, 5, 4), configs.Config(128, 64, 32, 8, 5, 4, True)
+    assert prefetched in configs.CANDIDATES["wgrad"][("16bit", 9)]
+    results = []
+    try:
+        for config in (plain, prefetched):
+            configs.pin("wgrad", config)
+            results.append(_snapshot(*_train(device, weight_dtype, options, fused=True)))
+    finally:
+        configs.pin()
+    for got, expected in zip(results[1], results[0], strict=True):
+        _assert_bits_equal(got, expected)

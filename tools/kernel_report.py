@@ -220,9 +220,7 @@ def _candidate_specs() -> list[Spec]:
                         if name.endswith(" split") and key not in base:
                             continue  # the split path's store: for the pairs the shipped specs build it for
                         spec = base[key]
-                        blocks = config.blocks() | (
-                            {"EPILOGUE_SPLIT": config.EPILOGUE_SPLIT} if family == "wgrad" else {}
-                        )
+                        blocks = config.blocks() | (config.epilogue() if family == "wgrad" else {})
                         options = spec.options | config.launch()
                         out.append(
                             replace(
@@ -241,7 +239,7 @@ def _candidate_specs() -> list[Spec]:
 
 def _gemm_launch(cfg: dict) -> tuple[dict, dict]:
     """(BLOCK_* constexprs, launch options) of a GEMM config dict."""
-    blocks = {k: v for k, v in cfg.items() if k.startswith("BLOCK") or k == "EPILOGUE_SPLIT"}
+    blocks = {k: v for k, v in cfg.items() if k.startswith(("BLOCK", "EPILOGUE_"))}
     return blocks, {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
@@ -452,7 +450,7 @@ def _backward_specs() -> list[Spec]:
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                         # ops.backward compiles the AdamW launch without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
-                        unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                        unit_strides=("stride_pm", "stride_qn", "stride_n"),
                         is_gemm=True,
                         config=blocks,
                         wgrad_table=f"{role} {kind}"
@@ -472,7 +470,7 @@ def _backward_specs() -> list[Spec]:
                     _precision("bf16") | blocks
                     | _bf16_adamw_constexprs(p_from_tokens, q_from_tokens, arithmetic, CLIP=True),
                     options | {"enable_fp_fusion": False},
-                    unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                    unit_strides=("stride_pm", "stride_qn", "stride_n"),
                     is_gemm=True,
                     config=blocks,
                 )
@@ -492,7 +490,7 @@ def _backward_specs() -> list[Spec]:
             Spec(
                 expert_wgrad.expert_mlp_bwd_dw_kernel,
                 f"x=bf16 w=bf16 {role} adamw-fp64 {layout}",
-                {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
+                {"p_ptr": "bf16", "q_ptr": "bf16", "weight_of_row_ptr": "fp32", "token_of_row_ptr": "i32",
                  "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "bf16",
                  "exp_avg_ptr": "bf16", "exp_avg_sq_ptr": "bf16", "scalars_ptr": "fp32", "flag_ptr": "fp32",
                  "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS,
@@ -503,7 +501,7 @@ def _backward_specs() -> list[Spec]:
                    "DOT_DTYPE": TL_DTYPES["bf16"]} | ({"N": 1} if bias else {}),
                 options | {"enable_fp_fusion": False},
                 # The bias's [E, M, 1] view has unit strides along M and N.
-                unit_strides=("stride_pm", "stride_qn", "stride_wj", unit, *(("stride_n",) if bias else ())),
+                unit_strides=("stride_pm", "stride_qn", unit, *(("stride_n",) if bias else ())),
                 is_gemm=True,
                 config=blocks,
             )
@@ -544,7 +542,7 @@ def _wgrad_pointers(act_dtype: str, w_dtype: str, exp_avg: str, exp_avg_sq: str)
     """The wgrad kernel's pointer types for a launch without 8-bit moments' scales or bf16 master weights
     (those pointers are passed, not read)."""
     return {
-        "p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+        "p_ptr": act_dtype, "q_ptr": act_dtype, "weight_of_row_ptr": "fp32", "token_of_row_ptr": "i32",
         "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype, "w_ptr": w_dtype,
         "exp_avg_ptr": exp_avg, "exp_avg_sq_ptr": exp_avg_sq, "scalars_ptr": "fp32", "flag_ptr": "fp32",
         "partial_ptr": "fp32", "hyper_ptr": "fp64",
@@ -565,7 +563,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                 Spec(
                     expert_wgrad.expert_mlp_bwd_dw_kernel,
                     f"x={act_dtype} w={w_dtype} {role} adamw-8bit" + (f" {master}" if master else ""),
-                    {"p_ptr": act_dtype, "q_ptr": act_dtype, "weights_ptr": act_dtype, "slot_of_row_ptr": "i32",
+                    {"p_ptr": act_dtype, "q_ptr": act_dtype, "weight_of_row_ptr": "fp32", "token_of_row_ptr": "i32",
                      "expert_offsets_ptr": "i32", "dw_ptr": w_dtype, "grad_in_ptr": w_dtype,
                      "w_ptr": "i16" if master else w_dtype,
                      "exp_avg_ptr": "i8", "exp_avg_sq_ptr": "u8", "scalars_ptr": "fp32", "flag_ptr": "fp32",
@@ -579,7 +577,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                        "REMAINDER": master == "remainder", "STOCHASTIC": master == "stochastic",
                        "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
                     options | {"enable_fp_fusion": False},
-                    unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                    unit_strides=("stride_pm", "stride_qn", "stride_n"),
                     is_gemm=True,
                     config=blocks,
                 )
@@ -605,7 +603,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                    "REMAINDER": False, "STOCHASTIC": False, "GRAD_DTYPE": TL_DTYPES[w_dtype],
                    "DOT_DTYPE": TL_DTYPES[act_dtype]},
                 options,
-                unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                unit_strides=("stride_pm", "stride_qn", "stride_n"),
                 is_gemm=True,
                 config=blocks,
             )
@@ -622,7 +620,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
             Spec(
                 expert_wgrad.expert_mlp_bwd_dw_kernel,
                 f"x=bf16 w=bf16 m={m_dtype} {role} adamw-{arithmetic} {'remainder' if remainder else 'stochastic'}",
-                {"p_ptr": "bf16", "q_ptr": "bf16", "weights_ptr": "bf16", "slot_of_row_ptr": "i32",
+                {"p_ptr": "bf16", "q_ptr": "bf16", "weight_of_row_ptr": "fp32", "token_of_row_ptr": "i32",
                  "expert_offsets_ptr": "i32", "dw_ptr": "bf16", "grad_in_ptr": "bf16", "w_ptr": "i16",
                  "exp_avg_ptr": m_dtype, "exp_avg_sq_ptr": m_dtype, "scalars_ptr": "fp32", "flag_ptr": "fp32",
                  "partial_ptr": "fp32", "hyper_ptr": "fp64"} | NO_8BIT_POINTERS
@@ -632,7 +630,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                     p_from_tokens, q_from_tokens, arithmetic, REMAINDER=remainder, STOCHASTIC=not remainder
                 ),
                 options | {"enable_fp_fusion": False},
-                unit_strides=("stride_pm", "stride_qn", "stride_wj", "stride_n"),
+                unit_strides=("stride_pm", "stride_qn", "stride_n"),
                 is_gemm=True,
                 config=blocks,
             )
@@ -923,10 +921,7 @@ def _print_wgrad_table(rows: list[dict]) -> None:
     configuration first, then the sm_90 candidates in ops/configs.py's order)."""
     from sonar_kernels.ops import configs
 
-    order = [
-        c.blocks() | c.launch() | {"EPILOGUE_SPLIT": c.EPILOGUE_SPLIT}
-        for c in configs.CANDIDATES["wgrad"][("16bit", 9)]
-    ]
+    order = [c.blocks() | c.launch() | c.epilogue() for c in configs.CANDIDATES["wgrad"][("16bit", 9)]]
 
     def key(r):
         cfg = {k: r["config"][k] for k in order[0]}
@@ -951,6 +946,7 @@ def _print_wgrad_table(rows: list[dict]) -> None:
     for r in sorted(rows, key=key):
         c = r["config"]
         cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']} split{c['EPILOGUE_SPLIT']}"
+        cfg += " pf" if c.get("EPILOGUE_PREFETCH") else ""
         role, kind = r["wgrad_table"].split()
         buffers = ",".join(map(str, r["operand_buffers"])) or "-"
         waits = ",".join(map(str, r["loop_wait_groups"])) or "-"

@@ -203,10 +203,44 @@ def adamw_tile(
     With REMAINDER (docs/design.md, "bf16 master weights") the weight is the fp32 master merged from W's
     bits and the remainder, stored split again; with STOCHASTIC the bf16 weight (read as fp32) is stored as
     its stochastic rounding (W through its int16 bits), the stream's key and counter at ``rng_ptr`` and
-    ``index``."""
-    p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    ``index``. :func:`adamw_tile_load` then :func:`adamw_tile_store` (which a caller may also call apart, to
+    issue a tile's loads before another tile's stores)."""
+    p, m, v = adamw_tile_load(
+        offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+    )
+    return adamw_tile_store(
+        grad, p, m, v, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, index, step_size,
+        bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET,
+    )  # fmt: skip
+
+
+@triton.jit
+def adamw_tile_load(
+    offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr
+):  # fmt: skip
+    """The tile's state as :func:`adamw_tile` reads it: (W: fp32 merged with its remainder, or the bf16 bits
+    read as fp32 (``master_weights.load_weight``), else in its own dtype; exp_avg and exp_avg_sq in their
+    own dtypes). Values kept in their dtypes hold half the registers of fp32 ones until they are used."""
+    if REMAINDER or STOCHASTIC:
+        p = load_weight(w_ptr, offs, mask, remainder_ptr, REMAINDER, STOCHASTIC)
+    else:
+        p = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    return p, m, v
+
+
+@triton.jit
+def adamw_tile_store(
+    grad, p, m, v, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, index, step_size,
+    bc2_sqrt, hyper_ptr, ARITHMETIC: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr, GRAD_DTYPE: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """:func:`adamw_tile` after its loads: (``p``, ``m``, ``v``) as :func:`adamw_tile_load` returned them;
+    the clipping, the AdamW step and the stores; returns the spike rule's count (0 without CLIP)."""
+    p = p.to(tl.float32)
+    m = m.to(tl.float32)
+    v = v.to(tl.float32)
     clipped = 0
     if CLIP:
         grad, clipped = clip_tile(grad, v, mask, hyper_ptr, GRAD_DTYPE, INTERPRET)

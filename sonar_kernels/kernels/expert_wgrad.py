@@ -8,7 +8,7 @@ the fused update", steps 4 and 5).
 import triton
 import triton.language as tl
 
-from sonar_kernels.kernels.adamw import adamw_tile
+from sonar_kernels.kernels.adamw import adamw_tile, adamw_tile_load, adamw_tile_store
 from sonar_kernels.kernels.common import round_to
 from sonar_kernels.kernels.moments_8bit import BLOCK as MOMENTS_BLOCK
 from sonar_kernels.kernels.moments_8bit import adamw_8bit_tile
@@ -23,6 +23,7 @@ WGRAD_CONFIG = {
     "BLOCK_N": 64,
     "BLOCK_K": 32,
     "EPILOGUE_SPLIT": 4,
+    "EPILOGUE_PREFETCH": False,
     "num_warps": 8,
     "num_stages": 3,
 }
@@ -37,6 +38,127 @@ def _split_columns(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """[BLOCK_M, BLOCK_N] -> its column halves [BLOCK_M, BLOCK_N // 2] (left, right)."""
     half: tl.constexpr = BLOCK_N // 2
     return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, half)), (0, 2, 1)))
+
+
+@triton.jit
+def _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, SLICE_N: tl.constexpr):
+    """The element offsets [BLOCK_M, SLICE_N] (int64) of columns [col0, col0 + SLICE_N) of the tile's rows, and
+    their mask."""
+    offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
+    return m_offsets[:, None] + offs_n[None, :] * stride_n, mask
+
+
+@triton.jit
+def _dw_adamw_slice(
+    acc, p, m, v, offs, mask, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+    remainder_ptr, rng_ptr, base, GRAD_DTYPE: tl.constexpr, HAS_GRAD_IN: tl.constexpr, HAS_NORM: tl.constexpr,
+    ARITHMETIC: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, CLIP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The "adamw" epilogue of :func:`_dw_epilogue_slice` for a slice whose state (``p``, ``m``, ``v``:
+    ``adamw_tile_load``'s) was loaded before: the same arithmetic, the same bits; returns (the slice's sum
+    of squared gradient entries when HAS_NORM, else 0; the spike rule's count)."""
+    grad = round_to(acc, GRAD_DTYPE, INTERPRET)
+    if HAS_GRAD_IN:
+        previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
+    grad32 = grad.to(tl.float32)
+    result = 0.0
+    if HAS_NORM:
+        result = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
+    clipped = adamw_tile_store(
+        grad32, p, m, v, offs, mask, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, rng_ptr, base + offs,
+        step_size, bc2_sqrt, hyper_ptr, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET,
+    )  # fmt: skip
+    return result, clipped
+
+
+@triton.jit
+def _dw_epilogue_prefetched(
+    acc, offs_m, m_offsets, col0, M, N, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n, step_size,
+    bc2_sqrt, hyper_ptr, remainder_ptr, rng_ptr, base, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPILOGUE_SPLIT: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_GRAD_IN: tl.constexpr, HAS_NORM: tl.constexpr,
+    ARITHMETIC: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, CLIP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The "adamw" epilogue in EPILOGUE_SPLIT (2 or 4) column slices, each slice's W, exp_avg and exp_avg_sq
+    loaded before the previous slice's math and stores (EPILOGUE_PREFETCH): the compiler cannot move a load
+    above a store to memory that may alias, so :func:`_dw_epilogue_slice` waits for each slice's loads after
+    the previous slice's stores; here one slice's loads are in flight while another is computed. The same
+    arithmetic per element and the same fixed order of the slices' sums; returns (sum of squares, count)."""
+    tl.static_assert(EPILOGUE_SPLIT == 2 or EPILOGUE_SPLIT == 4, "a prefetched epilogue has 2 or 4 slices")
+    left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+    if EPILOGUE_SPLIT == 2:
+        half: tl.constexpr = BLOCK_N // 2
+        o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, half)
+        p0, m0, v0 = adamw_tile_load(
+            o0, k0, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        o1, k1 = _slice_offsets(offs_m, m_offsets, col0 + half, M, N, stride_n, half)
+        p1, m1, v1 = adamw_tile_load(
+            o1, k1, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        total, clipped = _dw_adamw_slice(
+            left, p0, m0, v0, o0, k0, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        more, more_clipped = _dw_adamw_slice(
+            right, p1, m1, v1, o1, k1, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        total += more
+        clipped += more_clipped
+    else:
+        half: tl.constexpr = BLOCK_N // 2
+        quarter: tl.constexpr = BLOCK_N // 4
+        q0, q1 = _split_columns(left, BLOCK_M, half)
+        q2, q3 = _split_columns(right, BLOCK_M, half)
+        o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, quarter)
+        p0, m0, v0 = adamw_tile_load(
+            o0, k0, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        o1, k1 = _slice_offsets(offs_m, m_offsets, col0 + quarter, M, N, stride_n, quarter)
+        p1, m1, v1 = adamw_tile_load(
+            o1, k1, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        total, clipped = _dw_adamw_slice(
+            q0, p0, m0, v0, o0, k0, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        o2, k2 = _slice_offsets(offs_m, m_offsets, col0 + half, M, N, stride_n, quarter)
+        p2, m2, v2 = adamw_tile_load(
+            o2, k2, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        more, more_clipped = _dw_adamw_slice(
+            q1, p1, m1, v1, o1, k1, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        total += more
+        clipped += more_clipped
+        o3, k3 = _slice_offsets(offs_m, m_offsets, col0 + half + quarter, M, N, stride_n, quarter)
+        p3, m3, v3 = adamw_tile_load(
+            o3, k3, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
+        )
+        more, more_clipped = _dw_adamw_slice(
+            q2, p2, m2, v2, o2, k2, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        total += more
+        clipped += more_clipped
+        more, more_clipped = _dw_adamw_slice(
+            q3, p3, m3, v3, o3, k3, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP,
+            INTERPRET,
+        )  # fmt: skip
+        total += more
+        clipped += more_clipped
+    return total, clipped
 
 
 @triton.jit
@@ -128,8 +250,8 @@ def expert_mlp_bwd_dw_kernel(
     # pointers
     p_ptr,  # left operand rows: grad_out [T, H] (P_FROM_TOKENS) or grad_hpre [S, 2I]; activation dtype
     q_ptr,  # right operand rows: A [S, I] or hidden_states [T, H] (Q_FROM_TOKENS); activation dtype
-    weights_ptr,  # [T, top_k] floating, read when P_FROM_TOKENS
-    slot_of_row_ptr,  # [S] int32, read
+    weight_of_row_ptr,  # [S] fp32, read when P_FROM_TOKENS: each row's routing weight (ops/backward.py)
+    token_of_row_ptr,  # [S] int32, read when P_FROM_TOKENS or Q_FROM_TOKENS
     expert_offsets_ptr,  # [E + 1] int32, read
     dw_ptr,  # [E, M, N] GRAD_DTYPE, written by "store" (may be grad_in_ptr: each entry is read first)
     grad_in_ptr,  # [E, M, N] GRAD_DTYPE, read when HAS_GRAD_IN (earlier micro-batches' gradient)
@@ -155,14 +277,11 @@ def expert_mlp_bwd_dw_kernel(
     E,
     M,
     N,
-    top_k,
     # strides
     stride_pr,
     stride_pm,
     stride_qr,
     stride_qn,
-    stride_wt,
-    stride_wj,
     stride_e,  # dW, W, exp_avg and exp_avg_sq share their strides
     stride_half,  # W1 as [E, 2, I, H] (any layout): row m is (m // m_half, m % m_half); 0 for W2
     stride_m,
@@ -180,6 +299,7 @@ def expert_mlp_bwd_dw_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EPILOGUE_SPLIT: tl.constexpr,
+    EPILOGUE_PREFETCH: tl.constexpr,
     EPILOGUE: tl.constexpr,
     HAS_GRAD_IN: tl.constexpr,
     HAS_NORM: tl.constexpr,
@@ -207,7 +327,9 @@ def expert_mlp_bwd_dw_kernel(
     arithmetic ARITHMETIC names (see kernels/adamw.py; "adamw"; with MOMENTS_8BIT the moments are codes
     and block scales, updated by kernels/moments_8bit.py in its arithmetic), or only checked against grad_limit
     ("check": the pass that decides, before the update's launch, whether the whole tensor's update is
-    skipped, since one tile cannot skip it once other tiles are stored). With HAS_NORM each program also
+    skipped, since one tile cannot skip it once other tiles are stored). EPILOGUE_PREFETCH (exact moments'
+    "adamw" only): each slice's W, exp_avg and exp_avg_sq loaded before the previous slice's math and
+    stores, the same bits. With HAS_NORM each program also
     writes the sum of its squared gradient entries (telemetry; summed in a fixed order by the launcher).
     An expert with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
@@ -239,8 +361,11 @@ def expert_mlp_bwd_dw_kernel(
     for r0 in range(row_start, row_end, BLOCK_K):
         rows = r0 + offs_k
         mask_k = rows < row_end
-        slots = tl.load(slot_of_row_ptr + rows, mask=mask_k, other=0)
-        tokens = (slots // top_k).to(tl.int64)
+        # The only index loaded in the loop is the gathered operand's row (contiguous, not dependent on
+        # another load); a routing weight is a contiguous fp32 per row.
+        tokens = rows.to(tl.int64)
+        if P_FROM_TOKENS or Q_FROM_TOKENS:
+            tokens = tl.load(token_of_row_ptr + rows, mask=mask_k, other=0).to(tl.int64)
         p_rows = tokens if P_FROM_TOKENS else rows.to(tl.int64)
         p = tl.load(
             p_ptr + p_rows[None, :] * stride_pr + offs_m[:, None] * stride_pm,
@@ -248,9 +373,7 @@ def expert_mlp_bwd_dw_kernel(
             other=0.0,
         )  # [BLOCK_M, BLOCK_K]
         if P_FROM_TOKENS:
-            w = tl.load(
-                weights_ptr + tokens * stride_wt + (slots % top_k) * stride_wj, mask=mask_k, other=0.0
-            ).to(tl.float32)
+            w = tl.load(weight_of_row_ptr + rows, mask=mask_k, other=0.0)
             p = round_to(p.to(tl.float32) * w[None, :], DOT_DTYPE, INTERPRET)
         q_rows = tokens if Q_FROM_TOKENS else rows.to(tl.int64)
         q = tl.load(
@@ -284,8 +407,15 @@ def expert_mlp_bwd_dw_kernel(
     exp_avg_sq_scales_ptr += scale_base
     m_soffsets = (offs_m // m_half) * stride_shalf + (offs_m % m_half) * stride_sm
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
-    # (or out-of-range counts) are added in a fixed order.
-    if EPILOGUE_SPLIT == 1:
+    # (or out-of-range counts) are added in a fixed order. EPILOGUE_PREFETCH: the exact-moment update's
+    # slices with their loads issued one slice ahead (the other epilogues have nothing to prefetch).
+    if EPILOGUE_PREFETCH and EPILOGUE == "adamw" and not MOMENTS_8BIT and EPILOGUE_SPLIT > 1:
+        total, clipped = _dw_epilogue_prefetched(
+            acc, offs_m, m_offsets, col0, M, N, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n, step_size,
+            bc2_sqrt, hyper_ptr, remainder_ptr, rng_ptr, base, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, GRAD_DTYPE,
+            HAS_GRAD_IN, HAS_NORM, ARITHMETIC, REMAINDER, STOCHASTIC, CLIP, INTERPRET,
+        )  # fmt: skip
+    elif EPILOGUE_SPLIT == 1:
         total, clipped = _dw_epilogue_slice(
             acc, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,

@@ -14,8 +14,11 @@ device, never by the token count, so a training run tunes once per layer shape:
 - tuned (CUDA, the default there): the first launch of a key times every candidate and keeps the fastest
   (one host sync per key, then none). A candidate that fails to launch (resources) is skipped.
   The forward, dHpre and dX kernels have no side effects beyond their outputs, which the winner's launch
-  writes last; the wgrad with the fused AdamW update is never run once per candidate: it is tuned on its
-  plain-store variant (the gradient into a scratch buffer) and the winner runs the update once.
+  writes last. Every candidate is timed as it ships: the plain wgrad's store into a scratch gradient; a
+  wgrad with its AdamW update (``ops/wgrad_update.py``) as an :class:`UpdateChoice`, the fused path and the
+  split path at every candidate tile, each applied to scratch copies of the first chunk's experts (the
+  weight and its state), never to the real ones; the winner then runs the update once. :func:`timings`
+  keeps what was measured.
 
 Under the Triton interpreter nothing is tuned unless :func:`tuning` says so (tests), and the default is used.
 Tile offsets of the routing metadata are computed for the BLOCK_M a launch uses
@@ -46,10 +49,17 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     EPILOGUE_SPLIT: int = 1  # wgrad only: the AdamW epilogue's column slices
+    EPILOGUE_PREFETCH: bool = (
+        False  # wgrad only: each slice's state loaded before the previous slice's stores
+    )
 
     def blocks(self) -> dict:
         """The BLOCK_* constexprs as kernel keywords."""
         return {"BLOCK_M": self.BLOCK_M, "BLOCK_N": self.BLOCK_N, "BLOCK_K": self.BLOCK_K}
+
+    def epilogue(self) -> dict:
+        """The wgrad's epilogue constexprs (column slices, prefetch) as kernel keywords."""
+        return {"EPILOGUE_SPLIT": self.EPILOGUE_SPLIT, "EPILOGUE_PREFETCH": self.EPILOGUE_PREFETCH}
 
     def launch(self) -> dict:
         """The launch options (warps, pipeline stages) as kernel keywords."""
@@ -67,7 +77,13 @@ class UpdateChoice(NamedTuple):
 
 def _config(d: dict) -> Config:
     return Config(
-        d["BLOCK_M"], d["BLOCK_N"], d["BLOCK_K"], d["num_warps"], d["num_stages"], d.get("EPILOGUE_SPLIT", 1)
+        d["BLOCK_M"],
+        d["BLOCK_N"],
+        d["BLOCK_K"],
+        d["num_warps"],
+        d["num_stages"],
+        d.get("EPILOGUE_SPLIT", 1),
+        d.get("EPILOGUE_PREFETCH", False),
     )
 
 
@@ -107,7 +123,8 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
         ("fp32", None): (_DEFAULTS["wgrad"],),
         # s5: 3 operand buffers and a main loop that waits on the copies of 3 iterations back
         # (`cp.async.wait_group 3`), where s3 and s4 give 2 and wait on every copy (the gathered rows'
-        # index costs a stage); BLOCK_K 64 halves the iterations per tile (make kernel-report).
+        # index costs a stage); BLOCK_K 64 halves the iterations per tile; the prefetched epilogue issues
+        # each slice's loads before the previous slice's stores (make kernel-report).
         ("16bit", 9): (
             _DEFAULTS["wgrad"],
             Config(128, 128, 64, 8, 3, 4),
@@ -115,6 +132,8 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
             Config(128, 64, 32, 8, 5, 4),
             Config(128, 64, 64, 8, 5, 4),
             Config(128, 128, 64, 8, 5, 4),
+            Config(128, 64, 32, 8, 5, 4, True),
+            Config(128, 64, 64, 8, 5, 4, True),
         ),
         ("16bit", 8): (_DEFAULTS["wgrad"], Config(128, 128, 32, 8, 4, 4), Config(64, 128, 32, 8, 3, 4)),
     },

@@ -17,7 +17,7 @@ from sonar_kernels.ops import configs
 from sonar_kernels.ops.bias import ones_rows
 from sonar_kernels.ops.common import inf_norm, like, on_device, triton_interpreting
 from sonar_kernels.ops.validation import check_buffer, check_update
-from sonar_kernels.ops.wgrad_launch import WgradLaunch
+from sonar_kernels.ops.wgrad_launch import WgradLaunch, weight_of_row
 from sonar_kernels.ops.wgrad_update import apply_update
 from sonar_kernels.specs import down_view, gate_up_bias_view, gate_up_view
 
@@ -259,8 +259,10 @@ def _wgrad(
 
         update.defer(run)
         return None
+    # dW2's P rows are scaled by their routing weight: one fp32 per row, contiguous (else not read).
+    rows_weight = weight_of_row(top_k_weights, meta) if p_from_tokens else meta.expert_offsets
     launch = WgradLaunch(
-        p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, M, N, dtype, view or (lambda t: t), interpret
+        p, p_from_tokens, q, q_from_tokens, rows_weight, meta, M, N, dtype, view or (lambda t: t), interpret
     )
     # The tuning key: the layer shape, dtypes and operands, never the token count (ops/configs.py).
     grad_dtype = update.grad_dtype if update is not None else weight.dtype

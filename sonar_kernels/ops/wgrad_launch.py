@@ -17,6 +17,16 @@ from sonar_kernels.ops.common import TL_DTYPES, input_precision
 from sonar_kernels.ops.configs import Config
 
 
+def weight_of_row(top_k_weights: torch.Tensor, meta) -> torch.Tensor:
+    """[S] fp32: the routing weight of each row, top_k_weights[slot_of_row[r] // top_k, slot_of_row[r] % top_k]
+    as fp32 (exact: the weights' own values), so that the dW2 kernel reads one contiguous weight per row in
+    its main loop instead of a gather that depends on another load. Rows past the kept ones (unspecified
+    slots) get some weight of the tensor; the kernel never reads them."""
+    S = top_k_weights.numel()
+    slots = meta.slot_of_row.clamp(0, max(S - 1, 0)).long()
+    return top_k_weights.reshape(-1)[slots].float()
+
+
 class WgradLaunch(NamedTuple):
     """The operands of one expert tensor's wgrad, dW[e] = sum over rows r of expert e of P[r]^T Q[r]
     (``ops/wgrad.py``, :func:`sonar_kernels.ops.wgrad.expert_wgrad` says what P and Q are).
@@ -24,7 +34,8 @@ class WgradLaunch(NamedTuple):
     Attributes:
         p, q: the GEMM operands; ``p_from_tokens`` / ``q_from_tokens``: their rows are gathered by token
             (``p`` then also scaled by the routing weight).
-        top_k_weights: [T, top_k] routing weights; ``meta``: the layer's routing metadata.
+        weight_of_row: [S] fp32, each row's routing weight (:func:`weight_of_row`), read when
+            ``p_from_tokens``; ``meta``: the layer's routing metadata.
         M, N: the kernel's [E, M, N] view of the tensor; ``dtype``: the GEMM operands' dtype.
         view: maps a tensor of the weight's shape and strides (or a chunk of its experts) to what the
             kernel indexes: [E, M, N], or W1's [E, 2, M / 2, N] halves.
@@ -35,7 +46,7 @@ class WgradLaunch(NamedTuple):
     p_from_tokens: bool
     q: torch.Tensor
     q_from_tokens: bool
-    top_k_weights: torch.Tensor
+    weight_of_row: torch.Tensor
     meta: object
     M: int
     N: int
@@ -61,7 +72,7 @@ class WgradLaunch(NamedTuple):
         their first n experts). Every tensor of the weight's shape is given for those n experts only (a
         chunk's slice, or the whole tensor); ``partial``: one fp32 per program. Arguments a variant does
         not read are replaced by placeholders."""
-        p, q, weights, view = self.p, self.q, self.top_k_weights, self.view
+        p, q, view = self.p, self.q, self.view
         if remainder is not None or rng is not None:
             # The weight as its int16 bits (merged with the remainder, or rounded stochastically, in the
             # epilogue).
@@ -85,17 +96,16 @@ class WgradLaunch(NamedTuple):
             strides = (grad.stride(0), 0, grad.stride(1), grad.stride(2), self.M)
         experts = offsets.numel() - 1
         expert_mlp_bwd_dw_kernel[self.grid(cfg, experts)](
-            p, q, weights, self.meta.slot_of_row, offsets,
+            p, q, self.weight_of_row, self.meta.token_of_row, offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,
             *scale_args, hyper if remainder is None else remainder, hyper if rng is None else rng,
             hyper if clip_counts is None else clip_counts,
-            experts, self.M, self.N, weights.shape[1],
+            experts, self.M, self.N,
             p.stride(0), p.stride(1), q.stride(0), q.stride(1),
-            weights.stride(0), weights.stride(1),
             *strides, *scale_strides,
             limit,
             P_FROM_TOKENS=self.p_from_tokens, Q_FROM_TOKENS=self.q_from_tokens, **cfg.blocks(),
-            EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT, EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
+            **cfg.epilogue(), EPILOGUE=epilogue, HAS_GRAD_IN=grad_in is not None,
             HAS_NORM=has_norm, ARITHMETIC=arithmetic, MOMENTS_8BIT=scales is not None,
             REMAINDER=remainder is not None, STOCHASTIC=rng is not None, CLIP=clip_counts is not None,
             GRAD_DTYPE=TL_DTYPES[grad_dtype],

@@ -14,6 +14,7 @@ No host sync on the update's path (the tuning pass syncs once per key).
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple
 
 import torch
@@ -31,6 +32,28 @@ from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
 # A tensor whose experts are not its outermost dimension in memory is updated in one chunk.
 SPLIT_SCRATCH_FRACTION = 8
 SPLIT_SCRATCH_MIN_BYTES = 64 << 20
+
+
+@contextlib.contextmanager
+def split_scratch(fraction: int = SPLIT_SCRATCH_FRACTION, min_bytes: int = SPLIT_SCRATCH_MIN_BYTES):
+    """Inside the block the split path's scratch is at most 1/``fraction`` of a tensor's gradient bytes or
+    ``min_bytes``, whichever is larger (``fraction=1``: the whole gradient, the Sonar-MoE paper's method:
+    one expert tensor's gradient written, applied, released). Process-wide, like the module's defaults.
+
+    Raises:
+        ValueError: ``fraction`` not an int >= 1 or ``min_bytes`` not an int >= 0.
+    """
+    if isinstance(fraction, bool) or not isinstance(fraction, int) or fraction < 1:
+        raise ValueError(f"fraction must be an int >= 1, got {fraction!r}")
+    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+        raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
+    global SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
+    saved = SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
+    SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = fraction, min_bytes
+    try:
+        yield
+    finally:
+        SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = saved
 
 
 def split_chunk(weight: torch.Tensor, grad_dtype: torch.dtype) -> int:
