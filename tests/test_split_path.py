@@ -136,6 +136,13 @@ def test_split_chunk_follows_the_documented_bound():
     assert wgrad_update.split_chunk(huge, torch.bfloat16) == 16  # 2 GiB bound
     wide = torch.empty(4, 16384, 16384, dtype=torch.bfloat16, device=meta)  # 512 MiB per expert
     assert wgrad_update.split_chunk(wide, torch.bfloat16) == 1  # at least one expert
+    # Granite-3.1-3B-A800M's W1 (3 MiB per expert, 120 MiB in all): 21 experts fit 64 MiB, 20 taken (a
+    # multiple of 4: every chunk's slice of the int32 expert offsets stays 16-byte aligned).
+    granite_w1 = torch.empty(40, 1024, 1536, dtype=torch.bfloat16, device=meta)
+    assert wgrad_update.split_chunk(granite_w1, torch.bfloat16) == 20
+    three = torch.empty(9, 3 << 20, dtype=torch.bfloat16, device=meta)  # 6 MiB per expert, 54 MiB in all
+    with wgrad_update.split_scratch(fraction=3, min_bytes=0):  # 18 MiB: 3 experts, under 4 kept as they are
+        assert wgrad_update.split_chunk(three, torch.bfloat16) == 3
     transposed = torch.empty(64, 2048, 2048, dtype=torch.bfloat16, device=meta).transpose(0, 1)
     assert wgrad_update.split_chunk(transposed, torch.bfloat16) == 2048
     # The bound set for a block: the whole gradient (the paper's method), or 1/4 without a floor.

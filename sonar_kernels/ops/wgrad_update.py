@@ -59,15 +59,21 @@ def split_scratch(fraction: int = SPLIT_SCRATCH_FRACTION, min_bytes: int = SPLIT
 def split_chunk(weight: torch.Tensor, grad_dtype: torch.dtype) -> int:
     """Experts per chunk of the split path's scratch for ``weight`` [E, ...] with gradients of
     ``grad_dtype``: the most experts whose gradient fits the bound (:data:`SPLIT_SCRATCH_FRACTION`,
-    :data:`SPLIT_SCRATCH_MIN_BYTES`), at least 1; E when the experts are not the tensor's outermost
-    dimension (a chunk would not be a dense block of it)."""
+    :data:`SPLIT_SCRATCH_MIN_BYTES`), rounded down to a multiple of 4 when 4 or more fit, at least 1; E when
+    they all fit or when the experts are not the tensor's outermost dimension (a chunk would not be a dense
+    block of it)."""
     E = weight.shape[0]
     if E <= 1 or not is_dense(weight) or weight.stride(0) * E != weight.numel():
         return max(E, 1)
     itemsize = torch.empty((), dtype=grad_dtype).element_size()
     expert_bytes = weight[0].numel() * itemsize
     bound = max(E * expert_bytes // SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES)
-    return min(E, max(1, bound // max(expert_bytes, 1)))
+    chunk = bound // max(expert_bytes, 1)
+    if chunk >= E:
+        return E
+    # A multiple of 4 experts where 4 fit: every chunk's slice of the int32 expert offsets (and of the
+    # per-program sums) then starts 16-byte aligned, so all chunks launch one compiled kernel.
+    return max(1, chunk - chunk % 4 if chunk >= 4 else chunk)
 
 
 class _State(NamedTuple):
