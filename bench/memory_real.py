@@ -15,9 +15,13 @@ Arms (sonar-train's, docs/sonar-train.md), every model in bf16:
   fp32 moments of every parameter); under FSDP2 FSDP2's own recipe (fp32 shards,
   ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``); global-norm clipping;
 - ``standard bf16``: ``standard``, torch.optim.AdamW on the bf16 parameters (bf16 moments), global clipping;
-- ``paper``: the Sonar-MoE paper's method (SonarAdamW's split path: each expert gradient a tensor, applied
-  in the backward, released);
+- ``paper``: the Sonar-MoE paper's method (SonarAdamW's split path with the whole gradient,
+  ``split_scratch(fraction=1)``: each expert gradient a tensor, applied in the backward, released);
 - ``sonar``: AdamW fused into the wgrad epilogue (no expert gradient);
+- ``sonar split``: the split path at the library's bound (``fused_epilogue=False``: one chunk of experts'
+  gradient at a time, at most 1/8 of the tensor's or 64 MiB), the path SonarAdamW's default
+  (``fused_epilogue=None``) may pick on CUDA: its peak bounds the default's. One GPU only
+  (:data:`ONE_GPU_ONLY`);
 - ``sonar 8-bit``, ``sonar remainder``, ``sonar stochastic``, ``sonar remainder 8-bit``,
   ``sonar stochastic 8-bit``: the state kinds (docs/design.md); under FSDP2 the 8-bit and stochastic ones
   are not traced (:data:`FSDP2_UNTRACED`).
@@ -61,6 +65,8 @@ ARMS = {
     "standard bf16": ("standard", "bf16", {"method": "standard"}),
     "paper": ("paper", "bf16", {"method": "paper"}),
     "sonar": ("sonar", "bf16", {"method": "sonar"}),
+    # sonar-train's paper arm at the library's scratch bound instead of the whole gradient (trace())
+    "sonar split": ("paper", "bf16", {"method": "sonar", "fused_epilogue": False}),
     "sonar 8-bit": ("sonar-8bit", "bf16, 8-bit expert moments", {"method": "sonar", "moments": "8bit"}),
     "sonar remainder": ("sonar-remainder", "bf16 + 16-bit remainder", {"method": "sonar", "master": "remainder"}),
     "sonar stochastic": ("sonar-stochastic", "bf16, stochastic rounding", {"method": "sonar", "master": "stochastic"}),
@@ -81,6 +87,11 @@ FSDP2_UNTRACED = {
 }  # fmt: skip
 
 
+# Arms traced on one GPU only: under FSDP2 SonarAdamW updates an expert shard from its reduced gradient (the
+# .grad path), which has no split path: the row would be sonar's.
+ONE_GPU_ONLY = {"sonar split"}
+
+
 def trace(
     preset_name: str,
     arm: str,
@@ -88,10 +99,20 @@ def trace(
     checkpointing: bool,
     fake: bool = True,
     world_size: int = 1,
+    dims=None,
 ) -> dict:
     """One row: the second training step of ``arm`` on ``preset_name`` (``layers`` decoder layers, all when
     None) under MemTracker, in bf16, on one rank of ``world_size`` (FSDP2 when above 1; see the module
-    docstring)."""
+    docstring). ``dims``: a ``sonar_kernels.train.Preset`` traced and predicted under ``preset_name``
+    instead of its own dimensions (tests/test_memory_real.py), restored after the row."""
+    if dims is not None:
+        from sonar_kernels.train import data
+
+        saved, data.PRESETS[preset_name] = data.PRESETS[preset_name], dims
+        try:
+            return trace(preset_name, arm, layers, checkpointing, fake, world_size)
+        finally:
+            data.PRESETS[preset_name] = saved
     os.environ["SONAR_KERNELS_TUNING"] = "0"
     warnings.simplefilter("ignore")
     import dry_run
@@ -127,6 +148,8 @@ def trace(
                 built = fsdp2_arm(sonar_arm, initial, args, mesh)
             else:
                 built = train.build_arm(sonar_arm, initial, args, steps=2)
+                if arm == "sonar split":  # the paper arm's split path, at the library's scratch bound
+                    built.split_fraction = None
             del initial
             train.train_step(built, data.batch(0), args.max_grad_norm)  # creates the optimizer state
             masters = getattr(built.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
@@ -178,7 +201,9 @@ def fsdp2_arm(name: str, model, args, mesh):
             moments_dtype="8bit" if name.endswith("8bit") else None, master_weights=master,
             fused_epilogue=name != "paper",
         )  # fmt: skip
-        return Arm(name, model, optimizer, [], None, model)
+        arm = Arm(name, model, optimizer, [], None, model)
+        arm.split_fraction = 1 if name == "paper" else None  # as build_arm (no split path under FSDP2)
+        return arm
     optimizer = torch.optim.AdamW(model.parameters(), **hyper, fused=True)
     return Arm("standard", model, optimizer, [], list(model.parameters()), model)
 
@@ -202,8 +227,9 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, wor
         preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )
     setup = dataclasses.replace(
-        setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers)
-    )
+        setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers),
+        fused_epilogue=options.get("fused_epilogue", True),
+    )  # fmt: skip
     return predict(setup).total
 
 
@@ -211,14 +237,14 @@ def _run(task: tuple) -> dict:
     try:
         return trace(*task)
     except Exception as error:  # recorded in the report; the other rows go on
-        preset, arm, layers, checkpointing, fake, world_size = task
+        preset, arm, layers, checkpointing, fake, world_size = task[:6]
         return {"preset": preset, "arm": arm, "layers": layers, "checkpointing": checkpointing,
                 "world_size": world_size, "mode": "fake" if fake else "real",
                 "error": f"{type(error).__name__}: {error}"}  # fmt: skip
 
 
 def run(tasks: list[tuple], jobs: int) -> list[dict]:
-    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size) each), in ``jobs``
+    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size[, dims]) each), in ``jobs``
     spawned processes (nothing inherited; each trace inside its own dry run, whose patches it undoes), in
     the order given."""
     env_interpret = os.environ.pop("TRITON_INTERPRET", None)  # the GPU path, not the interpreter
@@ -407,7 +433,7 @@ def main(argv=None) -> int:
         text = check_table(rows, skipped)
     else:
         tasks = [(p, a, d, ck, not args.real, w) for d in args.layers for p in presets for w in args.world_sizes
-                 for ck in cks for a in args.arms if w == 1 or a not in FSDP2_UNTRACED]  # fmt: skip
+                 for ck in cks for a in args.arms if w == 1 or a not in FSDP2_UNTRACED | ONE_GPU_ONLY]  # fmt: skip
         rows = run(tasks, args.jobs)
         text = decision_table(rows) + "\n\n" + table(rows)
     from check_backward import _commit  # git's HEAD, or "unknown"

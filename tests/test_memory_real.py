@@ -49,6 +49,28 @@ def test_the_fake_trace_equals_the_real_allocations_within_one_percent():
     }
     assert peak["sonar"] < peak["paper"] < peak["standard bf16"] < peak["standard mixed precision"]
     assert peak["sonar 8-bit"] < peak["sonar"]
+    # The split path's chunk is at least 64 MiB: at tiny-olmoe, the whole gradient, as the paper's.
+    assert peak["sonar split"] == peak["paper"]
+
+
+@pytest.mark.timeout(300)
+def test_the_split_paths_scratch_is_the_models_where_the_update_sets_the_peak():
+    # Experts large against the rest of the step (2 layers of H 1024, I 4096, 16 experts, 64 tokens): the
+    # in-backward update's moment is the peak, so the paper's whole W1 gradient (256 MiB in bf16), the
+    # split path's chunk (64 MiB: 4 experts, sonar_kernels.ops.wgrad_update.split_chunk) and the fused
+    # update (none) part the arms. The fake trace against the memory model.
+    from sonar_kernels.train import Preset
+
+    memory_real = _module()
+    big = Preset("olmoe", 1024, 4096, 16, 2, 2, 8, 8, 256, batch_size=1, sequence_length=64)
+    arms = ("paper", "sonar split", "sonar")
+    rows = memory_real.run([("tiny-olmoe", arm, None, True, True, 1, big) for arm in arms], jobs=1)
+    assert all("error" not in row for row in rows), rows
+    for row in rows:
+        assert abs(row["model_peak_bytes"] / row["peak_bytes"] - 1) < 1e-3, row
+    peak = {row["arm"]: row["peak_bytes"] for row in rows}
+    assert abs(peak["paper"] - peak["sonar split"] - (256 - 64) * 2**20) < 2**20, peak
+    assert peak["sonar"] < peak["sonar split"], peak
 
 
 def test_the_qwen3_preset_is_qwen3_30b_a3b_as_published():

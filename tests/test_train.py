@@ -184,6 +184,32 @@ def test_expert_updates_are_counted_from_the_optimizer_state_not_assumed():
     assert (int(arm.updates["backward"]), int(arm.updates["step"])) == (3, 0)
 
 
+def test_the_paper_arm_runs_its_backward_with_the_whole_gradient_as_the_split_paths_scratch():
+    # The paper's method writes each expert tensor's whole gradient: the paper arm's backward runs under
+    # split_scratch(fraction=1) (Arm.split_fraction), which the Triton split path reads; the other arms,
+    # and everything after the backward, at the library's bound (a chunk of experts).
+    from sonar_kernels.integrations import transformers as hf
+    from sonar_kernels.ops import wgrad_update
+
+    hf.register()
+    args = train.parse_args(["--backend", "torch", "--quiet", "--no-checkpointing"])
+    initial = train.build_model(train.PRESETS["tiny-olmoe"], 1, 0, torch.float32, torch.device("cpu"))
+    hf.set_backend(initial, "torch")
+    data = train.ByteData(train.default_text(), 16, 2, seed=0)
+    default = wgrad_update.SPLIT_SCRATCH_FRACTION
+    seen = []
+
+    def record(module, grad_output):  # the lm_head's backward: the first of the step's backward
+        seen.append(wgrad_update.SPLIT_SCRATCH_FRACTION)
+
+    for name, during in (("paper", 1), ("sonar", default)):
+        arm = train.build_arm(name, initial, args, steps=1)
+        arm.model.lm_head.register_full_backward_pre_hook(record)
+        seen.clear()
+        train.train_step(arm, data.batch(0), 1.0)
+        assert seen == [during] and default == wgrad_update.SPLIT_SCRATCH_FRACTION, (name, seen)
+
+
 def test_heldout_verdict_over_seeds():
     from sonar_kernels.train.report import heldout_statistics
 

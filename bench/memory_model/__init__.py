@@ -10,9 +10,12 @@ activations and temporaries), for three methods:
   ``mixed-precision`` arm (fp32 master copies and moments of a bf16 model).
 - ``paper``: the Sonar-MoE paper's method: each expert tensor's gradient is computed as a tensor and
   applied by AdamW in the backward, then released (one expert gradient alive at a time; sonar-train's
-  ``sonar`` arm on the torch backend, ``SonarAdamW(fused_epilogue=False)`` on the Triton one).
+  ``sonar`` arm on the torch backend, its ``paper`` arm on the Triton one: ``SonarAdamW(fused_epilogue=False)``
+  under ``split_scratch(fraction=1)``, the split path with the whole gradient).
 - ``sonar``: the AdamW update fused into the Triton wgrad epilogue: no expert gradient tensor (the
-  ``sonar`` arm on the Triton backend).
+  ``sonar`` arm on the Triton backend); with ``Setup.fused_epilogue`` False or None the split path at
+  its default bound instead: one chunk of experts' gradient at a time (at most 1/8 of the tensor's
+  gradient or 64 MiB), per expert tensor, while it is updated.
 
 and these layouts (:class:`Layout`): one rank, data parallel (DDP for the dense parameters; the experts
 replicated, their gradients averaged by SonarAdamW's data-parallel group), expert parallel (each rank

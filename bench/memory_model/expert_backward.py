@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     pass
 
-from memory_model.inputs import DHPRE_BLOCK_N, FP32, INT64
+from memory_model.inputs import DHPRE_BLOCK_N, FP32, INT32, INT64
 
 # --- the backward of one layer's experts ----------------------------------------------------------------
 
@@ -170,13 +170,45 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: s
         tape.free(*extra)
 
 
+def split_scratch_bytes(shape: tuple[int, ...], param_bytes: int, whole: bool = False) -> int:
+    """Bytes of the Triton split path's gradient buffer for an expert tensor of local ``shape`` [E, ...]
+    whose gradient has the parameters' dtype (``param_bytes``; SonarAdamW's default ``grad_dtype``): one
+    chunk of whole experts, ``sonar_kernels.ops.wgrad_update.split_chunk`` (at most 1/8 of the tensor's
+    gradient bytes or 64 MiB, whichever is larger), allocated once per update; ``whole``: under
+    ``split_scratch(fraction=1)``, the paper's method, the whole gradient."""
+    import contextlib
+    import math
+
+    import torch
+
+    from sonar_kernels.ops.wgrad_update import split_chunk, split_scratch
+
+    dtype = {2: torch.bfloat16, 4: torch.float32}[param_bytes]
+    weight = torch.empty(shape, dtype=dtype, device="meta")
+    with split_scratch(fraction=1) if whole else contextlib.nullcontext():
+        experts = split_chunk(weight, dtype)
+    return experts * math.prod(shape[1:]) * param_bytes
+
+
+def weight_of_row(tape: Tape, S: int, a: int) -> None:
+    """dW2's launch's rows' routing weights (ops/wgrad_launch.py ``weight_of_row``): [S] fp32, kept for the
+    launch (freed with it, by the caller), made from the rows' slots clamped (int32) then as int64, the
+    weights gathered (``a`` bytes) and cast to fp32 (no copy when ``a`` is fp32)."""
+    tape.moment(slots=S * (INT32 + INT64))
+    tape.alloc("weight_of_row", S * FP32)
+    tape.moment(slots=S * INT64, weights_gathered=S * a if a != FP32 else 0)
+
+
 def triton_expert_backward(tape: Tape, n: dict, mode: str) -> None:
     """The Triton backend's expert backward (ops/backward.py ``moe_mlp_bwd_core``, then each weight's job,
     ops/wgrad.py ``expert_wgrad``): dHpre [S, 2I], A [S, I] and the routing-weight partial sums
     [cdiv(I, 64), S] fp32 from the dHpre kernel; d top_k_weights; dX's rows [S, H] and dX [T, H]; then dW2
-    (mode "grad"; A released after it) and dW1 (mode "grad"). ``mode`` "fused": the updates deferred and
-    fused into the wgrad launches (no gradient tensor); "split": deferred, each gradient written, then
-    updated by the flat AdamW kernel (no temporaries)."""
+    (mode "grad"; A released after it; its rows' routing weights as fp32 during its launch) and dW1 (mode
+    "grad"). ``mode`` "fused": the updates deferred and fused into the wgrad launches (no gradient tensor);
+    "split": deferred, each tensor's gradient written into a buffer of ``n["w1_scratch"]`` and
+    ``n["w2_scratch"]`` bytes (:func:`split_scratch_bytes`: a chunk of experts, or the whole gradient for the
+    paper's method) and updated from it by the standalone AdamW kernel (no temporaries), chunk after
+    chunk, the buffer released after the tensor's last chunk."""
     S, T, k, H, I, a, w1, w2 = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2"))
     tape.alloc("dHpre", S * 2 * I * a)
     tape.alloc("A", S * I * a)
@@ -186,12 +218,16 @@ def triton_expert_backward(tape: Tape, n: dict, mode: str) -> None:
     tape.alloc("dX", T * H * a)
     tape.moment(dX_rows=S * H * a)
     if mode == "grad":
+        weight_of_row(tape, S, a)
         tape.alloc("grad:down_proj", w2)
-        tape.free("A")
+        tape.free("A", "weight_of_row")
         tape.alloc("grad:gate_up_proj", w1)
         return
     tape.free("node")
-    if mode == "split":  # W1's deferred update: its gradient, then the flat AdamW kernel; then W2's
-        tape.moment(**{"in_backward:gate_up_proj": w1})
-        tape.free("dHpre")
-        tape.moment(**{"in_backward:down_proj": w2})
+    # W1's deferred update, then W2's (its rows' routing weights made first).
+    scratch = mode == "split"
+    tape.moment(**{"in_backward:gate_up_proj": n["w1_scratch"] if scratch else 0})
+    tape.free("dHpre")
+    weight_of_row(tape, S, a)
+    tape.moment(**{"in_backward:down_proj": n["w2_scratch"] if scratch else 0})
+    tape.free("weight_of_row")

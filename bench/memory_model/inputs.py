@@ -132,13 +132,20 @@ class Setup:
             method; docs/design.md, "bf16 master weights"): "remainder" (fp32 moments, or 8-bit ones, and
             an int16 remainder per element: 2 bytes) or "stochastic" (the moments as with "remainder" and a
             0-dim int64 seed per tensor).
+        fused_epilogue: sonar's ``SonarAdamW(fused_epilogue=...)`` on the Triton backend: True, the update
+            in the wgrad epilogue (no gradient tensor); False, the split path: each expert tensor's
+            gradient written by chunks of experts into a buffer of at most 1/8 of its bytes or 64 MiB
+            (``sonar_kernels.ops.wgrad_update.split_chunk``), updated from it, released after the
+            tensor's update; None (SonarAdamW's default: the tuner picks either per layer shape on CUDA),
+            bounded by the split path's peak, modelled as False. The paper's method is the split path with
+            the whole gradient (``split_scratch(fraction=1)``, sonar-train's ``paper`` arm); it ignores this.
 
     Raises:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
             backend; parameter bytes other than 2 or 4, activations wider than the parameters; experts that
             ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1; master
             weights with the standard method or fp32 parameters; fp32 masters with another method, fp32
-            parameters or FSDP2.
+            parameters or FSDP2; ``fused_epilogue`` other than True with another method than sonar.
     """
 
     dims: Preset
@@ -158,6 +165,7 @@ class Setup:
     master: str | None = None
     fp32_masters: bool = False
     causal_mask: bool = False
+    fused_epilogue: bool | None = True
 
     def __post_init__(self):
         if self.fp32_masters and (self.method != "standard" or self.param_bytes != 2 or self.layout.fsdp > 1):
@@ -177,6 +185,8 @@ class Setup:
             raise ValueError("8-bit moments are an in-backward update's (method paper or sonar)")
         if self.method not in METHODS:
             raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.fused_epilogue is not True and self.method != "sonar":
+            raise ValueError("fused_epilogue is sonar's choice (the paper's method is the split path, whole)")
         if self.adamw not in ADAMW:
             raise ValueError(f"adamw must be one of {ADAMW}, got {self.adamw!r}")
         if self.backend not in ("torch", "triton"):

@@ -15,6 +15,7 @@ from memory_model.expert_backward import (
     Tape,
     adamw_temporaries,
     remainder_update_temporaries,
+    split_scratch_bytes,
     torch_expert_backward,
     triton_expert_backward,
 )
@@ -140,15 +141,24 @@ def predict(s: Setup) -> Prediction:
                      "log_softmax_and_gradients": 3 * T * V * FP32})  # fmt: skip
     if s.method == "standard" or reduce_first:
         mode = "grad"
-    else:
-        mode = "deferred" if s.backend == "torch" else ("fused" if s.method == "sonar" else "split")
+    elif s.backend == "torch":
+        mode = "deferred"
+    else:  # sonar's fused update, or the split path: sonar's by chunks of experts, the paper's whole
+        mode = "fused" if s.method == "sonar" and s.fused_epilogue else "split"
+    scratch = {}
+    if mode == "split":
+        shapes = {name: local_shape(shape, expert, lay) for name, shape, expert in tensors}
+        scratch = {
+            f"{w}_scratch": split_scratch_bytes(shapes[f"layers.0.{name}"], p, whole=s.method == "paper")
+            for w, name in (("w1", "gate_up_proj"), ("w2", "down_proj"))
+        }
     ready = {"lm_head", "norm"}
     grads = nbytes["lm_head"] + nbytes["norm"]
     for layer in reversed(range(L)):  # each layer's expert backward, the last layer first
         kept, moe, _ = saved[layer]
         n = {"S": rows[layer], "T": rows[layer] if lay.ep > 1 else T, "k": 1 if lay.ep > 1 else d.top_k, "H": H,
              "I": d.intermediate_size, "a": a, "w1": w1, "w2": w2, "E": d.num_experts // lay.ep,
-             "routing_grad": lay.ep == 1}  # fmt: skip
+             "routing_grad": lay.ep == 1, **scratch}  # fmt: skip
         # The node's saved tensors (autograd gives its unused outputs, Hpre and the metadata, no zero
         # gradients: autograd/formula.py turns their materialization off).
         node = sum(moe.values())

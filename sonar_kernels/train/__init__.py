@@ -12,8 +12,9 @@ sonar kernels (transformers' experts_implementation "sonar"), so only the optimi
 
 ``--arms all-in-backward`` adds the paper's other comparison (not run by default): every parameter
 updated in the backward and no clipping anywhere (:class:`AllInBackward`); ``--arms paper`` the paper's
-method itself: SonarAdamW's split path (``fused_epilogue=False``: each expert gradient written as a tensor,
-applied in the backward, released; the same bits as ``sonar``, more memory on the Triton backend).
+method itself: SonarAdamW's split path with the whole gradient (``fused_epilogue=False``, the backward under
+``split_scratch(fraction=1)``: each expert gradient written as a tensor, applied in the backward, released;
+the same bits as ``sonar``, more memory on the Triton backend).
 
 ``--expert-clipping spike lagged`` adds SonarAdamW's expert clipping: ``sonar-spike`` (SPAM's spike rule
 inside the in-backward update, ``--spike-threshold``) and ``sonar-lagged`` (the expert gradients scaled by

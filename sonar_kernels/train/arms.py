@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import math
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from sonar_kernels.ops.wgrad_update import split_scratch
 from sonar_kernels.optim.param_groups import torch_adamw_flags
 from sonar_kernels.train import distributed
 from sonar_kernels.train.clipping import (
@@ -31,8 +33,9 @@ from sonar_kernels.train.data import ByteData, Preset
 
 # The arms that train with SonarAdamW: exact moments, 8-bit moments (docs/design.md, "8-bit moments"), bf16
 # master weights.
-# "paper": the Sonar-MoE paper's method, SonarAdamW's split path (fused_epilogue=False): each expert
-# tensor's gradient written as a tensor and applied in the backward, then released (the same bits as sonar).
+# "paper": the Sonar-MoE paper's method, SonarAdamW's split path (fused_epilogue=False) with the whole
+# gradient (its backward under split_scratch(fraction=1), Arm.split_fraction): each expert tensor's gradient
+# written as a tensor and applied in the backward, then released (the same bits as sonar).
 SONAR_ARMS = ("sonar", "paper", "sonar-8bit", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
               "sonar-stochastic-8bit", "sonar-spike", "sonar-lagged")  # fmt: skip
 # Each sonar arm's control, run on the first seed only: its training with materialized gradients and a
@@ -262,6 +265,10 @@ class Arm:
     # the memory pass): the elements the spike rule replaced (int64), or the lagged coefficient that the
     # next step's expert gradients are multiplied by (fp32).
     clipping: list | None = None
+    # The split path's scratch over this arm's backward (``sonar_kernels.ops.wgrad_update.split_scratch``'s
+    # fraction of an expert tensor's gradient; set around the backward only): 1 for the paper arm, the
+    # whole gradient as the paper's method writes it; None: the library's bound (a chunk of experts).
+    split_fraction: int | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -336,6 +343,8 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
         return LR_FLOOR + (1 - LR_FLOOR) * 0.5 * (1 + math.cos(math.pi * progress))
 
     arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
+    if name == "paper":
+        arm.split_fraction = 1
     if name in SONAR_ARMS and count_updates:
         arm.updates = {"backward": 0, "step": 0}
     if name in CLIPPING_MODE and count_updates:
@@ -357,7 +366,10 @@ def train_step(
     if spike is not None:
         loss = loss * spike
     before = _expert_step_count(arm) if arm.updates is not None else None
-    loss.backward()
+    # The expert updates run in the backward: the split path's scratch bound set for it (the paper arm's
+    # whole gradient), process-wide, and restored before any other arm runs.
+    with contextlib.nullcontext() if arm.split_fraction is None else split_scratch(arm.split_fraction):
+        loss.backward()
     after_backward = _expert_step_count(arm) if arm.updates is not None else None
     norm = None
     if arm.clip_params is not None:
