@@ -67,7 +67,7 @@ import triton  # noqa: E402
 
 from sonar_kernels.ops import configs  # noqa: E402
 
-SECTIONS = ("correctness", "layers", "gemms", "full-steps")
+SECTIONS = ("correctness", "layers", "gemms", "wgrad", "full-steps")
 MODELS = ("olmoe-1b-7b", "granite-3.1-3b-a800m")
 TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
@@ -75,7 +75,10 @@ LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KI
 # --deadline starts no unit that would end past it. A unit's compilations are counted by --dry-run (at most
 # 24, in the first correctness units; none after the first layer unit). A gemms unit took 2 to 6 s on the
 # H200 (2026-12-04); its floors add a copy and two torch.bmm timings (about 0.5 s): 35 s still covers it.
-ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "full-steps": 75}
+ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "wgrad": 120, "full-steps": 75}
+# The wgrad section's providers: sonar (exact bf16 moments: every tile candidate, fused and split) and the
+# state kinds whose tiles are fixed (the path only).
+WGRAD_PROVIDERS = ("sonar", "sonar-8bit", "sonar-stochastic")
 # Seconds of one kernel's cold build for sm_90a, with a margin: --dry-run --compile-times measured a mean of
 # 0.7 s and a longest of 3.3 s per build on a 2-core CPU (bench/README.md, "Budget").
 COMPILE_S = 1.5
@@ -373,6 +376,52 @@ def gemms(plan: Plan, device, model: str) -> dict:
     }
 
 
+def wgrad_choices(plan: Plan, device, model: str) -> dict:
+    """The tuner's own measurements (ops/configs.py ``timings``) of each expert tensor's wgrad with its
+    update, as the first step of a layer takes them with tuning on: the fused and the split path at every
+    wgrad tile candidate (the state kinds with fixed tiles: the path only), each timed as it ships on
+    scratch copies of the first chunk's experts (ops/wgrad_update.py), and the option kept. Beside each
+    time, the floor of that chunk's update bytes at the copy bandwidth measured here (fused: W, exp_avg,
+    exp_avg_sq read and written; split: the gradient written and read besides)."""
+    from sonar_kernels.ops import wgrad_update
+
+    shape = plan.shape(model, plan.tokens[0])
+    copy = bandwidth(plan, device)
+    inputs = providers.make_inputs(shape, device.dtype, device.kind)
+    out = {"shape": model, "T_H_I_E_top_k": list(shape), "copy_gbs": copy["gbs"], "providers": {}}
+    for name in WGRAD_PROVIDERS:
+        configs.pin()  # forget every choice: this step tunes its keys afresh
+        step = providers.build(name, inputs, backend="triton")
+        with configs.tuning(True):
+            step.run()
+        device.sync()
+        tensors = {}
+        for key, times in configs.timings().items():
+            if " update " not in f" {key} ":
+                continue
+            tensor = "gate_up_proj" if " gate_up_proj " in f" {key} " else "down_proj"
+            weight = step.params[0 if tensor == "gate_up_proj" else 1]
+            chunk = wgrad_update.split_chunk(weight, weight.dtype)
+            state = step.optimizer.state[weight]
+            state_bytes = sum(t.numel() * t.element_size() for t in state.values() if t.shape == weight.shape)
+            per_expert = (weight.numel() * weight.element_size() + state_bytes) / weight.shape[0]
+            grad_bytes = weight.numel() * weight.element_size() / weight.shape[0]
+            rows = []
+            for option, seconds in times:
+                moved = chunk * 2 * (per_expert + (grad_bytes if option.path == "split" else 0))
+                rows.append({
+                    "path": option.path, "config": option.config._asdict(), "seconds": seconds,
+                    "floor_bytes_s": moved / (copy["gbs"] * 1e9),
+                })  # fmt: skip
+            chosen = configs.chosen()[key]
+            tensors[tensor] = {"key": key, "chunk_experts": chunk, "chosen": {"path": chosen.path,
+                               "config": chosen.config._asdict()}, "options": rows}  # fmt: skip
+        out["providers"][name] = tensors
+        del step
+    configs.pin()
+    return out
+
+
 def wgrad_slabs(device, shape: providers.Shape, M: int, S: int, N: int) -> dict:
     """torch.bmm over equal per-expert slabs, [E, M, S / E] x [E, S / E, N] in the run's dtype: the GEMM-only
     reference of a wgrad of (M, S, N) over S routed rows, whose K per expert is S / E (a dense torch.mm with
@@ -467,6 +516,9 @@ def units(plan: Plan, device, sections: tuple[str, ...]) -> list[tuple[str, str,
         for model in MODELS:
             out.append(("gemms", model, lambda m=model: gemms(plan, device, m)))
         out.append(("gemms", "copy bandwidth", lambda: bandwidth(plan, device)))
+    if "wgrad" in sections:
+        for model in MODELS:
+            out.append(("wgrad", model, lambda m=model: wgrad_choices(plan, device, m)))
     if "full-steps" in sections:
         for model in MODELS:
             out.append(("full-steps", model, lambda m=model: full_step(plan, device, m)))
@@ -559,8 +611,15 @@ def _finish(result: dict, started: float, out: Path) -> None:
         else:
             section["status"] = "not run"
     result["seconds"] = time.monotonic() - started
-    result["meta"]["configs"] = {key: config._asdict() for key, config in configs.chosen().items()}
+    result["meta"]["configs"] = {key: _option(config) for key, config in configs.chosen().items()}
     _write(result, out)
+
+
+def _option(option) -> dict:
+    """A tuner's choice as a dict: a tile configuration, or a wgrad update's path and tiles."""
+    if isinstance(option, configs.UpdateChoice):
+        return {"path": option.path, **option.config._asdict()}
+    return option._asdict()
 
 
 def _status(result: dict) -> int:
@@ -655,6 +714,8 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
         return [*lines, ""]
     if section == "gemms":
         return _gemm_lines(name, r)
+    if section == "wgrad":
+        return _wgrad_lines(name, r)
     lines = [
         "", f"{name} ({r['preset']}, {r['layers']} layers, batch {r['batch']} x {r['sequence_length']}):", "",
         "| arm | step ms | time / standard | peak MiB | memory / standard |", "|---|---|---|---|---|",
@@ -664,6 +725,31 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
             f"| {arm} | {1000 * row['step_time_s']:.1f} | {row['time_vs_standard']:.2f} | "
             f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f} |"
         )
+    return [*lines, ""]
+
+
+def _wgrad_lines(name: str, r: dict) -> list[str]:
+    """The wgrad section's unit: per provider and expert tensor, every option the tuner timed."""
+    lines = [
+        "", f"{name}: the tuner's times of each wgrad with its update (T, H, I, E, top_k) = "
+        f"{tuple(r['T_H_I_E_top_k'])}, on the first chunk's experts; copy {r['copy_gbs']:.0f} GB/s", "",
+        "| provider | tensor | path | BMxBNxBK w s split pf | ms | floor ms | ms / floor | chosen |",
+        "|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for provider, tensors in r["providers"].items():
+        for tensor, t in tensors.items():
+            for row in t["options"]:
+                c = row["config"]
+                tiles = (
+                    f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} {c['num_warps']} {c['num_stages']} "
+                    f"{c['EPILOGUE_SPLIT']} {'y' if c.get('EPILOGUE_PREFETCH') else 'n'}"
+                )
+                chosen = t["chosen"]["path"] == row["path"] and t["chosen"]["config"] == c
+                lines.append(
+                    f"| {provider} | {tensor} ({t['chunk_experts']} experts) | {row['path']} | {tiles} | "
+                    f"{_ms(row['seconds'])} | {_ms(row['floor_bytes_s'])} | "
+                    f"{row['seconds'] / row['floor_bytes_s']:.1f} | {'**yes**' if chosen else ''} |"
+                )
     return [*lines, ""]
 
 

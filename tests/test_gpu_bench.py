@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from sonar_kernels.ops import configs as sonar_configs
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_bench.py"
 UNITS = {
@@ -23,6 +25,7 @@ UNITS = {
     ],
     "layers": [f"{m} T{t}" for t in (16, 32) for m in ("olmoe-1b-7b", "granite-3.1-3b-a800m")],
     "gemms": ["olmoe-1b-7b", "granite-3.1-3b-a800m", "copy bandwidth"],
+    "wgrad": ["olmoe-1b-7b", "granite-3.1-3b-a800m"],
     "full-steps": ["olmoe-1b-7b", "granite-3.1-3b-a800m"],
 }
 
@@ -92,11 +95,15 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
         assert set(units["gemms"][name]["torch_mm"]) == {*gemms, "wgrad dW2", "wgrad dW1"}
         _check_floors(units["gemms"][name], [*gemms, *wgrads, *split, "combine", "combine dX"])
     assert units["gemms"]["copy bandwidth"]["gbs"] > 0
+    for unit in units["wgrad"].values():
+        _check_wgrad_choices(unit)
     for full in units["full-steps"].values():
         assert set(full["arms"]) == {"standard", "sonar", "all-in-backward"}
         assert all(a["step_time_s"] > 0 and a["peak_bytes"] > 0 for a in full["arms"].values())
     md = out.with_suffix(".md").read_text()
-    for heading in ("## correctness: done", "## layers: done", "## gemms: done", "## full-steps: done"):
+    for heading in (
+        "## correctness: done", "## layers: done", "## gemms: done", "## wgrad: done", "## full-steps: done"
+    ):  # fmt: skip
         assert heading in md
     assert "| sonar-stochastic |" in md and "| wgrad dW1 " in md
     assert "| floor ms | ms / floor | torch.bmm ms | ms / torch.bmm |" in md and "| all launches |" in md
@@ -119,6 +126,32 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
     assert rendered.count("| layer olmoe-1b-7b T16;") == 1 and "1500.00" in rendered
     assert rendered.count("| full step granite-3.1-3b-a800m, 1 layers;") == 1
     assert rendered.count("tuned tiles") == len(units["layers"]) + len(units["full-steps"])
+
+
+def _check_wgrad_choices(unit: dict) -> None:
+    """The wgrad section's unit: for sonar every wgrad tile candidate timed on both paths, for the state kinds
+    with fixed tiles both paths; one chosen option among them; each option's floor from the bytes computed
+    here (bf16 weights; bf16 moments for sonar, 8-bit codes for sonar-8bit, fp32 for sonar-stochastic: W
+    and the moments of the chunk's experts read and written, and the split path's gradient written and
+    read), at the copy bandwidth measured in the unit."""
+    _, H, I, E, _ = unit["T_H_I_E_top_k"]
+    candidates = sonar_configs.CANDIDATES["wgrad"][("16bit", 9)]
+    state_bytes = {"sonar": 2 + 2, "sonar-8bit": 1 + 1, "sonar-stochastic": 4 + 4}
+    assert set(unit["providers"]) == set(state_bytes)
+    for provider, tensors in unit["providers"].items():
+        assert set(tensors) == {"gate_up_proj", "down_proj"}
+        for tensor, t in tensors.items():
+            options = [(row["path"], sonar_configs.Config(**row["config"])) for row in t["options"]]
+            tiles = candidates if provider == "sonar" else (sonar_configs.WGRAD_8BIT,)
+            assert options == [(path, c) for path in ("fused", "split") for c in tiles], (provider, tensor)
+            chosen = (t["chosen"]["path"], sonar_configs.Config(**t["chosen"]["config"]))
+            assert chosen in options
+            elements = t["chunk_experts"] * (2 * I * H if tensor == "gate_up_proj" else H * I)
+            assert t["chunk_experts"] == E  # the tiny layers fit the scratch bound whole
+            for (path, _), row in zip(options, t["options"], strict=True):
+                per_element = 2 * (2 + state_bytes[provider] + (2 if path == "split" else 0))
+                expected = elements * per_element / (unit["copy_gbs"] * 1e9)
+                assert row["seconds"] > 0 and row["floor_bytes_s"] == pytest.approx(expected, rel=1e-12)
 
 
 def _moved(label: str, T: int, H: int, I: int, E: int, top_k: int, size: int = 2) -> int:
@@ -293,7 +326,7 @@ def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_bu
     result = json.loads(out.read_text())
     assert result["mode"] == "dry-run" and result["target"] == "sm_90a" and result["finished"]
     units = {f"{s}: {n}": u for s, v in result["sections"].items() for n, u in v["units"].items()}
-    assert len(units) == 15 and all(u["status"] == "done" for u in units.values())
+    assert len(units) == 17 and all(u["status"] == "done" for u in units.values())
     variants = result["variants"]
     identities = {json.dumps(v["identity"], sort_keys=True) for v in variants}
     assert result["compilations"] == len(variants) == len(identities)
@@ -311,6 +344,7 @@ def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_bu
     new = result["by_unit"]
     for unit in units:
         if "granite" in unit or "T16384" in unit or unit.startswith(("gemms", "full-steps")):
+            # (the wgrad section's OLMoE unit builds every tile candidate's update: the tuner times them)
             assert new.get(unit, 0) == 0, (unit, new.get(unit))
     # The deadline's estimates cover each unit's builds at the budget's seconds per build. (How long one
     # build takes here is the machine's load, not a property of the code: the H200 run measured the real

@@ -281,8 +281,9 @@ def _out_of_resources(error: Exception) -> bool:
 
 def _time(run: Callable, config, device: torch.device) -> float:
     """Median seconds of ``run(config)`` over 5 runs after one warm-up run (which also compiles it); one
-    run off CUDA (the interpreter's times mean nothing)."""
-    run(config)
+    run off CUDA, without a warm-up (the interpreter compiles nothing, and its times mean nothing)."""
+    if device.type == "cuda":
+        run(config)
     repeats = 5 if device.type == "cuda" else 1
     times = []
     for _ in range(repeats):

@@ -138,10 +138,7 @@ def apply_update(launch, weight, update, bound, key) -> None:
         # update once other tiles (or chunks) are stored.
         entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
         maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
-        launch(
-            "check", cfg, launch.meta.expert_offsets, weight, update.grad_in, maybe, partial, *state[:3],
-            update.step, update.hyper, limit, update.grad_dtype, arithmetic, False,
-        )  # fmt: skip
+        job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
         skip = partial.amax()
     # torch's AdamW increments the step before it computes the bias corrections; a skipped update
     # leaves it (as torch's fused AdamW does with found_inf).
@@ -226,12 +223,27 @@ class _Update(NamedTuple):
             skip = torch.zeros((), dtype=torch.float32, device=device)
             rng = None if u.seed is None else torch.zeros(2, dtype=torch.int64, device=device)
             partial = common.empty(launch.grid(choice.config, n), torch.float32, device)
-            self.apply(choice, copy, launch.meta.expert_offsets[: n + 1], scalars, skip, rng, 0, partial)
+            offsets = launch.meta.expert_offsets[: n + 1]
+            if choice.path == "fused" or self.chunk < state.weight.shape[0]:
+                # The check pass this option runs first; with the flag off, as on ordinary gradients (its
+                # programs return at once).
+                self.check(choice.config, offsets, copy, skip, partial)
+            self.apply(choice, copy, offsets, scalars, skip, rng, 0, partial)
 
         picked = configs.choose("wgrad", full_key, launch.dtype, device, trial, options)
         if isinstance(picked, configs.Config):  # the wgrad's tiles pinned: those tiles, the first path
             picked = configs.UpdateChoice(paths[0], cfgs[0] if self.own_tiles else picked)
         return picked
+
+    def check(self, cfg, offsets, state, flag, partial) -> None:
+        """The check pass at tiles ``cfg`` over the experts ``offsets`` covers: unless ``flag`` is 0, each
+        program recomputes its tile's gradient and writes 1.0 to ``partial`` when an entry is beyond the
+        limit, else 0.0 (``flag`` 0: every program writes 0.0 and returns)."""
+        u = self.update
+        self.launch(
+            "check", cfg, offsets, state.weight, state.grad_in, flag, partial, *state[:3], u.step, u.hyper,
+            self.limit, u.grad_dtype, self.arithmetic, False,
+        )  # fmt: skip
 
     def scalars(self) -> torch.Tensor:
         """step_size and sqrt(bc2) of this step ([2] fp32, after the step's increment), once (the update
