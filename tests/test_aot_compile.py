@@ -208,6 +208,17 @@ def test_wgrad_update_on_sm90a_occupancy_pipeline_and_epilogue(wgrad_adamw):
     # The default configuration runs 2 blocks per SM (109 registers x 256 threads), for both weights.
     for role in ("dW1", "dW2"):
         assert rows[candidates[0], f"{role} adamw-fp32"]["ctas_per_sm"] == 2
+    # The prefetched epilogue keeps 2 blocks per SM (128 registers) and issues the next column slice's loads
+    # of W, exp_avg and exp_avg_sq before the first slice's stores: 6 loads ahead of the first store where
+    # the plain epilogue has 3.
+    prefetched = [c for c in candidates if c.EPILOGUE_PREFETCH]
+    assert prefetched
+    for config in prefetched:
+        plain = rows[config._replace(EPILOGUE_PREFETCH=False), "dW1 adamw-fp32"]
+        for role in ("dW1", "dW2"):
+            r = rows[config, f"{role} adamw-fp32"]
+            assert r["ctas_per_sm"] == 2, (config, role, r["registers"])
+            assert r["epilogue_loads_ahead"] == 2 * plain["epilogue_loads_ahead"] == 6, (config, role)
 
 
 def test_sm90_occupancy_and_main_loop_reading():

@@ -797,13 +797,13 @@ def loop_wait_groups(ptx: str) -> list[int]:
     return sorted(waits)
 
 
-def epilogue_instructions(cubin: bytes) -> int | None:
-    """The SASS instructions after the GEMM's main loop, a static count (each instruction once, however
-    often it runs; the epilogue's column slices are unrolled).
+def epilogue_sass(cubin: bytes) -> list[str] | None:
+    """The SASS instructions after the GEMM's main loop, in program order, each once however often it runs
+    (the epilogue's column slices are unrolled).
 
     ``cuobjdump --dump-sass`` (from the triton wheel) disassembles the cubin. The main loop ends at the
     last backward branch (a ``BRA`` to a lower address) whose range holds an ``HGMMA`` (sm_90a's wgmma);
-    counted: every instruction after it to the end of the kernel, the slow-path subroutines it calls (IEEE
+    kept: every instruction after it to the end of the kernel, the slow-path subroutines it calls (IEEE
     division and square root) included, the padding after the kernel (``NOP``s, the closing branch to
     itself) not. None: no loop with an HGMMA."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -823,15 +823,28 @@ def epilogue_instructions(cubin: bytes) -> int | None:
     if loop_end is None:
         return None
     padding = ("NOP",)
-    return sum(1 for a, t in code if a > loop_end and t not in padding and t != f"BRA 0x{a:x}")
+    return [t for a, t in code if a > loop_end and t not in padding and t != f"BRA 0x{a:x}"]
+
+
+def loads_before_first_store(epilogue: list[str]) -> int:
+    """The 128-bit global loads (``LDG.E.128``: the tiles of W, exp_avg, exp_avg_sq, the accumulated
+    gradient) the epilogue issues before its first 128-bit global store: one slice's loads (3) when each
+    slice waits for the previous slice's stores, two slices' (6) when the next slice is prefetched."""
+    count = 0
+    for text in epilogue:
+        if "STG.E.128" in text:
+            break
+        count += "LDG.E.128" in text
+    return count
 
 
 def read_sm90_code(compiled, registers: int, num_warps: int, tile_elements: int) -> dict:
     """What an sm_90a build of a GEMM says about its speed beyond registers: CTAs per SM
     (:func:`ctas_per_sm`), its main loop's pipeline (:func:`operand_buffers`, :func:`loop_wait_groups`)
-    and its epilogue's SASS instructions (:func:`epilogue_instructions`), in all and per output element a
+    and its epilogue's SASS instructions (:func:`epilogue_sass`), in all and per output element a
     thread owns (``tile_elements`` / (32 * num_warps))."""
-    epilogue = epilogue_instructions(compiled.asm["cubin"])
+    sass = epilogue_sass(compiled.asm["cubin"])
+    epilogue = None if sass is None else len(sass)
     per_thread = tile_elements / (32 * num_warps)
     return {
         "ctas_per_sm": ctas_per_sm(registers, compiled.metadata.shared, num_warps),
@@ -839,6 +852,7 @@ def read_sm90_code(compiled, registers: int, num_warps: int, tile_elements: int)
         "loop_wait_groups": loop_wait_groups(compiled.asm["ptx"]),
         "epilogue_instructions": epilogue,
         "epilogue_per_element": None if epilogue is None else epilogue / per_thread,
+        "epilogue_loads_ahead": None if sass is None else loads_before_first_store(sass),
     }
 
 
@@ -935,11 +949,13 @@ def _print_wgrad_table(rows: list[dict]) -> None:
         "buffers: shared-memory buffers of each operand. wait: cp.async.wait_group N in the main loop's PTX "
         "(0: the loop prefetches one iteration ahead).\n"
         "epilogue: SASS instructions after the main loop (after the last backward branch of the loop that "
-        "holds the HGMMA), in all and per output element of a thread."
+        "holds the HGMMA), in all and per output element of a thread. ahead: 128-bit global loads the epilogue "
+        "issues before its first 128-bit store (3: one slice's W, exp_avg, exp_avg_sq; 6: the next slice's "
+        "too, the prefetched epilogue)."
     )
     header = (
         f"{'BMxBNxBK warps stages split':28} {'role':4} {'kind':10} {'regs':>4} {'spill':>5} {'smem KB':>7} "
-        f"{'CTAs/SM':>7} {'buffers':>7} {'wait':>4} {'epilogue':>8} {'/elem':>5}"
+        f"{'CTAs/SM':>7} {'buffers':>7} {'wait':>4} {'epilogue':>8} {'/elem':>5} {'ahead':>5}"
     )
     print(header)
     print("-" * len(header))
@@ -954,7 +970,11 @@ def _print_wgrad_table(rows: list[dict]) -> None:
         print(
             f"{cfg:28} {role:4} {kind:10} {r['registers']:4d} {r['spill_stores'] + r['spill_loads']:5d} "
             f"{r['shared_bytes'] / 1024:7.1f} {r['ctas_per_sm']:7d} {buffers:>7} {waits:>4} "
-            + ("       -     -" if epilogue is None else f"{epilogue:8d} {per:5.1f}")
+            + (
+                "       -     -     -"
+                if epilogue is None
+                else f"{epilogue:8d} {per:5.1f} {r['epilogue_loads_ahead']:5d}"
+            )
         )
 
 

@@ -100,7 +100,8 @@ def apply_update(launch, weight, update, bound, key) -> None:
     (a gradient entry non-finite or beyond :func:`grad_limit`, see ``AdamWUpdate``), step advanced unless
     skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written, and
     ``update.on_done`` called. ``bound``: a callable that returns (largest |P|, largest |Q|, most rows of
-    an expert), the cheap test that spares the check pass (called only where that pass runs); ``key``: the wgrad's tuning key (shape, dtypes, operands).
+    an expert), the cheap test that spares the check pass (called only where that pass runs); ``key``: the
+    wgrad's tuning key (shape, dtypes, operands).
 
     Raises:
         ValueError: ``bound`` is None.

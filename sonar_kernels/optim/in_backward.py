@@ -118,8 +118,7 @@ class InBackwardAdamW(ExpertTelemetry):
         self.data_parallel_group = distributed.resolve_group(data_parallel_group)
         self.moments_dtype = moments_dtype
         self.grad_dtype = grad_dtype
-        # None: the faster of the fused and the split path, tuned on CUDA (ops/wgrad_update.py).
-        self.fused_epilogue = None if fused_epilogue is None else bool(fused_epilogue)
+        self.fused_epilogue = None if fused_epilogue is None else bool(fused_epilogue)  # None: tuned on CUDA
         # What this step's updates did, and the update path (optim/updates.py); raises ValueError for an
         # accumulation_steps that is not an int >= 1.
         self._record = InBackwardUpdates(self, accumulation_steps, grad_dtype)
