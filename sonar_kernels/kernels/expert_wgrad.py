@@ -50,6 +50,20 @@ def _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, SLICE_N: tl.constexp
 
 
 @triton.jit
+def _slice_gradient(
+    acc, offs, mask, grad_in_ptr, GRAD_DTYPE: tl.constexpr, HAS_GRAD_IN: tl.constexpr, INTERPRET: tl.constexpr
+):  # fmt: skip
+    """A slice's gradient in GRAD_DTYPE: the fp32 accumulator rounded, plus with HAS_GRAD_IN the gradient of
+    earlier micro-batches at ``offs``, as autograd adds a new gradient to ``.grad``: round(previous +
+    round(acc))."""
+    grad = round_to(acc, GRAD_DTYPE, INTERPRET)
+    if HAS_GRAD_IN:
+        previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
+    return grad
+
+
+@triton.jit
 def _dw_adamw_slice(
     acc, p, m, v, offs, mask, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, step_size, bc2_sqrt, hyper_ptr,
     remainder_ptr, rng_ptr, base, GRAD_DTYPE: tl.constexpr, HAS_GRAD_IN: tl.constexpr, HAS_NORM: tl.constexpr,
@@ -59,11 +73,7 @@ def _dw_adamw_slice(
     """The "adamw" epilogue of :func:`_dw_epilogue_slice` for a slice whose state (``p``, ``m``, ``v``:
     ``adamw_tile_load``'s) was loaded before: the same arithmetic, the same bits; returns (the slice's sum
     of squared gradient entries when HAS_NORM, else 0; the spike rule's count)."""
-    grad = round_to(acc, GRAD_DTYPE, INTERPRET)
-    if HAS_GRAD_IN:
-        previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
-    grad32 = grad.to(tl.float32)
+    grad32 = _slice_gradient(acc, offs, mask, grad_in_ptr, GRAD_DTYPE, HAS_GRAD_IN, INTERPRET).to(tl.float32)
     result = 0.0
     if HAS_NORM:
         result = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
@@ -208,13 +218,8 @@ def _dw_epilogue_slice(
     slice's sum of squared gradient entries (fp32, before expert clipping) when HAS_NORM, else 0; clipped,
     the number of entries the spike rule replaced ("adamw" with CLIP, kernels/adamw.py's clip_tile), else 0.
     """
-    offs_n = (col0 + tl.arange(0, SLICE_N)).to(tl.int64)
-    mask = (offs_m < M)[:, None] & (offs_n < N)[None, :]
-    offs = m_offsets[:, None] + offs_n[None, :] * stride_n
-    grad = round_to(acc, GRAD_DTYPE, INTERPRET)
-    if HAS_GRAD_IN:
-        previous = tl.load(grad_in_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        grad = round_to(previous + grad.to(tl.float32), GRAD_DTYPE, INTERPRET)
+    offs, mask = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, SLICE_N)
+    grad = _slice_gradient(acc, offs, mask, grad_in_ptr, GRAD_DTYPE, HAS_GRAD_IN, INTERPRET)
     grad32 = grad.to(tl.float32)
     result = 0.0
     clipped = 0
