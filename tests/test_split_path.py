@@ -168,10 +168,14 @@ def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device)
             picks = {k: v for k, v in configs.chosen().items() if " update " in f" {k} "}
             timed = configs.timings()
         assert len(picks) == 2  # W1 and W2
-        options = len(configs.candidates("wgrad", torch.bfloat16, torch.device(device)))
+        candidates = configs.candidates("wgrad", torch.bfloat16, torch.device(device))
+        # Every tile on the fused path; on the split path those the prefetched epilogue does not duplicate.
+        expected = [("fused", c) for c in candidates] + [
+            ("split", c) for c in candidates if not c.EPILOGUE_PREFETCH
+        ]
         for key, choice in picks.items():
             assert isinstance(choice, configs.UpdateChoice) and choice.path in ("fused", "split")
-            assert [c.path for c, _ in timed[key]] == ["fused"] * options + ["split"] * options
+            assert [(c.path, c.config) for c, _ in timed[key]] == expected
             assert all(seconds > 0 for _, seconds in timed[key])
         # Each tensor equals an untuned run at its chosen tiles (fused and split give the same bits there).
         configs.pin()
@@ -182,6 +186,34 @@ def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device)
             _assert_bits_equal(again[ordinal], tuned[ordinal])
     finally:
         configs.pin()
+
+
+def test_a_path_pinned_after_a_tuned_choice_is_still_taken(chunks_of, device, monkeypatch):
+    # The tuner's choice for an update that may take either path, or is pinned to one, is its own: a
+    # tensor pinned to the split path after one pinned to the fused path (same shapes, dtypes and state
+    # kind) runs the split path, and the reverse.
+    chunks_of(2)
+    calls = []
+    original = wgrad_update._Update._adamw
+
+    def spy(self, part, *args):
+        calls.append(part.weight.shape[0])
+        return original(self, part, *args)
+
+    monkeypatch.setattr(wgrad_update._Update, "_adamw", spy)
+    configs.pin()
+    try:
+        with configs.tuning(True):
+            for fused in (True, False, True):
+                calls.clear()
+                _train(device, torch.bfloat16, {}, fused=fused)
+                # The split path's last chunk (1 expert of 5) is in the real updates only (the tuner's trials
+                # run the first chunk, 2 experts): one per tensor and step.
+                assert calls == [] if fused else calls.count(1) == 2 * STEPS, (fused, calls)
+            paths = {choice.path for key, choice in configs.chosen().items() if " update " in f" {key} "}
+    finally:
+        configs.pin()
+    assert paths == {"fused", "split"}  # one choice per tensor and path pinned
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp32-master", "remainder", "stochastic", "spike", "accumulation"])

@@ -441,9 +441,10 @@ def forward_inputs(hidden_states, top_k_index, top_k_weights, tensors, activatio
 
 def _fused_epilogue(updates) -> bool | None:
     """The layer's path for its updates (``specs.ExpertUpdate.fused``): False when one asks for the split
-    path, True when every one asks for the fused epilogue (or there is none), else None (the tuner's)."""
+    path, True when one asks for the fused epilogue (the least memory) or there is none, else None (the
+    tuner's)."""
     paths = {u.fused for u in updates}
-    return False if False in paths else True if paths <= {True} else None
+    return False if False in paths else True if True in paths or not paths else None
 
 
 def apply(inputs: tuple) -> torch.Tensor:

@@ -68,7 +68,7 @@ class AdamWUpdate(NamedTuple):
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
     ``grad_in``, is NaN, infinite, or larger in magnitude than :func:`grad_limit` of exp_avg_sq's dtype
     (so that g * g, and exp_avg_sq, stay finite). The decision is made on the device before the update's
-    launch, with no host sync (see :func:`_wgrad`).
+    launch, with no host sync (``ops/wgrad_update.py``).
     """
 
     exp_avg: torch.Tensor
@@ -287,7 +287,9 @@ def _wgrad(
         # The store as it ships, into a scratch gradient (an accumulator's buffer is only read).
         store(cfg, like(weight, grad.dtype))
 
-    store(configs.choose("wgrad", key, dtype, weight.device, trial), grad)
+    # The prefetched epilogue changes the fused update only: the store's candidates are the others.
+    plain = tuple(c for c in configs.candidates("wgrad", dtype, weight.device) if not c.EPILOGUE_PREFETCH)
+    store(configs.choose("wgrad", key, dtype, weight.device, trial, plain), grad)
     if accumulator is None:
         return grad
     if accumulator.on_done is not None:

@@ -23,7 +23,7 @@ import triton
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
-from sonar_kernels.ops.common import inf_norm, is_dense, like
+from sonar_kernels.ops.common import is_dense, like
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
 
@@ -76,6 +76,12 @@ def split_chunk(weight: torch.Tensor, grad_dtype: torch.dtype) -> int:
     return max(1, chunk - chunk % 4 if chunk >= 4 else chunk)
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it when its first element is not 16 bytes into its allocation (whose start the
+    CUDA allocator aligns; Triton compiles a pointer it knows aligned into another kernel)."""
+    return t if t.storage_offset() * t.element_size() % 16 == 0 else t.clone()
+
+
 class _State(NamedTuple):
     """The tensors one update reads and writes, each of the weight's experts (or a chunk of them)."""
 
@@ -123,24 +129,14 @@ def apply_update(launch, weight, update, bound, key) -> None:
     cfg = choice.config
     # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
     partial = common.empty(launch.grid(cfg, E), torch.float32, device)
-    grad = None
-    if choice.path == "split" and job.chunk >= E:
-        # One chunk: the whole gradient written first, the skip read from it.
-        grad = like(weight, update.grad_dtype)
-        launch(
-            "store", cfg, launch.meta.expert_offsets, grad, update.grad_in, update.step, partial, *state[:3],
-            update.step, update.hyper, limit, update.grad_dtype, arithmetic, job.has_norm,
-        )  # fmt: skip
-        skip = (~(inf_norm(grad) <= limit)).float()
-    else:
-        # The check pass of the same kernel and tiles: it recomputes each tile's gradient and flags the tiles
-        # with an entry beyond the limit (or beyond what the gradient dtype holds: it would round to inf),
-        # and returns at once unless the bound says the gradient may exceed it. One tile cannot skip an
-        # update once other tiles (or chunks) are stored.
-        entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
-        maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
-        job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
-        skip = partial.amax()
+    # The check pass of the same kernel and tiles, on both paths: it recomputes each tile's gradient and
+    # flags the tiles with an entry beyond the limit (or beyond what the gradient dtype holds: it would round
+    # to inf), and returns at once unless the bound says the gradient may exceed it. One tile (or chunk)
+    # cannot skip the update once others are stored.
+    entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
+    maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
+    job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
+    skip = partial.amax()
     # torch's AdamW increments the step before it computes the bias corrections; a skipped update
     # leaves it (as torch's fused AdamW does with found_inf).
     advance = 1.0 - skip
@@ -150,11 +146,13 @@ def apply_update(launch, weight, update, bound, key) -> None:
         scalars = job.scalars()
         # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
         rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
-        clipped = job.apply(choice, state, launch.meta.expert_offsets, scalars, skip, rng, 0, partial, grad)
+        clipped = job.apply(choice, state, launch.meta.expert_offsets, scalars, skip, rng, 0, partial)
         applied = True
     finally:
         if not applied:
-            # A launch that was refused (compile error, bad argument) applied nothing: take the step back.
+            # A launch that was refused (compile error, bad argument) applied nothing: take the step back
+            # (the split path's later chunks launch the kernels its first chunk built, on memory allocated
+            # before it).
             update.step.sub_(advance)
     if update.grad_norm_sq is not None:
         update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
@@ -200,9 +198,17 @@ class _Update(NamedTuple):
         device = state.weight.device
         cfgs = (configs.WGRAD_8BIT,) if self.own_tiles else configs.candidates("wgrad", launch.dtype, device)
         paths = {None: ("fused", "split"), True: ("fused",), False: ("split",)}[u.fused]
-        options = tuple(configs.UpdateChoice(path, cfg) for path in paths for cfg in cfgs)
+        # The prefetched epilogue changes the fused update only: on the split path its tiles are a duplicate.
+        options = tuple(
+            configs.UpdateChoice(path, cfg)
+            for path in paths
+            for cfg in cfgs
+            if path == "fused" or not cfg.EPILOGUE_PREFETCH
+        )
         moments = "8bit" if u.moments_8bit else str(u.exp_avg.dtype).removeprefix("torch.")
         master = "remainder" if u.remainder is not None else "stochastic" if u.seed is not None else "none"
+        # The paths allowed are part of the key: a choice among fused and split never serves an update pinned
+        # to one path, nor the reverse.
         full_key = (
             *key,
             "update",
@@ -211,6 +217,7 @@ class _Update(NamedTuple):
             "clip" if u.clipping else "noclip",
             u.grad_in is not None,
         )
+        full_key += ("/".join(paths),)
         scratch = []
 
         def trial(choice: configs.UpdateChoice) -> None:
@@ -225,10 +232,9 @@ class _Update(NamedTuple):
             rng = None if u.seed is None else torch.zeros(2, dtype=torch.int64, device=device)
             partial = common.empty(launch.grid(choice.config, n), torch.float32, device)
             offsets = launch.meta.expert_offsets[: n + 1]
-            if choice.path == "fused" or self.chunk < state.weight.shape[0]:
-                # The check pass this option runs first; with the flag off, as on ordinary gradients (its
-                # programs return at once).
-                self.check(choice.config, offsets, copy, skip, partial)
+            # The check pass runs first on both paths; with the flag off, as on ordinary gradients (its
+            # programs return at once).
+            self.check(choice.config, offsets, copy, skip, partial)
             self.apply(choice, copy, offsets, scalars, skip, rng, 0, partial)
 
         picked = configs.choose("wgrad", full_key, launch.dtype, device, trial, options)
@@ -263,12 +269,11 @@ class _Update(NamedTuple):
         )  # fmt: skip
         return scalars
 
-    def apply(self, choice, state, offsets, scalars, skip, rng, base, partial, grad=None):
+    def apply(self, choice, state, offsets, scalars, skip, rng, base, partial):
         """AdamW by ``choice`` on ``state`` (the experts ``offsets`` covers), unless ``skip``; ``base``: the
         offset of the state's first element in the whole tensor (stochastic rounding's counter);
         ``partial``: one fp32 per program of ``choice``'s tiles over those experts, receives the sums of
-        squares; ``grad``: the split path's gradient of every expert, already written (one chunk), or None.
-        Returns the number of entries the spike rule replaced (0-dim int32 tensor), or None without
+        squares. Returns the number of entries the spike rule replaced (0-dim int32 tensor), or None without
         clipping. The AdamW launches compile without automatic fma contraction, so the arithmetic is the
         one written in kernels/adamw.py (explicit fmas only); the wgrad's other epilogues keep it."""
         u, launch, cfg = self.update, self.launch, choice.config
@@ -288,20 +293,24 @@ class _Update(NamedTuple):
             )  # fmt: skip
             return None if counts is None else counts.sum()
         experts, tiles = offsets.numel() - 1, launch.tiles(cfg)
-        scratch, clipped = None, None
+        # Allocated before the first chunk: a chunk after the first launches the kernels the first built.
+        scratch = like(state.weight[: min(self.chunk, experts)], u.grad_dtype)
+        clipped = None
         for e0 in range(0, experts, self.chunk):
             e1 = min(e0 + self.chunk, experts)
-            part = state.experts(e0, e1)
-            g = grad
-            if g is None:
-                if scratch is None:
-                    scratch = like(state.weight[: min(self.chunk, experts)], u.grad_dtype)
-                g = scratch[: e1 - e0]
-                launch(
-                    "store", cfg, offsets[e0 : e1 + 1], g, part.grad_in, skip, partial[e0 * tiles : e1 * tiles],
-                    *part[:3], skip, u.hyper, self.limit, u.grad_dtype, self.arithmetic, self.has_norm,
-                )  # fmt: skip
-            counts = self._adamw(part, g, scalars, skip, rng, base + e0 * state.weight.stride(0))
+            part, grad = state.experts(e0, e1), scratch[: e1 - e0]
+            # A chunk of fewer than 4 experts can start its slices of the offsets and of the per-program sums
+            # off a 16-byte boundary: copies that start on one keep the first chunk's compiled variant.
+            chunk_offsets = _aligned(offsets[e0 : e1 + 1])
+            chunk_sums = partial[e0 * tiles : e1 * tiles]
+            sums = _aligned(chunk_sums)
+            launch(
+                "store", cfg, chunk_offsets, grad, part.grad_in, skip, sums, *part[:3], skip, u.hyper, self.limit,
+                u.grad_dtype, self.arithmetic, self.has_norm,
+            )  # fmt: skip
+            if sums is not chunk_sums:
+                chunk_sums.copy_(sums)
+            counts = self._adamw(part, grad, scalars, skip, rng, base + e0 * state.weight.stride(0))
             if counts is not None:
                 clipped = counts.sum() if clipped is None else clipped + counts.sum()
         return clipped
