@@ -41,6 +41,21 @@ def chunks_of(monkeypatch):
     return force
 
 
+@pytest.fixture
+def chunk_calls(monkeypatch):
+    """The experts of each chunk the split path's AdamW kernel is launched on, in order (the tuner's trials
+    included)."""
+    calls = []
+    original = wgrad_update._Update._adamw
+
+    def spy(self, part, *args):
+        calls.append(part.weight.shape[0])
+        return original(self, part, *args)
+
+    monkeypatch.setattr(wgrad_update._Update, "_adamw", spy)
+    return calls
+
+
 def _train(device, weight_dtype, options, *, fused):
     """STEPS optimizer steps on SHAPE (bf16 activations); returns the expert tensors and the optimizer."""
     torch.manual_seed(0)
@@ -82,21 +97,13 @@ def _assert_bits_equal(got, expected):
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_the_chunked_split_path_equals_the_fused_path(kind, chunks_of, device, monkeypatch):
+def test_the_chunked_split_path_equals_the_fused_path(kind, chunks_of, chunk_calls, device):
     options, weight_dtype = KINDS[kind]
     fused = _snapshot(*_train(device, weight_dtype, options, fused=True))
     chunks_of(2)
-    calls = []
-    original = wgrad_update._Update._adamw
-
-    def spy(self, part, *args):
-        calls.append(part.weight.shape[0])
-        return original(self, part, *args)
-
-    monkeypatch.setattr(wgrad_update._Update, "_adamw", spy)
     split = _snapshot(*_train(device, weight_dtype, options, fused=False))
     # Chunks of 2, 2 and 1 experts for each of the two tensors, at each step.
-    assert calls == [2, 2, 1] * 2 * STEPS
+    assert chunk_calls == [2, 2, 1] * 2 * STEPS
     for got, expected in zip(split, fused, strict=True):
         _assert_bits_equal(got, expected)
     if kind == "spike":
@@ -188,28 +195,20 @@ def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device)
         configs.pin()
 
 
-def test_a_path_pinned_after_a_tuned_choice_is_still_taken(chunks_of, device, monkeypatch):
+def test_a_path_pinned_after_a_tuned_choice_is_still_taken(chunks_of, chunk_calls, device):
     # The tuner's choice for an update that may take either path, or is pinned to one, is its own: a
     # tensor pinned to the split path after one pinned to the fused path (same shapes, dtypes and state
     # kind) runs the split path, and the reverse.
     chunks_of(2)
-    calls = []
-    original = wgrad_update._Update._adamw
-
-    def spy(self, part, *args):
-        calls.append(part.weight.shape[0])
-        return original(self, part, *args)
-
-    monkeypatch.setattr(wgrad_update._Update, "_adamw", spy)
     configs.pin()
     try:
         with configs.tuning(True):
             for fused in (True, False, True):
-                calls.clear()
+                chunk_calls.clear()
                 _train(device, torch.bfloat16, {}, fused=fused)
                 # The split path's last chunk (1 expert of 5) is in the real updates only (the tuner's trials
                 # run the first chunk, 2 experts): one per tensor and step.
-                assert calls == [] if fused else calls.count(1) == 2 * STEPS, (fused, calls)
+                assert chunk_calls == [] if fused else chunk_calls.count(1) == 2 * STEPS, (fused, chunk_calls)
             paths = {choice.path for key, choice in configs.chosen().items() if " update " in f" {key} "}
     finally:
         configs.pin()

@@ -49,9 +49,8 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     EPILOGUE_SPLIT: int = 1  # wgrad only: the AdamW epilogue's column slices
-    EPILOGUE_PREFETCH: bool = (
-        False  # wgrad only: each slice's state loaded before the previous slice's stores
-    )
+    # wgrad only: each epilogue slice's state loaded before the previous slice's stores
+    EPILOGUE_PREFETCH: bool = False
 
     def blocks(self) -> dict:
         """The BLOCK_* constexprs as kernel keywords."""

@@ -187,8 +187,8 @@ def expert_wgrad(
     and its bias; rows gathered by token, scaled by the routing weight) or dHpre [S, 2I] (the gate/up
     projection and its bias; a separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down
     projection), X [T, H] (the gate/up projection; rows gathered by token) or None (a bias: a column of
-    ones). ``largest``: the core's magnitudes, needed by a fused update. ``checked``: the caller ran
-    :func:`check_wgrad` already."""
+    ones). ``largest``: the core's magnitudes, needed by an update (its check pass's bound). ``checked``: the
+    caller ran :func:`check_wgrad` already."""
     if not checked:
         check_wgrad(name, weight, update, accumulator, layout)
     down = name in ("down_proj", "down_proj_bias")
