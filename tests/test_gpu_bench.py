@@ -130,7 +130,8 @@ def test_the_rehearsal_runs_every_section_and_reports_what_the_gpu_run_would(tmp
 
 def _check_wgrad_choices(unit: dict) -> None:
     """The wgrad section's unit: for sonar every wgrad tile candidate timed on both paths, for the state kinds
-    with fixed tiles both paths; one chosen option among them; each option's floor from the bytes computed
+    with their own fused tiles those on the fused path and the plain wgrad's on the split path; one chosen
+    option among them; each option's floor from the bytes computed
     here (bf16 weights; bf16 moments for sonar, 8-bit codes for sonar-8bit, fp32 for sonar-stochastic: W
     and the moments of the chunk's experts read and written, and the split path's gradient written and
     read), at the copy bandwidth measured in the unit."""
@@ -142,10 +143,16 @@ def _check_wgrad_choices(unit: dict) -> None:
         assert set(tensors) == {"gate_up_proj", "down_proj"}
         for tensor, t in tensors.items():
             options = [(row["path"], sonar_configs.Config(**row["config"])) for row in t["options"]]
-            tiles = candidates if provider == "sonar" else (sonar_configs.WGRAD_8BIT,)
-            expected = [("fused", c) for c in tiles] + [
-                ("split", c) for c in tiles if not c.EPILOGUE_PREFETCH
-            ]
+            plain = [c for c in candidates if not c.EPILOGUE_PREFETCH]
+            if provider == "sonar":
+                expected = [("fused", c) for c in candidates] + [("split", c) for c in plain]
+            else:  # the fused update's own tiles; the split path's store at its default and every plain tile
+                split = [sonar_configs.WGRAD_8BIT, *plain]
+                if provider == "sonar-8bit":  # today's and the closed-form quantizer
+                    split += [c._replace(EPILOGUE_PREFETCH=True) for c in split]
+                expected = [("fused", c) for c in sonar_configs.OWN_CANDIDATES[9]] + [
+                    ("split", c) for c in split
+                ]
             assert options == expected, (provider, tensor)
             chosen = (t["chosen"]["path"], sonar_configs.Config(**t["chosen"]["config"]))
             assert chosen in options

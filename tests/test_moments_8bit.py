@@ -328,21 +328,25 @@ def test_a_skipped_update_leaves_codes_scales_and_step_unchanged(fused, device):
 @triton.jit
 def _quantize_kernel(
     x_ptr, codes_ptr, scales_ptr, table_ptr, SIGNED: tl.constexpr, SIZE: tl.constexpr, STEPS: tl.constexpr,
-    ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr,
+    ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, CLOSED_FORM: tl.constexpr,
 ):  # fmt: skip
     # BLOCK is a parameter: a compiled kernel cannot read a plain Python global (the interpreter can).
     rows = tl.arange(0, ROWS)
     x = tl.load(x_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :])
-    codes, scales = quantize_tile(x, table_ptr, SIGNED, SIZE, STEPS, ROWS, COLS)
+    codes, scales = quantize_tile(x, table_ptr, SIGNED, SIZE, STEPS, ROWS, COLS, CLOSED_FORM)
     tl.store(codes_ptr + rows[:, None] * COLS + tl.arange(0, COLS)[None, :], codes)
     tl.store(scales_ptr + rows[:, None] * (COLS // BLOCK) + tl.arange(0, COLS // BLOCK)[None, :], scales)
 
 
+@pytest.mark.parametrize("closed_form", [False, True], ids=["search", "closed-form"])
 @pytest.mark.parametrize("kind", q8.KINDS)
-def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, device):
+def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, closed_form, device):
+    # Both of the kernel's quantizers (the binary search, the closed form) against the torch rule, on
+    # random values, every exact tie, zero, the block's maximum and normalized values that are subnormal.
     x = _values(0, shape=(4, 4 * BLOCK))
     table = TABLES[kind].astype(np.float64)
     ties = [m for m in ((a + b) / 2 for a, b in itertools.pairwise(table)) if float(np.float32(m)) == m]
+    x[2, :BLOCK] = [1.0, 1e-40, 1.4e-45, 2.0**-126, 2.0**-127, 0.0, *(2.0 ** -np.arange(1, BLOCK - 5))]
     x[3, :] = 0.0
     x[3, 0] = 1.0
     x[3, 1 : 1 + min(len(ties), 4 * BLOCK - 1)] = ties[: 4 * BLOCK - 1]
@@ -357,10 +361,19 @@ def test_the_kernels_quantization_equals_the_torch_one_ties_included(kind, devic
     size = 128 if signed else 256
     table_slice = q8.tables(device)[:128] if signed else q8.tables(device)[128:]
     _quantize_kernel[(1,)](
-        values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK, BLOCK
+        values, codes, scales, table_slice, signed, size, size.bit_length(), 4, 4 * BLOCK, BLOCK, closed_form
     )
     want_codes, want_scales = q8.quantize(values, kind)
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+
+
+def test_the_closed_form_thresholds_are_the_rules():
+    # The kernel's constexpr thresholds fp32(2 ** (r / 8)) are the torch rule's, bit for bit.
+    from sonar_kernels.kernels import moments_8bit as k8
+
+    kernel = [getattr(k8, f"EIGHTH_{r}").value for r in range(1, 8)]
+    assert kernel == q8._EIGHTHS[1:]
+    assert kernel == [float(torch.tensor(2.0 ** (r / 8), dtype=torch.float64).float()) for r in range(1, 8)]
 
 
 def test_a_transposed_layout_and_a_bias_are_refused_before_any_update(device):

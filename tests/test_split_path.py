@@ -163,33 +163,42 @@ def test_split_chunk_follows_the_documented_bound():
             pass
 
 
-def test_the_tuner_chooses_a_path_and_applies_the_update_once(chunks_of, device):
+@pytest.mark.parametrize("kind", ["bf16", "8bit"])
+def test_the_tuner_chooses_a_path_and_applies_the_update_once(kind, chunks_of, device):
     # With tuning on, the first step times the fused and the split path at every candidate tile (on
     # scratch copies of the first chunk's experts); the update is applied once, and equals an untuned
-    # run pinned to the chosen path and tiles bit for bit.
+    # run pinned to the chosen path and tiles bit for bit. Exact moments: the fused path at every wgrad
+    # candidate, the split path at those without the prefetched epilogue (a duplicate there). 8-bit moments:
+    # the fused path at its own tiles, the split path at its default tiles and every plain wgrad candidate,
+    # each with today's and the closed-form quantizer.
+    options, weight_dtype = KINDS[kind]
     chunks_of(2)
     configs.pin()
     try:
         with configs.tuning(True):
-            tuned = _snapshot(*_train(device, torch.bfloat16, {}, fused=None))
+            tuned = _snapshot(*_train(device, weight_dtype, options, fused=None))
             picks = {k: v for k, v in configs.chosen().items() if " update " in f" {k} "}
             timed = configs.timings()
         assert len(picks) == 2  # W1 and W2
         candidates = configs.candidates("wgrad", torch.bfloat16, torch.device(device))
-        # Every tile on the fused path; on the split path those the prefetched epilogue does not duplicate.
-        expected = [("fused", c) for c in candidates] + [
-            ("split", c) for c in candidates if not c.EPILOGUE_PREFETCH
-        ]
+        plain = [c for c in candidates if not c.EPILOGUE_PREFETCH]
+        if kind == "8bit":
+            split = [configs.WGRAD_8BIT, *plain]
+            expected = [("fused", c) for c in configs.OWN_CANDIDATES[9]] + [
+                ("split", c) for c in (*split, *(c._replace(EPILOGUE_PREFETCH=True) for c in split))
+            ]
+        else:
+            expected = [("fused", c) for c in candidates] + [("split", c) for c in plain]
         for key, choice in picks.items():
             assert isinstance(choice, configs.UpdateChoice) and choice.path in ("fused", "split")
             assert [(c.path, c.config) for c, _ in timed[key]] == expected
             assert all(seconds > 0 for _, seconds in timed[key])
-        # Each tensor equals an untuned run at its chosen tiles (fused and split give the same bits there).
+        # Each tensor equals an untuned run on its chosen path and tiles.
         configs.pin()
         for key, choice in picks.items():
             ordinal = 0 if " gate_up_proj " in f" {key} " else 1
             configs.pin("wgrad", choice.config)
-            again = _snapshot(*_train(device, torch.bfloat16, {}, fused=True))
+            again = _snapshot(*_train(device, weight_dtype, options, fused=choice.path == "fused"))
             _assert_bits_equal(again[ordinal], tuned[ordinal])
     finally:
         configs.pin()
@@ -215,13 +224,18 @@ def test_a_path_pinned_after_a_tuned_choice_is_still_taken(chunks_of, chunk_call
     assert paths == {"fused", "split"}  # one choice per tensor and path pinned
 
 
-@pytest.mark.parametrize("kind", ["bf16", "fp32-master", "remainder", "stochastic", "spike", "accumulation"])
+@pytest.mark.parametrize("kind", list(KINDS))
 def test_the_prefetched_epilogue_gives_the_plain_epilogues_bits(kind, device):
     # EPILOGUE_PREFETCH only moves each slice's loads before the previous slice's stores: at the same tiles,
-    # the same bits for every exact-moment state kind (8-bit moments keep their own epilogue).
+    # the same bits for every state kind (exact moments at the default tiles; 8-bit moments and bf16 master
+    # weights at their own).
     options, weight_dtype = KINDS[kind]
-    plain, prefetched = configs.Config(128, 64, 32, 8, 5, 4), configs.Config(128, 64, 32, 8, 5, 4, True)
-    assert prefetched in configs.CANDIDATES["wgrad"][("16bit", 9)]
+    if "moments_dtype" in options or "master_weights" in options:
+        plain, prefetched = configs.WGRAD_8BIT, configs.WGRAD_8BIT._replace(EPILOGUE_PREFETCH=True)
+        assert prefetched in configs.OWN_CANDIDATES[9]
+    else:
+        plain, prefetched = configs.Config(128, 64, 32, 8, 5, 4), configs.Config(128, 64, 32, 8, 5, 4, True)
+        assert prefetched in configs.CANDIDATES["wgrad"][("16bit", 9)]
     results = []
     try:
         for config in (plain, prefetched):

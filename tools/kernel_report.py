@@ -81,7 +81,10 @@ DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "f
 # pass. Some differ from the JIT's key only where the code does not look, and give the same cubin: the check
 # pass and the split path's store are built with ARITHMETIC "fp64" (the GPU run passes "fp32"), the plain
 # gradient with the unread pointers' types of the other specs (ops.wgrad passes int32 offsets).
-WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "split", "grad", "check")
+# The fused update with 8-bit moments and with bf16 master weights (a remainder, stochastic rounding; fp32
+# moments, AdamW's fp64 arithmetic: the 8-bit update's, and torch 2.11's) at their own tiles
+# (configs.OWN_CANDIDATES) are its last three kinds.
+WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "split", "grad", "check", "8bit", "remainder", "stochastic")
 
 
 @dataclass
@@ -173,7 +176,13 @@ def specs() -> list[Spec]:
                  config=config)
         )  # fmt: skip
     return (
-        out + _forward_specs() + _backward_specs() + _wgrad_8bit_specs() + _adamw_specs() + _candidate_specs()
+        out
+        + _forward_specs()
+        + _backward_specs()
+        + _wgrad_8bit_specs()
+        + _adamw_specs()
+        + _candidate_specs()
+        + _own_candidate_specs()
     )
 
 
@@ -234,6 +243,36 @@ def _candidate_specs() -> list[Spec]:
                                 wgrad_table=spec.wgrad_table if arch == "sm_90a" else "",
                             )
                         )
+    return out
+
+
+def _own_candidate_specs() -> list[Spec]:
+    """Every tuning candidate of the fused update with 8-bit moments or bf16 master weights
+    (configs.OWN_CANDIDATES) beyond the default, at its architecture, aligned, for the variants a bf16 GPU
+    run compiles (the rows of the wgrad table's kinds 8bit, remainder and stochastic; the split path's store
+    runs at the exact update's candidates, which :func:`_candidate_specs` builds)."""
+    from sonar_kernels.ops import configs
+
+    fused = [s for s in _wgrad_8bit_specs() if s.wgrad_table]
+    out = []
+    for arch, major in {"sm_90a": 9, "sm_80": 8}.items():
+        for config in configs.OWN_CANDIDATES[major]:
+            if config == configs.WGRAD_8BIT:
+                continue
+            blocks = config.blocks() | config.epilogue()
+            for spec in fused:
+                out.append(
+                    replace(
+                        spec,
+                        variant=f"{spec.variant} candidate",
+                        constexprs=spec.constexprs | blocks,
+                        options=spec.options | config.launch(),
+                        config=blocks,
+                        targets=(arch,),
+                        aligned_only=True,
+                        wgrad_table=spec.wgrad_table if arch == "sm_90a" else "",
+                    )
+                )
     return out
 
 
@@ -580,6 +619,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                     unit_strides=("stride_pm", "stride_qn", "stride_n"),
                     is_gemm=True,
                     config=blocks,
+                    wgrad_table=f"{role} 8bit" if (act_dtype, w_dtype, master) == ("bf16", "bf16", None) else "",
                 )
             )  # fmt: skip
     # The split path of the 8-bit update and of bf16 master weights: the gradient written (its norm summed)
@@ -633,6 +673,9 @@ def _wgrad_8bit_specs() -> list[Spec]:
                 unit_strides=("stride_pm", "stride_qn", "stride_n"),
                 is_gemm=True,
                 config=blocks,
+                wgrad_table=f"{role} {'remainder' if remainder else 'stochastic'}"
+                if (arithmetic, m_dtype) == ("fp64", "fp32")
+                else "",
             )
         )  # fmt: skip
     return out
@@ -677,26 +720,24 @@ def _adamw_specs() -> list[Spec]:
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip
-    # The split path with 8-bit moments (ops/moments_8bit.py, the launcher).
+    # The split path with 8-bit moments (ops/moments_8bit.py, the launcher), with the binary-search and the
+    # closed-form quantizer (the latter the tuner's candidate beside it).
     c8 = moments_8bit.ADAMW_8BIT_CONFIG
-    for w_dtype, master in (
-        ("fp32", None),
-        ("bf16", None),
-        ("fp16", None),
-        ("bf16", "remainder"),
-        ("bf16", "stochastic"),
+    for (w_dtype, master), closed in itertools.product(
+        (("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "remainder"), ("bf16", "stochastic")),
+        (False, True),
     ):
         out.append(
             Spec(
                 moments_8bit.adamw_8bit_kernel,
-                f"w={w_dtype} 8-bit moments" + (f" {master}" if master else ""),
+                f"w={w_dtype} 8-bit moments" + (f" {master}" if master else "") + (" closed-form" if closed else ""),
                 {"w_ptr": "i16" if master else w_dtype, "grad_ptr": w_dtype, "exp_avg_codes_ptr": "i8",
                  "exp_avg_scales_ptr": "fp32", "exp_avg_sq_codes_ptr": "u8", "exp_avg_sq_scales_ptr": "fp32",
                  "magnitudes_ptr": "fp32", "levels_ptr": "fp32", "scalars_ptr": "fp32", "skip_ptr": "fp32",
                  "hyper_ptr": "fp64", "remainder_ptr": "i16" if master == "remainder" else "fp64",
                  "rng_ptr": "i64" if master == "stochastic" else "fp64"},
                 {"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"], "REMAINDER": master == "remainder",
-                 "STOCHASTIC": master == "stochastic", "INTERPRET": False},
+                 "STOCHASTIC": master == "stochastic", "INTERPRET": False, "CLOSED_FORM": closed},
                 {"num_warps": c8["num_warps"], "enable_fp_fusion": False},
                 config={"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"]},
             )
@@ -935,7 +976,10 @@ def _print_wgrad_table(rows: list[dict]) -> None:
     configuration first, then the sm_90 candidates in ops/configs.py's order)."""
     from sonar_kernels.ops import configs
 
-    order = [c.blocks() | c.launch() | c.epilogue() for c in configs.CANDIDATES["wgrad"][("16bit", 9)]]
+    order = [
+        c.blocks() | c.launch() | c.epilogue()
+        for c in (*configs.CANDIDATES["wgrad"][("16bit", 9)], *configs.OWN_CANDIDATES[9])
+    ]
 
     def key(r):
         cfg = {k: r["config"][k] for k in order[0]}

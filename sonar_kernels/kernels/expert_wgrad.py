@@ -11,7 +11,7 @@ import triton.language as tl
 from sonar_kernels.kernels.adamw import adamw_tile, adamw_tile_load, adamw_tile_store
 from sonar_kernels.kernels.common import round_to
 from sonar_kernels.kernels.moments_8bit import BLOCK as MOMENTS_BLOCK
-from sonar_kernels.kernels.moments_8bit import adamw_8bit_tile
+from sonar_kernels.kernels.moments_8bit import adamw_8bit_tile, adamw_8bit_tile_load, adamw_8bit_tile_store
 
 # The wgrad kernels have their own tiles (M and N are weight dimensions, K runs over an expert's rows).
 # The AdamW epilogue updates the accumulator EPILOGUE_SPLIT column slices at a time, so W, exp_avg and
@@ -172,6 +172,80 @@ def _dw_epilogue_prefetched(
 
 
 @triton.jit
+def _scale_offsets(offs_m, m_soffsets, col0, M, N, SLICE_N: tl.constexpr):
+    """The offsets (int64) and mask [BLOCK_M, SLICE_N / 32] of the 8-bit moments' scales of columns
+    [col0, col0 + SLICE_N): whole blocks of the contiguous dimension (the launcher checks stride_n == 1 and
+    SLICE_N % 32 == 0)."""
+    tl.static_assert((SLICE_N // MOMENTS_BLOCK) * MOMENTS_BLOCK == SLICE_N, "slices of whole blocks")
+    offs_b = (col0 // MOMENTS_BLOCK + tl.arange(0, SLICE_N // MOMENTS_BLOCK)).to(tl.int64)
+    mask = (offs_m < M)[:, None] & (offs_b * MOMENTS_BLOCK < N)[None, :]
+    return m_soffsets[:, None] + offs_b[None, :], mask
+
+
+@triton.jit
+def _dw_8bit_slice(
+    acc, state, offs, mask, scale_offs, scale_mask, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+    exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr, remainder_ptr, rng_ptr, base, step_size, bc2_sqrt,
+    hyper_ptr, BLOCK_M: tl.constexpr, SLICE_N: tl.constexpr, GRAD_DTYPE: tl.constexpr, HAS_GRAD_IN: tl.constexpr,
+    HAS_NORM: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr, CLIP: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The 8-bit "adamw" epilogue of :func:`_dw_epilogue_slice` for a slice whose W, codes and scales
+    (``state``: ``adamw_8bit_tile_load``'s) were loaded before, requantized by the closed-form quantizer
+    (``moments_8bit.quantize_tile``): the same arithmetic, the same bits; returns (the slice's sum of squared
+    gradient entries when HAS_NORM, else 0; the spike rule's count)."""
+    grad32 = _slice_gradient(acc, offs, mask, grad_in_ptr, GRAD_DTYPE, HAS_GRAD_IN, INTERPRET).to(tl.float32)
+    result = 0.0
+    if HAS_NORM:
+        result = tl.sum(tl.where(mask, grad32 * grad32, 0.0))
+    clipped = adamw_8bit_tile_store(
+        grad32, state, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr,
+        exp_avg_sq_scales_ptr, tables_ptr, tables_ptr + 128, remainder_ptr, rng_ptr, base + offs, step_size,
+        bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET, True,
+    )  # fmt: skip
+    return result, clipped
+
+
+@triton.jit
+def _dw_8bit_prefetched(
+    acc, offs_m, m_offsets, m_soffsets, col0, M, N, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+    exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr, stride_n, step_size, bc2_sqrt, hyper_ptr, remainder_ptr,
+    rng_ptr, base, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GRAD_DTYPE: tl.constexpr,
+    HAS_GRAD_IN: tl.constexpr, HAS_NORM: tl.constexpr, REMAINDER: tl.constexpr, STOCHASTIC: tl.constexpr,
+    CLIP: tl.constexpr, INTERPRET: tl.constexpr,
+):  # fmt: skip
+    """The 8-bit "adamw" epilogue rebuilt (EPILOGUE_PREFETCH): 2 column slices, the right slice's W, codes
+    and scales loaded before the left slice's math and stores (as :func:`_dw_epilogue_prefetched` for exact
+    moments), the codes found in closed form instead of by a binary search of gathers. The same arithmetic
+    per element, the same codes, the same order of the slices' sums; returns (sum of squares, count)."""
+    half: tl.constexpr = BLOCK_N // 2
+    left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+    o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, half)
+    s0, j0 = _scale_offsets(offs_m, m_soffsets, col0, M, N, half)
+    state0 = adamw_8bit_tile_load(
+        o0, k0, s0, j0, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr, exp_avg_sq_scales_ptr, remainder_ptr,
+        REMAINDER, STOCHASTIC,
+    )  # fmt: skip
+    o1, k1 = _slice_offsets(offs_m, m_offsets, col0 + half, M, N, stride_n, half)
+    s1, j1 = _scale_offsets(offs_m, m_soffsets, col0 + half, M, N, half)
+    state1 = adamw_8bit_tile_load(
+        o1, k1, s1, j1, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr, exp_avg_sq_scales_ptr, remainder_ptr,
+        REMAINDER, STOCHASTIC,
+    )  # fmt: skip
+    total, clipped = _dw_8bit_slice(
+        left, state0, o0, k0, s0, j0, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, exp_avg_scales_ptr,
+        exp_avg_sq_scales_ptr, tables_ptr, remainder_ptr, rng_ptr, base, step_size, bc2_sqrt, hyper_ptr, BLOCK_M,
+        half, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, REMAINDER, STOCHASTIC, CLIP, INTERPRET,
+    )  # fmt: skip
+    more, more_clipped = _dw_8bit_slice(
+        right, state1, o1, k1, s1, j1, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, exp_avg_scales_ptr,
+        exp_avg_sq_scales_ptr, tables_ptr, remainder_ptr, rng_ptr, base, step_size, bc2_sqrt, hyper_ptr, BLOCK_M,
+        half, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, REMAINDER, STOCHASTIC, CLIP, INTERPRET,
+    )  # fmt: skip
+    return total + more, clipped + more_clipped
+
+
+@triton.jit
 def _dw_epilogue_slice(
     acc,  # [BLOCK_M, SLICE_N] fp32 wgrad
     offs_m,  # [BLOCK_M] int64
@@ -231,14 +305,11 @@ def _dw_epilogue_slice(
         if EPILOGUE == "adamw" and MOMENTS_8BIT:
             # Codes share the weight's offsets; the slice's columns are whole blocks of the scales'
             # contiguous dimension (the launcher checks stride_n == 1 and SLICE_N % BLOCK == 0).
-            tl.static_assert((SLICE_N // MOMENTS_BLOCK) * MOMENTS_BLOCK == SLICE_N, "slices of whole blocks")
-            offs_b = (col0 // MOMENTS_BLOCK + tl.arange(0, SLICE_N // MOMENTS_BLOCK)).to(tl.int64)
-            scale_offs = m_soffsets[:, None] + offs_b[None, :]
-            scale_mask = (offs_m < M)[:, None] & (offs_b * MOMENTS_BLOCK < N)[None, :]
+            scale_offs, scale_mask = _scale_offsets(offs_m, m_soffsets, col0, M, N, SLICE_N)
             clipped = adamw_8bit_tile(
                 grad32, offs, mask, scale_offs, scale_mask, w_ptr, exp_avg_ptr, exp_avg_scales_ptr, exp_avg_sq_ptr,
                 exp_avg_sq_scales_ptr, tables_ptr, tables_ptr + 128, remainder_ptr, rng_ptr, base + offs, step_size,
-                bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET,
+                bc2_sqrt, hyper_ptr, BLOCK_M, SLICE_N, REMAINDER, STOCHASTIC, CLIP, GRAD_DTYPE, INTERPRET, False,
             )  # fmt: skip
         elif EPILOGUE == "adamw":
             clipped = adamw_tile(
@@ -332,9 +403,9 @@ def expert_mlp_bwd_dw_kernel(
     arithmetic ARITHMETIC names (see kernels/adamw.py; "adamw"; with MOMENTS_8BIT the moments are codes
     and block scales, updated by kernels/moments_8bit.py in its arithmetic), or only checked against grad_limit
     ("check": the pass that decides, before the update's launch, whether the whole tensor's update is
-    skipped, since one tile cannot skip it once other tiles are stored). EPILOGUE_PREFETCH (exact moments'
-    "adamw" only): each slice's W, exp_avg and exp_avg_sq loaded before the previous slice's math and
-    stores, the same bits. With HAS_NORM each program also
+    skipped, since one tile cannot skip it once other tiles are stored). EPILOGUE_PREFETCH ("adamw" only;
+    8-bit moments: 2 slices, and the closed-form quantizer): each slice's W and moments loaded before the
+    previous slice's math and stores, the same bits. With HAS_NORM each program also
     writes the sum of its squared gradient entries (telemetry; summed in a fixed order by the launcher).
     An expert with no rows gets a zero gradient (still a full AdamW step).
     Grid: (E * cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),).
@@ -413,8 +484,17 @@ def expert_mlp_bwd_dw_kernel(
     m_soffsets = (offs_m // m_half) * stride_shalf + (offs_m % m_half) * stride_sm
     # One call per column slice (unrolled: EPILOGUE_SPLIT is a constexpr); the slices' sums of squares
     # (or out-of-range counts) are added in a fixed order. EPILOGUE_PREFETCH: the exact-moment update's
-    # slices with their loads issued one slice ahead (the other epilogues have nothing to prefetch).
-    if EPILOGUE_PREFETCH and EPILOGUE == "adamw" and not MOMENTS_8BIT and EPILOGUE_SPLIT > 1:
+    # slices with their loads issued one slice ahead, and the 8-bit update's 2 slices (the other epilogues
+    # have nothing to prefetch; the launcher sets EPILOGUE_PREFETCH for "adamw" only).
+    if EPILOGUE_PREFETCH and EPILOGUE == "adamw" and MOMENTS_8BIT:
+        tl.static_assert(EPILOGUE_SPLIT == 2, "the prefetched 8-bit epilogue has 2 slices")
+        total, clipped = _dw_8bit_prefetched(
+            acc, offs_m, m_offsets, m_soffsets, col0, M, N, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
+            exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr, stride_n, step_size, bc2_sqrt, hyper_ptr,
+            remainder_ptr, rng_ptr, base, BLOCK_M, BLOCK_N, GRAD_DTYPE, HAS_GRAD_IN, HAS_NORM, REMAINDER, STOCHASTIC,
+            CLIP, INTERPRET,
+        )  # fmt: skip
+    elif EPILOGUE_PREFETCH and EPILOGUE == "adamw" and EPILOGUE_SPLIT > 1:
         total, clipped = _dw_epilogue_prefetched(
             acc, offs_m, m_offsets, col0, M, N, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n, step_size,
             bc2_sqrt, hyper_ptr, remainder_ptr, rng_ptr, base, BLOCK_M, BLOCK_N, EPILOGUE_SPLIT, GRAD_DTYPE,

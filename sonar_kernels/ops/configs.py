@@ -49,7 +49,8 @@ class Config(NamedTuple):
     num_warps: int
     num_stages: int
     EPILOGUE_SPLIT: int = 1  # wgrad only: the AdamW epilogue's column slices
-    # wgrad only: each epilogue slice's state loaded before the previous slice's stores
+    # wgrad only: each epilogue slice's state loaded before the previous slice's stores; with 8-bit moments
+    # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
 
     def blocks(self) -> dict:
@@ -138,6 +139,15 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
     },
 }
 
+# The fused update's tiles with 8-bit moments or bf16 master weights (own_candidates), the default first:
+# 64x64x32, and on sm_90 the same with the rebuilt epilogue (the next slice's state loaded ahead; for 8-bit
+# moments the closed-form quantizer: make kernel-report, 340 instead of 411 epilogue instructions per
+# element). Their split path's wgrad is the plain store, at every wgrad candidate (ops/wgrad_update.py).
+OWN_CANDIDATES: dict[int, tuple[Config, ...]] = {
+    9: (WGRAD_8BIT, WGRAD_8BIT._replace(EPILOGUE_PREFETCH=True)),
+    8: (WGRAD_8BIT,),
+}
+
 _pinned: dict[str, Config] = {}
 _chosen: dict[tuple, Config] = {}
 # The tuner's median seconds per option, by key (for results files: :func:`timings`).
@@ -171,6 +181,16 @@ def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[C
         return lists[("fp32", None)]
     arch = _arch(device)
     return lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+
+
+def own_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
+    """The tiles of the fused update's wgrad with 8-bit moments or bf16 master weights (whose epilogues spill
+    at the exact update's tiles, make kernel-report), :data:`WGRAD_8BIT` first; sm_90 and the interpreter
+    add the candidates of :data:`OWN_CANDIDATES`."""
+    if _dtype_class(dtype) == "fp32":
+        return (WGRAD_8BIT,)
+    arch = _arch(device)
+    return OWN_CANDIDATES[9 if arch is not None and arch >= 9 else 8]
 
 
 def tuning_enabled(device: torch.device) -> bool:

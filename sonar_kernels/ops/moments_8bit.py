@@ -23,6 +23,7 @@ def adamw_8bit_triton_(
     remainder: torch.Tensor | None = None,
     rng: torch.Tensor | None = None,
     index_base: int = 0,
+    closed_form: bool = False,
 ) -> torch.Tensor | None:
     """The split path's update on the Triton backend: ``weight`` and both moments' (codes, scales) updated
     in place by :func:`sonar_kernels.kernels.moments_8bit.adamw_8bit_kernel` from ``grad`` (the weight's
@@ -33,7 +34,9 @@ def adamw_8bit_triton_(
     rounded back stochastically, each element's counter its offset in the tensor plus ``index_base`` (the
     offset of a chunk of experts' first element in the whole tensor). A ``hyper`` of [7] clips the
     gradient first (docs/design.md, "Expert clipping"); returns then the per-program int32 counts of the
-    elements the spike rule replaced (zeros when skipped), else None."""
+    elements the spike rule replaced (zeros when skipped), else None. ``closed_form``: the codes found by the
+    quantizer's closed form instead of its binary search (``kernels/moments_8bit.py``, ``quantize_tile``: the
+    same codes)."""
     import triton
 
     from sonar_kernels.kernels.moments_8bit import ADAMW_8BIT_CONFIG, adamw_8bit_kernel
@@ -58,7 +61,7 @@ def adamw_8bit_triton_(
             skip, hyper, hyper if remainder is None else remainder, hyper if rng is None else rng,
             hyper if counts is None else counts, R, C, index_base,
             BLOCK_R=config["BLOCK_R"], BLOCK_C=config["BLOCK_C"], REMAINDER=remainder is not None,
-            STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=triton_interpreting(), num_warps=config["num_warps"],
-            enable_fp_fusion=False,
+            STOCHASTIC=rng is not None, CLIP=clip, INTERPRET=triton_interpreting(), CLOSED_FORM=closed_form,
+            num_warps=config["num_warps"], enable_fp_fusion=False,
         )  # fmt: skip
     return counts

@@ -95,6 +95,11 @@ class WgradLaunch(NamedTuple):
         else:
             strides = (grad.stride(0), 0, grad.stride(1), grad.stride(2), self.M)
         experts = offsets.numel() - 1
+        if epilogue != "adamw":
+            # The store and the check pass read no AdamW arithmetic and have no prefetched epilogue: one build
+            # of each at a tile, whatever update launches it (the canonical "fp64", as make kernel-report
+            # builds them).
+            cfg, arithmetic = cfg._replace(EPILOGUE_PREFETCH=False), "fp64"
         expert_mlp_bwd_dw_kernel[self.grid(cfg, experts)](
             p, q, self.weight_of_row, self.meta.token_of_row, offsets,
             grad, grad if grad_in is None else grad_in, target, exp_avg, exp_avg_sq, step, flag, partial, hyper,

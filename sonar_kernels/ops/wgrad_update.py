@@ -169,6 +169,10 @@ def apply_update(launch, weight, update, bound, key) -> None:
         update.on_done()
 
 
+# The paths an update may take, by ``AdamWUpdate.fused``.
+_PATHS = {None: ("fused", "split"), True: ("fused",), False: ("split",)}
+
+
 class _Update(NamedTuple):
     """One update's fixed parts: the wgrad launch, the ``AdamWUpdate``, the gradient limit, the arithmetic
     and the split path's experts per chunk."""
@@ -185,26 +189,42 @@ class _Update(NamedTuple):
 
     @property
     def own_tiles(self) -> bool:
-        # The 8-bit update and bf16 master weights run their GEMM on their own tiles (configs.WGRAD_8BIT),
-        # on both paths (the exact update's spill with the remainder on sm_80: make kernel-report).
+        # The fused update with 8-bit moments or bf16 master weights runs its GEMM on its own tiles
+        # (configs.own_candidates: the exact update's tiles spill with them); their split path's wgrad is the
+        # plain store, which takes every tile.
         u = self.update
         return u.moments_8bit or u.remainder is not None or u.seed is not None
 
+    def options(self, device: torch.device) -> tuple[configs.UpdateChoice, ...]:
+        """What the tuner chooses among, the untuned default first: the fused path at every tile its epilogue
+        takes, then the split path at every tile of the plain wgrad (the prefetched epilogue changes the
+        fused update only: on the split path its tiles are duplicates, except with 8-bit moments, where
+        the split path's standalone update takes the closed-form quantizer with it). For 8-bit moments and
+        bf16 master weights the split path's first tiles are the fused path's default, so that both paths
+        untuned run the same tiles (and give the same bits)."""
+        u = self.update
+        regular = configs.candidates("wgrad", self.launch.dtype, device)
+        fused = configs.own_candidates(self.launch.dtype, device) if self.own_tiles else regular
+        split = tuple(c for c in regular if not c.EPILOGUE_PREFETCH)
+        if self.own_tiles:
+            split = (configs.WGRAD_8BIT, *(c for c in split if c != configs.WGRAD_8BIT))
+        if u.moments_8bit:
+            # The split path's rebuilt 8-bit update (the closed-form quantizer) at each tile, beside today's.
+            split += tuple(c._replace(EPILOGUE_PREFETCH=True) for c in split)
+        paths = _PATHS[u.fused]
+        return tuple(
+            configs.UpdateChoice(path, cfg) for path in paths for cfg in (fused if path == "fused" else split)
+        )
+
     def choose(self, state: _State, key: tuple) -> configs.UpdateChoice:
         """The path and tiles: pinned by ``update.fused`` (the path) or ``configs.pin("wgrad", ...)`` (the
-        tiles), else tuned on CUDA (each option timed on scratch copies of the first chunk's experts), else
-        the first option (the fused path at the default tiles)."""
+        tiles: for the fused update of 8-bit moments or bf16 master weights only where its epilogue takes
+        them, else its default), else tuned on CUDA (each option timed on scratch copies of the first chunk's
+        experts), else the first option (the fused path at the default tiles)."""
         u, launch = self.update, self.launch
         device = state.weight.device
-        cfgs = (configs.WGRAD_8BIT,) if self.own_tiles else configs.candidates("wgrad", launch.dtype, device)
-        paths = {None: ("fused", "split"), True: ("fused",), False: ("split",)}[u.fused]
-        # The prefetched epilogue changes the fused update only: on the split path its tiles are a duplicate.
-        options = tuple(
-            configs.UpdateChoice(path, cfg)
-            for path in paths
-            for cfg in cfgs
-            if path == "fused" or not cfg.EPILOGUE_PREFETCH
-        )
+        options = self.options(device)
+        paths = _PATHS[u.fused]
         moments = "8bit" if u.moments_8bit else str(u.exp_avg.dtype).removeprefix("torch.")
         master = "remainder" if u.remainder is not None else "stochastic" if u.seed is not None else "none"
         # The paths allowed are part of the key: a choice among fused and split never serves an update pinned
@@ -239,16 +259,20 @@ class _Update(NamedTuple):
 
         picked = configs.choose("wgrad", full_key, launch.dtype, device, trial, options)
         if isinstance(picked, configs.Config):  # the wgrad's tiles pinned: those tiles, the first path
-            picked = configs.UpdateChoice(paths[0], cfgs[0] if self.own_tiles else picked)
+            own = configs.own_candidates(launch.dtype, device)
+            if paths[0] == "fused" and self.own_tiles and picked not in own:
+                picked = own[0]
+            picked = configs.UpdateChoice(paths[0], picked)
         return picked
 
     def check(self, cfg, offsets, state, flag, partial) -> None:
         """The check pass at tiles ``cfg`` over the experts ``offsets`` covers: unless ``flag`` is 0, each
         program recomputes its tile's gradient and writes 1.0 to ``partial`` when an entry is beyond the
-        limit, else 0.0 (``flag`` 0: every program writes 0.0 and returns)."""
-        u = self.update
+        limit, else 0.0 (``flag`` 0: every program writes 0.0 and returns). The pass reads no state: the weight stands in for
+        each state tensor, so that every state kind launches the same compiled kernel at a tile."""
+        u, w = self.update, state.weight
         self.launch(
-            "check", cfg, offsets, state.weight, state.grad_in, flag, partial, *state[:3], u.step, u.hyper,
+            "check", cfg, offsets, w, state.grad_in, flag, partial, w, w, w, u.step, u.hyper,
             self.limit, u.grad_dtype, self.arithmetic, False,
         )  # fmt: skip
 
@@ -299,30 +323,32 @@ class _Update(NamedTuple):
         for e0 in range(0, experts, self.chunk):
             e1 = min(e0 + self.chunk, experts)
             part, grad = state.experts(e0, e1), scratch[: e1 - e0]
+            # The store reads no state: the gradient stands in for it (one compiled kernel for every state kind).
             # A chunk of fewer than 4 experts can start its slices of the offsets and of the per-program sums
             # off a 16-byte boundary: copies that start on one keep the first chunk's compiled variant.
             chunk_offsets = _aligned(offsets[e0 : e1 + 1])
             chunk_sums = partial[e0 * tiles : e1 * tiles]
             sums = _aligned(chunk_sums)
             launch(
-                "store", cfg, chunk_offsets, grad, part.grad_in, skip, sums, *part[:3], skip, u.hyper, self.limit,
+                "store", cfg, chunk_offsets, grad, part.grad_in, skip, sums, grad, grad, grad, skip, u.hyper, self.limit,
                 u.grad_dtype, self.arithmetic, self.has_norm,
             )  # fmt: skip
             if sums is not chunk_sums:
                 chunk_sums.copy_(sums)
-            counts = self._adamw(part, grad, scalars, skip, rng, base + e0 * state.weight.stride(0))
+            counts = self._adamw(part, grad, scalars, skip, rng, base + e0 * state.weight.stride(0), cfg)
             if counts is not None:
                 clipped = counts.sum() if clipped is None else clipped + counts.sum()
         return clipped
 
-    def _adamw(self, part, grad, scalars, skip, rng, index_base):
-        """The standalone AdamW kernel on one chunk (``grad`` its gradient); the spike rule's per-program
-        counts, or None."""
+    def _adamw(self, part, grad, scalars, skip, rng, index_base, cfg):
+        """The standalone AdamW kernel on one chunk (``grad`` its gradient; 8-bit moments: the closed-form
+        quantizer where ``cfg`` has EPILOGUE_PREFETCH); the spike rule's per-program counts, or None."""
         u = self.update
         if u.moments_8bit:
             return moments_8bit.adamw_8bit_triton_(
                 part.weight, grad, (part.exp_avg, part.exp_avg_scales), (part.exp_avg_sq, part.exp_avg_sq_scales),
                 scalars, skip, u.hyper, remainder=part.remainder, rng=rng, index_base=index_base,
+                closed_form=cfg.EPILOGUE_PREFETCH,
             )  # fmt: skip
         weight, remainder = part.weight, part.remainder
         bits = remainder is not None or rng is not None  # the weight through its int16 bits
