@@ -53,6 +53,8 @@ def _build(out: Path, *options: str) -> None:
         *CANDIDATE_DTYPES,
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # This checkout's package, whatever the environment has installed.
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(ROOT), env.get("PYTHONPATH"))))
     subprocess.run(
         [sys.executable, str(ROOT / "tools" / "kernel_report.py"), "--json", str(out), *options],
         env=env,
@@ -116,7 +118,7 @@ def test_every_kernel_and_configuration_builds(report):
         for (_, major), options in lists.items():
             for config in options:
                 blocks = config.blocks() | config.launch()
-                if family == "wgrad":
+                if family in ("wgrad", "dhpre"):
                     blocks["EPILOGUE_SPLIT"] = config.EPILOGUE_SPLIT
                 # The shipped configuration (fp32's only one) is built for sm_90a here.
                 if config in lists[("fp32", None)]:
@@ -299,3 +301,60 @@ def test_the_rebuilt_8bit_epilogue_on_sm90a(wgrad_own):
             # slice's first store.
             assert r["epilogue_per_element"] <= 0.85 * today["epilogue_per_element"], (role, r, today)
             assert r["epilogue_loads_ahead"] > today["epilogue_loads_ahead"], (role, r, today)
+
+
+@pytest.fixture(scope="module")
+def gemm_variants(tmp_path_factory):
+    """The rows of kernel_report's table "forward and dgrad variants on sm_90a": the up-projection, the down
+    projection's and dX's grouped GEMM, dHpre with and without the magnitudes (bf16, SwiGLU), at the default
+    and each sm_90 candidate of their families: about 30 builds."""
+    out = tmp_path_factory.mktemp("gemm") / "gemm-variants.json"
+    _build(out, "--gemm-variants", "--candidate-dtypes", "bf16/bf16", "--jobs", "1")
+    return json.loads(out.read_text())
+
+
+def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_variants):
+    from sonar_kernels.ops import configs
+
+    kernel_report = _kernel_report()
+    family = {"up": "up", "down": "grouped_mm", "dX": "grouped_mm", "dHpre": "dhpre", "dHpre-plain": "dhpre"}
+    rows = {}
+    for r in gemm_variants:
+        fields = configs.Config._field_defaults | r["config"]
+        rows[configs.Config(*(fields[f] for f in configs.Config._fields)), r["gemm_table"]] = r
+    # Every configuration the GPU's tuner can pick, for every kind.
+    assert set(rows) == {
+        (c, kind)
+        for kind in kernel_report.GEMM_TABLE_KINDS
+        for c in configs.CANDIDATES[family[kind]][("16bit", 9)]
+    }
+    for (config, kind), r in rows.items():
+        assert r["target"] == "sm_90a" and r["wgmma"], (config, kind)
+        assert r["spill_stores"] == r["spill_loads"] == 0, (config, kind, r)
+        assert r["shared_bytes"] <= SHARED_LIMITS["sm_90a"], (config, kind)
+        # The main loop waits with copies in flight (its operands are not gathered by an index loaded in the
+        # loop): 2 at 3 stages, 4 at 4 (a group for each operand per stage), 6 at 5.
+        assert r["loop_wait_groups"] == [2 * (config.num_stages - 2)], (config, kind, r["loop_wait_groups"])
+        assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
+        assert r["epilogue_instructions"], (config, kind)
+    # Today's defaults: the up-projection at 4 CTAs per SM (63 registers), the down projection and dX at 5 (45
+    # and 46), dHpre at 1 (146 registers, 95 epilogue instructions per (gate, up) pair with the magnitudes).
+    ctas = {"up": 4, "down": 5, "dX": 5, "dHpre": 1, "dHpre-plain": 1}
+    for kind, count in ctas.items():
+        assert rows[configs.CANDIDATES[family[kind]][("16bit", 9)][0], kind]["ctas_per_sm"] == count, kind
+    # dHpre's epilogue in column slices: at most 128 registers (2 CTAs per SM or more) where the whole-tile
+    # epilogue at the same tile has 146 to 252 (1 CTA), and at least 25 % fewer epilogue instructions per
+    # (gate, up) pair (the magnitudes kept elementwise and reduced once per tile, as integer bits).
+    sliced = [c for c in configs.CANDIDATES["dhpre"][("16bit", 9)] if c.EPILOGUE_SPLIT > 1]
+    assert len(sliced) >= 2
+    for config in sliced:
+        for kind in ("dHpre", "dHpre-plain"):
+            r = rows[config, kind]
+            assert r["registers"] <= 128 and r["ctas_per_sm"] >= 2, (config, kind, r["registers"])
+        # Against today's epilogue at the same tile where that is a candidate, else at the default tile.
+        whole = config._replace(EPILOGUE_SPLIT=1)
+        today = rows[
+            whole if (whole, "dHpre") in rows else configs.CANDIDATES["dhpre"][("16bit", 9)][0], "dHpre"
+        ]
+        r = rows[config, "dHpre"]
+        assert r["epilogue_per_element"] <= 0.75 * today["epilogue_per_element"], (config, r, today)

@@ -10,6 +10,7 @@ from numerics import assert_close
 import sonar_kernels
 from sonar_kernels import ops, reference
 from sonar_kernels.ops import configs
+from sonar_kernels.ops.backward import moe_mlp_bwd_core
 from sonar_kernels.ops.common import tile_offsets_for
 from sonar_kernels.specs import mark_expert_tensors
 
@@ -132,3 +133,58 @@ def test_tuning_is_off_under_the_interpreter_and_by_environment(monkeypatch):
     assert not configs.tuning_enabled(torch.device("cuda", 0))
     monkeypatch.setenv("SONAR_KERNELS_TUNING", "1")
     assert configs.tuning_enabled(torch.device("cuda", 0))
+
+
+# dHpre's epilogue in column slices (EPILOGUE_SPLIT 2 and 4) against today's whole-tile epilogue
+# (EPILOGUE_SPLIT 1) at the same row tile and BLOCK_K (G's sums in the same order) and the slices' width (its
+# routing-weight partial sums over the same columns): every output the same bits; dHpre, A and the magnitudes
+# also those of today's default tile. I 100: several slices and column tiles, the last partly or wholly past I;
+# one routing weight inf and one NaN, so that the magnitudes meet both (a NaN counts as inf).
+SLICED_DHPRE = [
+    pytest.param(configs.Config(64, 64, 32, 8, 3, 2), configs.Config(64, 32, 32, 8, 3), id="64x64x32-split2"),
+    pytest.param(
+        configs.Config(64, 128, 64, 8, 3, 4), configs.Config(64, 32, 64, 8, 3), id="64x128x64-split4"
+    ),
+    pytest.param(
+        configs.Config(128, 64, 64, 8, 4, 4), configs.Config(128, 16, 64, 8, 4), id="128x64x64-split4"
+    ),
+]
+SLICED_CASE = Case(40, 24, 100, 3, 2, "sentinels")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
+
+def _dhpre_core(config, poison, device):
+    """ops.moe_mlp_bwd_core with dHpre pinned to ``config``: {name: bits} of dX, d top_k_weights, dHpre and A
+    (their kept rows) and the magnitudes."""
+    torch.manual_seed(3)
+    x, index, weights, w1, w2 = SLICED_CASE.make(torch.bfloat16, device=device)
+    if poison:
+        weights[2, 0], weights[5, 1] = float("inf"), float("nan")
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(4)).to(x)
+    _, hpre, meta = ops.moe_mlp_fwd(x, index, weights, w1, w2, "silu")
+    configs.pin("dhpre", config)
+    outputs = moe_mlp_bwd_core(grad_out, x, weights, w1, w2, hpre, meta, "silu", (True,) * 5)
+    kept = int(meta.expert_offsets[-1])
+    names = ("dX", "d top_k_weights", "dHpre", "A", "magnitudes")
+    return {
+        name: _bits(t[:kept] if name in ("dHpre", "A") else t) for name, t in zip(names, outputs, strict=True)
+    }
+
+
+@pytest.mark.parametrize(("sliced", "today"), SLICED_DHPRE)
+@pytest.mark.parametrize("poison", [False, True], ids=["finite", "inf-nan-weights"])
+def test_dhpre_in_column_slices_gives_todays_bits(sliced, today, poison, device):
+    new = _dhpre_core(sliced, poison, device)
+    old = _dhpre_core(today, poison, device)
+    default = _dhpre_core(
+        configs.candidates("dhpre", torch.bfloat16, torch.device(device))[0], poison, device
+    )
+    for name, bits in new.items():
+        assert torch.equal(bits, old[name]), name
+        if name in ("dHpre", "A", "magnitudes"):  # elementwise, or a largest magnitude: any tile's bits
+            assert torch.equal(bits, default[name]), name
+    magnitudes = new["magnitudes"].view(torch.float32)
+    assert bool(torch.isinf(magnitudes[1])) == poison and bool(torch.isfinite(magnitudes[0]))

@@ -19,11 +19,12 @@ For the wgrad kernel's variants that a bf16 GPU run compiles (WGRAD_TABLE_KINDS,
 each sm_90 tuning candidate) a second table, "wgrad variants on sm_90a", reads what decides their speed
 from the sm_90a build: CTAs per SM (from registers, shared memory and warps), the main loop's pipeline (the
 operands' shared-memory buffers, its ``cp.async.wait_group`` depth in the PTX) and the epilogue's SASS
-instructions per output element (:func:`read_sm90_code`).
+instructions per output element (:func:`read_sm90_code`). The forward and dgrad GEMMs a bf16 GPU run compiles
+(GEMM_TABLE_KINDS, likewise) get a third, "forward and dgrad variants on sm_90a".
 
 Usage: ``python tools/kernel_report.py`` prints the tables; ``--json PATH`` also writes the rows; ``--jobs N``
 compiles in N processes (default: one per CPU); ``--wgrad-variants [KIND ...]`` builds only the wgrad
-table's rows.
+table's rows, ``--gemm-variants [KIND ...]`` only those of the forward and dgrad table.
 Must run without TRITON_INTERPRET (kernels decorated under the interpreter cannot be compiled).
 """
 
@@ -94,6 +95,12 @@ DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "f
 # moments, AdamW's fp64 arithmetic: the 8-bit update's, and torch 2.11's) at their own tiles
 # (configs.OWN_CANDIDATES) are its last three kinds.
 WGRAD_TABLE_KINDS = ("adamw-fp32", "adamw-fp64", "split", "grad", "check", "8bit", "remainder", "stochastic")
+# The forward and dgrad GEMMs a bf16 GPU run compiles (OLMoE and Granite: SwiGLU, the concatenated layout, no
+# biases), at the default configuration and at each sm_90 tuning candidate, as the table "forward and dgrad
+# variants on sm_90a" shows them: the up-projection with its GLU, the grouped GEMM of the down projection and
+# of the dX rows, and dHpre with every output (A, the routing-weight partial sums, the magnitudes: sonar's
+# update follows) and without the magnitudes (a plain gradient: paper-inbwd's).
+GEMM_TABLE_KINDS = ("up", "down", "dX", "dHpre", "dHpre-plain")
 
 
 @dataclass
@@ -114,6 +121,9 @@ class Spec:
     # A row of the wgrad variants' table ("dW1 adamw-fp32", ...; WGRAD_TABLE_KINDS): its sm_90a build's
     # main loop and epilogue are read too (read_sm90_code).
     wgrad_table: str = ""
+    # A row of the forward and dgrad variants' table ("up", "down", "dX", "dHpre", "dHpre-plain";
+    # GEMM_TABLE_KINDS): its sm_90a build's main loop and epilogue are read too (read_sm90_code).
+    gemm_table: str = ""
 
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
@@ -211,7 +221,7 @@ def _candidate_specs() -> list[Spec]:
     variants = {
         "up": (expert_mlp_fwd.expert_mlp_fwd_up_kernel, ["silu"]),
         "grouped_mm": (expert_mlp_fwd.expert_mlp_grouped_mm_kernel, ["fwd", "dX"]),
-        "dhpre": (expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel, ["silu"]),
+        "dhpre": (expert_mlp_bwd.expert_mlp_bwd_dhpre_kernel, ["silu", "silu no-update"]),
         "wgrad": (
             expert_wgrad.expert_mlp_bwd_dw_kernel,
             [
@@ -235,10 +245,17 @@ def _candidate_specs() -> list[Spec]:
                     act_dtype, w_dtype = pair.split("/")
                     for name in names:
                         key = (kernel.fn.__name__, f"x={act_dtype} w={w_dtype} {name}")
-                        if name.endswith(" split") and key not in base:
-                            continue  # the split path's store: for the pairs the shipped specs build it for
+                        if name.endswith((" split", " no-update")) and key not in base:
+                            continue  # the split path's store, dHpre without an update: for the pairs the
+                            # shipped specs build them for
                         spec = base[key]
-                        blocks = config.blocks() | (config.epilogue() if family == "wgrad" else {})
+                        blocks = config.blocks() | (
+                            config.epilogue()
+                            if family == "wgrad"
+                            else {"EPILOGUE_SPLIT": config.EPILOGUE_SPLIT}
+                            if family == "dhpre"
+                            else {}
+                        )
                         options = spec.options | config.launch()
                         out.append(
                             replace(
@@ -250,6 +267,7 @@ def _candidate_specs() -> list[Spec]:
                                 targets=(arch,),
                                 aligned_only=True,
                                 wgrad_table=spec.wgrad_table if arch == "sm_90a" else "",
+                                gemm_table=spec.gemm_table if arch == "sm_90a" else "",
                             )
                         )
     return out
@@ -314,6 +332,7 @@ def _forward_specs() -> list[Spec]:
                     unit_strides=("stride_xh", "stride_wh", "stride_hn", "stride_an"),
                     is_gemm=True,
                     config=blocks,
+                    gemm_table="up" if (act_dtype, w_dtype, activation) == ("bf16", "bf16", "silu") else "",
                 )
             )  # fmt: skip
         if (act_dtype, w_dtype) == ("bf16", "bf16"):
@@ -357,6 +376,7 @@ def _forward_specs() -> list[Spec]:
                     unit_strides=("stride_ai", "stride_wi", "stride_yh", "stride_bh"),
                     is_gemm=True,
                     config=blocks,
+                    gemm_table="down" if (act_dtype, w_dtype, bias) == ("bf16", "bf16", False) else "",
                 )
             )
         # dX rows = dHpre @ W1[e] over W1's two halves, each [I, H] read as [H, I]: the unit stride is
@@ -381,6 +401,7 @@ def _forward_specs() -> list[Spec]:
                     wide_ints=("stride_whalf",) if "separate" in layout else (),
                     is_gemm=True,
                     config=blocks,
+                    gemm_table="dX" if (act_dtype, w_dtype, layout) == ("bf16", "bf16", "") else "",
                 )
             )
     cc = expert_mlp_fwd.COMBINE_CONFIG
@@ -453,6 +474,9 @@ def _backward_specs() -> list[Spec]:
                     ),
                     is_gemm=True,
                     config=blocks,
+                    gemm_table={"": "dHpre", " no-update": "dHpre-plain"}.get(suffix, "")
+                    if (act_dtype, w_dtype, activation) == ("bf16", "bf16", "silu")
+                    else "",
                 )
             )  # fmt: skip
 
@@ -958,9 +982,11 @@ def _build(task: tuple[int, bool, str]) -> dict:
         "f64_params": len(re.findall(r"\.param \.f64\b", ptx)),
         **_ptxas_stats(ptx, arch, log.getvalue()),
     }
-    if spec.wgrad_table and arch == "sm_90a":
+    if (spec.wgrad_table or spec.gemm_table) and arch == "sm_90a":
+        # The output elements of a program: its BLOCK_M x BLOCK_N tile (the up-projection and dHpre: of
+        # (gate, up) column pairs, each pair two Hpre or dHpre elements and one of A).
         tile = spec.constexprs["BLOCK_M"] * spec.constexprs["BLOCK_N"]
-        row["wgrad_table"] = spec.wgrad_table
+        row["wgrad_table" if spec.wgrad_table else "gemm_table"] = spec.wgrad_table or spec.gemm_table
         row |= read_sm90_code(compiled, row["registers"], spec.options["num_warps"], tile)
     return row
 
@@ -971,22 +997,26 @@ def compile_all(
     unaligned_targets: tuple[str, ...] = tuple(TARGETS),
     targets: tuple[str, ...] = tuple(TARGETS),
     wgrad_kinds: tuple[str, ...] | None = None,
+    gemm_kinds: tuple[str, ...] | None = None,
 ) -> list[dict]:
     """Rows for every spec x {aligned, unaligned} x TARGETS, in that order; ``jobs`` compiler processes;
     ``kernels``: only the kernels whose name contains one of these strings (all when empty);
     ``targets``: the targets the shipped configurations are built for (a tuning candidate is built for
     its own architecture); ``unaligned_targets``: those of them the unaligned specialisation is built for;
     ``wgrad_kinds``: only the rows of the wgrad variants' table of these kinds (WGRAD_TABLE_KINDS), aligned,
-    for sm_90a."""
+    for sm_90a; ``gemm_kinds``: likewise for the forward and dgrad variants' table (GEMM_TABLE_KINDS); with
+    both, the rows of either."""
     every = specs()
     chosen = [
         i for i, spec in enumerate(every) if not kernels or any(k in spec.kernel.fn.__name__ for k in kernels)
     ]
-    if wgrad_kinds is not None:
-        # wgrad_table is "<role> <kind>"; "" outside the table.
-        kinds = [every[i].wgrad_table.rpartition(" ")[2] for i in chosen]
+    if wgrad_kinds is not None or gemm_kinds is not None:
+        # wgrad_table is "<role> <kind>", gemm_table the kind; "" outside the tables.
         tasks = [
-            (i, True, "sm_90a") for i, kind in zip(chosen, kinds, strict=True) if kind and kind in wgrad_kinds
+            (i, True, "sm_90a")
+            for i in chosen
+            if (every[i].wgrad_table and every[i].wgrad_table.rpartition(" ")[2] in (wgrad_kinds or ()))
+            or (every[i].gemm_table and every[i].gemm_table in (gemm_kinds or ()))
         ]
     else:
         tasks = [
@@ -1056,6 +1086,51 @@ def _print_wgrad_table(rows: list[dict]) -> None:
         )
 
 
+def _print_gemm_table(rows: list[dict]) -> None:
+    """The section "forward and dgrad variants on sm_90a": one line per kernel kind and configuration (the
+    default configuration first, then the family's sm_90 candidates in ops/configs.py's order)."""
+    from sonar_kernels.ops import configs
+
+    family = {"up": "up", "down": "grouped_mm", "dX": "grouped_mm", "dHpre": "dhpre", "dHpre-plain": "dhpre"}
+
+    def fields(r):
+        return configs.Config._field_defaults | r["config"]
+
+    def key(r):
+        kind = r["gemm_table"]
+        order = [c._asdict() for c in configs.CANDIDATES[family[kind]][("16bit", 9)]]
+        cfg = {f: fields(r)[f] for f in configs.Config._fields}
+        return (GEMM_TABLE_KINDS.index(kind), order.index(cfg) if cfg in order else len(order))
+
+    print(
+        "\n## forward and dgrad variants on sm_90a (bf16 activations and weights, SwiGLU, concatenated layout)\n"
+        "up: expert_mlp_fwd_up_kernel; down, dX: expert_mlp_grouped_mm_kernel (HALVES 1, 2); dHpre: "
+        "expert_mlp_bwd_dhpre_kernel with A, the routing-weight partial sums and the magnitudes (dHpre-plain: "
+        "without the magnitudes).\n"
+        "CTAs/SM, buffers, wait: as in the wgrad table. epilogue: SASS instructions after the main loop, in all "
+        "and per element of a thread's share of the BLOCK_M x BLOCK_N tile (up and dHpre: per (gate, up) "
+        "column pair)."
+    )
+    header = (
+        f"{'kind':11} {'BMxBNxBK warps stages split':31} {'regs':>4} {'spill':>5} {'smem KB':>7} {'CTAs/SM':>7} "
+        f"{'buffers':>7} {'wait':>5} {'epilogue':>8} {'/elem':>6}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in sorted(rows, key=key):
+        c = fields(r)
+        cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
+        cfg += f" split{r['config']['EPILOGUE_SPLIT']}" if "EPILOGUE_SPLIT" in r["config"] else ""
+        buffers = ",".join(map(str, r["operand_buffers"])) or "-"
+        waits = ",".join(map(str, r["loop_wait_groups"])) or "-"
+        epilogue, per = r["epilogue_instructions"], r["epilogue_per_element"]
+        print(
+            f"{r['gemm_table']:11} {cfg:31} {r['registers']:4d} {r['spill_stores'] + r['spill_loads']:5d} "
+            f"{r['shared_bytes'] / 1024:7.1f} {r['ctas_per_sm']:7d} {buffers:>7} {waits:>5} "
+            + ("       -      -" if epilogue is None else f"{epilogue:8d} {per:6.1f}")
+        )
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path, help="also write the rows to this JSON file")
@@ -1097,15 +1172,25 @@ def main(argv=None) -> int:
         help="build only the rows of the table of wgrad variants on sm_90a, of these kinds (none named: "
         "all); its candidates' rows need bf16/bf16 among --candidate-dtypes",
     )
+    parser.add_argument(
+        "--gemm-variants",
+        nargs="*",
+        choices=GEMM_TABLE_KINDS,
+        help="build only the rows of the table of forward and dgrad variants on sm_90a, of these kinds (none "
+        "named: all; with --wgrad-variants, the rows of both); its candidates' rows need bf16/bf16 among "
+        "--candidate-dtypes",
+    )
     args = parser.parse_args(argv)
     os.environ[CANDIDATE_DTYPES_ENV] = ",".join(args.candidate_dtypes)
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         print("unset TRITON_INTERPRET: interpreted kernels cannot be compiled for a GPU", file=sys.stderr)
         return 2
     wgrad_kinds = None if args.wgrad_variants is None else tuple(args.wgrad_variants or WGRAD_TABLE_KINDS)
+    gemm_kinds = None if args.gemm_variants is None else tuple(args.gemm_variants or GEMM_TABLE_KINDS)
     rows = compile_all(
-        args.jobs, tuple(args.kernels), tuple(args.unaligned_targets), tuple(args.targets), wgrad_kinds
-    )
+        args.jobs, tuple(args.kernels), tuple(args.unaligned_targets), tuple(args.targets), wgrad_kinds,
+        gemm_kinds,
+    )  # fmt: skip
     header = f"{'kernel':34} {'variant':30} {'spec':9} {'target':6} {'regs':>4} {'spill st/ld':>11} {'smem':>6} mma"
     print(header)
     print("-" * len(header))
@@ -1123,6 +1208,9 @@ def main(argv=None) -> int:
     table = [r for r in rows if "wgrad_table" in r]
     if table:
         _print_wgrad_table(table)
+    gemm_table = [r for r in rows if "gemm_table" in r]
+    if gemm_table:
+        _print_gemm_table(gemm_table)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -25,6 +25,13 @@ def round_to(x, DTYPE: tl.constexpr, INTERPRET: tl.constexpr):
 
 
 @triton.jit
+def split_columns(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] -> its column halves [BLOCK_M, BLOCK_N // 2] (left, right)."""
+    half: tl.constexpr = BLOCK_N // 2
+    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, half)), (0, 2, 1)))
+
+
+@triton.jit
 def expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M: tl.constexpr):
     """(expert, first row, end row) of grouped-GEMM row tile ``pid_m``; needs pid_m < tile_offsets[E].
 

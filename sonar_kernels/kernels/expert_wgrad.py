@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from sonar_kernels.kernels.adamw import adamw_tile, adamw_tile_load, adamw_tile_store
-from sonar_kernels.kernels.common import round_to
+from sonar_kernels.kernels.common import round_to, split_columns
 from sonar_kernels.kernels.moments_8bit import BLOCK as MOMENTS_BLOCK
 from sonar_kernels.kernels.moments_8bit import adamw_8bit_tile, adamw_8bit_tile_load, adamw_8bit_tile_store
 
@@ -31,13 +31,6 @@ WGRAD_CONFIG = {
 # BLOCK_N / 32), and half the rows, so that the dequantize-update-requantize fits the registers (make
 # kernel-report: the 128-row tile spills on sm_80 and sm_90a).
 WGRAD_8BIT_CONFIG = WGRAD_CONFIG | {"BLOCK_M": 64, "EPILOGUE_SPLIT": 2}
-
-
-@triton.jit
-def _split_columns(x, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """[BLOCK_M, BLOCK_N] -> its column halves [BLOCK_M, BLOCK_N // 2] (left, right)."""
-    half: tl.constexpr = BLOCK_N // 2
-    return tl.split(tl.permute(tl.reshape(x, (BLOCK_M, 2, half)), (0, 2, 1)))
 
 
 @triton.jit
@@ -98,7 +91,7 @@ def _dw_epilogue_prefetched(
     the previous slice's stores; here one slice's loads are in flight while another is computed. The same
     arithmetic per element and the same fixed order of the slices' sums; returns (sum of squares, count)."""
     tl.static_assert(EPILOGUE_SPLIT == 2 or EPILOGUE_SPLIT == 4, "a prefetched epilogue has 2 or 4 slices")
-    left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+    left, right = split_columns(acc, BLOCK_M, BLOCK_N)
     if EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
         o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, half)
@@ -124,8 +117,8 @@ def _dw_epilogue_prefetched(
     else:
         half: tl.constexpr = BLOCK_N // 2
         quarter: tl.constexpr = BLOCK_N // 4
-        q0, q1 = _split_columns(left, BLOCK_M, half)
-        q2, q3 = _split_columns(right, BLOCK_M, half)
+        q0, q1 = split_columns(left, BLOCK_M, half)
+        q2, q3 = split_columns(right, BLOCK_M, half)
         o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, quarter)
         p0, m0, v0 = adamw_tile_load(
             o0, k0, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, remainder_ptr, REMAINDER, STOCHASTIC
@@ -219,7 +212,7 @@ def _dw_8bit_prefetched(
     moments), the codes found in closed form instead of by a binary search of gathers. The same arithmetic
     per element, the same codes, the same order of the slices' sums; returns (sum of squares, count)."""
     half: tl.constexpr = BLOCK_N // 2
-    left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+    left, right = split_columns(acc, BLOCK_M, BLOCK_N)
     o0, k0 = _slice_offsets(offs_m, m_offsets, col0, M, N, stride_n, half)
     s0, j0 = _scale_offsets(offs_m, m_soffsets, col0, M, N, half)
     state0 = adamw_8bit_tile_load(
@@ -509,7 +502,7 @@ def expert_mlp_bwd_dw_kernel(
         )  # fmt: skip
     elif EPILOGUE_SPLIT == 2:
         half: tl.constexpr = BLOCK_N // 2
-        left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
+        left, right = split_columns(acc, BLOCK_M, BLOCK_N)
         total, clipped = _dw_epilogue_slice(
             left, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
@@ -528,8 +521,8 @@ def expert_mlp_bwd_dw_kernel(
         tl.static_assert(EPILOGUE_SPLIT == 4, "EPILOGUE_SPLIT must be 1, 2 or 4")
         half: tl.constexpr = BLOCK_N // 2
         quarter: tl.constexpr = BLOCK_N // 4
-        left, right = _split_columns(acc, BLOCK_M, BLOCK_N)
-        q0, q1 = _split_columns(left, BLOCK_M, half)
+        left, right = split_columns(acc, BLOCK_M, BLOCK_N)
+        q0, q1 = split_columns(left, BLOCK_M, half)
         total, clipped = _dw_epilogue_slice(
             q0, offs_m, m_offsets, col0, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr, stride_n,
             step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,
@@ -544,7 +537,7 @@ def expert_mlp_bwd_dw_kernel(
         )  # fmt: skip
         total += more
         clipped += more_clipped
-        q2, q3 = _split_columns(right, BLOCK_M, half)
+        q2, q3 = split_columns(right, BLOCK_M, half)
         more, more_clipped = _dw_epilogue_slice(
             q2, offs_m, m_offsets, col0 + half, M, N, dw_ptr, grad_in_ptr, w_ptr, exp_avg_ptr, exp_avg_sq_ptr,
             stride_n, step_size, bc2_sqrt, hyper_ptr, grad_limit, exp_avg_scales_ptr, exp_avg_sq_scales_ptr, tables_ptr,

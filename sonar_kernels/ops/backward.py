@@ -194,9 +194,12 @@ def _launch_core(
 
     def dhpre(cfg):
         """dHpre (and A, the routing-weight partial sums, the magnitudes) with tile configuration ``cfg``;
-        returns (the partial sums [cdiv(I, BLOCK_N), rows] or None, the magnitudes or None)."""
+        returns (the partial sums [cdiv(I, BLOCK_N) * EPILOGUE_SPLIT, rows] or None, the magnitudes or
+        None)."""
         num_pid_n = triton.cdiv(I, cfg.BLOCK_N)
-        dw_partial = common.empty((num_pid_n, num_rows), torch.float32, device) if need_w else None
+        # One row of partial sums per column slice of each column tile (the kernel's EPILOGUE_SPLIT).
+        num_partials = num_pid_n * cfg.EPILOGUE_SPLIT
+        dw_partial = common.empty((num_partials, num_rows), torch.float32, device) if need_w else None
         if not run_dhpre:
             return dw_partial, None
         num_row_tiles = max_row_tiles(S, E, cfg.BLOCK_M)
@@ -217,7 +220,7 @@ def _launch_core(
             hpre.stride(0), hpre.stride(1), top_k_weights.stride(0), top_k_weights.stride(1),
             grad_hpre_arg.stride(0), grad_hpre_arg.stride(1), a_arg.stride(0), a_arg.stride(1),
             dw_partial_arg.stride(0), alpha, limit,
-            ACTIVATION=kind, GATED=halves == 2, **cfg.blocks(),
+            ACTIVATION=kind, GATED=halves == 2, **cfg.blocks(), EPILOGUE_SPLIT=cfg.EPILOGUE_SPLIT,
             STORE_GRAD_HPRE=need_grad_hpre, STORE_A=need_a, COMPUTE_DW=need_w, HAS_ABSMAX=absmax is not None,
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip

@@ -48,7 +48,8 @@ class Config(NamedTuple):
     BLOCK_K: int
     num_warps: int
     num_stages: int
-    EPILOGUE_SPLIT: int = 1  # wgrad only: the AdamW epilogue's column slices
+    # wgrad: the AdamW epilogue's column slices; dhpre: the rebuilt epilogue's (1: today's, the whole tile)
+    EPILOGUE_SPLIT: int = 1
     # wgrad only: each epilogue slice's state loaded before the previous slice's stores; with 8-bit moments
     # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
@@ -116,7 +117,17 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
     },
     "dhpre": {
         ("fp32", None): (_DEFAULTS["dhpre"],),
-        ("16bit", 9): (_DEFAULTS["dhpre"], Config(128, 64, 64, 8, 3), Config(64, 128, 64, 8, 3)),
+        # The epilogue in column slices (EPILOGUE_SPLIT 2 or 4; kernels/expert_mlp_bwd.py): at most 122
+        # registers, 2 or 3 CTAs per SM where the whole-tile epilogue has 146 to 252 and 1; 56 to 61 epilogue
+        # instructions per element instead of 85 to 95 (make kernel-report); 4 stages: wait_group 4.
+        ("16bit", 9): (
+            _DEFAULTS["dhpre"],
+            Config(128, 64, 64, 8, 3),
+            Config(64, 128, 64, 8, 3),
+            Config(64, 64, 32, 8, 3, 2),
+            Config(64, 128, 64, 8, 3, 4),
+            Config(128, 64, 64, 8, 4, 4),
+        ),
         ("16bit", 8): (_DEFAULTS["dhpre"], Config(64, 64, 64, 8, 4)),
     },
     "wgrad": {
