@@ -342,6 +342,17 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
     ctas = {"up": 4, "down": 5, "dX": 5, "dHpre": 1, "dHpre-plain": 1}
     for kind, count in ctas.items():
         assert rows[configs.CANDIDATES[family[kind]][("16bit", 9)][0], kind]["ctas_per_sm"] == count, kind
+    # The 128-row candidates of the up-projection, the down projection and dX: 2 CTAs per SM, and a deeper
+    # pipeline than today's (wait_group 4 or 6).
+    for kind in ("up", "down", "dX"):
+        deep = [
+            c
+            for c in configs.CANDIDATES[family[kind]][("16bit", 9)]
+            if c.BLOCK_M == 128 and c.num_stages >= 4
+        ]
+        assert len(deep) >= 2, kind
+        for config in deep:
+            assert rows[config, kind]["ctas_per_sm"] >= 2, (config, kind, rows[config, kind]["registers"])
     # dHpre's epilogue in column slices: at most 128 registers (2 CTAs per SM or more) where the whole-tile
     # epilogue at the same tile has 146 to 252 (1 CTA), and at least 25 % fewer epilogue instructions per
     # (gate, up) pair (the magnitudes kept elementwise and reduced once per tile, as integer bits).
