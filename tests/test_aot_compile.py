@@ -6,7 +6,8 @@ the tuning candidates for one dtype pair on their own architecture (sm_90a or Am
 specialisation (correct but slow code for odd sizes, which the interpreter tests run) and the candidates
 for every 16-bit pair. The wgrad's fused update at the default configuration and each sm_90 candidate is
 also built on its own (12 builds) and read for what decides its speed on an H100/H200: CTAs per SM, the
-main loop's prefetch depth, the epilogue's instructions."""
+main loop's prefetch depth, the epilogue's instructions; so are the forward and dgrad GEMMs a bf16 GPU run
+compiles (up, down, dX, dHpre), at the default and each sm_90 candidate (about 30 builds)."""
 
 import json
 import os
