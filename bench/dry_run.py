@@ -240,9 +240,18 @@ _CALL = CustomOpDef.__call__
 def _swap_tensors(t1, t2):
     """Module.to() swaps every fake parameter with its conversion, which fake tensors refuse (their weak
     references); a conversion that changed nothing (a model built in its dtype, on its device) is left
-    undone instead."""
-    if (t1.dtype, t1.device, t1.shape, t1.stride()) != (t2.dtype, t2.device, t2.shape, t2.stride()):
+    undone instead, and one that the swap refuses sets the data in place."""
+    if (t1.dtype, t1.device, t1.shape, t1.stride()) == (t2.dtype, t2.device, t2.shape, t2.stride()):
+        return
+    try:
         _SWAP_TENSORS(t1, t2)
+    except RuntimeError:
+        if not isinstance(t1, FakeTensor):
+            raise
+        # A fake parameter held by a weak reference (a module built under the mode, then converted: the
+        # layer section's transformers experts) takes its conversion's data in place, as Module._apply does
+        # for a plain tensor.
+        t1.data = t2.detach()
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ if "--dry-run" not in sys.argv and ("--rehearse" in sys.argv or not torch.cuda.i
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton and sonar_kernels are imported
 
 import check_backward  # noqa: E402
+import host_work  # noqa: E402
 import kernel_times  # noqa: E402
 import providers  # noqa: E402
 import triton  # noqa: E402
@@ -79,6 +80,9 @@ ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "wgrad": 120, "full-s
 # The wgrad section's providers: sonar (exact bf16 moments: every tile candidate, fused and split) and the
 # state kinds whose tiles are fixed (the path only).
 WGRAD_PROVIDERS = ("sonar", "sonar-8bit", "sonar-stochastic")
+# Rounds of the host issue time per provider of a layer unit (bench/host_work.py: each one holds the GPU for
+# twice the step and 10 ms more: at most about 0.3 s per provider at OLMoE-1B-7B T16384).
+ISSUE_ROUNDS = 5
 # Seconds of one kernel's cold build for sm_90a, with a margin: --dry-run --compile-times measured a mean of
 # 0.7 s and a longest of 3.3 s per build on a 2-core CPU (bench/README.md, "Budget").
 COMPILE_S = 1.5
@@ -118,6 +122,30 @@ class Cuda:
     def peak_bytes(self, step, phase: str) -> int:
         return providers.peak_bytes(step, phase)  # the CUDA allocator's peak (MemTracker on the CPU)
 
+    def issue(self, fn, step_s: float) -> dict:
+        """bench/host_work.py's ``issue_time`` of ``fn`` (a step that ``seconds`` timed at ``step_s``): the
+        host's time to issue it while the GPU sleeps, against the device time of its work, over
+        ``ISSUE_ROUNDS`` rounds. Each hold lasts twice the step and 10 ms more, so that an issue slower
+        than the step's device time still ends inside it."""
+        hold_s = 2 * step_s + 0.01
+        cycles = max(1, int(hold_s * self._sleep_cycles_per_s()))
+        return host_work.issue_time(
+            fn, ISSUE_ROUNDS, lambda: torch.cuda._sleep(cycles), lambda: torch.cuda.Event(enable_timing=True),
+            torch.cuda.synchronize, hold_s,
+        )  # fmt: skip
+
+    def _sleep_cycles_per_s(self) -> float:
+        """torch.cuda._sleep's cycles per second on this GPU, measured once (an event pair around 10^7)."""
+        if getattr(self, "_sleep_rate", None) is None:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            start.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            torch.cuda.synchronize()
+            self._sleep_rate = 10_000_000 / (start.elapsed_time(end) / 1000)
+        return self._sleep_rate
+
     def peak_during(self, fn) -> int:
         """The CUDA allocator's peak while ``fn`` runs (everything allocated, not only ``fn``'s)."""
         torch.cuda.synchronize()
@@ -146,6 +174,10 @@ class Rehearsal(Cuda):
         fn()
         elapsed = time.perf_counter() - start
         return {"median_s": elapsed, "p10_s": elapsed, "p90_s": elapsed}
+
+    def issue(self, fn, step_s: float) -> dict:
+        """The GPU's measurement with CPU stand-ins (no hold, the host's clock for the events), one round."""
+        return host_work.issue_time(fn, 1, lambda: None)
 
     def peak_during(self, fn) -> int:
         """The peak of the tensors allocated while ``fn`` runs (torch's MemTracker)."""
@@ -300,7 +332,9 @@ def correctness(plan: Plan, device, model: str, weight_dtype: torch.dtype) -> di
 
 
 def layer(plan: Plan, device, model: str, tokens: int) -> dict:
-    """Every provider of LAYER_PROVIDERS: one training step of the layer, uniform routing."""
+    """Every provider of LAYER_PROVIDERS: one training step of the layer, uniform routing; and its host
+    path (bench/host_work.py): the launches, torch ops and library Python calls of one step, and the time
+    the host takes to issue the step against the device time of its work."""
     shape = plan.shape(model, tokens)
     inputs = providers.make_inputs(shape, device.dtype, device.kind)
     rows = {}
@@ -308,12 +342,15 @@ def layer(plan: Plan, device, model: str, tokens: int) -> dict:
         step = providers.build(name, inputs, backend="auto")
         step.run()  # compile, create the optimizer state
         timing = device.seconds(step.run)
+        host = host_work.count(step.run)
+        host["issue"] = device.issue(step.run, timing["median_s"])
         rows[name] = {
             **timing,
             "tflops": shape.phase_flops("step") / timing["median_s"] / 1e12,
             "peak_bytes": device.peak_bytes(step, "step"),
             "experts": step.experts,
             "update": step.update,
+            "host": host,
         }
         del step
     base = rows[providers.BASELINE]
@@ -711,7 +748,7 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
                 f"{row['tflops']:.1f} | {row['time_vs_standard']:.2f} | {row['peak_bytes'] / 2**20:.1f} | "
                 f"{row['memory_vs_standard']:.2f} |"
             )
-        return [*lines, ""]
+        return [*lines, *_host_lines(r["rows"]), ""]
     if section == "gemms":
         return _gemm_lines(name, r)
     if section == "wgrad":
@@ -726,6 +763,27 @@ def _unit_lines(section: str, name: str, unit: dict) -> list[str]:
             f"{row['peak_bytes'] / 2**20:.0f} | {row['memory_vs_standard']:.2f} |"
         )
     return [*lines, ""]
+
+
+def _host_lines(rows: dict) -> list[str]:
+    """A layer unit's host path per provider (bench/host_work.py); reports from before it have none."""
+    if not all("host" in row for row in rows.values()):
+        return []
+    lines = [
+        "", "Host path of one step: Triton launches, torch ops (ATen ops dispatched), the library's Python calls; "
+        "the time to issue the step while the device is held busy, against the device time of its work "
+        "(issue / device above 1: the step waits on the host).", "",
+        "| provider | launches | torch ops | Python calls | issue ms | device ms | issue / device |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for provider, row in rows.items():
+        h, issue = row["host"], row["host"]["issue"]
+        covered = "" if issue["covered"] else " (hold too short)"
+        lines.append(
+            f"| {provider} | {h['launches']} | {h['torch_ops']} | {h['python_calls']} | {_ms(issue['issue_s'])} | "
+            f"{_ms(issue['device_s'])} | {issue['issue_over_device']:.2f}{covered} |"
+        )
+    return lines
 
 
 def _wgrad_lines(name: str, r: dict) -> list[str]:

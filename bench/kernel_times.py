@@ -41,6 +41,9 @@ NAMES = {
     "expert_mlp_bwd_dweights_kernel": "routing-weight grad",
     # The bias-corrected step size of one update (one program; both weights' launches share the label).
     "adamw_scalars_kernel": "adamw scalars",
+    # Before each update its skip, step and scalars; after it the telemetry (ops/update_steps.py).
+    "update_begin_kernel": "update begin",
+    "update_end_kernel": "update end",
 }
 # About 25 ms of GPU time at the H200's clock: longer than the host needs to launch one layer's step.
 SLEEP_CYCLES = 50_000_000

@@ -213,14 +213,16 @@ def test_kernel_timing_labels_each_launch_by_what_it_computes():
     # Both fused; only W1 fused (W2's gradient plain); both on the split path. The layer's core (dHpre,
     # the routing-weight gradient, dX) runs first, then each weight's wgrad job; an updated weight's wgrad
     # runs once its whole gradient is known, in the pre-hook of its AccumulateGrad node.
-    assert step(True, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "adamw scalars",
-                                  "wgrad dW1 adamw", "wgrad dW2 check", "adamw scalars", "wgrad dW2 adamw"]  # fmt: skip
+    # Each update: its check pass, the update's begin (skip, step, scalars), the update, its end (telemetry).
+    assert step(True, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "update begin",
+                                  "wgrad dW1 adamw", "update end", "wgrad dW2 check", "update begin",
+                                  "wgrad dW2 adamw", "update end"]  # fmt: skip
     assert step(True, (0,)) == [*forward, "dgrad G", *backward_middle, "wgrad dW2 store", "wgrad dW1 check",
-                                "adamw scalars", "wgrad dW1 adamw"]  # fmt: skip
+                                "update begin", "wgrad dW1 adamw", "update end"]  # fmt: skip
     # The split path decides the skip with the check pass too (its chunks: here one, the whole tensor).
-    assert step(False, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "adamw scalars",
-                                   "wgrad dW1 store", "adamw dW1", "wgrad dW2 check", "adamw scalars",
-                                   "wgrad dW2 store", "adamw dW2"]  # fmt: skip
+    assert step(False, (0, 1)) == [*forward, "dgrad G", *backward_middle, "wgrad dW1 check", "update begin",
+                                   "wgrad dW1 store", "adamw dW1", "update end", "wgrad dW2 check",
+                                   "update begin", "wgrad dW2 store", "adamw dW2", "update end"]  # fmt: skip
     # Per step, the seconds of each label; an entry of None separates steps.
     import kernel_times
 

@@ -51,7 +51,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from sonar_kernels import ops
-from sonar_kernels.kernels import adamw, expert_mlp_bwd, expert_mlp_fwd, expert_wgrad, moments_8bit, routing
+from sonar_kernels.kernels import (
+    adamw,
+    expert_mlp_bwd,
+    expert_mlp_fwd,
+    expert_wgrad,
+    moments_8bit,
+    routing,
+    update_steps,
+)
+from sonar_kernels.ops import update_steps as ops_update_steps
 from sonar_kernels.specs import ACTIVATIONS
 
 # Integers that are never multiples of 16, even at aligned shapes: top_k (1 to 8 in the models) and the row
@@ -753,6 +762,31 @@ def _adamw_specs() -> list[Spec]:
                 {"num_warps": 1, "enable_fp_fusion": False},
             )
         )
+    # The small steps around each update (ops/update_steps.py): before it the skip, the step and (but for
+    # 8-bit moments and stochastic rounding) the scalars; after it the telemetry.
+    begin = {"flags_ptr": "fp32", "step_ptr": "fp32", "hyper_ptr": "fp64", "powers_ptr": "fp32", "skip_ptr": "fp32",
+             "scalars_ptr": "fp32"}  # fmt: skip
+    for arithmetic, scalars in (("fp64", True), ("fp32", True), ("fp64", False)):
+        out.append(
+            Spec(
+                update_steps.update_begin_kernel,
+                f"{arithmetic}{'' if scalars else ' no scalars'}",
+                begin,
+                {"BLOCK": ops_update_steps.FLAGS_BLOCK, "SCALARS": scalars, "ARITHMETIC": arithmetic,
+                 "INTERPRET": False},
+                {"num_warps": 1, "enable_fp_fusion": False},
+            )
+        )  # fmt: skip
+    out.append(
+        Spec(
+            update_steps.update_end_kernel,
+            "norm, skips, clipped",
+            {"skip_ptr": "fp32", "norm_ptr": "fp32", "skipped_ptr": "i64", "clipped_ptr": "i64",
+             "clipped_in_ptr": "i64"},
+            {"HAS_NORM": True, "HAS_SKIPPED": True, "HAS_CLIPPED": True, "HAS_CLIPPED_IN": True},
+            {"num_warps": 1},
+        )
+    )  # fmt: skip
     return out
 
 

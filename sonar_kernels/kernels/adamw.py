@@ -88,7 +88,12 @@ def _adamw_scalars(step_ptr, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, IN
     the hyperparameters at ``hyper_ptr``, each loaded just before its use (libdevice's pow is a call:
     nothing loaded early has to survive it); the "fp32" arithmetic reads torch's fp32 powers of the betas
     at ``powers_ptr`` instead of computing them (the module docstring says why)."""
-    step = tl.load(step_ptr).to(tl.float32)
+    return adamw_scalars_of(tl.load(step_ptr).to(tl.float32), hyper_ptr, powers_ptr, ARITHMETIC, INTERPRET)
+
+
+@triton.jit
+def adamw_scalars_of(step, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
+    """:func:`_adamw_scalars` of the fp32 step count ``step`` (a value: kernels/update_steps.py computes it)."""
     if ARITHMETIC == "fp32":
         bias_correction1 = 1.0 - tl.load(powers_ptr)
         bias_correction2 = 1.0 - tl.load(powers_ptr + 1)

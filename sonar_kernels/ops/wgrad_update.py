@@ -24,6 +24,7 @@ from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw
 from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
 from sonar_kernels.ops.common import is_dense, like
+from sonar_kernels.ops.update_steps import begin_update, end_update
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
 
@@ -136,14 +137,18 @@ def apply_update(launch, weight, update, bound, key) -> None:
     entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
     maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
     job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
-    skip = partial.amax()
-    # torch's AdamW increments the step before it computes the bias corrections; a skipped update
-    # leaves it (as torch's fused AdamW does with found_inf).
-    advance = 1.0 - skip
-    update.step.add_(advance)
+    # The skip (the largest flag), the step and the scalars in one launch (ops/update_steps.py). torch's
+    # AdamW increments the step before it computes the bias corrections; a skipped update leaves it (as
+    # torch's fused AdamW does with found_inf). 8-bit moments and stochastic rounding take the torch
+    # backend's scalars (job.scalars).
+    torch_scalars = eight_bit or update.seed is not None
+    skip, scalars = begin_update(
+        partial, update.step, update.hyper, arithmetic, not torch_scalars, launch.interpret
+    )
     applied = False
     try:
-        scalars = job.scalars()
+        if torch_scalars:
+            scalars = job.scalars()
         # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
         rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])
         clipped = job.apply(choice, state, launch.meta.expert_offsets, scalars, skip, rng, 0, partial)
@@ -153,18 +158,12 @@ def apply_update(launch, weight, update, bound, key) -> None:
             # A launch that was refused (compile error, bad argument) applied nothing: take the step back
             # (the split path's later chunks launch the kernels its first chunk built, on memory allocated
             # before it).
-            update.step.sub_(advance)
+            update.step.sub_(1.0 - skip)
     if update.grad_norm_sq is not None:
-        update.grad_norm_sq.copy_(torch.where(skip != 0.0, float("inf"), partial.sum()))
-    if update.skipped is not None:
-        update.skipped.add_(skip.long())
-    if update.clipped is not None:
-        # A skipped update clipped nothing (its programs returned before counting: the counts stay 0). On the
-        # device: a Python 0 copied in would be a host-to-device copy, which waits for the stream.
-        if clipped is None:
-            update.clipped.zero_()
-        else:
-            update.clipped.copy_(clipped)
+        torch.sum(partial, 0, out=update.grad_norm_sq)
+    # The norm inf when skipped, the skip counted, the clipped entries (0 without clipping; a skipped update
+    # clipped nothing: its programs returned before counting) in one launch, on the device.
+    end_update(skip, update.grad_norm_sq, update.skipped, update.clipped, clipped)
     if update.on_done is not None:
         update.on_done()
 
