@@ -104,9 +104,9 @@ class InBackwardAdamW(ExpertTelemetry):
                     f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
         self.master_weights = check_master_weights(master_weights)
-        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int):
+        if not specs.is_integer(rounding_seed):
             raise TypeError(f"rounding_seed must be an int, got {type(rounding_seed).__name__}")
-        self.rounding_seed = rounding_seed
+        self.rounding_seed = int(rounding_seed)
         # Managed tensor -> the seed of its stochastic rounding's stream (by the order it was given).
         self._seeds = {}
         if self.master_weights is not None and moments_dtype is None:

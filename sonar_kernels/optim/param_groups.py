@@ -115,8 +115,7 @@ def check_expert_clipping(expert_clipping, spike_threshold) -> tuple[str, float]
     if expert_clipping not in EXPERT_CLIPPING:
         raise ValueError(f"expert_clipping must be one of {EXPERT_CLIPPING}, got {expert_clipping!r}")
     if (
-        isinstance(spike_threshold, bool)
-        or not isinstance(spike_threshold, (int, float))
+        not specs.is_real_number(spike_threshold)
         or not math.isfinite(spike_threshold)
         or spike_threshold <= 0
     ):
