@@ -165,7 +165,12 @@ def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module 
         if owner is not None:
             owner.claim(t)
     if module is not None:
-        module.__dict__[_CLAIMED] = [None if t is None else specs.update_of(t) for t in tensors]
+        claimed = [None if t is None else specs.update_of(t) for t in tensors]
+        module.__dict__[_CLAIMED] = claimed
+        for index, update in enumerate(claimed):
+            if update is not None and getattr(update, "tensor", lambda: None)() is tensors[index]:
+                # Where the tensor sits: step() checks that it is still there (InBackwardUpdates.check_before_step).
+                update.held_at = (weakref.ref(module), index)
 
 
 # The attribute of an experts module that holds the update handles of the tensors of its last forward.
