@@ -65,7 +65,9 @@ def test_zero_flat_partitions_are_refused_naming_deepspeed_whenever_they_come(wh
         group["params"] = [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in group["params"]]))]
     with pytest.raises(RuntimeError, match=r"replaced by DeepSpeed's ZeRO optimizer") as refusal:
         optimizer.step()
-    assert "DeepSpeed is not supported" in str(refusal.value) and "accelerate's prepare" not in str(refusal.value)
+    assert "DeepSpeed is not supported" in str(refusal.value) and "accelerate's prepare" not in str(
+        refusal.value
+    )
     assert all(expert_optimizer(p) is optimizer for p in experts)
     for p, state in zip(experts, before, strict=True):
         assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())

@@ -227,7 +227,9 @@ def _restore(model, snapshot, way):
     objects (a whole-model assign would leave the dense parameters behind, as with torch.optim.AdamW)."""
     model.load_state_dict({key: value.clone() for key, value in snapshot.items()})
     if way == "assign":
-        experts = {key[len("experts.") :]: value for key, value in snapshot.items() if key.startswith("experts.")}
+        experts = {
+            key[len("experts.") :]: value for key, value in snapshot.items() if key.startswith("experts.")
+        }
         model.experts.load_state_dict({key: value.clone() for key, value in experts.items()}, assign=True)
 
 
@@ -254,7 +256,9 @@ def test_a_rollback_between_a_backward_and_step_is_refused_at_step_then_honoured
         assert any(p is q for q in optimizer.expert_tensors)
         assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())
     for p, value, grad in dense:
-        assert torch.equal(p, value) and torch.equal(p.grad, grad) and float(optimizer.state[p]["step"]) == 1.0
+        assert (
+            torch.equal(p, value) and torch.equal(p.grad, grad) and float(optimizer.state[p]["step"]) == 1.0
+        )
     optimizer.load_state_dict(saved)  # completes the rollback and ends the step
     optimizer.zero_grad()
     for step in (2, 3):
