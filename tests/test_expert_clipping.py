@@ -508,3 +508,28 @@ def test_a_bad_saved_lagged_coefficient_is_refused_before_anything_is_loaded():
     after = fresh.state_dict()
     for i, state in before["state"].items():
         assert all(torch.equal(value, after["state"][i][key]) for key, value in state.items())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_telemetry_of_a_tensor_with_no_gradient_this_step_reads_0_from_the_end_of_the_backward(backend):
+    # Two layers; the last step's backward reaches only the first. Read between that backward and step()
+    # (the docstrings allow it), the second layer's norm and clipped count are 0, not the last step's; the
+    # first layer's norm is that of its plain gradient (a copy's backward without an optimizer).
+    x, index, weights, w1, w2, grads = _inputs("cpu", torch.float32)
+    first = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    second = [torch.nn.Parameter(w1.clone() * 0.5), torch.nn.Parameter(w2.clone() * 0.5)]
+    optimizer = _optimizer(first + second, "spike", threshold=0.5)
+    for grad_out in grads[:2]:
+        hidden = sonar_kernels.moe_mlp(x, index, weights, *first, backend=backend)
+        sonar_kernels.moe_mlp(hidden, index, weights, *second, backend=backend).backward(grad_out)
+        optimizer.step()
+    assert int(optimizer.expert_clipped_elements(second)) > 0 and float(optimizer.expert_grad_norm(second)) > 0
+    copies = [p.detach().clone().requires_grad_() for p in first]
+    sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grads[2])
+    expected = torch.sqrt(sum(torch.linalg.vector_norm(c.grad).square() for c in copies))
+    sonar_kernels.moe_mlp(x, index, weights, *first, backend=backend).backward(grads[2])
+    assert float(optimizer.expert_grad_norm(second)) == 0.0
+    assert int(optimizer.expert_clipped_elements(second)) == 0
+    assert rel_err(optimizer.expert_grad_norm(first), expected) <= 1e-6
+    optimizer.step()
+    assert float(optimizer.expert_grad_norm(second)) == 0.0 and int(optimizer.expert_clipped_elements(second)) == 0

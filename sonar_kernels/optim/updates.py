@@ -72,6 +72,8 @@ class InBackwardUpdates:
         # Tensor updated in this step -> its version counter right after the update (plain tensors; a
         # compiled update records none): a write since shows in check_before_step.
         self.versions: dict = {}
+        # Whether grad_norm_sq and clipped were reset for this step (at its first update or micro-batch).
+        self.telemetry_reset = False
         # id -> tensor of every tensor an update of the optimizer was built for (the update handles name
         # their tensor by id: optim/update_handle.py).
         self.tensors_by_id: dict[int, torch.Tensor] = {}
@@ -138,6 +140,20 @@ class InBackwardUpdates:
         loss_scaling.refuse(self.owner)
         check_group_options(self.owner, self.groups.group(p), True)
         self.groups.tensor(p)
+        self.reset_telemetry()
+
+    def reset_telemetry(self) -> None:
+        """Before this step's first update (or micro-batch) writes anything: every tensor's norm and clipped
+        count read 0, so that from the end of this step's backward a tensor with no gradient in it reads 0
+        (not the last step's values), as after ``step()``."""
+        if not self.telemetry_reset:
+            self.telemetry_reset = True
+            # The forwards of this step saved them (the updates write them): their versions are kept.
+            with torch.no_grad():
+                for table in (self.grad_norm_sq, self.clipped):
+                    for value in table.values():
+                        with torch.autograd._unsafe_preserve_version_counter(value):
+                            value.zero_()
 
     def reduces_first(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
@@ -321,6 +337,7 @@ class InBackwardUpdates:
         """After the optimizer's state was loaded over a rolled-back step (:meth:`rolled_back`): the step ends
         with nothing applied (the loaded state is the snapshot's)."""
         self.updated, self.updated_in_backward, self.versions = {}, {}, {}
+        self.telemetry_reset = False
         self.micro_batches.reset()
 
     def end_step(self, managed: list[torch.Tensor]) -> None:
@@ -348,4 +365,5 @@ class InBackwardUpdates:
             self.updated = {}
             self.updated_in_backward = {}
             self.versions = {}
+            self.telemetry_reset = False
             self.micro_batches.reset()
