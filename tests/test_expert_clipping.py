@@ -523,7 +523,9 @@ def test_telemetry_of_a_tensor_with_no_gradient_this_step_reads_0_from_the_end_o
         hidden = sonar_kernels.moe_mlp(x, index, weights, *first, backend=backend)
         sonar_kernels.moe_mlp(hidden, index, weights, *second, backend=backend).backward(grad_out)
         optimizer.step()
-    assert int(optimizer.expert_clipped_elements(second)) > 0 and float(optimizer.expert_grad_norm(second)) > 0
+    assert (
+        int(optimizer.expert_clipped_elements(second)) > 0 and float(optimizer.expert_grad_norm(second)) > 0
+    )
     copies = [p.detach().clone().requires_grad_() for p in first]
     sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grads[2])
     expected = torch.sqrt(sum(torch.linalg.vector_norm(c.grad).square() for c in copies))
@@ -532,4 +534,7 @@ def test_telemetry_of_a_tensor_with_no_gradient_this_step_reads_0_from_the_end_o
     assert int(optimizer.expert_clipped_elements(second)) == 0
     assert rel_err(optimizer.expert_grad_norm(first), expected) <= 1e-6
     optimizer.step()
-    assert float(optimizer.expert_grad_norm(second)) == 0.0 and int(optimizer.expert_clipped_elements(second)) == 0
+    assert (
+        float(optimizer.expert_grad_norm(second)) == 0.0
+        and int(optimizer.expert_clipped_elements(second)) == 0
+    )

@@ -329,7 +329,7 @@ class InBackwardUpdates:
                     "so the restored weights would go on with the moments of the step they undo (nothing was "
                     "changed). To roll the step back, load the optimizer's state_dict() saved with the weights "
                     "(load_state_dict(), which ends this step); or put the updated weights back and call step() "
-                    "(docs/usage.md, \"Checkpoints and resume\")"
+                    '(docs/usage.md, "Checkpoints and resume")'
                 )
         self.groups.check_unchanged(self.owner, managed, self.updated)
 
