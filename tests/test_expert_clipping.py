@@ -538,3 +538,37 @@ def test_telemetry_of_a_tensor_with_no_gradient_this_step_reads_0_from_the_end_o
         float(optimizer.expert_grad_norm(second)) == 0.0
         and int(optimizer.expert_clipped_elements(second)) == 0
     )
+
+
+@pytest.mark.parametrize("number", ["float", "numpy.float32", "numpy.float64", "numpy.int64"])
+@pytest.mark.parametrize("clipping", ["spike", "lagged"])
+def test_every_real_number_type_torch_takes_is_taken(clipping, number):
+    # spike_threshold and max_grad_norm of any real type (numpy's too) and accumulation_steps / rounding_seed
+    # of any integer type, each step equal to torch.optim.AdamW fed the reference-clipped gradient.
+    import numpy as np
+
+    kind = {"float": float, "numpy.float32": np.float32, "numpy.float64": np.float64, "numpy.int64": np.int64}
+    as_number = kind[number]
+    x, index, weights, w1, w2, grads = _inputs("cpu", torch.float32)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    integers = {"accumulation_steps": np.int64(1), "rounding_seed": np.int64(0)}
+    if clipping == "lagged":
+        mark_expert_tensors(*params)
+        max_norm = as_number(MAX_NORM) if number != "numpy.int64" else np.int64(1)
+        optimizer = sonar_kernels.SonarAdamW(
+            params, **HYPER, max_grad_norm=max_norm, expert_clipping="lagged", **integers
+        )
+    else:
+        optimizer = _optimizer(params, "spike", threshold=as_number(THETA), **integers)
+    coef = None
+    for grad_out in grads:
+        expected, count, _ = _expected_step(
+            "torch", "fp32", clipping, optimizer, params, (x, index, weights, grad_out), coef
+        )
+        sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(grad_out)
+        optimizer.step()
+        if clipping == "lagged":
+            coef = reference.lagged_clip_coef(optimizer.last_grad_norm, float(max_norm))
+        assert int(optimizer.expert_clipped_elements()) == count
+        for p, (want, _) in zip(params, expected, strict=True):
+            assert torch.equal(p.detach(), want)

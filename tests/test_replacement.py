@@ -271,3 +271,26 @@ def test_a_rollback_between_a_backward_and_step_is_refused_at_step_then_honoured
         reference_optimizer.step()
         reference_optimizer.zero_grad()
     _assert_same_run((model, optimizer), (reference, reference_optimizer))
+
+
+def test_ownership_warnings_name_the_users_line():
+    # UnownedExpertsWarning at the forward of a replacement the optimizer cannot take, and at the first step
+    # of torch.optim.AdamW over "sonar" experts: the line named is this file's, never torch's nn.Module call
+    # or optimizer wrapper; so are SonarAdamW's own warnings from step().
+    model, optimizer = _trained_one_step("torch")
+    model.experts.gate_up_proj = torch.nn.Parameter(model.experts.gate_up_proj.detach()[:2].clone())
+    model.experts.down_proj = torch.nn.Parameter(model.experts.down_proj.detach()[:2].clone())
+    model.router = torch.nn.Linear(32, 2)
+    with pytest.warns(UnownedExpertsWarning) as caught:
+        model(_batch(1, torch.float32))
+    assert {w.filename for w in caught} == {__file__}
+    plain = Tiny()
+    adamw = torch.optim.AdamW(plain.parameters(), **HYPER)
+    plain(_batch(0, torch.float32)).square().mean().backward()
+    with pytest.warns(UnownedExpertsWarning) as caught:
+        adamw.step()
+    assert {w.filename for w in caught} == {__file__}
+    dense = sonar_kernels.SonarAdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.warns(UserWarning, match="updates no expert tensor") as caught:
+        dense.step()
+    assert {w.filename for w in caught} == {__file__}

@@ -328,7 +328,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
         if stale and not getattr(self, "_warned_replaced_dense", False):
             self._warned_replaced_dense = True
-            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=5)  # the caller of step()
+            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=ownership.user_stacklevel())
 
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
@@ -413,7 +413,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 'to an experts module running experts_implementation "sonar" (SonarExperts, a transformers '
                 'model switched to "sonar", torchtitan\'s SonarGroupedExperts), so it trains every parameter as '
                 "torch.optim.AdamW does, with no memory saved (docs/usage.md, Ownership)",
-                stacklevel=2,
+                stacklevel=ownership.user_stacklevel(),
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
         dense_step.follow_conversions(self.state, dense)
