@@ -296,7 +296,9 @@ def test_a_distributed_checkpoint_round_trip_resumes_bitwise(backend, stop_at):
 @pytest.mark.parametrize(
     "options",
     [
-        pytest.param({"moments_dtype": torch.float32, "master_weights": "remainder"}, id="fp32-moments-remainder"),
+        pytest.param(
+            {"moments_dtype": torch.float32, "master_weights": "remainder"}, id="fp32-moments-remainder"
+        ),
         pytest.param({"moments_dtype": "8bit", "master_weights": "stochastic"}, id="8bit-stochastic"),
         pytest.param({"max_grad_norm": 1.0, "expert_clipping": "lagged"}, id="lagged"),
     ],
@@ -326,4 +328,6 @@ def test_an_undecided_expert_tensor_saves_the_state_its_update_starts_from(optio
         assert undecided["state"][index].keys() == state.keys(), index
         for key, value in state.items():
             other = undecided["state"][index][key]
-            assert (other.dtype, other.device) == (value.dtype, value.device) and torch.equal(other, value), key
+            assert (other.dtype, other.device) == (value.dtype, value.device) and torch.equal(other, value), (
+                key
+            )

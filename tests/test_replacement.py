@@ -277,7 +277,7 @@ def test_ownership_warnings_name_the_users_line():
     # UnownedExpertsWarning at the forward of a replacement the optimizer cannot take, and at the first step
     # of torch.optim.AdamW over "sonar" experts: the line named is this file's, never torch's nn.Module call
     # or optimizer wrapper; so are SonarAdamW's own warnings from step().
-    model, optimizer = _trained_one_step("torch")
+    model, _optimizer = _trained_one_step("torch")  # alive: the owner the warning names
     model.experts.gate_up_proj = torch.nn.Parameter(model.experts.gate_up_proj.detach()[:2].clone())
     model.experts.down_proj = torch.nn.Parameter(model.experts.down_proj.detach()[:2].clone())
     model.router = torch.nn.Linear(32, 2)

@@ -3,7 +3,7 @@
 torch.optim.AdamW's layout (``step``, ``exp_avg``, ``exp_avg_sq``), with what the kernels read: ``step`` a
 0-dim float32 tensor on the tensor's device, the moments on that device in ``moments_dtype`` (or a dtype the
 kernels take). A checkpoint holds ``step`` on the CPU, as torch.optim.AdamW keeps it outside its fused and
-capturable modes, so that it loads into torch.optim.AdamW and back (docs/usage.md, "Checkpoints").
+capturable modes, so that it loads into torch.optim.AdamW and back (docs/usage.md, "Checkpoints and resume").
 """
 
 from __future__ import annotations
