@@ -418,3 +418,19 @@ def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
     # Nothing changed: the old tensors keep their state and their update.
     assert all(torch.equal(optimizer.state[p][k], v) for p in experts for k, v in state[id(p)].items())
     assert all(p in optimizer._managed for p in experts)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [({"lr": -1.0}, ValueError), ({"amsgrad": True}, ValueError), ({"betas": (0.9, 1.5)}, ValueError)],
+)
+def test_a_refused_construction_leaves_the_module_as_it_was(options, error):
+    # Building SonarAdamW on a module puts its experts on DDP's ignore list; a construction refused for a bad
+    # argument must not: a DDP wrapping the module afterwards (with another optimizer) would skip them.
+    model = _model("torch")
+    with pytest.raises(error):
+        sonar_kernels.SonarAdamW(model, **{**HYPER, **options})
+    assert getattr(model, "_ddp_params_and_buffers_to_ignore", None) is None
+    sonar_kernels.SonarAdamW(model, **HYPER)
+    ignored = model._ddp_params_and_buffers_to_ignore
+    assert set(ignored) == {name for name, _ in model.named_parameters() if name.startswith("experts.")}

@@ -186,6 +186,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.dense_skipped_steps: torch.Tensor | None = None
+        ignored_by_ddp = None  # (a module, its expert tensors) for DDP's ignore list
         self._init_in_backward(
             moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
             rounding_seed, expert_clipping, spike_threshold,
@@ -222,9 +223,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     stacklevel=2,
                 )
             if experts:
-                # Before any state exists: a DDP reducer that holds the experts is refused here, and a DDP
-                # that wraps the module later leaves them alone (no zero .grad of its own on them).
-                distributed.exclude_from_ddp(model, experts)
+                # Before any state exists: a DDP reducer that holds the experts is refused here; a DDP that
+                # wraps the module later leaves them alone (no zero .grad of its own on them): its ignore
+                # list, set once this optimizer is built (a refused construction leaves the module as it was).
+                distributed.exclude_from_ddp(model, experts, apply=False)
+                ignored_by_ddp = (model, experts)
             params = model.parameters()
         # torch.optim.AdamW's options apply as torch applies them; add_param_group refuses those the
         # in-backward update does not implement for a group that holds expert tensors.
@@ -232,6 +235,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
         )  # fmt: skip
+        if ignored_by_ddp is not None:
+            distributed.exclude_from_ddp(*ignored_by_ddp)
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
