@@ -61,6 +61,7 @@ def test_zero_flat_partitions_are_refused_naming_deepspeed_whenever_they_come(wh
         optimizer.load_state_dict(trained_optimizer.state_dict())
     experts = list(model.experts.parameters())
     before = [{key: value.clone() for key, value in optimizer.state[p].items()} for p in experts]
+    held = [group["params"] for group in optimizer.param_groups]
     for group in optimizer.param_groups:  # what ZeRO stage 1 and 2 do: one flat partition per group
         group["params"] = [torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in group["params"]]))]
     with pytest.raises(RuntimeError, match=r"replaced by DeepSpeed's ZeRO optimizer") as refusal:
@@ -71,3 +72,5 @@ def test_zero_flat_partitions_are_refused_naming_deepspeed_whenever_they_come(wh
     assert all(expert_optimizer(p) is optimizer for p in experts)
     for p, state in zip(experts, before, strict=True):
         assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())
+    for group, params in zip(optimizer.param_groups, held, strict=True):
+        group["params"] = params  # back: every live SonarAdamW follows its groups at any experts' forward
