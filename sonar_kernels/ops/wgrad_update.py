@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 import triton
 
+from sonar_kernels import specs
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
@@ -44,13 +45,13 @@ def split_scratch(fraction: int = SPLIT_SCRATCH_FRACTION, min_bytes: int = SPLIT
     Raises:
         ValueError: ``fraction`` not an int >= 1 or ``min_bytes`` not an int >= 0.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, int) or fraction < 1:
+    if not specs.is_integer(fraction) or fraction < 1:
         raise ValueError(f"fraction must be an int >= 1, got {fraction!r}")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+    if not specs.is_integer(min_bytes) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
     global SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
     saved = SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
-    SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = fraction, min_bytes
+    SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = int(fraction), int(min_bytes)
     try:
         yield
     finally:
