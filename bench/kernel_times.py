@@ -40,7 +40,6 @@ NAMES = {
     "expert_mlp_bwd_dhpre_kernel": "dgrad G",
     "expert_mlp_bwd_dweights_kernel": "routing-weight grad",
     # The bias-corrected step size of one update (one program; both weights' launches share the label).
-    "adamw_scalars_kernel": "adamw scalars",
     # Before each update its skip, step and scalars; after it the telemetry (ops/update_steps.py).
     "update_begin_kernel": "update begin",
     "update_end_kernel": "update end",

@@ -22,6 +22,7 @@ Ownership (who updates an expert tensor in the backward) is explicit state, neve
 from __future__ import annotations
 
 import math
+import numbers
 import re
 import weakref
 from typing import NamedTuple
@@ -247,6 +248,19 @@ class ExpertUpdate:
 
     def __deepcopy__(self, memo):
         return None
+
+
+def is_real_number(value) -> bool:
+    """Whether ``value`` is a real number as torch's optimizers take one: a Python int or float, or any type
+    registered as :class:`numbers.Real` (numpy's float32, float64, int64 ...); never a bool (numpy's
+    included), which is not a number there."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and type(value).__name__ != "bool_"
+
+
+def is_integer(value) -> bool:
+    """Whether ``value`` is an integer: a Python int or any :class:`numbers.Integral` (numpy's int64 ...),
+    never a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def mark_expert_tensors(*tensors: torch.Tensor) -> None:

@@ -30,6 +30,8 @@ TIMING_WARMUP = 5
 
 # Where a run folder keeps what --resume reads: the options and every finished (seed, arm) (train/resume.py).
 RESUME_FOLDER = "resume"
+# The options that do not change what a run computes: free to differ between a run and its resumption.
+RESUME_FREE = ("quiet", "out", "name", "resume", "memory_check")
 
 # Held-out batches evaluated by default: enough that the evaluation costs a few training steps per arm.
 HELDOUT_BATCHES = 32
@@ -203,10 +205,30 @@ def parse(argv: list[str] | None) -> tuple[argparse.ArgumentParser, argparse.Nam
     args = parser.parse_args(argv)
     args.argv = argv
     if args.resume is not None:
-        args.argv = _interrupted_argv(parser, args.resume)
-        args = parser.parse_args(args.argv + argv)
+        stored = _interrupted_argv(parser, args.resume)
+        args = parser.parse_args(stored + argv)
+        # Before the checks below: an option changed here could fail a check of another option first.
+        _refuse_changed(parser, args.resume, parser.parse_args(stored), args)
         args.argv = argv
     return parser, _check(parser, args)
+
+
+def _refuse_changed(
+    parser: argparse.ArgumentParser, folder: str, stored: argparse.Namespace, args: argparse.Namespace
+) -> None:
+    """``parser.error`` (exit code 2) naming each option of ``args`` (the interrupted run's, with those given
+    again) that differs from the interrupted run's ``stored``, except :data:`RESUME_FREE`."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    differ = [
+        f"{flags.get(key, '--' + key.replace('_', '-'))} {value!r} here, {getattr(stored, key, None)!r} there"
+        for key, value in sorted(vars(args).items())
+        if key not in RESUME_FREE and value != getattr(stored, key, None)
+    ]
+    if differ:
+        parser.error(
+            f"--resume {folder}: the options differ from the interrupted run's ({'; '.join(differ)}); resume "
+            "with its options (sonar-train --resume DIR alone reads them)"
+        )
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

@@ -89,7 +89,6 @@ def test_every_kernel_and_configuration_builds(report):
         "expert_mlp_bwd_dw_kernel",
         "expert_mlp_bwd_dweights_kernel",
         "adamw_kernel",
-        "adamw_scalars_kernel",
         "adamw_8bit_kernel",
         "update_begin_kernel",
         "update_end_kernel",

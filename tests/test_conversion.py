@@ -111,3 +111,30 @@ def test_a_cast_after_training_started_equals_torch_adamw_with_its_state_convert
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(optimizer.state[p][key], torch_adamw.state[q][key])
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_cast_to_a_dtype_the_update_does_not_take_is_refused_before_the_state_changes(kind):
+    # model.double() with the optimizer kept: refused at the next forward, naming the dtype, with the expert
+    # state as it was (the moments not converted to float64 first); cast back, the run goes on as if the
+    # cast had never happened (the reference: the same run without it).
+    model = Tiny()
+    optimizer = sonar_kernels.SonarAdamW(model.parameters(), **HYPER, **KINDS[kind])
+    _train(model, optimizer, BEFORE)
+    before = {
+        id(p): {key: value.clone() for key, value in optimizer.state[p].items()}
+        for p in model.experts.parameters()
+    }
+    model.double()
+    with pytest.raises(TypeError, match=r"converted to torch\.float64 \(its optimizer state was not changed"):
+        model(_batch(BEFORE, torch.float64))
+    for p in model.experts.parameters():
+        for key, value in before[id(p)].items():
+            kept = optimizer.state[p][key]
+            assert kept.dtype == value.dtype and torch.equal(kept, value), key
+    model.float()
+    _train(model, optimizer, STEPS, first=BEFORE)
+    reference = Tiny()
+    reference_optimizer = sonar_kernels.SonarAdamW(reference.parameters(), **HYPER, **KINDS[kind])
+    _train(reference, reference_optimizer, STEPS)
+    _assert_equal(model, reference)

@@ -3,6 +3,9 @@ coefficient inside the in-backward update, against torch.optim.AdamW (or, for 8-
 torch ops) on a copy fed the same backend's plain gradients with the same rule applied to them first
 (reference.spike_clip, reference.lagged_clip_coef), reading the copy's own exp_avg_sq."""
 
+import copy
+import io
+
 import pytest
 import torch
 from cases import Case
@@ -342,3 +345,230 @@ def test_the_torch_backends_chunks_and_slices_give_the_same_bits(kind, monkeypat
             _flat(_moments(whole_opt, a, kind)), _flat(_moments(sliced_opt, b, kind)), strict=True
         ):
             assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"), [("expert_clipping", "spike"), ("spike_threshold", 10.0), ("max_grad_norm", 1.0)]
+)
+@pytest.mark.parametrize("when", ["given", "set_later"])
+@pytest.mark.parametrize("optimizer_class", ["SonarAdamW", "ExpertAdamW"])
+def test_a_groups_own_clipping_option_is_refused_by_name(optimizer_class, when, key, value):
+    # torch honours a group's own lr; a group's own expert_clipping or spike_threshold would be ignored (the
+    # optimizer's argument holds for every group), so it is refused, naming the key, before anything changes.
+    torch.manual_seed(0)
+    experts = torch.nn.Parameter(torch.randn(2, 64, 32))
+    mark_expert_tensors(experts)
+    dense = torch.nn.Parameter(torch.randn(8))
+    params = [experts] if optimizer_class == "ExpertAdamW" else [experts, dense]
+    group = {"params": params, key: value} if when == "given" else {"params": params}
+    build = getattr(sonar_kernels, optimizer_class)
+    if when == "given":
+        with pytest.raises(ValueError, match=rf"a parameter group sets {key}=.*of the whole optimizer"):
+            build([group], **HYPER)
+        return
+    optimizer = build([group], **HYPER)
+    optimizer.param_groups[0][key] = value
+    dense.grad = torch.ones_like(dense)
+    values = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"a parameter group sets {key}=.*of the whole optimizer"):
+        optimizer.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values, strict=True))
+
+
+# --- Resume: what a checkpoint keeps (docs/usage.md, "Checkpoints and resume") ---
+
+RESUME_STOP, RESUME_STEPS = 2, 4
+# Small enough that the global norm exceeds it at every step: the lagged coefficient is below 1 throughout.
+RESUME_MAX_NORM = 0.01
+RESUME_CLIPPING = {
+    "spike": {"expert_clipping": "spike", "spike_threshold": 2.0},
+    "lagged": {"expert_clipping": "lagged", "max_grad_norm": RESUME_MAX_NORM},
+}
+
+
+def _resume_run(backend, kind, clipping, steps, first=0, model=None, optimizer=None):
+    from test_replacement import KINDS as STATE_KINDS
+    from test_replacement import Tiny, _batch
+
+    dtype, options = STATE_KINDS[kind]
+    if model is None:
+        model = Tiny(backend=backend).to(dtype)
+        optimizer = sonar_kernels.SonarAdamW(
+            model.parameters(), **HYPER, **options, **RESUME_CLIPPING[clipping]
+        )
+    for step in range(first, steps):
+        model(_batch(step, dtype)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, optimizer
+
+
+def _saved(value):
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _assert_same_run(a, b):
+    """Bitwise: the weights and every optimizer state tensor (the lagged coefficient included)."""
+    (model_a, optimizer_a), (model_b, optimizer_b) = a, b
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
+    saved_a, saved_b = optimizer_a.state_dict(), optimizer_b.state_dict()
+    assert saved_a["state"].keys() == saved_b["state"].keys()
+    for index, state in saved_a["state"].items():
+        assert state.keys() == saved_b["state"][index].keys(), index
+        for key, value in state.items():
+            other = saved_b["state"][index][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), f"state {index} {key}"
+
+
+def _resumed(backend, kind, clipping, route, tmp_path):
+    """The run stopped after RESUME_STOP steps, its checkpoint written and read back by ``route``, and
+    continued in a new model and optimizer (another initialisation: what the checkpoint misses differs)."""
+    from torch.distributed import checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    first, first_optimizer = _resume_run(backend, kind, clipping, RESUME_STOP)
+    model_state = _saved(first.state_dict())
+    model, optimizer = _resume_run(backend, kind, clipping, 0)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p))
+    model.load_state_dict(model_state)
+    if route == "state_dict":
+        optimizer.load_state_dict(_saved(first_optimizer.state_dict()))
+    else:  # torch.distributed.checkpoint, files included (one process: no process group needed)
+        dcp.save({"optimizer": get_optimizer_state_dict(first, first_optimizer)}, checkpoint_id=tmp_path)
+        target = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        dcp.load(target, checkpoint_id=tmp_path)
+        set_optimizer_state_dict(model, optimizer, target["optimizer"])
+    return _resume_run(backend, kind, clipping, RESUME_STEPS, RESUME_STOP, model, optimizer)
+
+
+RESUME_CASES = [
+    pytest.param("torch", kind, clipping, route, id=f"torch-{kind}-{clipping}-{route}")
+    for kind in ("fp32", "8bit", "bf16", "bf16-remainder", "bf16-stochastic", "bf16-8bit-remainder")
+    for clipping in RESUME_CLIPPING
+    for route in ("state_dict", "dcp")
+] + [pytest.param("triton", "fp32", "lagged", "state_dict", id="triton-fp32-lagged-state_dict")]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning:torch.distributed.checkpoint")
+@pytest.mark.parametrize(("backend", "kind", "clipping", "route"), RESUME_CASES)
+def test_a_resumed_run_equals_the_uninterrupted_one_bitwise(backend, kind, clipping, route, tmp_path):
+    uninterrupted = _resume_run(backend, kind, clipping, RESUME_STEPS)
+    if clipping == "lagged":  # the coefficient clips at every step: a resume that forgot it would differ
+        assert float(uninterrupted[1].expert_clip_coef) < 1.0
+    _assert_same_run(_resumed(backend, kind, clipping, route, tmp_path), uninterrupted)
+
+
+def test_a_lagged_checkpoint_loads_into_torch_adamw_and_one_without_the_coefficient_loads_as_before():
+    model, optimizer = _resume_run("torch", "fp32", "lagged", RESUME_STOP)
+    saved = _saved(optimizer.state_dict())
+    coef = float(optimizer.expert_clip_coef)
+    experts = {i for i, p in enumerate(model.parameters()) if p.dim() == 3}
+    assert 0.0 < coef < 1.0 and {i for i, s in saved["state"].items() if "expert_clip_coef" in s} == experts
+    # torch.optim.AdamW loads it and steps as it does from the same state without the key.
+    with_key, without_key = [], []
+    for keep, out in ((True, with_key), (False, without_key)):
+        state = copy.deepcopy(saved)
+        if not keep:
+            for entry in state["state"].values():
+                entry.pop("expert_clip_coef", None)
+        params = [torch.nn.Parameter(p.detach().clone()) for p in model.parameters()]
+        twin = torch.optim.AdamW(params, **HYPER)
+        twin.load_state_dict(state)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        twin.step()
+        out.extend(p.detach() for p in params)
+    assert all(torch.equal(a, b) for a, b in zip(with_key, without_key, strict=True))
+    # A checkpoint written before the coefficient was saved: it loads, the coefficient left as it was.
+    for entry in saved["state"].values():
+        entry.pop("expert_clip_coef", None)
+    _, fresh = _resume_run("torch", "fp32", "lagged", 0)
+    fresh.load_state_dict(saved)
+    assert not fresh.lagged_coef_set and float(fresh.expert_clip_coef) == 1.0
+
+
+def test_a_bad_saved_lagged_coefficient_is_refused_before_anything_is_loaded():
+    _, optimizer = _resume_run("torch", "fp32", "lagged", 1)
+    saved = _saved(optimizer.state_dict())
+    _, fresh = _resume_run("torch", "fp32", "lagged", 0)
+    before = copy.deepcopy(fresh.state_dict())
+    index = next(i for i, s in saved["state"].items() if "expert_clip_coef" in s)
+    saved["state"][index]["expert_clip_coef"] = torch.tensor(2.0)
+    with pytest.raises(
+        ValueError, match=r"expert_clip_coef of parameter \d+ must be a one-element tensor in"
+    ):
+        fresh.load_state_dict(saved)
+    after = fresh.state_dict()
+    for i, state in before["state"].items():
+        assert all(torch.equal(value, after["state"][i][key]) for key, value in state.items())
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_telemetry_of_a_tensor_with_no_gradient_this_step_reads_0_from_the_end_of_the_backward(backend):
+    # Two layers; the last step's backward reaches only the first. Read between that backward and step()
+    # (the docstrings allow it), the second layer's norm and clipped count are 0, not the last step's; the
+    # first layer's norm is that of its plain gradient (a copy's backward without an optimizer).
+    x, index, weights, w1, w2, grads = _inputs("cpu", torch.float32)
+    first = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    second = [torch.nn.Parameter(w1.clone() * 0.5), torch.nn.Parameter(w2.clone() * 0.5)]
+    optimizer = _optimizer(first + second, "spike", threshold=0.5)
+    for grad_out in grads[:2]:
+        hidden = sonar_kernels.moe_mlp(x, index, weights, *first, backend=backend)
+        sonar_kernels.moe_mlp(hidden, index, weights, *second, backend=backend).backward(grad_out)
+        optimizer.step()
+    assert (
+        int(optimizer.expert_clipped_elements(second)) > 0 and float(optimizer.expert_grad_norm(second)) > 0
+    )
+    copies = [p.detach().clone().requires_grad_() for p in first]
+    sonar_kernels.moe_mlp(x, index, weights, *copies, backend=backend).backward(grads[2])
+    expected = torch.sqrt(sum(torch.linalg.vector_norm(c.grad).square() for c in copies))
+    sonar_kernels.moe_mlp(x, index, weights, *first, backend=backend).backward(grads[2])
+    assert float(optimizer.expert_grad_norm(second)) == 0.0
+    assert int(optimizer.expert_clipped_elements(second)) == 0
+    assert rel_err(optimizer.expert_grad_norm(first), expected) <= 1e-6
+    optimizer.step()
+    assert (
+        float(optimizer.expert_grad_norm(second)) == 0.0
+        and int(optimizer.expert_clipped_elements(second)) == 0
+    )
+
+
+@pytest.mark.parametrize("number", ["float", "numpy.float32", "numpy.float64", "numpy.int64"])
+@pytest.mark.parametrize("clipping", ["spike", "lagged"])
+def test_every_real_number_type_torch_takes_is_taken(clipping, number):
+    # spike_threshold and max_grad_norm of any real type (numpy's too) and accumulation_steps / rounding_seed
+    # of any integer type, each step equal to torch.optim.AdamW fed the reference-clipped gradient.
+    import numpy as np
+
+    kind = {"float": float, "numpy.float32": np.float32, "numpy.float64": np.float64, "numpy.int64": np.int64}
+    as_number = kind[number]
+    x, index, weights, w1, w2, grads = _inputs("cpu", torch.float32)
+    params = [torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())]
+    integers = {"accumulation_steps": np.int64(1), "rounding_seed": np.int64(0)}
+    if clipping == "lagged":
+        mark_expert_tensors(*params)
+        max_norm = as_number(MAX_NORM) if number != "numpy.int64" else np.int64(1)
+        optimizer = sonar_kernels.SonarAdamW(
+            params, **HYPER, max_grad_norm=max_norm, expert_clipping="lagged", **integers
+        )
+    else:
+        optimizer = _optimizer(params, "spike", threshold=as_number(THETA), **integers)
+    coef = None
+    for grad_out in grads:
+        expected, count, _ = _expected_step(
+            "torch", "fp32", clipping, optimizer, params, (x, index, weights, grad_out), coef
+        )
+        sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(grad_out)
+        optimizer.step()
+        if clipping == "lagged":
+            coef = reference.lagged_clip_coef(optimizer.last_grad_norm, float(max_norm))
+        assert int(optimizer.expert_clipped_elements()) == count
+        for p, (want, _) in zip(params, expected, strict=True):
+            assert torch.equal(p.detach(), want)

@@ -291,3 +291,43 @@ def test_a_distributed_checkpoint_round_trip_resumes_bitwise(backend, stop_at):
         assert torch.equal(p, q)
         for key, value in optimizer.state[q].items():
             assert torch.equal(resumed_optimizer.state[p][key].cpu(), value.cpu()), key
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(
+            {"moments_dtype": torch.float32, "master_weights": "remainder"}, id="fp32-moments-remainder"
+        ),
+        pytest.param({"moments_dtype": "8bit", "master_weights": "stochastic"}, id="8bit-stochastic"),
+        pytest.param({"max_grad_norm": 1.0, "expert_clipping": "lagged"}, id="lagged"),
+    ],
+)
+def test_an_undecided_expert_tensor_saves_the_state_its_update_starts_from(options):
+    # Several ranks (a fake process group in this process), before the experts modules' first forward: the
+    # expert tensors are held undecided. A checkpoint then holds for them what the same optimizer saves for
+    # them once decided (one process: the in-backward update's initial state), not torch's dense state.
+    import torch.distributed as dist
+    from test_replacement import Tiny
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    def saved():
+        model = Tiny().to(torch.bfloat16)
+        optimizer = sonar_kernels.SonarAdamW(model.parameters(), **options)
+        return optimizer, optimizer.state_dict()
+
+    _, single = saved()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        optimizer, undecided = saved()
+        assert len(optimizer._pending) == 2
+    finally:
+        dist.destroy_process_group()
+    assert undecided["state"].keys() == single["state"].keys()
+    for index, state in single["state"].items():
+        assert undecided["state"][index].keys() == state.keys(), index
+        for key, value in state.items():
+            other = undecided["state"][index][key]
+            assert (other.dtype, other.device) == (value.dtype, value.device) and torch.equal(other, value), (
+                key
+            )

@@ -9,6 +9,7 @@ The reference is the same training without the replacement, itself tested agains
 test_sonar_adamw.py, test_moments_8bit_optim.py and test_master_weights_optim.py.
 """
 
+import copy
 import warnings
 
 import pytest
@@ -219,3 +220,77 @@ def test_a_replacement_between_a_backward_and_step_is_refused_before_anything(ba
         assert torch.equal(p, q) and q.grad is None
         assert any(p is r for r in optimizer.expert_tensors)
         assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())
+
+
+def _restore(model, snapshot, way):
+    """The rollback of the model to ``snapshot`` (its state_dict): in place, or the experts as new Parameter
+    objects (a whole-model assign would leave the dense parameters behind, as with torch.optim.AdamW)."""
+    model.load_state_dict({key: value.clone() for key, value in snapshot.items()})
+    if way == "assign":
+        experts = {
+            key[len("experts.") :]: value for key, value in snapshot.items() if key.startswith("experts.")
+        }
+        model.experts.load_state_dict({key: value.clone() for key, value in experts.items()}, assign=True)
+
+
+@pytest.mark.parametrize("way", ["assign", "in_place"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_rollback_between_a_backward_and_step_is_refused_at_step_then_honoured_by_loading_the_state(
+    backend, way
+):
+    # The usual rollback of a bad step: restore the snapshot taken before the backward, straight to step().
+    # step() refuses it before anything changes (the updated weights would be given up while their moments
+    # and step keep the update); loading the optimizer's state of the snapshot then completes the rollback,
+    # and the run equals, bit for bit, the run that never took the bad step.
+    model, optimizer = _trained_one_step(backend)
+    snapshot = {key: value.clone() for key, value in model.state_dict().items()}
+    saved = copy.deepcopy(optimizer.state_dict())  # a state_dict holds the live state tensors
+    model(_batch(1, torch.float32)).square().mean().backward()  # the bad step: experts updated
+    experts = list(model.experts.parameters())
+    after = [{key: value.clone() for key, value in optimizer.state[p].items()} for p in experts]
+    dense = [(p, p.detach().clone(), p.grad.clone()) for p in optimizer.dense_parameters()]
+    _restore(model, snapshot, way)
+    with pytest.raises(RuntimeError, match=r"between the backward that updated it and step\(\)"):
+        optimizer.step()
+    for p, state in zip(experts, after, strict=True):  # nothing changed: the state holds the update still
+        assert any(p is q for q in optimizer.expert_tensors)
+        assert all(torch.equal(optimizer.state[p][key], value) for key, value in state.items())
+    for p, value, grad in dense:
+        assert (
+            torch.equal(p, value) and torch.equal(p.grad, grad) and float(optimizer.state[p]["step"]) == 1.0
+        )
+    optimizer.load_state_dict(saved)  # completes the rollback and ends the step
+    optimizer.zero_grad()
+    for step in (2, 3):
+        model(_batch(step, torch.float32)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    reference, reference_optimizer = _trained_one_step(backend)  # never took the bad step
+    for step in (2, 3):
+        reference(_batch(step, torch.float32)).square().mean().backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    _assert_same_run((model, optimizer), (reference, reference_optimizer))
+
+
+def test_ownership_warnings_name_the_users_line():
+    # UnownedExpertsWarning at the forward of a replacement the optimizer cannot take, and at the first step
+    # of torch.optim.AdamW over "sonar" experts: the line named is this file's, never torch's nn.Module call
+    # or optimizer wrapper; so are SonarAdamW's own warnings from step().
+    model, _optimizer = _trained_one_step("torch")  # alive: the owner the warning names
+    model.experts.gate_up_proj = torch.nn.Parameter(model.experts.gate_up_proj.detach()[:2].clone())
+    model.experts.down_proj = torch.nn.Parameter(model.experts.down_proj.detach()[:2].clone())
+    model.router = torch.nn.Linear(32, 2)
+    with pytest.warns(UnownedExpertsWarning) as caught:
+        model(_batch(1, torch.float32))
+    assert {w.filename for w in caught} == {__file__}
+    plain = Tiny()
+    adamw = torch.optim.AdamW(plain.parameters(), **HYPER)
+    plain(_batch(0, torch.float32)).square().mean().backward()
+    with pytest.warns(UnownedExpertsWarning) as caught:
+        adamw.step()
+    assert {w.filename for w in caught} == {__file__}
+    dense = sonar_kernels.SonarAdamW(torch.nn.Linear(2, 2).parameters())
+    with pytest.warns(UserWarning, match="updates no expert tensor") as caught:
+        dense.step()
+    assert {w.filename for w in caught} == {__file__}

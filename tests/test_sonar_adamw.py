@@ -9,6 +9,7 @@ from numerics import rel_err
 from torch import nn
 
 import sonar_kernels
+from sonar_kernels.optim.in_backward import mark_expert_tensors
 
 H, I, E, TOP_K, T = 16, 8, 4, 2, 12
 HYPER = {"lr": 3e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
@@ -409,8 +410,12 @@ def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
     optimizer.zero_grad()
     experts = optimizer.expert_tensors
     state = {id(p): {k: v.clone() for k, v in optimizer.state[p].items()} for p in experts}
+    # New expert tensors in their places (as accelerate's prepare puts FSDP2's shards there); tensors that are
+    # not experts would be ZeRO's flat partitions, refused naming DeepSpeed (test_deepspeed.py).
+    replacements = [nn.Parameter(p.detach().clone()) for p in experts]
+    mark_expert_tensors(*replacements)
     optimizer.param_groups[0]["params"] = [
-        nn.Parameter(p.detach().clone()) if any(p is q for q in experts) else p
+        replacements[[id(q) for q in experts].index(id(p))] if any(p is q for q in experts) else p
         for p in optimizer.param_groups[0]["params"]
     ]
     with pytest.raises(RuntimeError, match="after an update or a micro-batch"):
@@ -418,3 +423,19 @@ def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
     # Nothing changed: the old tensors keep their state and their update.
     assert all(torch.equal(optimizer.state[p][k], v) for p in experts for k, v in state[id(p)].items())
     assert all(p in optimizer._managed for p in experts)
+
+
+@pytest.mark.parametrize(
+    ("options", "error"),
+    [({"lr": -1.0}, ValueError), ({"amsgrad": True}, ValueError), ({"betas": (0.9, 1.5)}, ValueError)],
+)
+def test_a_refused_construction_leaves_the_module_as_it_was(options, error):
+    # Building SonarAdamW on a module puts its experts on DDP's ignore list; a construction refused for a bad
+    # argument must not: a DDP wrapping the module afterwards (with another optimizer) would skip them.
+    model = _model("torch")
+    with pytest.raises(error):
+        sonar_kernels.SonarAdamW(model, **{**HYPER, **options})
+    assert getattr(model, "_ddp_params_and_buffers_to_ignore", None) is None
+    sonar_kernels.SonarAdamW(model, **HYPER)
+    ignored = model._ddp_params_and_buffers_to_ignore
+    assert set(ignored) == {name for name, _ in model.named_parameters() if name.startswith("experts.")}

@@ -69,8 +69,10 @@ def test_ctrl_c_between_sonar_and_its_control_then_resume_gives_the_uninterrupte
 
     # Other options than the interrupted run's are refused, each named, before anything runs.
     monkeypatch.setattr(cli, "run_arm", real)
-    assert train.main(["--resume", str(folder), "--steps", "4", "--lr", "0.01"]) == 2
+    with pytest.raises(SystemExit) as refused:
+        train.main(["--resume", str(folder), "--steps", "4", "--lr", "0.01"])
     err = capfd.readouterr().err
+    assert refused.value.code == 2
     assert "--lr 0.01 here, 0.003 there" in err and "--steps 4 here, 3 there" in err
 
     calls.clear()
@@ -126,3 +128,39 @@ def test_sigint_ends_a_running_sonar_train_with_one_line_and_exit_code_130(tmp_p
     report = json.loads((folder / "report.json").read_text())
     assert report["arms"]["standard"]["train_losses"][0] == kept["train_losses"]
     assert report["sonar_equals_control_bitwise"] is True and len(report["arms"]["sonar"]["seeds"]) == 2
+
+
+def _interrupted_folder(tmp_path, argv, commit=None):
+    """A run folder as an interrupted run leaves it before any (seed, arm) finished: its options.json."""
+    folder = tmp_path / "cut"
+    (folder / "resume").mkdir(parents=True)
+    written = {"argv": argv, "options": {}} | ({} if commit is None else {"commit": commit})
+    (folder / "resume" / "options.json").write_text(json.dumps(written))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("given", "named"),
+    [
+        (["--expert-clipping", "lagged"], "--expert-clipping ['lagged'] here, ['spike'] there"),
+        (["--spike-threshold", "7"], "--spike-threshold 7.0 here, 100.0 there"),
+        (["--max-grad-norm", "2"], "--max-grad-norm 2.0 here, 1.0 there"),
+    ],
+)
+def test_resume_with_a_changed_clipping_option_names_that_option(tmp_path, capfd, given, named):
+    # Before the options' own checks: "--spike-threshold applies to the sonar-spike arm" answered a changed
+    # --expert-clipping, naming another option than the one changed.
+    argv = [*TINY, "--expert-clipping", "spike", "--spike-threshold", "100", "--out", str(tmp_path)]
+    folder = _interrupted_folder(tmp_path, argv)
+    with pytest.raises(SystemExit) as refused:
+        train.main(["--resume", str(folder), *given])
+    err = capfd.readouterr().err
+    assert refused.value.code == 2 and "the options differ from the interrupted run's" in err
+    assert named in err and err.count(" here, ") == 1, err
+
+
+def test_resume_with_other_code_than_the_interrupted_run_is_refused_naming_both_commits(tmp_path, capfd):
+    folder = _interrupted_folder(tmp_path, [*TINY, "--out", str(tmp_path)], commit="0123456789ab" + "0" * 28)
+    assert train.main(["--resume", str(folder)]) == 2
+    err = capfd.readouterr().err
+    assert "the interrupted run ran commit 0123456789ab, this is " in err and "check out its commit" in err

@@ -225,8 +225,18 @@ def test_a_sonar_model_loads_its_save_pretrained_checkpoint_with_load_state_dict
     _assert_equal(model, other)
 
 
-@pytest.mark.timeout(120)
-def test_resume_from_checkpoint_continues_like_an_uninterrupted_run_bitwise(tmp_path):
+# SonarAdamW's expert clipping: none; SPAM's spike rule; the lagged coefficient (a max_grad_norm small enough
+# that it clips at every step, so that a resume that lost it would differ).
+CLIPPING = {
+    "none": {},
+    "spike": {"expert_clipping": "spike", "spike_threshold": 2.0},
+    "lagged": {"expert_clipping": "lagged", "max_grad_norm": 0.01},
+}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("clipping", list(CLIPPING))
+def test_resume_from_checkpoint_continues_like_an_uninterrupted_run_bitwise(tmp_path, clipping):
     hf.register()
     options = {
         "gradient_accumulation_steps": 2, "max_steps": 4, "save_strategy": "steps", "save_steps": 2,
@@ -234,7 +244,7 @@ def test_resume_from_checkpoint_continues_like_an_uninterrupted_run_bitwise(tmp_
 
     def run(out, seed, resume=None):
         model = _model("olmoe", implementation="sonar", backend="torch", seed=seed)
-        optimizer = sonar_kernels.SonarAdamW(model, **HYPER, accumulation_steps=2)
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER, accumulation_steps=2, **CLIPPING[clipping])
         # 16 samples, 4 optimizer steps per epoch: the checkpoint of step 2 is in the middle of the epoch.
         _train(model, out, optimizer, n=16, resume=resume, **options)
         return model, optimizer
@@ -246,6 +256,9 @@ def test_resume_from_checkpoint_continues_like_an_uninterrupted_run_bitwise(tmp_
     )
     _assert_equal(resumed, uninterrupted)
     _assert_same_state(resumed_optimizer.state_dict(), optimizer.state_dict(), "optimizer")
+    if clipping == "lagged":
+        assert float(optimizer.expert_clip_coef) < 1.0
+        assert torch.equal(resumed_optimizer.expert_clip_coef, optimizer.expert_clip_coef)
 
 
 def test_unmanaged_experts_warning_once_per_trainer_run_and_never_with_sonar_adamw(tmp_path):

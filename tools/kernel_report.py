@@ -775,17 +775,6 @@ def _adamw_specs() -> list[Spec]:
                 config={"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"]},
             )
         )  # fmt: skip
-    # The bias-corrected scalars of each update (ops.backward, before the update's launch).
-    for arithmetic in ("fp64", "fp32"):
-        out.append(
-            Spec(
-                adamw.adamw_scalars_kernel,
-                arithmetic,
-                {"step_ptr": "fp32", "hyper_ptr": "fp64", "powers_ptr": "fp32", "scalars_ptr": "fp32"},
-                {"ARITHMETIC": arithmetic, "INTERPRET": False},
-                {"num_warps": 1, "enable_fp_fusion": False},
-            )
-        )
     # The small steps around each update (ops/update_steps.py): before it the skip, the step and (but for
     # 8-bit moments and stochastic rounding) the scalars; after it the telemetry.
     begin = {"flags_ptr": "fp32", "step_ptr": "fp32", "hyper_ptr": "fp64", "powers_ptr": "fp32", "skip_ptr": "fp32",

@@ -22,6 +22,7 @@ from sonar_kernels.specs import (
     expert_tensors_of,
     expert_weight_names,
     is_experts_module,
+    is_real_number,
     layout_name,
     mark_expert_parallel,
     mark_expert_tensors,
@@ -130,7 +131,7 @@ def _clamped_swiglu_of(module: nn.Module, apply_gate) -> str:
         "implementation does not run (it computes act(gate) * up with SiLU or a GELU, and gpt-oss's clamped "
         "SwiGLU)"
     )
-    if qualified not in CLAMPED_SWIGLU_GATES or not all(isinstance(v, (int, float)) for v in (alpha, limit)):
+    if qualified not in CLAMPED_SWIGLU_GATES or not all(is_real_number(v) for v in (alpha, limit)):
         raise ValueError(refusal)
     activation = clamped_swiglu(alpha, limit)
     if not _computes_clamped_swiglu(apply_gate, float(alpha), float(limit), layout_of(module)["interleaved"]):

@@ -83,17 +83,13 @@ def _fma(a, b, c, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _adamw_scalars(step_ptr, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
-    """(step_size, bc2_sqrt) in fp32 from the step count at ``step_ptr`` (fp32, already incremented) and
-    the hyperparameters at ``hyper_ptr``, each loaded just before its use (libdevice's pow is a call:
-    nothing loaded early has to survive it); the "fp32" arithmetic reads torch's fp32 powers of the betas
-    at ``powers_ptr`` instead of computing them (the module docstring says why)."""
-    return adamw_scalars_of(tl.load(step_ptr).to(tl.float32), hyper_ptr, powers_ptr, ARITHMETIC, INTERPRET)
-
-
-@triton.jit
 def adamw_scalars_of(step, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, INTERPRET: tl.constexpr):
-    """:func:`_adamw_scalars` of the fp32 step count ``step`` (a value: kernels/update_steps.py computes it)."""
+    """(step_size, bc2_sqrt) in fp32 of the fp32 step count ``step`` (already incremented; a value:
+    kernels/update_steps.py computes it) and the hyperparameters at ``hyper_ptr``, each loaded just before
+    its use (libdevice's pow is a call: nothing loaded early has to survive it); the "fp32" arithmetic reads
+    torch's fp32 powers of the betas at ``powers_ptr`` instead of computing them (the module docstring says
+    why). Once per update, in ``update_begin_kernel``: the update kernels read the scalars instead of each
+    program calling libdevice's pow."""
     if ARITHMETIC == "fp32":
         bias_correction1 = 1.0 - tl.load(powers_ptr)
         bias_correction2 = 1.0 - tl.load(powers_ptr + 1)
@@ -103,28 +99,6 @@ def adamw_scalars_of(step, hyper_ptr, powers_ptr, ARITHMETIC: tl.constexpr, INTE
         bias_correction2 = (1.0 - _pow64(tl.load(hyper_ptr + 2), step, INTERPRET)).to(tl.float32)
         step_size = (tl.load(hyper_ptr) / bias_correction1.to(tl.float64)).to(tl.float32)
     return step_size, tl.sqrt_rn(bias_correction2)
-
-
-@triton.jit
-def adamw_scalars_kernel(
-    # pointers
-    step_ptr,  # [] fp32, read (already incremented)
-    hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay
-    powers_ptr,  # [2] fp32, read by the "fp32" arithmetic: torch.pow(fp32 (beta1, beta2), step)
-    scalars_ptr,  # [2] fp32, written: step_size, bc2_sqrt
-    # meta-parameters
-    ARITHMETIC: tl.constexpr,
-    INTERPRET: tl.constexpr,
-):
-    """The update's bias-corrected scalars, once per update: step_size = lr / bc1 and sqrt(bc2).
-
-    The update kernels read them instead of each program calling libdevice's pow (a function call whose
-    ABI would keep registers across it).
-    Grid: (1,).
-    """
-    step_size, bc2_sqrt = _adamw_scalars(step_ptr, hyper_ptr, powers_ptr, ARITHMETIC, INTERPRET)
-    tl.store(scalars_ptr, step_size)
-    tl.store(scalars_ptr + 1, bc2_sqrt)
 
 
 @triton.jit
@@ -263,7 +237,7 @@ def adamw_kernel(
     grad_ptr,  # [numel] gradient dtype, read
     exp_avg_ptr,  # [numel] moments dtype, read and written
     exp_avg_sq_ptr,  # [numel] moments dtype, read and written
-    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (adamw_scalars_kernel)
+    scalars_ptr,  # [2] fp32, read: step_size, bc2_sqrt (kernels/update_steps.py, update_begin_kernel)
     skip_ptr,  # [] fp32, read: the update is skipped when != 0
     hyper_ptr,  # [5] fp64, read: lr, beta1, beta2, eps, weight_decay ([7] with CLIP: + spike_threshold, grad_scale)
     remainder_ptr,  # REMAINDER: [numel] int16, read and written (w_ptr: the bf16 weight's int16 bits)

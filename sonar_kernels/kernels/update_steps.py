@@ -27,7 +27,7 @@ def update_begin_kernel(
     INTERPRET: tl.constexpr,
 ):
     """skip = max(flags); step += 1 - skip; with SCALARS, the scalars of the advanced step (as
-    ``adamw_scalars_kernel``). Replaces ``flags.amax()``, ``step.add_(1.0 - skip)`` and the scalars' launch.
+    ``kernels/adamw.py``'s ``adamw_scalars_of``). Replaces ``flags.amax()``, ``step.add_(1.0 - skip)`` and a scalars launch.
 
     Grid: (1,).
     Preconditions: the flags are 0.0 or 1.0 (max is then exact in any order); with the "fp32" arithmetic

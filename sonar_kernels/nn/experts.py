@@ -15,6 +15,7 @@ from sonar_kernels.specs import (
     BACKENDS,
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
+    is_integer,
     mark_expert_parallel,
     mark_expert_tensors,
     parse_activation,
@@ -72,8 +73,13 @@ class SonarExperts(nn.Module):
             ("hidden_size", hidden_size),
             ("intermediate_size", intermediate_size),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if not is_integer(value) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        num_experts, hidden_size, intermediate_size = (
+            int(num_experts),
+            int(hidden_size),
+            int(intermediate_size),
+        )
         if num_experts > MAX_EXPERTS:
             raise ValueError(f"num_experts must be at most {MAX_EXPERTS}, got {num_experts}")
         parse_activation(activation)  # ValueError naming what is expected

@@ -23,7 +23,7 @@ def begin_update(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """After the check pass: the skip decision (the largest of ``flags``, [n] fp32 of 0.0 / 1.0), ``step``
     advanced by 1 - skip in place, and with ``scalars`` the update's [2] fp32 step_size and sqrt(bc2) at the
-    advanced step (as ``adamw_scalars_kernel``), in one launch.
+    advanced step (``kernels/adamw.py``, ``adamw_scalars_of``), in one launch.
 
     Returns:
         (skip: 0-dim fp32, the scalars or None).

@@ -14,6 +14,7 @@ from sonar_kernels.specs import (
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
     is_gated,
+    is_real_number,
     is_separate,
     layout_name,
     parse_activation,
@@ -384,8 +385,8 @@ def as_float(value, name: str) -> float:
                 f"{name} must be a Python float or a one-element CPU tensor, got one on {value.device}"
             )
         value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    if not is_real_number(value):
+        raise TypeError(f"{name} must be a real number (a float), got {type(value).__name__}")
     return float(value)
 
 

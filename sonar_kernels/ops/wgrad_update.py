@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 import triton
 
-from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel, adamw_scalars_kernel
+from sonar_kernels import specs
+from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
 from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
 from sonar_kernels.ops.common import is_dense, like
@@ -44,13 +45,13 @@ def split_scratch(fraction: int = SPLIT_SCRATCH_FRACTION, min_bytes: int = SPLIT
     Raises:
         ValueError: ``fraction`` not an int >= 1 or ``min_bytes`` not an int >= 0.
     """
-    if isinstance(fraction, bool) or not isinstance(fraction, int) or fraction < 1:
+    if not specs.is_integer(fraction) or fraction < 1:
         raise ValueError(f"fraction must be an int >= 1, got {fraction!r}")
-    if isinstance(min_bytes, bool) or not isinstance(min_bytes, int) or min_bytes < 0:
+    if not specs.is_integer(min_bytes) or min_bytes < 0:
         raise ValueError(f"min_bytes must be an int >= 0, got {min_bytes!r}")
     global SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
     saved = SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES
-    SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = fraction, min_bytes
+    SPLIT_SCRATCH_FRACTION, SPLIT_SCRATCH_MIN_BYTES = int(fraction), int(min_bytes)
     try:
         yield
     finally:
@@ -276,21 +277,10 @@ class _Update(NamedTuple):
         )  # fmt: skip
 
     def scalars(self) -> torch.Tensor:
-        """step_size and sqrt(bc2) of this step ([2] fp32, after the step's increment), once (the update
-        kernels read them); for 8-bit moments and stochastic rounding the torch ops that the torch
-        backend's update reads too."""
-        u = self.update
-        if u.moments_8bit or u.seed is not None:
-            return adamw_scalars(u.step, u.hyper)
-        scalars = common.empty((2,), torch.float32, u.step.device)
-        # The "fp32" arithmetic's beta ** step: torch's own pow (the one its fused AdamW calls; Triton's
-        # libdevice powf rounds differently, kernels/adamw.py).
-        powers = torch.pow(u.hyper[1:3].to(torch.float32), u.step) if self.arithmetic == "fp32" else scalars
-        adamw_scalars_kernel[(1,)](
-            u.step, u.hyper, powers, scalars, ARITHMETIC=self.arithmetic, INTERPRET=self.launch.interpret,
-            num_warps=1, enable_fp_fusion=False,
-        )  # fmt: skip
-        return scalars
+        """step_size and sqrt(bc2) of this step ([2] fp32, after the step's increment) for 8-bit moments and
+        stochastic rounding: the torch ops that the torch backend's update reads too (the other updates' come
+        from ``ops/update_steps.py``'s begin launch)."""
+        return adamw_scalars(self.update.step, self.update.hyper)
 
     def apply(self, choice, state, offsets, scalars, skip, rng, base, partial):
         """AdamW by ``choice`` on ``state`` (the experts ``offsets`` covers), unless ``skip``; ``base``: the

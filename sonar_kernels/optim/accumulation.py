@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from sonar_kernels import ops
+from sonar_kernels import ops, specs
 from sonar_kernels.ops.common import like
 
 __all__ = ["MicroBatches"]
@@ -29,9 +29,9 @@ class MicroBatches:
     """
 
     def __init__(self, steps: int, grad_dtype: torch.dtype | None) -> None:
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        if not specs.is_integer(steps) or steps < 1:
             raise ValueError(f"accumulation_steps must be an int >= 1, got {steps!r}")
-        self.steps = steps
+        self.steps = int(steps)
         self.grad_dtype = grad_dtype
         # Keyed by the tensors themselves (identity, as torch.optim's ``state``), never by weak references:
         # torch.utils.swap_tensors refuses a tensor that has one.

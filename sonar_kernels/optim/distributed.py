@@ -172,9 +172,10 @@ def ddp_class():
     return DistributedDataParallel
 
 
-def exclude_from_ddp(model: torch.nn.Module, experts) -> None:
+def exclude_from_ddp(model: torch.nn.Module, experts, apply: bool = True) -> None:
     """Put ``experts`` on DDP's ignore list of ``model`` (the module DDP will wrap), so that DDP's reducer
-    does not hold them: their gradients are reduced by the optimizer before their update.
+    does not hold them: their gradients are reduced by the optimizer before their update. With ``apply``
+    False, only the check below (nothing is changed).
 
     Raises:
         ValueError: ``model`` is already wrapped by DistributedDataParallel and its reducer holds one of
@@ -194,6 +195,8 @@ def exclude_from_ddp(model: torch.nn.Module, experts) -> None:
                 "here. Build the optimizer on the bare module first, then wrap it: "
                 "opt = SonarAdamW(model, data_parallel_group=group); model = DistributedDataParallel(model)"
             )
+        return
+    if not apply:
         return
     names = [name for name, p in model.named_parameters() if _among(p, experts)]
     ignored = list(getattr(model, "_ddp_params_and_buffers_to_ignore", []))

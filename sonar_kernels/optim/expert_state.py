@@ -3,7 +3,7 @@
 torch.optim.AdamW's layout (``step``, ``exp_avg``, ``exp_avg_sq``), with what the kernels read: ``step`` a
 0-dim float32 tensor on the tensor's device, the moments on that device in ``moments_dtype`` (or a dtype the
 kernels take). A checkpoint holds ``step`` on the CPU, as torch.optim.AdamW keeps it outside its fused and
-capturable modes, so that it loads into torch.optim.AdamW and back (docs/usage.md, "Checkpoints").
+capturable modes, so that it loads into torch.optim.AdamW and back (docs/usage.md, "Checkpoints and resume").
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from sonar_kernels.rules.moments_8bit import dequantize, quantize, scales_shape
 
 __all__ = [
     "EIGHT_BIT",
+    "check_converted",
     "check_loadable",
     "check_master_weights",
     "expert_state",
@@ -107,6 +108,26 @@ def check_master_weights(master_weights) -> str | None:
     if master_weights not in (REMAINDER, STOCHASTIC):
         raise ValueError(f'master_weights must be None, "remainder" or "stochastic", got {master_weights!r}')
     return master_weights
+
+
+def check_converted(owner: str, p: torch.Tensor, master_weights: str | None) -> None:
+    """Refuse, before its state is converted, an expert tensor converted to a dtype its update does not take
+    (``model.double()`` with the optimizer kept; docs/usage.md, "Casting the model after building the
+    optimizer").
+
+    Raises:
+        TypeError: ``p``'s dtype is not float32, bfloat16 or float16, or not bfloat16 with ``master_weights``.
+    """
+    if master_weights is not None and p.dtype != torch.bfloat16:
+        kept = f'master_weights="{master_weights}" keeps bf16 expert tensors'
+    elif p.dtype not in ops.SUPPORTED_DTYPES:
+        kept = "expert tensors must be float32, bfloat16 or float16"
+    else:
+        return
+    raise TypeError(
+        f"{owner}: {kept}; the tensor of shape {tuple(p.shape)} was converted to {p.dtype} (its optimizer state "
+        "was not changed: convert the model back, or build the optimizer over the converted model)"
+    )
 
 
 def moment_tensors(state: dict) -> list[torch.Tensor]:

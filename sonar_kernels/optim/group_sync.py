@@ -59,6 +59,22 @@ def follow(optimizer) -> None:
     new = [p for p in held if specs.holder_of(p) is not optimizer]
     name = type(optimizer).__name__
     record = optimizer._record
+    if any(isinstance(p, DTensor) for p in new):
+        ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
+    experts = [p for p in new if is_expert_tensor(p)]
+    left = len(gone) + sum(not any(p is q for q in held) for p in optimizer._pending)
+    # First: after steps or a checkpoint load the check below would name accelerate's shards instead.
+    if left > len(experts):
+        # Expert tensors replaced by tensors that are not experts: DeepSpeed's ZeRO puts flat partitions
+        # of all parameters in the optimizer's groups; anything else doing so would train the experts as
+        # dense parameters of another optimizer's making.
+        who = " by DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else ""
+        raise RuntimeError(
+            f"{name}: {left} expert tensor(s) in this optimizer's param_groups were replaced{who} by tensors "
+            "that are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
+            f"longer run in the backward from their complete gradient (nothing was changed)."
+            f"{distributed.deepspeed_note() or ' Give the optimizer the expert tensors themselves.'}"
+        )
     for p in gone:
         if (
             p in record.updated
@@ -71,21 +87,6 @@ def follow(optimizer) -> None:
                 "an update or a micro-batch of it: its state cannot follow to the new tensor. Prepare the model "
                 "and the optimizer before training (nothing was changed)"
             )
-    if any(isinstance(p, DTensor) for p in new):
-        ownership.mark_fsdp_expert_tensors()  # FSDP2's sharded parameters lost their modules' marks
-    experts = [p for p in new if is_expert_tensor(p)]
-    left = len(gone) + sum(not any(p is q for q in held) for p in optimizer._pending)
-    if left > len(experts):
-        # Expert tensors replaced by tensors that are not experts: DeepSpeed's ZeRO puts flat partitions
-        # of all parameters in the optimizer's groups; anything else doing so would train the experts as
-        # dense parameters of another optimizer's making.
-        who = " by DeepSpeed's ZeRO optimizer" if "deepspeed" in sys.modules else ""
-        raise RuntimeError(
-            f"{name}: {left} expert tensor(s) in this optimizer's param_groups were replaced{who} by tensors "
-            "that are not expert tensors (e.g. flat partitions of several parameters): their updates could no "
-            f"longer run in the backward from their complete gradient (nothing was changed)."
-            f"{distributed.deepspeed_note() or ' Give the optimizer the expert tensors themselves.'}"
-        )
     for p in experts:
         check_group_options(name, record.groups.group(p), True)
     ready, pending = split_pending(optimizer, experts)

@@ -43,6 +43,7 @@ from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
+    check_converted,
     check_loadable,
     check_master_weights,
     expert_state,
@@ -104,9 +105,9 @@ class InBackwardAdamW(ExpertTelemetry):
                     f"{name} must be None, torch.float32, torch.bfloat16 or torch.float16{eight_bit}, got {dtype!r}"
                 )
         self.master_weights = check_master_weights(master_weights)
-        if isinstance(rounding_seed, bool) or not isinstance(rounding_seed, int):
+        if not specs.is_integer(rounding_seed):
             raise TypeError(f"rounding_seed must be an int, got {type(rounding_seed).__name__}")
-        self.rounding_seed = rounding_seed
+        self.rounding_seed = int(rounding_seed)
         # Managed tensor -> the seed of its stochastic rounding's stream (by the order it was given).
         self._seeds = {}
         if self.master_weights is not None and moments_dtype is None:
@@ -311,12 +312,8 @@ class InBackwardAdamW(ExpertTelemetry):
                 f"{name}: the expert tensor of shape {tuple(p.shape)} was converted (dtype or device) between a "
                 "backward and step(); convert the model before its forward or after step()"
             )
+        check_converted(name, p, self.master_weights)  # before any change of the state
         state = self.state[p]
-        if self.master_weights is not None and p.dtype != torch.bfloat16:
-            raise TypeError(
-                f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; the tensor of shape '
-                f"{tuple(p.shape)} was converted to {p.dtype}"
-            )
         update = self._updates.get(p)
         fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
         before = update.signature[0] if update is not None else p.dtype
@@ -393,13 +390,13 @@ class InBackwardAdamW(ExpertTelemetry):
 
     @torch.compiler.disable
     def _run_closure_and_end_step(self, closure):
-        """Check the groups (:meth:`GroupHyperparameters.check_unchanged`), run ``closure`` (with grad
+        """Check the step (:meth:`InBackwardUpdates.check_before_step`), run ``closure`` (with grad
         enabled, as torch.optim does) if given, then end the step, also when the closure raises.
         Returns the closure's loss or None. The step's end: :meth:`InBackwardUpdates.end_step`.
 
         Eager also under ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe): per-tensor
         bookkeeping and hooks, no tensor math to compile (a closure runs eagerly there)."""
-        self._record.groups.check_unchanged(type(self).__name__, self._managed, self._record.updated)
+        self._record.check_before_step(self._managed)
         try:
             if closure is None:
                 return None
@@ -474,13 +471,15 @@ class InBackwardAdamW(ExpertTelemetry):
                 hyperparameters outside their ranges (groups of dense parameters only load whatever
                 torch.optim.AdamW loads); another number of groups; a parameter state without moments, or
                 moments whose shape is not the parameter's.
-            RuntimeError: called after a backward that updated expert tensors and before ``step()``.
+            RuntimeError: called after a backward that updated expert tensors and before ``step()``, unless
+                each of them was restored since (replaced or written: a rollback, which then ends the step).
         """
-        if any(p in self._managed for p in self._record.updated):
+        rolled_back = self._record.rolled_back(self._managed)
+        if not rolled_back and any(p in self._managed for p in self._record.updated):
             raise RuntimeError(
                 f"{type(self).__name__}: load_state_dict() after a backward that updated expert tensors and before "
                 "step(): the weights already hold this step's update, and the loaded moments and step would not "
-                "match them; call step() (or load before the forward)"
+                "match them; call step() (or load before the forward, or restore the weights first: a rollback)"
             )
         managed = self._managed.__contains__
         pairs = check_loadable(type(self).__name__, state_dict, self.param_groups, managed)
@@ -489,12 +488,10 @@ class InBackwardAdamW(ExpertTelemetry):
         self._record.groups.forget()
         for param_id, p in pairs:
             if managed(p):
+                saved = state_dict["state"].get(param_id, {})
                 load_expert_state(
-                    p,
-                    self.state[p],
-                    state_dict["state"].get(param_id, {}),
-                    self.moments_dtype,
-                    self.master_weights,
-                    self._seeds.get(p, 0),
+                    p, self.state[p], saved, self.moments_dtype, self.master_weights, self._seeds.get(p, 0)
                 )
                 self._attach(p)  # the update reads the new state tensors
+        if rolled_back:
+            self._record.end_rolled_back_step()

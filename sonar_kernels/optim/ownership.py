@@ -32,6 +32,8 @@ optimizer's own ``param_groups``.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 
@@ -47,12 +49,25 @@ __all__ = [
     "mark_fsdp_expert_tensors",
     "owner_of",
     "register_adopter",
+    "user_stacklevel",
     "warn_unowned_experts",
 ]
 
 # The live optimizers that take over expert tensors they hold (SonarAdamW): a forward of an experts module
 # lets each follow its param_groups first (accelerate's prepare replaces their entries by FSDP2 shards).
 _adopters: weakref.WeakSet = weakref.WeakSet()
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` for ``warnings.warn`` called by the function that calls this, so that the warning
+    names the first frame outside torch, transformers, accelerate and this package: the user's line (the
+    model's call, ``optimizer.step()``, ``trainer.train()``), however deep the modules that led there."""
+    packages = [sys.modules.get(name) for name in ("torch", "transformers", "accelerate", "sonar_kernels")]
+    prefixes = tuple(os.path.dirname(m.__file__) + os.sep for m in packages if getattr(m, "__file__", None))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(prefixes):
+        frame, level = frame.f_back, level + 1
+    return level if frame is not None else 2
 
 
 def register_adopter(optimizer) -> None:
@@ -94,7 +109,7 @@ def check_forward(*modules: torch.nn.Module | None) -> None:
             "Liger-Kernel, apply it with swiglu=False (apply_liger_kernel_to_<model>(swiglu=False), or Trainer's "
             'liger_kernel_config={"swiglu": False}).',
             ExpertsForwardReplacedWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -165,7 +180,12 @@ def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module 
         if owner is not None:
             owner.claim(t)
     if module is not None:
-        module.__dict__[_CLAIMED] = [None if t is None else specs.update_of(t) for t in tensors]
+        claimed = [None if t is None else specs.update_of(t) for t in tensors]
+        module.__dict__[_CLAIMED] = claimed
+        for index, update in enumerate(claimed):
+            if update is not None and getattr(update, "tensor", lambda: None)() is tensors[index]:
+                # Where the tensor sits: step() checks that it is still there (InBackwardUpdates.check_before_step).
+                update.held_at = (weakref.ref(module), index)
 
 
 # The attribute of an experts module that holds the update handles of the tensors of its last forward.
@@ -190,7 +210,7 @@ def _replaced(update, t: torch.Tensor) -> None:
             "optimizer holds it, or not at all. Build the optimizer after replacing the model's parameters "
             "(and load its state_dict) (docs/usage.md, Ownership).",
             UnownedExpertsWarning,
-            stacklevel=4,
+            stacklevel=user_stacklevel(),
         )
 
 
@@ -258,7 +278,7 @@ def warn_unowned_experts(optimizer) -> None:
             "sonar_kernels.SonarAdamW over the model (or its parameters) to update them in the backward "
             "(docs/usage.md, Ownership).",
             UnownedExpertsWarning,
-            stacklevel=3,
+            stacklevel=user_stacklevel(),
         )
 
 

@@ -20,10 +20,12 @@ from sonar_kernels.ops.validation import as_float
 
 __all__ = [
     "EXPERT_CLIPPING",
+    "OPTIMIZER_OPTIONS",
     "UNSUPPORTED_OPTIONS",
     "GroupHyperparameters",
     "check_expert_clipping",
     "check_group_options",
+    "check_optimizer_options",
     "torch_adamw_flags",
 ]
 
@@ -39,13 +41,44 @@ UNSUPPORTED_OPTIONS = {
 }
 
 
+# The optimizers' own options, which hold for all their groups: a group that sets one is refused rather
+# than ignored (torch honours a group's own lr or betas, so a group's own expert_clipping would look honoured).
+OPTIMIZER_OPTIONS = (
+    "max_grad_norm",
+    "clip_norm_includes_experts",
+    "expert_clipping",
+    "spike_threshold",
+    "moments_dtype",
+    "grad_dtype",
+    "fused_epilogue",
+    "accumulation_steps",
+    "data_parallel_group",
+    "master_weights",
+    "rounding_seed",
+)
+
+
+def check_optimizer_options(owner: str, group: dict) -> None:
+    """Raise ValueError, naming the key, when a parameter group sets one of :data:`OPTIMIZER_OPTIONS`:
+    those are the optimizer's arguments, the same for every group, and are not implemented per group."""
+    keys = [key for key in OPTIMIZER_OPTIONS if key in group]
+    if keys:
+        raise ValueError(
+            f"{owner}: a parameter group sets {keys[0]}={group[keys[0]]!r}: {', '.join(keys)} "
+            f"{'is an option' if len(keys) == 1 else 'are options'} of the whole optimizer, not of a parameter "
+            "group (a group's own value would be ignored); give it to the optimizer's constructor, or use one "
+            "optimizer per value"
+        )
+
+
 def check_group_options(owner: str, group: dict, has_experts: bool) -> None:
     """Raise ValueError, naming the option, when ``group`` holds expert tensors (``has_experts``) and sets
     an option of :data:`UNSUPPORTED_OPTIONS` to another value than the one the update implements; a group
     without expert tensors takes every torch.optim.AdamW option. The one check of every path that gives a
     group expert tensors or an option: the constructor and ``add_param_group`` (``group`` with the
     constructor's defaults filled in), an option set later, ``load_state_dict`` (the saved group), an
-    expert tensor adopted at its module's first forward."""
+    expert tensor adopted at its module's first forward. Any group: :func:`check_optimizer_options`."""
+    check_optimizer_options(owner, group)
     if not has_experts:
         return
     for key, accepted in UNSUPPORTED_OPTIONS.items():
@@ -115,8 +148,7 @@ def check_expert_clipping(expert_clipping, spike_threshold) -> tuple[str, float]
     if expert_clipping not in EXPERT_CLIPPING:
         raise ValueError(f"expert_clipping must be one of {EXPERT_CLIPPING}, got {expert_clipping!r}")
     if (
-        isinstance(spike_threshold, bool)
-        or not isinstance(spike_threshold, (int, float))
+        not specs.is_real_number(spike_threshold)
         or not math.isfinite(spike_threshold)
         or spike_threshold <= 0
     ):
@@ -238,8 +270,10 @@ class GroupHyperparameters:
         this step's backward (``managed``, ``updated``: containers of tensors) changed since that update,
         however it was set (``group[key] = ...``, ``group.update``, a tensor lr filled in place): the update
         used the old value, and the dense step would use the new one. ValueError when a group holding
-        expert tensors sets an option the update does not implement."""
+        expert tensors sets an option the update does not implement, or any group an option of the whole
+        optimizer (:func:`check_optimizer_options`)."""
         for index, group in enumerate(self.param_groups):
+            check_optimizer_options(owner, group)
             held = [p for p in group["params"] if p in managed]
             if not held:
                 continue

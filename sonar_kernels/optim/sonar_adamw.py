@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from sonar_kernels import specs
 from sonar_kernels.optim import dense as dense_step
-from sonar_kernels.optim import distributed, group_sync, ownership
+from sonar_kernels.optim import distributed, group_sync, lagged_clipping, ownership, saved_state
 from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
@@ -105,7 +105,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             (needs max_grad_norm): step t's expert gradients times torch's coefficient
             min(1, max_grad_norm / (norm + 1e-6)) of step t-1's global norm over all parameters
             (``last_grad_norm``; the dense ones clipped by this step's, as with clip_norm_includes_experts);
-            1 at the first step; ``expert_clip_coef``, not saved in ``state_dict()``.
+            1 at the first step; ``expert_clip_coef``, saved in ``state_dict()`` and restored by
+            ``load_state_dict()``.
         spike_threshold: theta of "spike", a finite number > 0 (SPAM's default 5000).
         moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, master_weights, rounding_seed: for
             the expert tensors, as in ExpertAdamW (``moments_dtype="8bit"``: 8-bit moments;
@@ -173,10 +174,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         if fused and foreach:
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool)
-            or not isinstance(max_grad_norm, (int, float))
-            or not math.isfinite(max_grad_norm)
-            or max_grad_norm <= 0
+            not specs.is_real_number(max_grad_norm) or not math.isfinite(max_grad_norm) or max_grad_norm <= 0
         ):
             raise ValueError(f"max_grad_norm must be None or a finite float > 0, got {max_grad_norm!r}")
         self.max_grad_norm = None if max_grad_norm is None else float(max_grad_norm)
@@ -188,6 +186,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.last_dense_grad_norm: torch.Tensor | None = None
         self.last_grad_norm: torch.Tensor | None = None
         self.dense_skipped_steps: torch.Tensor | None = None
+        ignored_by_ddp = None  # (a module, its expert tensors) for DDP's ignore list
         self._init_in_backward(
             moments_dtype, grad_dtype, fused_epilogue, accumulation_steps, data_parallel_group, master_weights,
             rounding_seed, expert_clipping, spike_threshold,
@@ -224,9 +223,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                     stacklevel=2,
                 )
             if experts:
-                # Before any state exists: a DDP reducer that holds the experts is refused here, and a DDP
-                # that wraps the module later leaves them alone (no zero .grad of its own on them).
-                distributed.exclude_from_ddp(model, experts)
+                # Before any state exists: a DDP reducer that holds the experts is refused here; a DDP that
+                # wraps the module later leaves them alone (no zero .grad of its own on them): its ignore
+                # list, set once this optimizer is built (a refused construction leaves the module as it was).
+                distributed.exclude_from_ddp(model, experts, apply=False)
+                ignored_by_ddp = (model, experts)
             params = model.parameters()
         # torch.optim.AdamW's options apply as torch applies them; add_param_group refuses those the
         # in-backward update does not implement for a group that holds expert tensors.
@@ -234,6 +235,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad, maximize=maximize,
             foreach=foreach, capturable=capturable, differentiable=differentiable, fused=fused,
         )  # fmt: skip
+        if ignored_by_ddp is not None:
+            distributed.exclude_from_ddp(*ignored_by_ddp)
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
@@ -241,13 +244,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
 
     @torch.compiler.disable
     def _set_lagged_coef(self, norm: torch.Tensor) -> None:
-        """expert_clipping="lagged": the coefficient of this step's global norm, torch's
-        min(1, max_grad_norm / (norm + 1e-6)) in fp32 (clip_grads_with_norm_), for the next step's expert
-        updates; a norm that is not finite (a skipped update) keeps the coefficient as it was. On the device,
-        no host read."""
-        coef = torch.clamp(self.max_grad_norm / (norm.float() + 1e-6), max=1.0)
-        old = self.expert_clip_coef.to(coef.device) if self.lagged_coef_set else torch.ones_like(coef)
-        self.expert_clip_coef, self.lagged_coef_set = torch.where(torch.isfinite(norm), coef, old), True
+        """expert_clipping="lagged": the next step's coefficient from this step's global norm, on the device
+        (optim/lagged_clipping.py, :func:`next_coef`)."""
+        coef = self.expert_clip_coef if self.lagged_coef_set else None
+        self.expert_clip_coef = lagged_clipping.next_coef(self.max_grad_norm, norm, coef)
+        self.lagged_coef_set = True
         self._record.groups.set_clip_coef(self.expert_clip_coef)
 
     def _refuse_pending(self) -> None:
@@ -332,7 +333,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
         if stale and not getattr(self, "_warned_replaced_dense", False):
             self._warned_replaced_dense = True
-            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=5)  # the caller of step()
+            warnings.warn(_replaced_dense_message(len(stale)), stacklevel=ownership.user_stacklevel())
 
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
@@ -358,21 +359,19 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         torch.distributed.checkpoint.state_dict.get_optimizer_state_dict fills an optimizer's empty state
         by a step with zero gradients and lr 0 (which advances ``step``); this optimizer's state is never
         empty (its expert tensors' exists from the start), and set_optimizer_state_dict wants a state for
-        every parameter that requires grad."""
-        saved = super().state_dict()
-        ids = [i for group in saved["param_groups"] for i in group["params"]]
-        owned = [(p, group) for group in self.param_groups for p in group["params"]]
-        for param_id, (p, group) in zip(ids, owned, strict=True):
-            if param_id not in saved["state"] and p.requires_grad and p not in self._managed:
-                fused = torch_adamw_flags(group, self._dense_of(group, with_grad=False))[1]
-                saved["state"][param_id] = dense_step.initial_dense_state(p, {**group, "fused": fused})
-        return saved
+        every parameter that requires grad. An expert tensor held undecided (several ranks, before its module's
+        first forward) gets the state its in-backward update will start from; with expert_clipping="lagged"
+        each expert tensor's state also holds the lagged coefficient (``expert_clip_coef``, which
+        torch.optim.AdamW ignores), so that resuming equals not stopping (optim/saved_state.py)."""
+        return saved_state.complete(self, super().state_dict())
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As InBackwardAdamW.load_state_dict; a dense parameter whose group runs torch's fused AdamW by
         default (``fused=None``, :func:`torch_adamw_flags`) gets its ``step`` as torch.optim.AdamW(fused=True)
-        loads it: float32 on the parameter's device (a checkpoint of a non-fused AdamW keeps it on the CPU)."""
-        super().load_state_dict(state_dict)
+        loads it: float32 on the parameter's device (a checkpoint of a non-fused AdamW keeps it on the CPU).
+        With expert_clipping="lagged" the saved coefficient is restored (a checkpoint without one leaves it
+        as it is: optim/saved_state.py, :func:`restore`)."""
+        saved_state.restore(self, state_dict, super().load_state_dict)
         for group in self.param_groups:
             dense = self._dense_of(group, with_grad=False)
             if torch_adamw_flags(group, dense)[1]:
@@ -419,7 +418,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 'to an experts module running experts_implementation "sonar" (SonarExperts, a transformers '
                 'model switched to "sonar", torchtitan\'s SonarGroupedExperts), so it trains every parameter as '
                 "torch.optim.AdamW does, with no memory saved (docs/usage.md, Ownership)",
-                stacklevel=2,
+                stacklevel=ownership.user_stacklevel(),
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
         dense_step.follow_conversions(self.state, dense)

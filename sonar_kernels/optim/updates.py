@@ -14,6 +14,7 @@ from __future__ import annotations
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
 from sonar_kernels.ops.adamw import remainder_adamw_
@@ -68,6 +69,11 @@ class InBackwardUpdates:
         self.grad_norm_sq: dict = {}
         self.skipped: dict = {}
         self.clipped: dict = {}
+        # Tensor updated in this step -> its version counter right after the update (plain tensors; a
+        # compiled update records none): a write since shows in check_before_step.
+        self.versions: dict = {}
+        # Whether grad_norm_sq and clipped were reset for this step (at its first update or micro-batch).
+        self.telemetry_reset = False
         # id -> tensor of every tensor an update of the optimizer was built for (the update handles name
         # their tensor by id: optim/update_handle.py).
         self.tensors_by_id: dict[int, torch.Tensor] = {}
@@ -134,6 +140,20 @@ class InBackwardUpdates:
         loss_scaling.refuse(self.owner)
         check_group_options(self.owner, self.groups.group(p), True)
         self.groups.tensor(p)
+        self.reset_telemetry()
+
+    def reset_telemetry(self) -> None:
+        """Before this step's first update (or micro-batch) writes anything: every tensor's norm and clipped
+        count read 0, so that from the end of this step's backward a tensor with no gradient in it reads 0
+        (not the last step's values), as after ``step()``."""
+        if not self.telemetry_reset:
+            self.telemetry_reset = True
+            # The forwards of this step saved them (the updates write them): their versions are kept.
+            with torch.no_grad():
+                for table in (self.grad_norm_sq, self.clipped):
+                    for value in table.values():
+                        with torch.autograd._unsafe_preserve_version_counter(value):
+                            value.zero_()
 
     def reduces_first(self, p: torch.Tensor) -> bool:
         """Whether ``p``'s gradient is averaged over the data-parallel group before its update."""
@@ -163,6 +183,12 @@ class InBackwardUpdates:
         self.held.forward_with_graph(p)
         state = self._optimizer().state[p]
         torch.autograd.graph.increment_version([p, *moment_tensors(state)])
+        self._record_version(p)
+
+    def _record_version(self, p: torch.Tensor) -> None:
+        """Remember ``p``'s version counter right after its update (a DTensor's is not followed)."""
+        if not isinstance(p, DTensor):
+            self.versions[p] = p._version
 
     def compiled_update(self, p: torch.Tensor) -> None:
         """A compiled backward is about to update ``p``: check and record it."""
@@ -196,6 +222,7 @@ class InBackwardUpdates:
             )
             self.micro_batches.consumed(p)
             self.updated[p] = True
+            self._record_version(p)
             return
         if "seed" in state:  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
             tensors = [state["exp_avg"], state["exp_avg_sq"], state["step"], self.grad_norm_sq[p], self.skipped[p],
@@ -216,6 +243,7 @@ class InBackwardUpdates:
             )  # fmt: skip
         self.micro_batches.consumed(p)
         self.updated[p] = True
+        self._record_version(p)
 
     def hold_until_backward_ends(self, p: torch.Tensor) -> None:
         """Gradients of ``p`` that reach ``.grad`` from now on wait for the end of the running backward
@@ -264,6 +292,54 @@ class InBackwardUpdates:
 
     # -- The step ------------------------------------------------------------------------------------------
 
+    def changed_since_update(self, p: torch.Tensor) -> str | None:
+        """How ``p``, updated in this step, changed since its update, or None: "replaced" (its experts module
+        holds another tensor in its place since: ``load_state_dict(assign=True)``, an assignment) or
+        "written" (written in place: ``model.load_state_dict(...)`` copies into it, ``p.copy_(...)``)."""
+        held_at = getattr(specs.update_of(p), "held_at", None)
+        module = held_at[0]() if held_at is not None else None
+        tensors = specs.expert_tensors_of(module) if module is not None else None
+        if tensors is not None and held_at[1] < len(tensors) and tensors[held_at[1]] is not p:
+            return "replaced"
+        version = self.versions.get(p)
+        return "written" if version is not None and p._version != version else None
+
+    def rolled_back(self, managed) -> bool:
+        """Whether every tensor of ``managed`` updated in this step changed since its update (restored from a
+        snapshot): the optimizer's state of the snapshot may then be loaded, which ends this step."""
+        updated = [p for p in self.updated if p in managed]
+        return bool(updated) and all(self.changed_since_update(p) is not None for p in updated)
+
+    def check_before_step(self, managed) -> None:
+        """The checks of ``step()`` before it changes anything (RuntimeError; the step does not end): each
+        tensor of ``managed`` updated in this step is where its update left it (:meth:`changed_since_update`;
+        else the step would keep weights that do not hold the update with moments and a step that do), and
+        the groups' hyperparameters are those its update used (:meth:`GroupHyperparameters.check_unchanged`)."""
+        for p in self.updated:
+            how = self.changed_since_update(p) if p in managed else None
+            if how is not None:
+                what = (
+                    "replaced in its experts module by another tensor (load_state_dict(assign=True), an assignment)"
+                    if how == "replaced"
+                    else "written in place (model.load_state_dict() copies into it, copy_)"
+                )
+                raise RuntimeError(
+                    f"{self.owner}: the expert tensor of shape {tuple(p.shape)} was {what} between the backward "
+                    "that updated it and step(): its exp_avg, exp_avg_sq and step already hold this step's update, "
+                    "so the restored weights would go on with the moments of the step they undo (nothing was "
+                    "changed). To roll the step back, load the optimizer's state_dict() saved with the weights "
+                    "(load_state_dict(), which ends this step); or put the updated weights back and call step() "
+                    '(docs/usage.md, "Checkpoints and resume")'
+                )
+        self.groups.check_unchanged(self.owner, managed, self.updated)
+
+    def end_rolled_back_step(self) -> None:
+        """After the optimizer's state was loaded over a rolled-back step (:meth:`rolled_back`): the step ends
+        with nothing applied (the loaded state is the snapshot's)."""
+        self.updated, self.updated_in_backward, self.versions = {}, {}, {}
+        self.telemetry_reset = False
+        self.micro_batches.reset()
+
     def end_step(self, managed: list[torch.Tensor]) -> None:
         """Apply once a gradient found on a tensor of ``managed`` (it had requires_grad=False when it was
         given, so its hook came later), then end the step: each managed tensor may be updated again."""
@@ -288,4 +364,6 @@ class InBackwardUpdates:
             # The step ends even when a gradient above was refused (a tensor updated twice).
             self.updated = {}
             self.updated_in_backward = {}
+            self.versions = {}
+            self.telemetry_reset = False
             self.micro_batches.reset()

@@ -148,7 +148,7 @@ def _run(args) -> int:
         if ranks > 1:
             raise UsageError("--resume runs on one process only")
         args.run_dir = state.folder = Path(args.resume)
-        state.load(resume.options_of(args))
+        state.load(resume.options_of(args), _commit())
     args.state = state
     hf.register()
     # The model's shapes on the meta device (nothing allocated): the memory estimate, checked before the
@@ -188,7 +188,7 @@ def _run(args) -> int:
     hf.set_backend(initial, args.backend)  # an attribute of each experts module, copied with it
     if leader and args.resume is None:  # the run's folder, reserved once the data and the model are good
         args.run_dir = state.folder = reserve_run_directory(Path(args.out), args.run_name)
-        state.start(args.argv, resume.options_of(args))
+        state.start(args.argv, resume.options_of(args), _commit())
     n_params = sum(p.numel() for p in initial.parameters())
     n_expert = sum(p.numel() for name, p in initial.named_parameters() if name.endswith(EXPERT_PARAMS))
     source = f"model {args.model} ({initial.config.model_type})" if args.model else args.preset

@@ -24,10 +24,10 @@ from sonar_kernels.train.data import UsageError
 from sonar_kernels.train.options import build_parser
 from sonar_kernels.train.results import partial
 from sonar_kernels_cli import INTERRUPTED
-from sonar_kernels_cli.options import RESUME_FOLDER
+from sonar_kernels_cli.options import RESUME_FOLDER, RESUME_FREE
 
 # Options that do not change what a run computes: free to differ between a run and its resumption.
-FREE = ("quiet", "out", "name", "run_name", "resume", "memory_check", "argv")
+FREE = (*RESUME_FREE, "run_name", "argv")
 
 
 def options_of(args) -> dict:
@@ -65,16 +65,27 @@ class RunState:
     def files(self) -> Path:
         return self.folder / RESUME_FOLDER
 
-    def start(self, argv: list[str], options: dict) -> None:
-        """A new run: its command line (read back by ``--resume``) and resolved options."""
+    def start(self, argv: list[str], options: dict, commit: str) -> None:
+        """A new run: its command line (read back by ``--resume``), resolved options and the git commit of
+        the code that runs it."""
         self.files.mkdir()
-        _write(self.files / "options.json", {"argv": argv, "options": options})
+        _write(self.files / "options.json", {"argv": argv, "options": options, "commit": commit})
 
-    def load(self, options: dict) -> None:
-        """Resuming: refuses (UsageError) options that differ from the interrupted run's, naming each, then
-        loads its finished runs and passes; a bitwise pair (``pairs``: sonar arm -> control) of which only the
-        first finished is dropped, to be trained again with its control."""
-        stored = json.loads((self.files / "options.json").read_text())["options"]
+    def load(self, options: dict, commit: str) -> None:
+        """Resuming: refuses (UsageError) another code than the interrupted run's (``commit``, the git commit
+        that runs now, against the one it recorded: the finished runs would be mixed with runs of other code;
+        a run folder written before commits were recorded, or code outside git on both sides, is not
+        checked) and options that differ from its own, naming each; then loads its finished runs and passes;
+        a bitwise pair (``pairs``: sonar arm -> control) of which only the first finished is dropped, to be
+        trained again with its control."""
+        written = json.loads((self.files / "options.json").read_text())
+        stored, recorded = written["options"], written.get("commit")
+        if recorded is not None and recorded != commit:
+            raise UsageError(
+                f"--resume {self.folder}: the interrupted run ran commit {recorded[:12]}, this is {commit[:12]}: "
+                "its finished runs would be mixed with runs of other code; check out its commit to resume, "
+                "or start a new run"
+            )
         flags = {a.dest: a.option_strings[0] for a in build_parser()._actions if a.option_strings}
         differ = [
             f"{flags.get(key, '--' + key.replace('_', '-'))} {options.get(key)!r} here, {stored.get(key)!r} there"
