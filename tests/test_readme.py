@@ -18,8 +18,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 DOCS = [README, *sorted((ROOT / "docs").glob("*.md"))]
-# README's two quick starts; docs/usage.md's "Use" block; docs/distributed.md's data-parallel script.
-EXPECTED_BLOCKS = 4
+# README's two quick starts; docs/usage.md's "Use" block; docs/distributed.md's data-parallel and EP x FSDP2
+# scripts.
+EXPECTED_BLOCKS = 5
 # Each block takes a few seconds on a 2-core CPU (most of it importing torch and transformers).
 BLOCK_TIMEOUT = 90
 # torch 2.13's gloo can abort a rank at interpreter exit, after the script has run to its end: "terminate

@@ -9,12 +9,14 @@ from torch import nn
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
+from sonar_kernels.nn.sharding import check_not_fsdp_managed
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import (
     BACKENDS,
     MAX_EXPERTS,
     SUPPORTED_DTYPES,
+    expert_parallel_group,
     is_integer,
     mark_expert_parallel,
     mark_expert_tensors,
@@ -51,7 +53,9 @@ class SonarExperts(nn.Module):
             (DDP's); see ``sonar_kernels/nn/expert_parallel.py``. None: all E experts on this rank.
     Raises:
         ValueError: a size below 1, an unknown activation or backend, num_experts not divisible by the
-            size of ep_group, or ep_group without an initialized torch.distributed.
+            size of ep_group, or ep_group without an initialized torch.distributed; at the forward, an
+            expert-parallel module whose tensors FSDP2 manages (docs/distributed.md, "Expert parallel
+            with the dense layers on FSDP2").
         TypeError: an unsupported dtype, or an ep_group that is not a ProcessGroup or DeviceMesh.
     """
 
@@ -117,6 +121,13 @@ class SonarExperts(nn.Module):
     ) -> torch.Tensor:
         """Args and errors as :func:`sonar_kernels.moe_mlp`: [T, H], [T, top_k], [T, top_k] -> [T, H]
         (with ``ep_group``: this rank's tokens, global expert ids)."""
+        if self.ep_group is not None and not all(
+            expert_parallel_group(t) is self.ep_group for t in (self.gate_up_proj, self.down_proj)
+        ):
+            # The tensors were replaced without register_parameter: FSDP2 (refused: its reduce-scatter
+            # would mix different experts' gradients), or a conversion that dropped the mark.
+            check_not_fsdp_managed(self, self.ep_group)
+            mark_expert_parallel(self.ep_group, self.gate_up_proj, self.down_proj)
         claim_expert_tensors(self.gate_up_proj, self.down_proj, module=self)
         if self.ep_group is not None:
             backend = check_moe_mlp_args(

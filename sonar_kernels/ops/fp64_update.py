@@ -134,11 +134,22 @@ def _update_(
             norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
             local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
             base = shard_index_base(weight) if seed is not None else 0  # the shard's stream counters
-            update = adamw_8bit_ if len(moments) == 4 else stochastic_adamw_
-            update(
-                local[0], local[1], None, local[2:], hyper, grad_dtype=dtype, chunk_bytes=None, found=decided,
-                index_base=base,
-            )  # fmt: skip
+            held = local[2:]
+            if local[0].is_cuda:  # one Triton launch per tensor per step (ops/shard_update.py)
+                from sonar_kernels.ops.shard_update import shard_update_triton_
+
+                eight = len(moments) == 4
+                shard_update_triton_(
+                    local[0], local[1], (held[0], held[6], held[1], held[7]) if eight else (held[0], held[1]), held,
+                    hyper, decided=decided, remainder=remainder if remainder is None else held[8],
+                    seed=None if seed is None else held[8 if eight else 6], index_base=base,
+                )  # fmt: skip
+            else:  # the CPU: the compiled rules (docs/design.md, "The update rules")
+                update = adamw_8bit_ if len(moments) == 4 else stochastic_adamw_
+                update(
+                    local[0], local[1], None, held, hyper, grad_dtype=dtype, chunk_bytes=None, found=decided,
+                    index_base=base,
+                )  # fmt: skip
             grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
         return
     start_offset = weight.storage_offset()
