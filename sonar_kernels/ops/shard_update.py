@@ -16,6 +16,7 @@ from sonar_kernels.kernels.adamw import ADAMW_MASTER_CONFIG, adamw_kernel
 from sonar_kernels.ops import moments_8bit
 from sonar_kernels.ops.common import on_device, triton_interpreting
 from sonar_kernels.rules.adamw import adamw_scalars
+from sonar_kernels.rules.moments_8bit import scales_shape
 
 __all__ = ["shard_update_triton_"]
 
@@ -40,38 +41,48 @@ def shard_update_triton_(
     ``grad_norm_sq`` is the caller's (a norm over the whole tensor).
 
     Raises:
-        ValueError: exact moments without a seed (the exact update has its own path), or a tensor that is
-            not contiguous.
+        ValueError: exact moments without a seed (the exact update has its own path), a tensor that is not
+            contiguous, or (8-bit moments) a last dimension that is not a multiple of 32; before anything
+            changes.
     """
     step, _norm, skipped, clipped = state[2:6]
     if len(moments) == 2 and seed is None:
         raise ValueError(
             "shard_update_triton_ takes 8-bit moments, or exact moments with a seed (stochastic)"
         )
+    # Checked before the step advances: a refusal changes nothing.
+    tensors = (weight, grad, *moments, *([] if remainder is None else [remainder]))
+    if not all(t.is_contiguous() for t in tensors):
+        raise ValueError("the shard's update tensors must be contiguous")
+    if len(moments) == 4:
+        scales_shape(tuple(weight.shape))
     with torch.no_grad():
         step.add_((~decided).float())
-        scalars = adamw_scalars(step, hyper)
-        skip = decided.float()
-        rng = None if seed is None else torch.stack([seed.reshape(()), step.to(torch.int64)])
-        if len(moments) == 4:
-            m_codes, m_scales, v_codes, v_scales = moments
-            counts = moments_8bit.adamw_8bit_triton_(
-                weight, grad, (m_codes, m_scales), (v_codes, v_scales), scalars, skip, hyper,
-                remainder=remainder, rng=rng, index_base=index_base,
-            )  # fmt: skip
-        else:
-            if not all(t.is_contiguous() for t in (weight, grad, *moments)):
-                raise ValueError("the shard's update tensors must be contiguous")
-            config = ADAMW_MASTER_CONFIG
-            programs = triton.cdiv(weight.numel(), config["BLOCK"])
-            clip = hyper.numel() == 7
-            counts = torch.zeros(programs, dtype=torch.int32, device=weight.device) if clip else None
-            with on_device(weight.device):
-                adamw_kernel[(programs,)](
-                    weight.view(torch.int16), grad, *moments, scalars, skip, hyper, hyper, rng,
-                    hyper if counts is None else counts, weight.numel(), index_base,
-                    BLOCK=config["BLOCK"], ARITHMETIC="fp64", REMAINDER=False, STOCHASTIC=True, CLIP=clip,
-                    INTERPRET=triton_interpreting(), num_warps=config["num_warps"], enable_fp_fusion=False,
+        try:
+            scalars = adamw_scalars(step, hyper)
+            skip = decided.float()
+            rng = None if seed is None else torch.stack([seed.reshape(()), step.to(torch.int64)])
+            if len(moments) == 4:
+                m_codes, m_scales, v_codes, v_scales = moments
+                counts = moments_8bit.adamw_8bit_triton_(
+                    weight, grad, (m_codes, m_scales), (v_codes, v_scales), scalars, skip, hyper,
+                    remainder=remainder, rng=rng, index_base=index_base,
                 )  # fmt: skip
+            else:
+                config = ADAMW_MASTER_CONFIG
+                programs = triton.cdiv(weight.numel(), config["BLOCK"])
+                clip = hyper.numel() == 7
+                counts = torch.zeros(programs, dtype=torch.int32, device=weight.device) if clip else None
+                with on_device(weight.device):
+                    adamw_kernel[(programs,)](
+                        weight.view(torch.int16), grad, *moments, scalars, skip, hyper, hyper, rng,
+                        hyper if counts is None else counts, weight.numel(), index_base,
+                        BLOCK=config["BLOCK"], ARITHMETIC="fp64", REMAINDER=False, STOCHASTIC=True, CLIP=clip,
+                        INTERPRET=triton_interpreting(), num_warps=config["num_warps"], enable_fp_fusion=False,
+                    )  # fmt: skip
+        except BaseException:
+            # A launch refused (a compile error, a bad argument) applied nothing: the step taken back.
+            step.sub_((~decided).float())
+            raise
         clipped.copy_(counts.sum() if counts is not None else torch.zeros_like(clipped))
         skipped.add_(decided.long())

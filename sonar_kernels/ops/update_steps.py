@@ -18,6 +18,7 @@ def begin_update(
     step: torch.Tensor,
     hyper: torch.Tensor,
     arithmetic: str,
+    *,
     scalars: bool,
     interpret: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

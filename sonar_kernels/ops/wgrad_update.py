@@ -120,8 +120,10 @@ def apply_update(launch, weight, update, bound, key) -> None:
     eight_bit = update.moments_8bit
     # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
     limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
-    # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too.
-    arithmetic = "fp64" if eight_bit or update.seed is not None else adamw_arithmetic(device)
+    # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too, and
+    # the torch backend's scalars (job.scalars).
+    torch_rules = eight_bit or update.seed is not None
+    arithmetic = "fp64" if torch_rules else adamw_arithmetic(device)
     state = _State(
         weight, update.exp_avg, update.exp_avg_sq, update.exp_avg_scales, update.exp_avg_sq_scales,
         update.remainder, update.grad_in,
@@ -140,15 +142,13 @@ def apply_update(launch, weight, update, bound, key) -> None:
     job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
     # The skip (the largest flag), the step and the scalars in one launch (ops/update_steps.py). torch's
     # AdamW increments the step before it computes the bias corrections; a skipped update leaves it (as
-    # torch's fused AdamW does with found_inf). 8-bit moments and stochastic rounding take the torch
-    # backend's scalars (job.scalars).
-    torch_scalars = eight_bit or update.seed is not None
+    # torch's fused AdamW does with found_inf).
     skip, scalars = begin_update(
-        partial, update.step, update.hyper, arithmetic, not torch_scalars, launch.interpret
+        partial, update.step, update.hyper, arithmetic, scalars=not torch_rules, interpret=launch.interpret
     )
     applied = False
     try:
-        if torch_scalars:
+        if torch_rules:
             scalars = job.scalars()
         # Stochastic rounding's key and counter base: the tensor's seed and the update's step, on the device.
         rng = None if update.seed is None else torch.stack([update.seed, update.step.to(torch.int64)])

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import torch
 
+from sonar_kernels import specs
+
 __all__ = ["COEF_KEY", "load_coef", "next_coef", "save_coef"]
 
 COEF_KEY = "expert_clip_coef"
@@ -57,7 +59,7 @@ def load_coef(owner: str, state_dict: dict) -> torch.Tensor | None:
             continue
         value = state[COEF_KEY]
         number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
-        if not isinstance(number, float | int) or isinstance(number, bool) or not (0.0 <= number <= 1.0):
+        if not specs.is_real_number(number) or not (0.0 <= number <= 1.0):
             raise ValueError(
                 f"{owner}.load_state_dict: {COEF_KEY} of parameter {param_id} must be a one-element tensor in "
                 f"[0, 1] (the lagged clipping coefficient), got {value!r}"
