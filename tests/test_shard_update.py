@@ -63,6 +63,19 @@ def _clone(state):
     return [t.clone() for t in state]
 
 
+def _bits(t):
+    """A weight's bits: bf16 as int16 (NaN payloads and -0.0 compared too), fp32 as it is."""
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def _problem(kind):
+    """(weight, gradient, state) of ``kind``: fp32 weights for 8-bit moments alone, else bf16."""
+    torch.manual_seed(0)
+    dtype = torch.float32 if kind == "8bit" else torch.bfloat16
+    weight = torch.randn(E, R, C).to(dtype)
+    return weight, torch.randn(E, R, C).to(dtype), _state(kind, weight)
+
+
 @pytest.mark.parametrize("kind", ["8bit", "8bit-remainder", "8bit-stochastic", "stochastic"])
 @pytest.mark.parametrize("shards", [2, 4])
 def test_sharded_update_equals_the_whole_tensors_and_the_torch_rule(kind, shards):
@@ -102,19 +115,13 @@ def test_sharded_update_equals_the_whole_tensors_and_the_torch_rule(kind, shards
 @pytest.mark.parametrize("kind", ["8bit", "stochastic"])
 def test_a_skipped_shard_update_changes_nothing_but_the_skip_count(kind):
     # decided (the whole gradient has a non-finite entry): weight, moments, step, clipped unchanged; skipped + 1.
-    torch.manual_seed(0)
-    dtype = torch.float32 if kind == "8bit" else torch.bfloat16
-    weight = torch.randn(E, R, C).to(dtype)
-    grad = torch.randn(E, R, C).to(dtype)
-    state = _state(kind, weight)
+    weight, grad, state = _problem(kind)
     before_w, before_s = weight.clone(), _clone(state)
-    local = state
-    seed = local[6] if kind == "stochastic" else None
+    seed = state[6] if kind == "stochastic" else None
     shard_update_triton_(
-        weight, grad, _moments(kind, local), local, HYPER, decided=torch.tensor(True), seed=seed, index_base=0
+        weight, grad, _moments(kind, state), state, HYPER, decided=torch.tensor(True), seed=seed, index_base=0
     )
-    assert torch.equal(weight.view(torch.int16) if dtype == torch.bfloat16 else weight, before_w.view(torch.int16)
-                       if dtype == torch.bfloat16 else before_w)  # fmt: skip
+    assert torch.equal(_bits(weight), _bits(before_w))
     for i, (a, b) in enumerate(zip(state, before_s, strict=True)):
         if i == 4:
             assert int(a) == int(b) + 1
@@ -126,11 +133,9 @@ def test_a_skipped_shard_update_changes_nothing_but_the_skip_count(kind):
 def test_a_clipped_shard_update_equals_the_torch_rule_count_included(kind):
     # The spike rule (hyperparameters [7]: spike_threshold 1.5, grad_scale 1): the whole tensor's launch
     # against the torch rule, the weight, the state and the count of entries the rule replaced.
-    torch.manual_seed(0)
-    dtype = torch.float32 if kind == "8bit" else torch.bfloat16
-    weight = torch.randn(E, R, C).to(dtype)
-    grad = (3.0 * torch.randn(E, R, C)).to(dtype)
-    state = _state(kind, weight)
+    weight, grad, state = _problem(kind)
+    grad = (3.0 * grad.float()).to(grad.dtype)
+    dtype = grad.dtype
     hyper = torch.cat([HYPER, torch.tensor([1.5, 1.0], dtype=torch.float64)])
     rule_w, rule_s = weight.clone(), _clone(state)
     seed = state[6] if kind == "stochastic" else None
@@ -147,8 +152,7 @@ def test_a_clipped_shard_update_equals_the_torch_rule_count_included(kind):
     update = stochastic_adamw_ if kind == "stochastic" else adamw_8bit_
     update(rule_w, grad, None, rule_s, hyper, grad_dtype=dtype, chunk_bytes=None)
     assert int(rule_s[5]) > 0  # the rule replaced entries: counts compared, not zeros
-    assert torch.equal(weight.view(torch.int16) if dtype == torch.bfloat16 else weight, rule_w.view(torch.int16)
-                       if dtype == torch.bfloat16 else rule_w)  # fmt: skip
+    assert torch.equal(_bits(weight), _bits(rule_w))
     for i, (a, b) in enumerate(zip(state, rule_s, strict=True)):
         if i == 3:  # grad_norm_sq: the caller's
             continue
