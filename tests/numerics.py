@@ -41,3 +41,18 @@ def assert_close(actual, expected, dtype, what="output", tolerances=TOLERANCE):
 
 def to_double(*tensors):
     return tuple(t.double() if t.is_floating_point() else t for t in tensors)
+
+
+def assert_same_run(a, b):
+    """Two runs (model, optimizer) hold the same bits: every parameter, and every tensor of every parameter's
+    optimizer state with the same keys (``step``, the moments, the lagged clipping coefficient ...)."""
+    (model_a, optimizer_a), (model_b, optimizer_b) = a, b
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
+        assert p.dtype == q.dtype and torch.equal(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
+    saved_a, saved_b = optimizer_a.state_dict(), optimizer_b.state_dict()
+    assert saved_a["state"].keys() == saved_b["state"].keys()
+    for index, state in saved_a["state"].items():
+        assert state.keys() == saved_b["state"][index].keys(), index
+        for key, value in state.items():
+            other = saved_b["state"][index][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), f"state {index} {key}"

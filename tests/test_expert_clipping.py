@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 from cases import Case
-from numerics import rel_err
+from numerics import assert_same_run, rel_err
 
 import sonar_kernels
 from sonar_kernels import reference
@@ -410,20 +410,6 @@ def _saved(value):
     return torch.load(buffer, weights_only=True)
 
 
-def _assert_same_run(a, b):
-    """Bitwise: the weights and every optimizer state tensor (the lagged coefficient included)."""
-    (model_a, optimizer_a), (model_b, optimizer_b) = a, b
-    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
-        assert p.dtype == q.dtype and torch.equal(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
-    saved_a, saved_b = optimizer_a.state_dict(), optimizer_b.state_dict()
-    assert saved_a["state"].keys() == saved_b["state"].keys()
-    for index, state in saved_a["state"].items():
-        assert state.keys() == saved_b["state"][index].keys(), index
-        for key, value in state.items():
-            other = saved_b["state"][index][key]
-            assert value.dtype == other.dtype and torch.equal(value, other), f"state {index} {key}"
-
-
 def _resumed(backend, kind, clipping, route, tmp_path):
     """The run stopped after RESUME_STOP steps, its checkpoint written and read back by ``route``, and
     continued in a new model and optimizer (another initialisation: what the checkpoint misses differs)."""
@@ -462,7 +448,7 @@ def test_a_resumed_run_equals_the_uninterrupted_one_bitwise(backend, kind, clipp
     uninterrupted = _resume_run(backend, kind, clipping, RESUME_STEPS)
     if clipping == "lagged":  # the coefficient clips at every step: a resume that forgot it would differ
         assert float(uninterrupted[1].expert_clip_coef) < 1.0
-    _assert_same_run(_resumed(backend, kind, clipping, route, tmp_path), uninterrupted)
+    assert_same_run(_resumed(backend, kind, clipping, route, tmp_path), uninterrupted)
 
 
 def test_a_lagged_checkpoint_loads_into_torch_adamw_and_one_without_the_coefficient_loads_as_before():

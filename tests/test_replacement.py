@@ -14,6 +14,7 @@ import warnings
 
 import pytest
 import torch
+from numerics import assert_same_run
 
 import sonar_kernels
 from sonar_kernels.optim.ownership import UnownedExpertsWarning
@@ -109,18 +110,6 @@ def _run(backend, kind, replace=None):
     return model, optimizer
 
 
-def _assert_same_run(a, b):
-    (model_a, optimizer_a), (model_b, optimizer_b) = a, b
-    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters(), strict=True):
-        assert p.dtype == q.dtype and torch.equal(p, q), f"{name}: {(p.float() - q.float()).abs().max()}"
-    saved_a, saved_b = optimizer_a.state_dict(), optimizer_b.state_dict()
-    assert saved_a["state"].keys() == saved_b["state"].keys()
-    for index, state in saved_a["state"].items():
-        for key, value in state.items():
-            other = saved_b["state"][index][key]
-            assert value.dtype == other.dtype and torch.equal(value, other), f"state {index} {key}"
-
-
 # Under the Triton interpreter one new-object path and one swap path (the others share their code).
 CASES = [
     (backend, kind, way)
@@ -136,7 +125,7 @@ def test_a_replacement_after_training_started_equals_no_replacement_bitwise(back
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # none of ours: the optimizer keeps training the experts
         replaced = _run(backend, kind, WAYS[way])
-    _assert_same_run(replaced, _run(backend, kind))
+    assert_same_run(replaced, _run(backend, kind))
     model, optimizer = replaced
     assert [id(p) for p in optimizer.expert_tensors] == [id(p) for p in model.experts.parameters()]
 
@@ -274,7 +263,7 @@ def test_a_rollback_between_a_backward_and_step_is_refused_at_step_then_honoured
         reference(_batch(step, torch.float32)).square().mean().backward()
         reference_optimizer.step()
         reference_optimizer.zero_grad()
-    _assert_same_run((model, optimizer), (reference, reference_optimizer))
+    assert_same_run((model, optimizer), (reference, reference_optimizer))
 
 
 def test_ownership_warnings_name_the_users_line():
