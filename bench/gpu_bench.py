@@ -15,7 +15,10 @@ Sections, each a list of units run in order (``--sections`` picks sections):
   measured in the unit)) and each wgrad against torch.bmm over equal per-expert slabs
   (bench/kernel_times.py), and the device's copy bandwidth;
 - ``full-steps``: whole training steps of OLMoE-1B-7B and Granite-3.1-3B-A800M at reduced depth
-  (``--full-step-layers``), sonar-train's standard, sonar and all-in-backward arms.
+  (``--full-step-layers``), sonar-train's standard, sonar and all-in-backward arms;
+- ``model`` (not in the default sections: a call of its own, bench/README.md): the article's table, both
+  models at full depth, every arm beside its traced peak, sonar against its control bit for bit
+  (bench/model_steps.py).
 
 The JSON and a readable .md are written after every unit (a temporary file renamed over the last one), so
 the files always hold every unit finished so far. A unit that raises is recorded with its traceback and
@@ -40,6 +43,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import gc
 import json
 import os
 import platform
@@ -63,12 +67,16 @@ if "--dry-run" not in sys.argv and ("--rehearse" in sys.argv or not torch.cuda.i
 import check_backward  # noqa: E402
 import host_work  # noqa: E402
 import kernel_times  # noqa: E402
+import model_steps  # noqa: E402
 import providers  # noqa: E402
 import triton  # noqa: E402
 
 from sonar_kernels.ops import configs  # noqa: E402
 
-SECTIONS = ("correctness", "layers", "gemms", "wgrad", "full-steps")
+SECTIONS = ("correctness", "layers", "gemms", "wgrad", "full-steps", "model")
+# The prepared command's sections; ``model`` (whole models at full depth, bench/model_steps.py) is a call of
+# its own (bench/README.md): both would not fit one call's 7 minutes.
+DEFAULT_SECTIONS = SECTIONS[:-1]
 MODELS = ("olmoe-1b-7b", "granite-3.1-3b-a800m")
 TOKENS = (4096, 16384)
 LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KIND_PROVIDERS)
@@ -76,7 +84,15 @@ LAYER_PROVIDERS = ("standard-fused", "paper-inbwd", "sonar", *providers.STATE_KI
 # --deadline starts no unit that would end past it. A unit's compilations are counted by --dry-run (at most
 # 24, in the first correctness units; none after the first layer unit). A gemms unit took 2 to 6 s on the
 # H200 (2026-12-04); its floors add a copy and two torch.bmm timings (about 0.5 s): 35 s still covers it.
-ESTIMATES = {"correctness": 45, "layers": 45, "gemms": 35, "wgrad": 120, "full-steps": 75}
+# The model section's estimate is per unit (model_steps.estimate).
+ESTIMATES = {
+    "correctness": 45,
+    "layers": 45,
+    "gemms": 35,
+    "wgrad": 120,
+    "full-steps": 75,
+    "model": model_steps.estimate,
+}
 # The wgrad section's providers: sonar (exact bf16 moments: every tile candidate, fused and split) and the
 # state kinds whose tiles are fixed (the path only).
 WGRAD_PROVIDERS = ("sonar", "sonar-8bit", "sonar-stochastic")
@@ -157,6 +173,25 @@ class Cuda:
     def sync(self) -> None:
         torch.cuda.synchronize()
 
+    def release(self) -> None:
+        """A fresh state for the next model arm: what is unreferenced collected, the allocator's cache
+        emptied, its peaks reset."""
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+    def max_allocated(self) -> int | None:
+        return int(torch.cuda.max_memory_allocated())
+
+    def max_reserved(self) -> int | None:
+        """The caching allocator's reserved peak since the last reset (rounding and fragmentation included)."""
+        return int(torch.cuda.max_memory_reserved())
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        """Bit for bit (``b`` may wait on the host: it is moved to ``a``'s device first)."""
+        return bool(torch.equal(a, b.to(a.device)))
+
 
 class Rehearsal(Cuda):
     """The device seam of ``--rehearse``: the CPU, one timed call (times mean nothing here), torch's
@@ -193,6 +228,15 @@ class Rehearsal(Cuda):
     def sync(self) -> None:
         pass
 
+    def release(self) -> None:
+        gc.collect()
+
+    def max_allocated(self) -> int | None:
+        return None
+
+    def max_reserved(self) -> int | None:
+        return None
+
 
 class DryRun(Rehearsal):
     """The device seam of ``--dry-run``: the real shapes on the CPU inside bench/dry_run.py's
@@ -221,6 +265,9 @@ class DryRun(Rehearsal):
 
     def begin(self, section: str, name: str) -> None:
         self.launches.unit = f"{section}: {name}"
+
+    def equal(self, a: torch.Tensor, b: torch.Tensor) -> bool:
+        return True  # fake tensors have no values: a placeholder (the dry run's checks mean nothing)
 
     def report(self) -> dict:
         variants = list(self.launches.variants.values())
@@ -296,11 +343,13 @@ class Plan:
             self.tokens = (16, 32)
             self.check_shape = {"olmoe-1b-7b": "rehearsal-olmoe", "granite-3.1-3b-a800m": "rehearsal-granite"}
             self.presets = {"olmoe-1b-7b": "tiny-olmoe", "granite-3.1-3b-a800m": "tiny-granitemoe"}
+            self.model_layers, self.model_batch = 1, (2, 32)  # the model section's reduced size
         else:
             self.layer_shapes = {name: tuple(providers.SHAPES[name])[1:] for name in MODELS}
             self.tokens = TOKENS
             self.check_shape = {name: name for name in MODELS}
             self.presets = {name: name for name in MODELS}
+            self.model_layers, self.model_batch = None, None  # full depth, the presets' 4 x 1024 tokens
 
     def shape(self, model: str, tokens: int) -> providers.Shape:
         return providers.Shape(tokens, *self.layer_shapes[model])
@@ -559,7 +608,15 @@ def units(plan: Plan, device, sections: tuple[str, ...]) -> list[tuple[str, str,
     if "full-steps" in sections:
         for model in MODELS:
             out.append(("full-steps", model, lambda m=model: full_step(plan, device, m)))
+    if "model" in sections:
+        out += [("model", name, fn) for name, fn in model_steps.units(plan, device)]
     return out
+
+
+def unit_estimate(section: str, name: str) -> float:
+    """The deadline's estimate of a unit, in seconds (:data:`ESTIMATES`)."""
+    estimate = ESTIMATES[section]
+    return estimate(name) if callable(estimate) else estimate
 
 
 # --- The run: one unit at a time, the files written after each ------------------------------------------
@@ -598,7 +655,7 @@ def run(plan: Plan, device, sections, out: Path, deadline: float | None, meta: d
             if stop is not None:
                 entry.update(status="not run", reason=stop)
                 continue
-            estimate = ESTIMATES[section]  # the GPU's, in the rehearsal too (it tests the same decision)
+            estimate = unit_estimate(section, name)  # the GPU's, in the rehearsal too (the same decision)
             if deadline is not None and elapsed + estimate > deadline:
                 entry.update(
                     status="not run",
@@ -699,6 +756,9 @@ def markdown(result: dict) -> str:
     ]
     for section_name, section in result["sections"].items():
         lines += ["", f"## {section_name}: {section['status']} ({section['seconds']:.0f} s)", ""]
+        if section_name == "model":  # one table of every unit (unfinished ones among its rows)
+            lines += model_steps.table_lines(section["units"])
+            continue
         for name, unit in section["units"].items():
             if unit["status"] != "done":
                 why = unit.get("error") or unit.get("reason") or ""
@@ -875,8 +935,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True,
                         help="the JSON's path (the .md goes beside it); on the GPU machine, under $OUT")  # fmt: skip
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
-                        help="the sections to run, in the order of %(choices)s (default: all)")  # fmt: skip
+    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(DEFAULT_SECTIONS),
+                        help="the sections to run, in the order of %(choices)s (default: all but model, "
+                        "whole models at full depth: a call of its own, bench/README.md)")  # fmt: skip
     parser.add_argument("--deadline", type=float, help="seconds: start no unit that would end past it")
     parser.add_argument("--rehearse", action="store_true",
                         help="every section at tiny shapes on the CPU (the torch backend, the Triton interpreter)")  # fmt: skip
@@ -908,6 +969,8 @@ def main(argv=None) -> int:
         parser.error("no CUDA device: run on a GPU machine, or pass --rehearse for the CPU rehearsal")
     if not args.tune:
         os.environ["SONAR_KERNELS_TUNING"] = "0"
+    if "model" in args.sections:  # before cuBLAS starts: its deterministic workspace (model_steps.py)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     with contextlib.ExitStack() as stack:
         if args.dry_run:
             import dry_run

@@ -65,6 +65,11 @@ ARMS = {
     "standard bf16": ("standard", "bf16", {"method": "standard"}),
     "paper": ("paper", "bf16", {"method": "paper"}),
     "sonar": ("sonar", "bf16", {"method": "sonar"}),
+    # standard training's bitwise control (dense clipping) and the paper's method with torch's AdamW from
+    # each expert tensor's hook, batched or per expert slice (sonar_kernels/train/in_backward.py)
+    "standard dense clip": ("standard-dense-clip", "bf16", {"method": "standard"}),
+    "paper inbwd": ("paper-inbwd", "bf16", {"method": "paper"}),
+    "per-expert inbwd": ("per-expert-inbwd", "bf16", {"method": "paper"}),
     # sonar-train's paper arm at the library's scratch bound instead of the whole gradient (trace())
     "sonar split": ("paper", "bf16", {"method": "sonar", "fused_epilogue": False}),
     "sonar 8-bit": ("sonar-8bit", "bf16, 8-bit expert moments", {"method": "sonar", "moments": "8bit"}),
@@ -89,7 +94,9 @@ FSDP2_UNTRACED = {
 
 # Arms traced on one GPU only: under FSDP2 SonarAdamW updates an expert shard from its reduced gradient (the
 # .grad path), which has no split path: the row would be sonar's.
-ONE_GPU_ONLY = {"sonar split"}
+# torch's AdamW in the backward (paper inbwd, per-expert inbwd) updates from the local gradient: one
+# process only (sonar-train refuses it on several).
+ONE_GPU_ONLY = {"sonar split", "paper inbwd", "per-expert inbwd"}
 
 
 def trace(

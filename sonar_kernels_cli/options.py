@@ -22,7 +22,10 @@ ARMS = ("standard", "sonar", "standard-dense-clip")
 MASTER_ARMS = ("mixed-precision", "sonar-remainder", "sonar-stochastic", "sonar-remainder-8bit",
                "sonar-stochastic-8bit", "remainder-control")  # fmt: skip
 CLIPPING_ARMS = ("sonar-spike", "spike-control", "sonar-lagged", "lagged-control")
-OTHER_ARMS = ("all-in-backward", "paper", "sonar-8bit", "torchao-8bit", *MASTER_ARMS, *CLIPPING_ARMS)
+# paper-inbwd and per-expert-inbwd: the paper's method with torch's AdamW from each expert tensor's (or expert
+# slice's) post-accumulate-grad hook (train/in_backward.py); bench/gpu_bench.py's model section runs them.
+OTHER_ARMS = ("all-in-backward", "paper", "paper-inbwd", "per-expert-inbwd", "sonar-8bit", "torchao-8bit",
+              *MASTER_ARMS, *CLIPPING_ARMS)  # fmt: skip
 PRESET_STEPS = {"tiny-olmoe": 200, "tiny-granitemoe": 200, "olmoe-1b-7b": 20, "granite-3.1-3b-a800m": 20,
                 "qwen3-30b-a3b": 20}  # fmt: skip
 SPIKE_THRESHOLD = 5000.0
@@ -118,7 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--arms", nargs="+", choices=ARMS + OTHER_ARMS, default=list(ARMS),
                         help="the arms to train, each at most once (default: standard sonar standard-dense-clip); "
                         "all-in-backward, an extra arm: every parameter updated in the backward and nothing "
-                        "clipped, the paper's other comparison; sonar-8bit: sonar with 8-bit moments (--moments); torchao-8bit: "
+                        "clipped, the paper's other comparison; paper-inbwd and per-expert-inbwd: the paper's method with "
+                        "torch's AdamW stepping each expert tensor (or each expert slice, the paper's ablation) from its "
+                        "gradient hook, the dense parameters clipped by their own norm; sonar-8bit: sonar with 8-bit moments (--moments); torchao-8bit: "
                         "standard training with torchao's AdamW8bit for the experts (the anchor of --moments 8bit)")  # fmt: skip
     parser.add_argument("--moments", choices=("exact", "8bit"), default="exact",
                         help="8bit: also train the sonar-8bit arm, SonarAdamW(moments_dtype=\"8bit\"), whose expert "

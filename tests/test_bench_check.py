@@ -35,3 +35,4 @@ def _results_table():
 def test_the_docs_gpu_results_table_is_exactly_what_the_committed_results_files_say():
     module = _results_table()
     assert module.docs_table() == module.table()
+    assert module.docs_table(begin=module.ARTICLE_BEGIN, end=module.ARTICLE_END) == module.article_table()

@@ -416,6 +416,48 @@ def test_all_in_backward_arm_updates_every_parameter_in_the_backward_like_unclip
             assert_close(q, p, torch.float32, what=name)
 
 
+def test_paper_inbwd_arms_update_the_experts_in_the_backward_with_the_controls_bits():
+    """paper-inbwd and per-expert-inbwd (torch's AdamW per batched expert tensor, or per expert slice, from
+    the tensor's gradient hook; dense clipping) against standard-dense-clip, which applies the same torch
+    AdamW to the same materialized gradients after the backward: equal weights and moments, bit for bit,
+    with the dense gradients clipped (max_grad_norm 0.05) and the experts not."""
+    from sonar_kernels.integrations import transformers as hf
+
+    hf.register()
+    preset = train.PRESETS["tiny-olmoe"]
+    initial = hf.set_backend(train.build_model(preset, 1, 0, torch.float32, torch.device("cpu")), "torch")
+    args = train.parse_args(
+        ["--max-grad-norm", "0.05", "--no-checkpointing", "--arms", "paper-inbwd", "per-expert-inbwd"]
+    )
+    data = train.ByteData(train.default_text(), 32, 2, seed=0)
+    names = ("standard-dense-clip", "paper-inbwd", "per-expert-inbwd")
+    arms = {name: train.build_arm(name, initial, args, steps=3) for name in names}
+    experts = {
+        name: [p for n, p in arm.model.named_parameters() if n.endswith(train.EXPERT_PARAMS)]
+        for name, arm in arms.items()
+    }
+    norms = {}
+    for step in range(3):
+        for name, arm in arms.items():
+            _, norms[name] = train.train_step(arm, data.batch(step), args.max_grad_norm)
+    assert all(norms[n] > args.max_grad_norm for n in names)  # the dense gradients were clipped
+    control = arms["standard-dense-clip"]
+    for name in names[1:]:
+        arm = arms[name]
+        assert all(p.grad is None for p in experts[name])  # applied and released in the backward
+        for (n, p), q in zip(arm.model.named_parameters(), control.model.parameters(), strict=True):
+            assert torch.equal(p, q), (name, n)
+        for p, q in zip(experts[name], experts["standard-dense-clip"], strict=True):
+            state, reference = arm.optimizer.experts[p].state[p], control.optimizer.state[q]
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert torch.equal(state[key], reference[key]), (name, key)
+            steps = state["steps"] if name == "per-expert-inbwd" else [state["step"]]
+            assert all(torch.equal(s, reference["step"]) for s in steps)
+    assert not torch.equal(
+        control.model.model.layers[0].mlp.experts.down_proj, initial.model.layers[0].mlp.experts.down_proj
+    )
+
+
 def _torchrun_train(argv, tmp_path):
     import os
     import subprocess
@@ -460,7 +502,9 @@ def test_data_parallel_run_on_two_processes_reports_ranks_that_agree(tmp_path):
     assert sums["sonar"] == sums["standard-dense-clip"] != sums["standard"]
     assert report["sonar_equals_control_bitwise"] is True
     assert "the ranks' dense and expert weights are identical in every arm: True" in done.stdout
-    refused = _torchrun_train(["--steps", "1", "--layers", "1", "--arms", "all-in-backward"], tmp_path)
+    refused = _torchrun_train(
+        ["--steps", "1", "--layers", "1", "--arms", "all-in-backward", "paper-inbwd"], tmp_path
+    )
     assert refused.returncode != 0 and "runs on one process only" in refused.stderr
 
 

@@ -14,7 +14,10 @@ sonar kernels (transformers' experts_implementation "sonar"), so only the optimi
 updated in the backward and no clipping anywhere (:class:`AllInBackward`); ``--arms paper`` the paper's
 method itself: SonarAdamW's split path with the whole gradient (``fused_epilogue=False``, the backward under
 ``split_scratch(fraction=1)``: each expert gradient written as a tensor, applied in the backward, released;
-the same bits as ``sonar``, more memory on the Triton backend).
+the same bits as ``sonar``, more memory on the Triton backend); ``--arms paper-inbwd per-expert-inbwd`` the
+paper's method with torch's AdamW stepping each batched expert tensor, or each expert slice (the paper's
+ablation), from its gradient hook (``in_backward.TorchExpertsInBackward``; the dense parameters clipped by
+their own norm: the same bits as ``standard-dense-clip``).
 
 ``--expert-clipping spike lagged`` adds SonarAdamW's expert clipping: ``sonar-spike`` (SPAM's spike rule
 inside the in-backward update, ``--spike-threshold``) and ``sonar-lagged`` (the expert gradients scaled by

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import math
 import sys
 import time
 import warnings
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +23,7 @@ from sonar_kernels.train.clipping import (
     clipping_telemetry,
 )
 from sonar_kernels.train.data import ByteData, Preset
+from sonar_kernels.train.in_backward import EXPERT_PARAMS, AllInBackward, TorchExpertsInBackward
 
 # The arms' names (ARMS by default; OTHER_ARMS on request; MASTER_ARMS with --dtype bfloat16, docs/design.md
 # "bf16 master weights": SonarAdamW with a remainder or stochastic rounding for the experts, mixed-precision
@@ -41,9 +40,6 @@ SONAR_ARMS = ("sonar", "paper", "sonar-8bit", "sonar-remainder", "sonar-stochast
 # Each sonar arm's control, run on the first seed only: its training with materialized gradients and a
 # separate step that must give the same bits (dense clipping, the experts' update as the sonar arm's).
 CONTROLS = {"sonar": "standard-dense-clip", "sonar-remainder": "remainder-control", **CLIPPING_CONTROLS}
-
-
-EXPERT_PARAMS = ("gate_up_proj", "down_proj")
 
 
 LR_FLOOR = 0.1  # the cosine schedule ends at this fraction of --lr
@@ -105,39 +101,6 @@ def enable_checkpointing(model) -> None:
 
 def dense_parameters(model) -> list[torch.Tensor]:
     return [p for name, p in model.named_parameters() if not name.endswith(EXPERT_PARAMS)]
-
-
-class AllInBackward:
-    """Every parameter updated in the backward, no clipping anywhere (the paper's other comparison): the
-    expert tensors by :class:`sonar_kernels.ExpertAdamW` (the fused wgrad epilogue on the triton backend;
-    torch's AdamW with ``flags`` on the torch backend), each other trainable parameter by its own
-    torch.optim.AdamW with ``flags`` from a post-accumulate-grad hook, its gradient released right after
-    (torch's optimizer-in-backward recipe). ``step()`` ends the step."""
-
-    def __init__(self, model, hyper: dict, flags: dict):
-        import sonar_kernels
-
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        experts = [p for n, p in named if n.endswith(EXPERT_PARAMS)]
-        self.experts = sonar_kernels.ExpertAdamW([{"params": experts, **flags}], **hyper)
-        self.dense = {
-            p: torch.optim.AdamW([p], **hyper, **flags) for n, p in named if not n.endswith(EXPERT_PARAMS)
-        }
-        # The hooks hold the optimizers weakly: a hook that refers back to its parameter (through
-        # self.dense) would keep the model and the optimizer state alive for good.
-        ref = weakref.ref(self)
-        for p in self.dense:
-            p.register_post_accumulate_grad_hook(functools.partial(_all_in_backward_update, ref))
-
-    @property
-    def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [self.experts, *self.dense.values()]
-
-    def step(self) -> None:
-        self.experts.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.experts.zero_grad(set_to_none)
 
 
 class Torchao8bit:
@@ -242,13 +205,6 @@ def master_values(arm) -> list[torch.Tensor]:
     return values
 
 
-def _all_in_backward_update(ref, p: torch.Tensor) -> None:
-    owner = ref()
-    if owner is not None:
-        owner.dense[p].step()
-        p.grad = None
-
-
 @dataclass
 class Arm:
     name: str
@@ -325,6 +281,9 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
         clip = dense_parameters(model) if control else None
     elif name == "all-in-backward":
         optimizer = AllInBackward(model, hyper, flags)
+    elif name in ("paper-inbwd", "per-expert-inbwd"):  # the paper's method with torch's AdamW, dense clipping
+        optimizer = TorchExpertsInBackward(model, hyper, flags, per_expert=name == "per-expert-inbwd")
+        clip = dense_parameters(model)
     elif name == "torchao-8bit":
         optimizer, clip = Torchao8bit(model, hyper, flags), list(model.parameters())
     else:

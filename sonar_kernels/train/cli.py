@@ -101,10 +101,11 @@ def _run(args) -> int:
     preset = PRESETS[args.preset]
     device = args.device_obj
     ranks, leader = distributed.world_size(), distributed.rank() == 0
-    if ranks > 1 and "all-in-backward" in args.arms:
+    in_backward = [name for name in args.arms if name in ("all-in-backward", "paper-inbwd", "per-expert-inbwd")]
+    if ranks > 1 and in_backward:
         raise UsageError(
-            "--arms all-in-backward runs on one process only: its dense parameters are updated in the "
-            "backward from their local, not yet averaged, gradient"
+            f"--arms {' '.join(in_backward)} runs on one process only: torch's AdamW updates its parameters in "
+            "the backward from their local, not yet averaged, gradient"
         )
     clipping = [name for name in args.arms if name in CLIPPING_MODE]
     if ranks > 1 and clipping:
