@@ -6,6 +6,7 @@ saves both models' full parameters. Run by torchrun from tests/test_transformers
 
 import gc
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,15 +34,21 @@ def main(checkpoint: str, out: str) -> None:
             # Fused: SonarAdamW's default flags run torch's fused AdamW on the CPU (every parameter here is
             # a DTensor, so one fused call takes them all).
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
-        for step in range(3):
-            ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
-            model(input_ids=ids, labels=ids).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", sonar_kernels.optim.ShardedExpertsWarning)
+            for step in range(3):
+                ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+                model(input_ids=ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
         params = {
             name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for name, p in model.named_parameters()
         }
+        # The sharded experts are updated from their reduced gradient, not in the wgrad epilogue: said once.
+        params["sharded_warnings"] = sum(
+            issubclass(w.category, sonar_kernels.optim.ShardedExpertsWarning) for w in caught
+        )
         torch.save(params, Path(out) / f"{kind}-{rank}.pt")
         del model, optimizer
     gc.collect()

@@ -145,6 +145,15 @@ def test_an_arm_that_runs_out_of_memory_is_a_row_and_the_next_arm_runs(monkeypat
     assert after["peak_bytes"] > 0 and after["time_vs_standard"] == pytest.approx(
         after["step_time_s"] / standard["step_time_s"]
     )
+    # A peak 5 % above its trace is marked; one within 3 % is not.
+    section.predictions[("tiny-olmoe", 1, "sonar", True)] = int(after["peak_bytes"] / 1.05)
+    marked = section.arm("olmoe-1b-7b", "sonar", True)
+    assert marked["within_prediction"] is False and marked["measured_over_predicted"] == pytest.approx(
+        1.05, rel=1e-6
+    )
+    assert " !" in model_steps.row_line("sonar", "on", marked)
+    section.predictions[("tiny-olmoe", 1, "sonar", True)] = int(after["peak_bytes"] / 1.02)
+    assert section.arm("olmoe-1b-7b", "sonar", True)["within_prediction"] is True
     line = model_steps.row_line("sonar-8bit", "on", failed)
     assert line.startswith("| sonar-8bit | on | out of memory at - GiB: CUDA out of memory.")
 

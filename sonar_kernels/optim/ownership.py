@@ -43,12 +43,14 @@ from sonar_kernels import specs
 
 __all__ = [
     "ExpertsForwardReplacedWarning",
+    "ShardedExpertsWarning",
     "UnownedExpertsWarning",
     "check_forward",
     "claim_expert_tensors",
     "mark_fsdp_expert_tensors",
     "owner_of",
     "register_adopter",
+    "sharded_experts_message",
     "user_stacklevel",
     "warn_unowned_experts",
 ]
@@ -120,6 +122,24 @@ _WARNED_FORWARD = "_sonar_warned_forward"
 class UnownedExpertsWarning(UserWarning):
     """An optimizer trains expert tensors of experts running "sonar" as dense parameters (no in-backward
     optimizer owns them). Filter this category where that is deliberate (a standard-training baseline)."""
+
+
+class ShardedExpertsWarning(UserWarning):
+    """An in-backward optimizer updates expert tensors that are DTensor shards (FSDP2's ``fully_shard``,
+    transformers' ``DistributedConfig``, torchtitan's EP + FSDP) from their reduced gradient in ``.grad``:
+    the paper's method, one gradient shard alive until its update, not the fused epilogue, where no expert
+    gradient exists (docs/distributed.md). Once per optimizer."""
+
+
+def sharded_experts_message(owner: str) -> str:
+    return (
+        f"{owner}: the expert tensors are DTensor shards (FSDP2's fully_shard, transformers' DistributedConfig, "
+        "torchtitan's EP + FSDP), so each is updated in the backward from its reduced gradient, which exists as a "
+        "tensor until its update: the paper's method's memory, not the fused wgrad epilogue's (no expert gradient "
+        "at all). The fused update needs each rank to hold its experts' complete gradient: expert parallelism "
+        "through SonarExperts(ep_group=...) with the dense layers on FSDP2 (sonar_kernels.nn.fully_shard_dense; "
+        "docs/distributed.md). Filter ShardedExpertsWarning where this layout is the one you want."
+    )
 
 
 # The attribute of an optimizer that says it was checked by warn_unowned_experts.

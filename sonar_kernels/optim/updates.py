@@ -11,6 +11,7 @@ the step here (:meth:`InBackwardUpdates.end_step`).
 
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
@@ -74,6 +75,8 @@ class InBackwardUpdates:
         self.versions: dict = {}
         # Whether grad_norm_sq and clipped were reset for this step (at its first update or micro-batch).
         self.telemetry_reset = False
+        # Whether the user was told that DTensor shards are updated from their reduced gradient (once).
+        self.told_sharded = False
         # id -> tensor of every tensor an update of the optimizer was built for (the update handles name
         # their tensor by id: optim/update_handle.py).
         self.tensors_by_id: dict[int, torch.Tensor] = {}
@@ -282,6 +285,11 @@ class InBackwardUpdates:
             )
         ownership.check_forward(specs.expert_module_of(p))  # a forward that bypasses "sonar" says so
         self.check_may_update(p)
+        if isinstance(p, DTensor) and not self.told_sharded:  # the fused epilogue does not run: say so once
+            self.told_sharded = True
+            warnings.warn(
+                ownership.ShardedExpertsWarning(ownership.sharded_experts_message(self.owner)), stacklevel=2
+            )
         self.micro_batches.take_grad(p)
         if self.micro_batches.count(p) >= self.micro_batches.steps:
             if self.reduces_first(p):
