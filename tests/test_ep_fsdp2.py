@@ -259,13 +259,21 @@ def _refusal_rank(rank, world_size, case, out):
         mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
         with pytest.raises(ValueError, match="named 'ep'") as raised:
             fully_shard_dense(model, mesh)
+    elif case == "optimizer-before-sharding":  # it would hold the unsharded dense tensors: never trained
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+        fully_shard_dense(model, mesh, layers=[model.embed, model.head])
+        x, _, mask = _ep_batch(0, rank, world_size)
+        with pytest.raises(RuntimeError, match="sharded by FSDP2 since") as raised:
+            model(x, mask)
+        assert all(float(s["step"]) == 0 for s in optimizer.state.values() if "step" in s)
+        assert "fully_shard_dense" in str(raised.value) and "embed.weight" in str(raised.value)
     if case in ("experts-wrapped", "root-holds-experts"):
         optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
         x, _, mask = _ep_batch(0, rank, world_size)
         with pytest.raises(ValueError, match="FSDP2 manages its expert tensors") as raised:
             model(x, mask)
         assert all(float(s["step"]) == 0 for s in optimizer.state.values() if "step" in s)
-    else:
+    elif case != "optimizer-before-sharding":
         from torch.distributed.fsdp import FSDPModule
 
         assert not any(isinstance(m, FSDPModule) for m in model.modules())  # nothing sharded
@@ -275,9 +283,33 @@ def _refusal_rank(rank, world_size, case, out):
 
 
 @pytest.mark.parametrize(
-    "case", ["experts-wrapped", "root-holds-experts", "mesh-disagrees", "no-ep-dim", "ep-indivisible"]
+    "case",
+    [
+        "experts-wrapped",
+        "root-holds-experts",
+        "mesh-disagrees",
+        "no-ep-dim",
+        "ep-indivisible",
+        "optimizer-before-sharding",
+    ],
 )
 def test_bad_layouts_are_refused_before_anything_changes(tmp_path, case):
     ranks.run(_refusal_rank, 2, case, tmp_path)
     message = (tmp_path / f"{case}-0.txt").read_text()
-    assert "ep_group" in message or "mesh" in message
+    assert "ep_group" in message or "mesh" in message or "fully_shard_dense" in message
+
+
+def _after_step_rank(rank, world_size, out):
+    """Built after sharding, trained: the check ends with the first step (a later FSDP2 call on another
+    module of the model does not concern it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
+    model, optimizer = _build("torch", mesh, world_size)
+    assert optimizer._dense_source is not None
+    _step(model, optimizer, 0, rank, world_size, "sonar")
+    assert optimizer._dense_source is None
+
+
+def test_the_sharding_check_ends_with_the_first_step(tmp_path):
+    ranks.run(_after_step_rank, 2, tmp_path)

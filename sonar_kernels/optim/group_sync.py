@@ -18,6 +18,7 @@ decided at its module's first forward (taken over, or refused by ``InBackwardAda
 from __future__ import annotations
 
 import sys
+import weakref
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -27,7 +28,49 @@ from sonar_kernels.optim import distributed, ownership
 from sonar_kernels.optim.in_backward import is_expert_tensor
 from sonar_kernels.optim.param_groups import check_group_options
 
-__all__ = ["drop", "follow", "refuse_pending", "split_pending"]
+__all__ = ["drop", "follow", "refuse_pending", "refuse_sharded_after", "remember_source", "split_pending"]
+
+
+def remember_source(optimizer, model: torch.nn.Module) -> None:
+    """Keep (weakly) the module ``optimizer`` was built from and the name of each dense parameter it took
+    from it, until its first ``step()`` ends (a step post-hook drops them): :func:`refuse_sharded_after`
+    checks them at each experts module's forward and at ``step()`` until then."""
+    names = {id(p): name for name, p in model.named_parameters() if not is_expert_tensor(p)}
+    optimizer._dense_source = (weakref.ref(model), names)
+
+    def forget(opt, args, kwargs):  # stays registered (removed while torch iterates the hooks, it would break)
+        opt._dense_source = None
+
+    optimizer.register_step_post_hook(forget)
+
+
+def refuse_sharded_after(optimizer) -> None:
+    """RuntimeError, before anything is updated, when FSDP2 sharded dense parameters of the module
+    ``optimizer`` was built from after it was built (``fully_shard``, ``sonar_kernels.nn.fully_shard_dense``)
+    and its ``param_groups`` still hold the unsharded tensors: their gradients reach the shards, so it would
+    not train them, in silence (torch.optim.AdamW's rule). accelerate's ``prepare`` puts the shards in the
+    groups before the first forward (:func:`follow`), which this accepts."""
+    source = getattr(optimizer, "_dense_source", None)
+    model = source[0]() if source is not None else None
+    if model is None:
+        return
+    current = dict(model.named_parameters())
+    stale = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = source[1].get(id(p))
+            now = current.get(name) if name is not None else None
+            if now is not None and now is not p and isinstance(now, DTensor) and not isinstance(p, DTensor):
+                stale.append(name)
+    if stale:
+        raise RuntimeError(
+            f"{type(optimizer).__name__}: {len(stale)} dense parameter(s) of the model it was built from were "
+            f"sharded by FSDP2 since ({', '.join(stale[:3])}{', ...' if len(stale) > 3 else ''}): it holds the "
+            "unsharded tensors, whose gradients no longer arrive, so it would not train them. Build the optimizer "
+            'after fully_shard / sonar_kernels.nn.fully_shard_dense (docs/distributed.md, "Expert parallel with '
+            "the dense layers on FSDP2\"), or let accelerate's prepare put the shards in its param_groups. Nothing "
+            "was updated."
+        )
 
 
 def split_pending(optimizer, experts: list) -> tuple[list, list]:
@@ -45,6 +88,7 @@ def split_pending(optimizer, experts: list) -> tuple[list, list]:
 def follow(optimizer) -> None:
     """Follow the replaced entries of ``optimizer.param_groups`` (SonarAdamW.sync_param_groups; the
     module docstring says how)."""
+    refuse_sharded_after(optimizer)
     lists = [group["params"] for group in optimizer.param_groups]
     synced = getattr(optimizer, "_synced_params", None)
     if (

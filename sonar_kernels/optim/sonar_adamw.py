@@ -237,6 +237,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         )  # fmt: skip
         if ignored_by_ddp is not None:
             distributed.exclude_from_ddp(*ignored_by_ddp)
+            group_sync.remember_source(self, ignored_by_ddp[0])  # FSDP2 sharding it later is refused
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
