@@ -4,7 +4,12 @@ the optimizer's ``param_groups``; SonarAdamW takes them over at the first forwar
 shards as their gradients arrive (docs/frameworks.md, "FSDP2 through accelerate and Trainer").
 
     torchrun --nproc-per-node 2 examples/accelerate_fsdp2.py [--loop accelerate|trainer]
-        [--optimizer sonar|torch] [--steps 3] [--out DIR]
+        [--optimizer sonar|torch] [--steps 3] [--out DIR] [--ep]
+
+``--ep`` (with ``--loop accelerate``): expert parallelism beside FSDP2 (docs/distributed.md, "Expert
+parallel with the dense layers on FSDP2"): ``shard_experts`` gives each rank its experts, the plugin's
+``ignored_modules`` keeps FSDP2 off them, and SonarAdamW updates them in the backward from their complete
+gradient, as on one GPU.
 
 ``--loop accelerate``: a plain accelerate training loop (``prepare``, ``backward``,
 ``clip_grad_norm_``, ``step``). ``--loop trainer``: transformers' Trainer with ``fsdp="full_shard"``,
@@ -75,15 +80,33 @@ def optimizer_class_and_kwargs(kind: str):
     return torch.optim.AdamW, {**HYPER, "fused": True}
 
 
-def accelerate_loop(kind: str, steps: int, force: bool):
-    from accelerate import Accelerator
+# --ep: the experts modules FSDP2 must leave alone (the plugin's ignored_modules, a regex of module names:
+# accelerate passes their tensors to every fully_shard as ignored_params).
+EXPERTS_MODULES = r"model\.layers\.\d+\.mlp\.experts"
+
+
+def accelerate_loop(kind: str, steps: int, force: bool, ep: bool = False):
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import FullyShardedDataParallelPlugin
 
+    if ep:  # the process group first: shard_experts needs it, before the optimizer is built
+        PartialState(cpu=not torch.cuda.is_available())
     model = tiny_olmoe()
+    if ep:  # expert parallelism: rank r keeps experts [r E / P, (r + 1) E / P), reached by all-to-all
+        sonar_transformers.shard_experts(model, dist.group.WORLD)
     optimizer_class, kwargs = optimizer_class_and_kwargs(kind)
+    params = model.parameters()
+    if (
+        ep and kind == "torch"
+    ):  # torch's fused AdamW takes DTensors or plain tensors in one call: a group each
+        named = list(model.named_parameters())
+        params = [
+            {"params": [p for n, p in named if not is_expert(n)]},
+            {"params": [p for n, p in named if is_expert(n)]},
+        ]
     # The order accelerate requires under FSDP2: the optimizer on the unsharded model, then prepare.
-    optimizer = optimizer_class(model.parameters(), **kwargs)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2)
+    optimizer = optimizer_class(params, **kwargs)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, ignored_modules=EXPERTS_MODULES if ep else None)
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=not torch.cuda.is_available())
     if force:
         force_fsdp(accelerator, plugin)
@@ -149,12 +172,17 @@ def main(argv=None) -> int:
     parser.add_argument("--optimizer", choices=("sonar", "torch"), default="sonar")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--no-force", action="store_true", help="keep accelerate's choice (DDP on a CPU)")
+    parser.add_argument("--ep", action="store_true",
+                        help="with --loop accelerate: expert parallelism over the ranks (shard_experts), the "
+                        "experts left out of FSDP2 by the plugin's ignored_modules")  # fmt: skip
     parser.add_argument("--out", type=Path, help="rank 0 saves the full parameters here")
     args = parser.parse_args(argv)
     sonar_transformers.register()
     with tempfile.TemporaryDirectory() as tmp:
+        if args.ep and args.loop != "accelerate":
+            parser.error("--ep goes with --loop accelerate (Trainer's fsdp_config has no ignored_modules)")
         if args.loop == "accelerate":
-            model, optimizer, held = accelerate_loop(args.optimizer, args.steps, not args.no_force)
+            model, optimizer, held = accelerate_loop(args.optimizer, args.steps, not args.no_force, args.ep)
         else:
             model, optimizer, held = trainer_loop(args.optimizer, args.steps, not args.no_force, tmp)
     full = {}
@@ -170,7 +198,7 @@ def main(argv=None) -> int:
         )
         if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            torch.save(full, args.out / f"{args.loop}-{args.optimizer}.pt")
+            torch.save(full, args.out / f"{args.loop}{'-ep' if args.ep else ''}-{args.optimizer}.pt")
     if dist.is_initialized():
         del model, optimizer
         gc.collect()
