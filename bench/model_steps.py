@@ -169,22 +169,23 @@ class Section:
 
     def _steps(self, train, arm, tokens, warm: int, max_grad_norm: float) -> dict:
         device = self.device
-        for t in tokens[:warm]:
-            train.train_step(arm, t, max_grad_norm)
+        losses = [train.train_step(arm, t, max_grad_norm)[0] for t in tokens[:warm]]
         times = []
         for t in tokens[warm:-1]:
             device.sync()
             start = time.perf_counter()
-            train.train_step(arm, t, max_grad_norm)
+            losses.append(train.train_step(arm, t, max_grad_norm)[0])
             device.sync()
             times.append(time.perf_counter() - start)
-        peak = device.peak_during(lambda: train.train_step(arm, tokens[-1], max_grad_norm))
+        peak = device.peak_during(lambda: losses.append(train.train_step(arm, tokens[-1], max_grad_norm)[0]))
         p10, p90 = _p10_p90(times)
         median = statistics.median(times)
         return {
             "step_time_s": median, "p10_s": p10, "p90_s": p90, "step_times_s": times,
             "tokens_per_s": tokens[-1].numel() / median, "peak_bytes": peak,
             "reserved_peak_bytes": device.max_reserved(), "steps": len(tokens),
+            # each step's training loss, read after the timing (a fake tensor has no value: none in a dry run)
+            "losses": None if device.mode == "dry-run" else torch.stack(losses).float().tolist(),
         }  # fmt: skip
 
     def _compare(self, model: str, arm) -> dict:

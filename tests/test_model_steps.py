@@ -96,6 +96,9 @@ def test_the_rehearsal_runs_every_arm_and_sonar_equals_its_control_bit_for_bit(t
         # every parameter with its two moments (the tiny presets' parameters: 3 tensors each)
         assert sonar["bitwise_equal_to_control"] is True and sonar["passed"] is True
         assert sonar["bitwise_differing"] == [] and sonar["bitwise_tensors"] % 3 == 0
+        # the same training, step by step: the control's losses, bit for bit (4 steps: 1 + 2 timed + 1)
+        control = units[f"{model} standard-dense-clip"]["result"]
+        assert len(sonar["losses"]) == 4 and sonar["losses"] == control["losses"]
         rows = {a: units[f"{model} {a}"]["result"]["peak_bytes"] for a in model_steps.ARMS}
         # the expert gradient is never a tensor in sonar; the paper's arms hold one tensor's at a time
         # (per expert slice: the same peak but for the step counts, E scalars against one)
@@ -173,6 +176,7 @@ def test_the_dry_run_at_full_size_counts_the_builds_and_finds_a_prediction_per_r
         assert r["layers"] in (16, 32) and (r["batch"], r["sequence_length"]) == (4, 1024)
         key = (r["preset"], r["layers"], model_steps.TRACED[r["arm"]], r["checkpointing"])
         assert r["predicted_peak_bytes"] == predictions[key] > 2**30, name
+        assert r["losses"] is None and r["steps"] == 3  # 1 warm-up, 1 timed, 1 under the peak
     # The builds: OLMoE-1B-7B's units compile (standard's kernels, then sonar's update and the state kinds'),
     # Granite's reuse them all, each unit's within the deadline's estimate of it; nothing on the library's
     # kernel path reads the host.
