@@ -44,6 +44,7 @@ or cuBLAS workspaces.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import json
@@ -54,6 +55,7 @@ import time
 import warnings
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
@@ -82,6 +84,14 @@ ARMS = {
 }  # fmt: skip
 
 
+# The layouts (the row's "layout"): one GPU; FSDP2 over the ranks (fsdp2_arm); expert parallelism over the
+# ranks with the dense layers on FSDP2 over the same ranks (ep_fsdp2_arm), balanced routing
+# (BalancedDispatch).
+LAYOUTS = ("1 gpu", "fsdp2", "ep fsdp2")
+# The arms traced under EP x FSDP2-dense (the others: sonar-train's --ep has them, the decision is these).
+EP_ARMS = ("standard bf16", "paper", "sonar", "sonar 8-bit")
+
+
 # Arms not traced under FSDP2: their update of a sharded expert tensor (the .grad path's 8-bit moments and
 # stochastic rounding, sonar_kernels/ops/fp64_update.py's adamw_8bit_ and stochastic_adamw_
 # stochastic_adamw_) runs as torch ops over slices of UPDATE_ELEMENTS (16384) elements, some 40 ops a
@@ -107,17 +117,22 @@ def trace(
     fake: bool = True,
     world_size: int = 1,
     dims=None,
+    layout: str | None = None,
 ) -> dict:
     """One row: the second training step of ``arm`` on ``preset_name`` (``layers`` decoder layers, all when
-    None) under MemTracker, in bf16, on one rank of ``world_size`` (FSDP2 when above 1; see the module
-    docstring). ``dims``: a ``sonar_kernels.train.Preset`` traced and predicted under ``preset_name``
-    instead of its own dimensions (tests/test_memory_real.py), restored after the row."""
+    None) under MemTracker, in bf16, on one rank of ``world_size``, in ``layout`` (:data:`LAYOUTS`; None:
+    "1 gpu" on one rank, else "fsdp2"; see the module docstring). ``dims``: a ``sonar_kernels.train.Preset``
+    traced and predicted under ``preset_name`` instead of its own dimensions (tests/test_memory_real.py),
+    restored after the row."""
+    layout = layout or ("1 gpu" if world_size == 1 else "fsdp2")
+    if layout not in LAYOUTS or (layout == "1 gpu") != (world_size == 1):
+        raise ValueError(f"layout {layout!r} on {world_size} ranks: one of {LAYOUTS}, '1 gpu' on one rank only")
     if dims is not None:
         from sonar_kernels.train import data
 
         saved, data.PRESETS[preset_name] = data.PRESETS[preset_name], dims
         try:
-            return trace(preset_name, arm, layers, checkpointing, fake, world_size)
+            return trace(preset_name, arm, layers, checkpointing, fake, world_size, None, layout)
         finally:
             data.PRESETS[preset_name] = saved
     os.environ["SONAR_KERNELS_TUNING"] = "0"
@@ -144,14 +159,17 @@ def trace(
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
         mesh = init_device_mesh("cpu", (world_size,))  # real tensors: before the fake mode
+    dispatch = BalancedDispatch()
     try:
-        with dry_run.dry_run(fake=fake) as launches:
+        with dry_run.dry_run(fake=fake) as launches, dispatch.patched(layout == "ep fsdp2"):
             data = train.ByteData(train.default_text(), preset.sequence_length, preset.batch_size, seed=0)
             mixed_fsdp = world_size > 1 and sonar_arm == "mixed-precision"
             dtype = torch.float32 if mixed_fsdp else torch.bfloat16
             initial = train.build_model(preset, depth, 0, dtype, args.device_obj)
             parameters = sum(p.numel() for p in initial.parameters())
-            if world_size > 1:
+            if layout == "ep fsdp2":
+                built = ep_fsdp2_arm(sonar_arm, initial, args, mesh)
+            elif world_size > 1:
                 built = fsdp2_arm(sonar_arm, initial, args, mesh)
             else:
                 built = train.build_arm(sonar_arm, initial, args, steps=2)
@@ -167,14 +185,14 @@ def trace(
         if world_size > 1:
             dist.destroy_process_group()
     return {
-        "preset": preset_name, "layers": depth, "layout": "fsdp2" if world_size > 1 else "1 gpu",
-        "world_size": world_size,
+        "preset": preset_name, "layers": depth, "layout": layout, "world_size": world_size,
         "precision": "fp32 sharded, bf16 compute, fp32 moments" if mixed_fsdp else precision, "arm": arm,
         "checkpointing": checkpointing, "peak_bytes": result["peak_memory_bytes"],
-        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing, world_size),
+        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing, world_size, layout),
         "parameters": parameters, "mode": "fake" if fake else "real", "breakdown": result["peak_memory"],
         "phase": result["peak_phase"], "library_host_reads": sorted(set(launches.library_reads)),
         "seconds": time.perf_counter() - start,
+        **({"dispatch": dispatch.record(), **expert_gradient_bytes(built)} if layout == "ep fsdp2" else {}),
     }  # fmt: skip
 
 
@@ -215,9 +233,135 @@ def fsdp2_arm(name: str, model, args, mesh):
     return Arm("standard", model, optimizer, [], list(model.parameters()), model)
 
 
-def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1) -> int:
-    """bench/memory_model's prediction of the row (one rank of ``world_size``, FSDP2 above 1; the Triton
-    backend, torch's fused AdamW, allocations as the trace sees them); it models every preset and arm."""
+class BalancedDispatch:
+    """Balanced routing for the expert-parallel rows: each rank sends ``S / P`` of its ``S`` = T * top_k
+    routed slots to every one of the ``P`` ranks and receives as many, in every layer (so its local experts
+    receive S rows a layer, the average of any routing). Inside :meth:`patched` it replaces
+    ``sonar_kernels.nn.expert_parallel.exchange_counts`` (the counts of the all-to-all, their exchange and
+    their host read: a fake tensor has no values to count or read) with those counts, after the same
+    all-to-all of a [P] int64 counts tensor (allocated, moved by nothing under the fake process group); the
+    rest of the dispatch runs as it is. It records the split sizes each exchange returned and the rows each
+    call of the local experts received (:meth:`record`). Outside the block the library's path is its own."""
+
+    def __init__(self):
+        self.splits: list[tuple[list[int], list[int]]] = []
+        self.expert_rows: list[int] = []
+
+    @contextlib.contextmanager
+    def patched(self, active: bool = True):
+        if not active:
+            yield self
+            return
+        from sonar_kernels.nn import expert_parallel
+
+        moe_mlp = expert_parallel.moe_mlp
+
+        def local_experts(x, *args, **kwargs):
+            self.expert_rows.append(x.shape[0])
+            return moe_mlp(x, *args, **kwargs)
+
+        with (
+            mock.patch.object(expert_parallel, "exchange_counts", self.exchange),
+            mock.patch.object(expert_parallel, "moe_mlp", local_experts),
+        ):
+            yield self
+
+    def exchange(self, dest, group) -> tuple[list[int], list[int]]:
+        import torch
+        import torch.distributed as dist
+
+        size, slots = dist.get_world_size(group), dest.shape[0]
+        if slots % size:
+            raise ValueError(f"balanced routing needs the slots ({slots}) divisible by the ranks ({size})")
+        counts = dest.new_empty(size)
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts, group=group)
+        send, recv = [slots // size] * size, [slots // size] * size
+        self.splits.append((send, recv))
+        return send, recv
+
+    def record(self) -> dict:
+        """The distinct splits the exchanges returned and rows the local-experts calls received, and how many
+        exchanges there were (layers x forwards over both steps traced, recomputations included)."""
+        return {"exchanges": len(self.splits), "splits": sorted({(tuple(a), tuple(b)) for a, b in self.splits}),
+                "expert_rows": sorted(set(self.expert_rows))}  # fmt: skip
+
+
+class DenseAndExperts:
+    """torch.optim.AdamW (fused) as standard training runs it under EP x FSDP2-dense: one over FSDP2's
+    sharded dense parameters (DTensors), one over this rank's expert tensors (plain tensors: torch's fused
+    AdamW takes one kind or the other in a call); stepped and zeroed together."""
+
+    def __init__(self, dense, experts, hyper: dict):
+        import torch
+
+        self.optimizers = [torch.optim.AdamW(dense, **hyper, fused=True),
+                           torch.optim.AdamW(experts, **hyper, fused=True)]  # fmt: skip
+
+    def step(self) -> None:
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none)
+
+
+def ep_fsdp2_arm(name: str, model, args, mesh):
+    """sonar-train's arm ``name`` on ``model`` under expert parallelism over the 1-D ``mesh`` with the dense
+    layers on FSDP2 over the same ranks (docs/distributed.md, "Expert parallel with the dense layers on
+    FSDP2"): this rank's experts of every layer (``integrations.transformers.shard_experts``, sonar-train's
+    ``--ep`` path), activation checkpointing, then ``fully_shard`` of every decoder layer and of the model
+    with the expert tensors in ``ignored_params``: the layout ``sonar_kernels.nn.fully_shard_dense`` builds
+    (which takes ``SonarExperts`` modules; the transformers experts here are sharded by ``shard_experts``).
+    ``standard``: torch.optim.AdamW (:class:`DenseAndExperts`), the expert gradients in ``.grad``, clipped
+    globally as sonar-train's ``train_step`` does under ``--ep`` (the experts' squared norms summed over the
+    ranks); the sonar arms: SonarAdamW built after sharding, the experts updated in the backward (no
+    gradient collective), the dense shards clipped and updated in ``step()``."""
+    from torch.distributed.fsdp import fully_shard
+
+    import sonar_kernels
+    from sonar_kernels.integrations import transformers as hf
+    from sonar_kernels.train.arms import SONAR_ARMS, Arm, enable_checkpointing
+    from sonar_kernels.train.in_backward import EXPERT_PARAMS
+
+    hf.shard_experts(model, mesh)
+    experts = [p for n, p in model.named_parameters() if n.endswith(EXPERT_PARAMS)]
+    if args.checkpointing:
+        enable_checkpointing(model)
+    model.train()
+    ignored = set(experts)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh, ignored_params=ignored)
+    fully_shard(model, mesh=mesh, ignored_params=ignored)
+    hyper = {"lr": args.lr, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    if name in SONAR_ARMS:
+        optimizer = sonar_kernels.SonarAdamW(
+            model, **hyper, fused=True, max_grad_norm=args.max_grad_norm,
+            moments_dtype="8bit" if name.endswith("8bit") else None, fused_epilogue=name != "paper",
+        )  # fmt: skip
+        arm = Arm(name, model, optimizer, [], None, model, experts)
+        arm.split_fraction = 1 if name == "paper" else None  # as build_arm
+        return arm
+    if name != "standard":
+        raise ValueError(f"arm {name!r} is not traced under EP x FSDP2-dense (EP_ARMS)")
+    dense = [p for p in model.parameters() if not any(p is q for q in experts)]
+    optimizer = DenseAndExperts(dense, experts, hyper)
+    return Arm("standard", model, optimizer, [], list(model.parameters()), model, experts)
+
+
+def expert_gradient_bytes(built) -> dict:
+    """Under expert parallelism: the bytes of this rank's expert gradients, had they all been kept (its local
+    experts' gate_up_proj and down_proj elements x their element size: 2 in bf16)."""
+    return {"expert_gradient_bytes": sum(p.numel() * p.element_size() for p in built.ep_experts)}
+
+
+def model_peak(
+    preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1, layout: str | None = None
+) -> int:
+    """bench/memory_model's prediction of the row (one rank of ``world_size`` in ``layout``, as
+    :func:`trace`; the Triton backend, torch's fused AdamW, allocations as the trace sees them; balanced
+    routing under expert parallelism); it models every preset and arm."""
     import dataclasses
 
     from memory_model import Layout, predict, with_layers
@@ -229,7 +373,11 @@ def model_peak(preset_name: str, arm: str, layers: int, checkpointing: bool, wor
         # model with Fp32Masters' fp32 copies and moments (sonar_kernels/train/arms.py).
         options = {"method": "standard"}
         precision, masters = ("fp32 master, bf16 activations", False) if world_size > 1 else ("bf16", True)
-    layout = Layout(fsdp=world_size) if world_size > 1 else Layout()
+    layout = layout or ("1 gpu" if world_size == 1 else "fsdp2")
+    if layout == "ep fsdp2":
+        layout = Layout(ep=world_size, fsdp=world_size)
+    else:
+        layout = Layout(fsdp=world_size) if world_size > 1 else Layout()
     setup = real_setup(
         preset_name, options["method"], layout, precision, checkpointing, options.get("moments", "exact")
     )

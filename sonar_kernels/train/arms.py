@@ -334,11 +334,17 @@ def train_step(
     if arm.clip_params is not None:
         if arm.ep_experts is not None and arm.name == "standard":
             # The global norm over all parameters: each rank holds other experts, so their squared norms
-            # are summed over the ranks (the dense gradients are the same on every rank after DDP).
+            # are summed over the ranks (the dense gradients are the same on every rank after DDP; FSDP2
+            # shards them: their norm is a DTensor, made whole by its all-reduce).
             experts = [p.grad for p in arm.ep_experts if p.grad is not None]
             dense = [p.grad for p in arm.clip_params if p.grad is not None and not _among(p, arm.ep_experts)]
             expert_sq = distributed.all_reduce_sum(torch.nn.utils.get_total_norm(experts).square())
-            norm = torch.sqrt(torch.nn.utils.get_total_norm(dense).square() + expert_sq)
+            dense_norm = torch.nn.utils.get_total_norm(dense)
+            from torch.distributed.tensor import DTensor
+
+            if isinstance(dense_norm, DTensor):
+                dense_norm = dense_norm.full_tensor()
+            norm = torch.sqrt(dense_norm.square() + expert_sq)
             torch.nn.utils.clip_grads_with_norm_(arm.clip_params, max_grad_norm, norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
