@@ -126,7 +126,9 @@ def trace(
     restored after the row."""
     layout = layout or ("1 gpu" if world_size == 1 else "fsdp2")
     if layout not in LAYOUTS or (layout == "1 gpu") != (world_size == 1):
-        raise ValueError(f"layout {layout!r} on {world_size} ranks: one of {LAYOUTS}, '1 gpu' on one rank only")
+        raise ValueError(
+            f"layout {layout!r} on {world_size} ranks: one of {LAYOUTS}, '1 gpu' on one rank only"
+        )
     if dims is not None:
         from sonar_kernels.train import data
 
@@ -357,7 +359,12 @@ def expert_gradient_bytes(built) -> dict:
 
 
 def model_peak(
-    preset_name: str, arm: str, layers: int, checkpointing: bool, world_size: int = 1, layout: str | None = None
+    preset_name: str,
+    arm: str,
+    layers: int,
+    checkpointing: bool,
+    world_size: int = 1,
+    layout: str | None = None,
 ) -> int:
     """bench/memory_model's prediction of the row (one rank of ``world_size`` in ``layout``, as
     :func:`trace`; the Triton backend, torch's fused AdamW, allocations as the trace sees them; balanced
@@ -393,13 +400,15 @@ def _run(task: tuple) -> dict:
         return trace(*task)
     except Exception as error:  # recorded in the report; the other rows go on
         preset, arm, layers, checkpointing, fake, world_size = task[:6]
+        layout = task[7] if len(task) > 7 and task[7] else "1 gpu" if world_size == 1 else "fsdp2"
         return {"preset": preset, "arm": arm, "layers": layers, "checkpointing": checkpointing,
-                "world_size": world_size, "mode": "fake" if fake else "real",
+                "world_size": world_size, "layout": layout, "mode": "fake" if fake else "real",
                 "error": f"{type(error).__name__}: {error}"}  # fmt: skip
 
 
 def run(tasks: list[tuple], jobs: int) -> list[dict]:
-    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size[, dims]) each), in ``jobs``
+    """The rows of ``tasks`` ((preset, arm, layers, checkpointing, fake, world_size[, dims[, layout]]) each,
+    :func:`trace`'s arguments), in ``jobs``
     spawned processes (nothing inherited; each trace inside its own dry run, whose patches it undoes), in
     the order given."""
     env_interpret = os.environ.pop("TRITON_INTERPRET", None)  # the GPU path, not the interpreter
@@ -428,7 +437,7 @@ def _print_row(row: dict) -> None:
         if row["model_peak_bytes"] is None
         else f"  model {row['model_peak_bytes'] / 2**30:8.2f} GiB ({row['model_peak_bytes'] / row['peak_bytes'] - 1:+.1%})"
     )
-    print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} W={row['world_size']} ck={row['checkpointing']!s:5} {row['mode']}: "
+    print(f"{row['preset']:22} {row['arm']:24} L={row['layers']:<3} {row['layout']:8} W={row['world_size']} ck={row['checkpointing']!s:5} {row['mode']}: "
           f"{row['peak_bytes'] / 2**30:8.2f} GiB ({row['phase']}, {row['seconds']:.0f} s){model}", flush=True)  # fmt: skip
 
 
@@ -453,20 +462,68 @@ def decision_table(rows: list[dict]) -> str:
         "|---|---|" + "---|" * len(DECISION_ARMS),
     ]
     for preset in PRESETS:
-        for world in sorted({r["world_size"] for r in rows if r["preset"] == preset}):
+        for layout, world in _layouts(rows, preset):
             cells = []
             for arm in DECISION_ARMS:
-                row = next((r for r in rows if (r["preset"], r["world_size"], r["arm"]) == (preset, world, arm)
-                            and r["checkpointing"] and "error" not in r), None)  # fmt: skip
+                row = next((r for r in rows if (r["preset"], r["layout"], r["world_size"], r["arm"])
+                            == (preset, layout, world, arm) and r["checkpointing"] and "error" not in r), None)  # fmt: skip
                 if row is not None:
                     cells.append(f"{row['peak_bytes'] / 2**30:.1f} GiB, {smallest_gpu(row['peak_bytes'])}")
                     continue
-                model = model_peak(preset, arm, None, True, world)
+                if layout == "ep fsdp2" and arm not in EP_ARMS:  # not an arm of this layout
+                    cells.append("")
+                    continue
+                model = model_peak(preset, arm, None, True, world, layout)
                 cells.append(
                     "" if model is None else f"{model / 2**30:.1f} GiB, {smallest_gpu(model)} (model)"
                 )
-            layout = "1" if world == 1 else f"{world}, FSDP2"
-            lines.append(f"| {preset} | {layout} | " + " | ".join(cells) + " |")
+            lines.append(f"| {preset} | {_layout_name(layout, world)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _layouts(rows: list[dict], preset: str) -> list[tuple[str, int]]:
+    """The (layout, world size) pairs of ``preset``'s rows, in :data:`LAYOUTS` order, then by size."""
+    pairs = {(r.get("layout", "1 gpu" if r["world_size"] == 1 else "fsdp2"), r["world_size"])
+             for r in rows if r["preset"] == preset}  # fmt: skip
+    return sorted(pairs, key=lambda pair: (pair[1] > 1, LAYOUTS.index(pair[0]), pair[1]))
+
+
+def _layout_name(layout: str, world: int) -> str:
+    return {"1 gpu": "1", "fsdp2": f"{world}, FSDP2", "ep fsdp2": f"{world}, EP x FSDP2-dense"}[layout]
+
+
+def ep_savings(rows: list[dict]) -> list[dict]:
+    """Per expert-parallel (preset, ranks, checkpointing): standard bf16's and sonar's traced peaks per rank,
+    the bytes of the rank's expert gradients (its local experts' gate_up_proj and down_proj in bf16: what
+    standard training holds in ``.grad`` from their backward to the optimizer step, and sonar never
+    allocates) and the share of them sonar's peak saves: (standard - sonar) / expert gradient bytes."""
+    out = []
+    for r in rows:
+        if r.get("layout") != "ep fsdp2" or r["arm"] != "standard bf16" or "error" in r:
+            continue
+        key = (r["preset"], r["world_size"], r["checkpointing"], r["layers"])
+        sonar = next((q for q in rows if q.get("layout") == "ep fsdp2" and q["arm"] == "sonar" and "error" not in q
+                      and (q["preset"], q["world_size"], q["checkpointing"], q["layers"]) == key), None)  # fmt: skip
+        if sonar is None:
+            continue
+        grads = r["expert_gradient_bytes"]
+        out.append({"preset": key[0], "ranks": key[1], "checkpointing": key[2], "layers": key[3],
+                    "standard_bytes": r["peak_bytes"], "sonar_bytes": sonar["peak_bytes"],
+                    "expert_gradient_bytes": grads,
+                    "saved_share": (r["peak_bytes"] - sonar["peak_bytes"]) / grads})  # fmt: skip
+    return out
+
+
+def ep_table(rows: list[dict]) -> str:
+    """:func:`ep_savings` as markdown."""
+    lines = ["| preset | ranks | checkpointing | standard bf16 GiB | sonar GiB | expert gradients GiB | "
+             "sonar saves, of the expert gradients |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for e in ep_savings(rows):
+        lines.append(
+            f"| {e['preset']} | {e['ranks']} | {'on' if e['checkpointing'] else 'off'} | "
+            f"{e['standard_bytes'] / 2**30:.2f} | {e['sonar_bytes'] / 2**30:.2f} | "
+            f"{e['expert_gradient_bytes'] / 2**30:.2f} | {e['saved_share']:.1%} |"
+        )
     return "\n".join(lines)
 
 
@@ -475,13 +532,16 @@ def table(rows: list[dict]) -> str:
     to standard bf16."""
     lines = []
     for preset in dict.fromkeys(r["preset"] for r in rows):
-        for world in sorted({r["world_size"] for r in rows if r["preset"] == preset}):
+        for layout_key, world in _layouts(rows, preset):
             for ck in (True, False):
                 part = [r for r in rows if r["preset"] == preset and r["world_size"] == world
-                        and r["checkpointing"] == ck and "error" not in r]  # fmt: skip
+                        and r.get("layout", layout_key) == layout_key and r["checkpointing"] == ck
+                        and "error" not in r]  # fmt: skip
                 if not part:
                     continue
-                layout = "one GPU" if world == 1 else f"FSDP2 over {world} ranks, per rank"
+                layout = {"1 gpu": "one GPU", "fsdp2": f"FSDP2 over {world} ranks, per rank",
+                          "ep fsdp2": f"EP over {world} ranks with the dense layers on FSDP2, balanced routing, "
+                          "per rank"}[layout_key]  # fmt: skip
                 base = next((r["peak_bytes"] for r in part if r["arm"] == "standard bf16"), None)
                 lines += [f"**{preset}**, {part[0]['layers']} layers, {layout}, activation checkpointing "
                           f"{'on' if ck else 'off'} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
@@ -566,8 +626,15 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", type=int, nargs="+", default=[None],
                         help="decoder layers, one or more depths (default: the preset's, full depth)")  # fmt: skip
     parser.add_argument("--checkpointing", choices=("on", "off", "both"), default="both")
-    parser.add_argument("--world-sizes", type=int, nargs="+", default=[1, 4, 8],
-                        help="ranks: 1 (one GPU) and FSDP2 over each larger size (a fake process group)")  # fmt: skip
+    parser.add_argument(
+        "--world-sizes",
+        type=int,
+        nargs="+",
+        default=[1, 4, 8],
+        help="ranks: 1 (one GPU) and each --layouts over each larger size (a fake process group)",
+    )
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS[1:], default=list(LAYOUTS[1:]),
+                        help="the layouts above one rank (ep fsdp2: the arms of EP_ARMS)")  # fmt: skip
     parser.add_argument(
         "--real", action="store_true", help="real CPU tensors instead of fake ones (reduced depth)"
     )
@@ -587,10 +654,13 @@ def main(argv=None) -> int:
         rows, skipped = check(presets, args.arms, args.layers, cks, args.jobs)
         text = check_table(rows, skipped)
     else:
-        tasks = [(p, a, d, ck, not args.real, w) for d in args.layers for p in presets for w in args.world_sizes
-                 for ck in cks for a in args.arms if w == 1 or a not in FSDP2_UNTRACED | ONE_GPU_ONLY]  # fmt: skip
+        tasks = [(p, a, d, ck, not args.real, w, None, layout) for d in args.layers for p in presets
+                 for w in args.world_sizes for layout in (["1 gpu"] if w == 1 else args.layouts)
+                 for ck in cks for a in args.arms if _traced(a, layout)]  # fmt: skip
         rows = run(tasks, args.jobs)
         text = decision_table(rows) + "\n\n" + table(rows)
+        if any(r.get("layout") == "ep fsdp2" for r in rows):
+            text += "\n\n" + ep_table(rows)
     from check_backward import _commit  # git's HEAD, or "unknown"
 
     report = {"rows": rows, "commit": _commit(), "versions": _versions(), "date": datetime.date.today().isoformat(),
@@ -603,6 +673,13 @@ def main(argv=None) -> int:
     print(text)
     print(f"wrote {args.out} and {args.out.with_suffix('.md')} in {report['seconds']:.0f} s")
     return 1 if any("error" in r for r in rows) else 0
+
+
+def _traced(arm: str, layout: str) -> bool:
+    """Whether ``arm`` is traced in ``layout`` (:data:`FSDP2_UNTRACED`, :data:`ONE_GPU_ONLY`, :data:`EP_ARMS`)."""
+    if layout == "ep fsdp2":
+        return arm in EP_ARMS
+    return layout == "1 gpu" or arm not in FSDP2_UNTRACED | ONE_GPU_ONLY
 
 
 def _versions() -> dict:

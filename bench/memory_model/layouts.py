@@ -360,7 +360,10 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     H, E, V, N = d.hidden_size, d.num_experts, d.vocab_size, lay.fsdp
     # Unsharded: in the parameters' dtype, or under mixed precision in param_dtype (a); sharded in p.
     ep = lay.ep > 1
-    full = {name: numel(local_shape(shape, expert, lay) if expert else shape) * a for name, shape, expert in tensors}
+    full = {
+        name: numel(local_shape(shape, expert, lay) if expert else shape) * a
+        for name, shape, expert in tensors
+    }
     shard = {name: numel(local_shape(shape, expert, lay)) * p for name, shape, expert in tensors}
     expert_names = {name for name, _, expert in tensors if expert}
     names = [name for name, _, _ in tensors]
