@@ -194,7 +194,7 @@ def trace(
         "parameters": parameters, "mode": "fake" if fake else "real", "breakdown": result["peak_memory"],
         "phase": result["peak_phase"], "library_host_reads": sorted(set(launches.library_reads)),
         "seconds": time.perf_counter() - start,
-        **({"dispatch": dispatch.record(), **expert_gradient_bytes(built)} if layout == "ep fsdp2" else {}),
+        **(_ep_fields(dispatch, built, preset_name, arm, depth, checkpointing, world_size) if layout == "ep fsdp2" else {}),
     }  # fmt: skip
 
 
@@ -352,10 +352,17 @@ def ep_fsdp2_arm(name: str, model, args, mesh):
     return Arm("standard", model, optimizer, [], list(model.parameters()), model, experts)
 
 
-def expert_gradient_bytes(built) -> dict:
-    """Under expert parallelism: the bytes of this rank's expert gradients, had they all been kept (its local
-    experts' gate_up_proj and down_proj elements x their element size: 2 in bf16)."""
-    return {"expert_gradient_bytes": sum(p.numel() * p.element_size() for p in built.ep_experts)}
+def _ep_fields(
+    dispatch: BalancedDispatch, built, preset_name, arm, layers, checkpointing, world_size
+) -> dict:
+    """An expert-parallel row's own fields: the dispatch's record (:meth:`BalancedDispatch.record`), the
+    bytes of this rank's expert gradients had they all been kept (its local experts' gate_up_proj and
+    down_proj elements x their element size: 2 in bf16), and the expert-gradient bytes alive at the memory
+    model's peak (:func:`model_expert_gradients`)."""
+    prediction = model_prediction(preset_name, arm, layers, checkpointing, world_size, "ep fsdp2")
+    return {"dispatch": dispatch.record(),
+            "expert_gradient_bytes": sum(p.numel() * p.element_size() for p in built.ep_experts),
+            "model_expert_gradients_at_peak": model_expert_gradients(prediction)}  # fmt: skip
 
 
 def model_peak(
@@ -369,6 +376,25 @@ def model_peak(
     """bench/memory_model's prediction of the row (one rank of ``world_size`` in ``layout``, as
     :func:`trace`; the Triton backend, torch's fused AdamW, allocations as the trace sees them; balanced
     routing under expert parallelism); it models every preset and arm."""
+    return model_prediction(preset_name, arm, layers, checkpointing, world_size, layout).total
+
+
+def model_expert_gradients(prediction) -> int:
+    """The expert-gradient bytes alive at a prediction's peak: those kept in ``.grad`` so far and the
+    current layer's being written (the memory model's terms)."""
+    terms = prediction.terms
+    return sum(terms.get(name, 0) for name in ("expert_gradients", "grad:gate_up_proj", "grad:down_proj"))
+
+
+def model_prediction(
+    preset_name: str,
+    arm: str,
+    layers: int,
+    checkpointing: bool,
+    world_size: int = 1,
+    layout: str | None = None,
+):
+    """:func:`model_peak`'s ``memory_model.Prediction`` (its terms name what is alive at the peak)."""
     import dataclasses
 
     from memory_model import Layout, predict, with_layers
@@ -392,7 +418,7 @@ def model_peak(
         setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers),
         fused_epilogue=options.get("fused_epilogue", True),
     )  # fmt: skip
-    return predict(setup).total
+    return predict(setup)
 
 
 def _run(task: tuple) -> dict:
@@ -494,9 +520,10 @@ def _layout_name(layout: str, world: int) -> str:
 
 def ep_savings(rows: list[dict]) -> list[dict]:
     """Per expert-parallel (preset, ranks, checkpointing): standard bf16's and sonar's traced peaks per rank,
-    the bytes of the rank's expert gradients (its local experts' gate_up_proj and down_proj in bf16: what
-    standard training holds in ``.grad`` from their backward to the optimizer step, and sonar never
-    allocates) and the share of them sonar's peak saves: (standard - sonar) / expert gradient bytes."""
+    the bytes of the rank's expert gradients (its local experts' gate_up_proj and down_proj in bf16, which
+    sonar never allocates), those standard holds at its peak (the memory model's account of that moment,
+    which agrees with the trace: :func:`model_expert_gradients`), and the share of the latter that sonar's
+    peak saves: (standard - sonar) / expert gradients at standard's peak (None where it holds none)."""
     out = []
     for r in rows:
         if r.get("layout") != "ep fsdp2" or r["arm"] != "standard bf16" or "error" in r:
@@ -506,23 +533,27 @@ def ep_savings(rows: list[dict]) -> list[dict]:
                       and (q["preset"], q["world_size"], q["checkpointing"], q["layers"]) == key), None)  # fmt: skip
         if sonar is None:
             continue
-        grads = r["expert_gradient_bytes"]
+        held = r["model_expert_gradients_at_peak"]
         out.append({"preset": key[0], "ranks": key[1], "checkpointing": key[2], "layers": key[3],
                     "standard_bytes": r["peak_bytes"], "sonar_bytes": sonar["peak_bytes"],
-                    "expert_gradient_bytes": grads,
-                    "saved_share": (r["peak_bytes"] - sonar["peak_bytes"]) / grads})  # fmt: skip
+                    "expert_gradient_bytes": r["expert_gradient_bytes"], "standard_expert_gradients_at_peak": held,
+                    "sonar_expert_gradients_at_peak": sonar["model_expert_gradients_at_peak"],
+                    "saved_share": (r["peak_bytes"] - sonar["peak_bytes"]) / held if held else None})  # fmt: skip
     return out
 
 
 def ep_table(rows: list[dict]) -> str:
     """:func:`ep_savings` as markdown."""
-    lines = ["| preset | ranks | checkpointing | standard bf16 GiB | sonar GiB | expert gradients GiB | "
-             "sonar saves, of the expert gradients |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = ["| preset | ranks | checkpointing | standard bf16 GiB | sonar GiB | expert gradients per rank GiB | "
+             "held at standard's peak GiB | at sonar's | sonar's peak saves, of those standard holds |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for e in ep_savings(rows):
+        share = "" if e["saved_share"] is None else f"{e['saved_share']:.1%}"
         lines.append(
             f"| {e['preset']} | {e['ranks']} | {'on' if e['checkpointing'] else 'off'} | "
             f"{e['standard_bytes'] / 2**30:.2f} | {e['sonar_bytes'] / 2**30:.2f} | "
-            f"{e['expert_gradient_bytes'] / 2**30:.2f} | {e['saved_share']:.1%} |"
+            f"{e['expert_gradient_bytes'] / 2**30:.2f} | {e['standard_expert_gradients_at_peak'] / 2**30:.2f} | "
+            f"{e['sonar_expert_gradients_at_peak'] / 2**30:.2f} | {share} |"
         )
     return "\n".join(lines)
 
@@ -561,21 +592,25 @@ def table(rows: list[dict]) -> str:
 REAL_HEADROOM = 3 * 2**30
 
 
-def check(presets, arms, depths, cks, jobs: int) -> tuple[list[dict], list[dict]]:
-    """The fake trace against real allocations (``--check``): each row at the reduced ``depths`` on one
-    rank, fake (``jobs`` processes), then real, one fresh process at a time, where the fake peak and
-    :data:`REAL_HEADROOM` fit the memory available when it starts. Returns (rows of both modes, the real
-    rows left out, each with its reason)."""
+def check(presets, arms, depths, cks, jobs: int, layouts=(("1 gpu", 1),)) -> tuple[list[dict], list[dict]]:
+    """The fake trace against real allocations (``--check``): each row at the reduced ``depths`` in each of
+    ``layouts`` ((layout, ranks) pairs: one rank, or one rank of a fake process group, whose collectives
+    allocate their outputs and fill nothing), fake (``jobs`` processes), then real, one fresh process at a
+    time, where the fake peak and :data:`REAL_HEADROOM` fit the memory available when it starts. Returns
+    (rows of both modes, the real rows left out, each with its reason)."""
     import torch
 
     from sonar_kernels.train.memory import available_memory
 
-    fakes = run([(p, a, d, ck, True, 1) for d in depths for p in presets for ck in cks for a in arms], jobs)
+    tasks = [(p, a, d, ck, True, w, None, layout) for d in depths for p in presets for layout, w in layouts
+             for ck in cks for a in arms if _traced(a, layout)]  # fmt: skip
+    fakes = run(tasks, jobs)
     reals, skipped = [], []
     for row in fakes:
         if "error" in row:
             continue
-        task = (row["preset"], row["arm"], row["layers"], row["checkpointing"], False, 1)
+        task = (row["preset"], row["arm"], row["layers"], row["checkpointing"], False, row["world_size"], None,
+                row["layout"])  # fmt: skip
         available = available_memory(torch.device("cpu"))["host"] or 0
         if row["peak_bytes"] + REAL_HEADROOM > available:
             need = (row["peak_bytes"] + REAL_HEADROOM) / 2**30
@@ -591,25 +626,27 @@ def check(presets, arms, depths, cks, jobs: int) -> tuple[list[dict], list[dict]
 def check_table(rows: list[dict], skipped: list[dict]) -> str:
     """Fake against real, row by row, as markdown."""
     by = {
-        (r["preset"], r["arm"], r["layers"], r["checkpointing"], r["mode"]): r
+        (r["preset"], r.get("layout", "1 gpu"), r["world_size"], r["arm"], r["layers"], r["checkpointing"],
+         r["mode"]): r
         for r in rows
         if "error" not in r
-    }
+    }  # fmt: skip
     lines = [
-        "| preset | layers | checkpointing | arm | fake GiB | real GiB | fake vs real |",
-        "|---|---|---|---|---|---|---|",
+        "| preset | layout | layers | checkpointing | arm | fake GiB | real GiB | fake vs real |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for (preset, arm, layers, ck, mode), fake in by.items():
+    for (preset, layout, world, arm, layers, ck, mode), fake in by.items():
         if mode != "fake":
             continue
-        real = by.get((preset, arm, layers, ck, "real"))
+        real = by.get((preset, layout, world, arm, layers, ck, "real"))
         cells = (
             ("not run (memory)", "")
             if real is None
             else (f"{real['peak_bytes'] / 2**30:.3f}", f"{fake['peak_bytes'] / real['peak_bytes'] - 1:+.2%}")
         )
         lines.append(
-            f"| {preset} | {layers} | {'on' if ck else 'off'} | {arm} | {fake['peak_bytes'] / 2**30:.3f} | "
+            f"| {preset} | {_layout_name(layout, world)} | {layers} | {'on' if ck else 'off'} | {arm} | "
+            f"{fake['peak_bytes'] / 2**30:.3f} | "
             f"{cells[0]} | {cells[1]} |"
         )
     lines += [
@@ -639,7 +676,7 @@ def main(argv=None) -> int:
         "--real", action="store_true", help="real CPU tensors instead of fake ones (reduced depth)"
     )
     parser.add_argument("--check", action="store_true",
-                        help="fake and real traces of every row at --layers, one rank, compared (check())")  # fmt: skip
+                        help="fake and real traces of every row at --layers, compared (check())")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces at once (processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "memory-real" / "report.json")
     args = parser.parse_args(argv)
@@ -651,7 +688,9 @@ def main(argv=None) -> int:
     if args.check:
         if None in args.layers:
             parser.error("--check needs --layers (reduced depths whose real tensors fit this machine)")
-        rows, skipped = check(presets, args.arms, args.layers, cks, args.jobs)
+        layouts = [("1 gpu", 1)] * (1 in args.world_sizes)
+        layouts += [(layout, w) for w in args.world_sizes if w > 1 for layout in args.layouts]
+        rows, skipped = check(presets, args.arms, args.layers, cks, args.jobs, layouts)
         text = check_table(rows, skipped)
     else:
         tasks = [(p, a, d, ck, not args.real, w, None, layout) for d in args.layers for p in presets

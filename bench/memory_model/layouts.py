@@ -264,7 +264,8 @@ def _categories(terms: dict, phase: str) -> dict:
                       "fp32_masters"):  # fmt: skip
             out["parameters"] += value
         elif name.startswith("grad:") or name in (
-            "gradients", "in_flight_expert_gradients", "reduce_scatter_output", "master_gradients"
+            "gradients", "in_flight_expert_gradients", "reduce_scatter_output", "master_gradients",
+            "expert_gradients",
         ):  # fmt: skip
             out["gradients"] += value
         elif name == "step:adamw" and phase == "optimizer step":
@@ -443,6 +444,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     w1, w2 = full["layers.0.gate_up_proj"], full["layers.0.down_proj"]
     w1_shard = shard["layers.0.gate_up_proj"]
     previous_rs = 0  # the last reduce-scatter input, kept until the next post-backward
+    expert_grads = 0  # EP, standard: the expert gradients kept in .grad so far (they are not sharded)
     mode = "grad" if not in_backward else "fused" if s.method == "sonar" and s.fused_epilogue else "split"
     if ep and s.backend == "torch" and in_backward:
         mode = "deferred"
@@ -455,13 +457,14 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
                 "unsharded_parameters": total(full, layer, False),
                 "prefetched_all_gather": gathered(layer - 1, False),
                 "gradients": sharded_grads + root_grads,
+                "expert_gradients": expert_grads,
                 "router_logit_gradients": (layer + 1) * T * E * ld,
                 "incoming_gradient": x,
             }
             _ep_expert_backward(s, add, base, act, previous_rs, moe, rows[layer], w1, w2, mode)
             if not in_backward:  # standard: this rank's expert gradients stay in .grad to the step
-                sharded_grads += w1 + w2
-            base["gradients"] = sharded_grads + root_grads
+                expert_grads += w1 + w2
+            base["gradients"], base["expert_gradients"] = sharded_grads + root_grads, expert_grads
             base["router_logit_gradients"] = layer * T * E * ld
             reduce_scatter({**base, "activations": act - sum(kept.values()), "unsharded_gradients": total(full, layer, False)},
                            padded(layer, False), total(shard, layer, False))  # fmt: skip
@@ -518,13 +521,14 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     # unsharded gradients reduce-scattered.
     embedding = full["embed_tokens"]
     add("backward", {"root_unsharded_parameters": root_unsharded, "gradients": sharded_grads + root_grads + embedding,
-                     "incoming_gradient": x, "previous_reduce_scatter_input": previous_rs})  # fmt: skip
+                     "expert_gradients": expert_grads, "incoming_gradient": x,
+                     "previous_reduce_scatter_input": previous_rs})  # fmt: skip
     root_shard = sum(shard[n] for n in root)
-    reduce_scatter({"gradients": sharded_grads, "unsharded_gradients": root_grads + embedding}, N * root_shard,
-                   root_shard)  # fmt: skip
+    reduce_scatter({"gradients": sharded_grads, "expert_gradients": expert_grads,
+                    "unsharded_gradients": root_grads + embedding}, N * root_shard, root_shard)  # fmt: skip
     grads = sharded_grads + root_shard
     stepped = [shard[n] for n in names if not (in_backward and n in expert_names)]
-    add("optimizer step", {"gradients": grads, "loss_and_norm": 2 * FP32,
+    add("optimizer step", {"gradients": grads, "expert_gradients": expert_grads, "loss_and_norm": 2 * FP32,
                            "step:adamw": adamw_temporaries(s.adamw, stepped)})  # fmt: skip
     phase, terms = max(moments, key=lambda m: sum(m[1].values()))
     terms = {**static, **terms}
