@@ -111,6 +111,44 @@ def test_an_expert_parallel_row_traces_balanced_counts_fake_as_real_and_as_the_m
     assert sonar["peak_bytes"] < standard["peak_bytes"]
 
 
+def test_the_committed_expert_parallel_rows_are_the_models_and_balanced():
+    # docs/distributed.md, "Traced at full size": the newest committed EP x FSDP2-dense report (OLMoE-1B-7B
+    # and Qwen3-30B-A3B at full depth, 4 and 8 ranks, checkpointing on and off): the memory model within
+    # 1e-3 of every traced row, each rank's counts the balanced ones (4 x 1024 tokens, top-8: S / P rows to
+    # every rank), and the savings table's numbers from the rows.
+    import json
+
+    memory_real = _module()
+    reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-real-ep.json"))
+    assert reports, "no committed expert-parallel memory-real report under bench/results/memory/"
+    rows = json.loads(reports[-1].read_text())["rows"]
+    assert all("error" not in r for r in rows) and len(rows) == 32
+    assert {(r["preset"], r["world_size"]) for r in rows} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for r in rows:
+        model = memory_real.model_prediction(
+            r["preset"], r["arm"], r["layers"], r["checkpointing"], r["world_size"], r["layout"]
+        )
+        assert abs(model.total / r["peak_bytes"] - 1) < 1e-3, (
+            r["preset"],
+            r["arm"],
+            model.total,
+            r["peak_bytes"],
+        )
+        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
+        rows_per_rank = 4 * 1024 * 8 // r["world_size"]
+        assert r["dispatch"]["splits"] == [[[rows_per_rank] * r["world_size"]] * 2], r[
+            "dispatch"
+        ]  # JSON lists
+        assert r["dispatch"]["expert_rows"] == [4 * 1024 * 8], r["dispatch"]
+        assert r["library_host_reads"] == []
+    for e in memory_real.ep_savings(rows):
+        if e["checkpointing"]:  # standard's peak holds every layer's expert gradients but the first's
+            assert e["standard_expert_gradients_at_peak"] > 0.9 * e["expert_gradient_bytes"], e
+        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] <= e["standard_bytes"], e
+
+
 def test_the_qwen3_preset_is_qwen3_30b_a3b_as_published():
     """The preset against Qwen3-30B-A3B's published configuration (its model card: 30.5 B parameters, 48
     layers, 128 experts of which 8 active, 32 query and 4 key-value heads of 128 dimensions), built on the

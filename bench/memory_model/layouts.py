@@ -361,8 +361,9 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     H, E, V, N = d.hidden_size, d.num_experts, d.vocab_size, lay.fsdp
     # Unsharded: in the parameters' dtype, or under mixed precision in param_dtype (a); sharded in p.
     ep = lay.ep > 1
+    # Under EP the experts are never all-gathered: their unsharded tensor is the rank's own E / ep.
     full = {
-        name: numel(local_shape(shape, expert, lay) if expert else shape) * a
+        name: numel(local_shape(shape, expert, lay) if expert and ep else shape) * a
         for name, shape, expert in tensors
     }
     shard = {name: numel(local_shape(shape, expert, lay)) * p for name, shape, expert in tensors}
