@@ -2,7 +2,8 @@
 
 ``make memory-real`` (``python bench/memory_real.py``): for each preset at its published configuration
 (OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B; random initialisation, full depth), each arm and each
-layout (one GPU; FSDP2 over 4 and 8 ranks, one rank of a fake process group traced), one training step of
+layout (one GPU; FSDP2, and expert parallelism with the dense layers on FSDP2, over 4 and 8 ranks, one rank
+of a fake process group traced: :data:`LAYOUTS`), one training step of
 sonar-train's code, traced by torch's MemTracker under FakeTensorMode (bench/dry_run.py: tensors with
 shapes and no storage; the library's Triton backend takes its GPU path, its custom ops run their
 launchers and allocate what they allocate on a GPU, and no kernel runs). The step traced is the second
@@ -26,17 +27,27 @@ Arms (sonar-train's, docs/sonar-train.md), every model in bf16:
   ``sonar stochastic 8-bit``: the state kinds (docs/design.md); under FSDP2 the 8-bit and stochastic ones
   are not traced (:data:`FSDP2_UNTRACED`).
 
+Under expert parallelism (layout "ep fsdp2", :func:`ep_fsdp2_arm`: the arms of :data:`EP_ARMS`) routing is
+balanced, inside the trace only: each rank sends T * top_k / P rows to each of the P ranks and receives as
+many (:class:`BalancedDispatch`, which stands in for the dispatch's host read of the all-to-all counts,
+``sonar_kernels.nn.expert_parallel.exchange_counts``; docs/distributed.md, "Expert parallel with the dense
+layers on FSDP2, traced").
+
 ``--real`` runs the same code with real CPU tensors (kernels not run, matrix products not computed:
 every allocation is real, the values are not); ``--check`` (``make memory-real-check``) runs every row at
-reduced depth (``--layers 1 2``) fake and real and compares them (:func:`check`). The traces run in
+reduced depth (``--layers 1 2``) fake and real and compares them (:func:`check`; the layouts of
+``--world-sizes`` and ``--layouts``: one rank of a fake process group, whose collectives allocate their
+outputs and fill nothing). The traces run in
 ``--jobs`` processes.
 
 Writes ``runs/memory-real/report.json`` (``--out``): ``{"rows": [...], "commit", "versions", "date"}``, each
-row with ``preset``, ``layers``, ``layout`` ("1 gpu" or "fsdp2"), ``world_size``, ``precision``, ``arm``,
+row with ``preset``, ``layers``, ``layout`` (:data:`LAYOUTS`), ``world_size``, ``precision``, ``arm``,
 ``checkpointing``, ``peak_bytes`` (the trace), ``model_peak_bytes`` (bench/memory_model's prediction),
 ``parameters``, ``mode`` ("fake" or "real"), the peak's ``breakdown`` by MemTracker's categories and its
-``phase``, and the ``seconds`` the trace took; and ``report.md``: docs/distributed.md's decision table
-(:func:`decision_table`), then every row (:func:`table`). Its limits (docs/distributed.md, "Traced at full
+``phase``, and the ``seconds`` the trace took (an expert-parallel row also its ``dispatch``, its
+``expert_gradient_bytes`` and the model's ``model_expert_gradients_at_peak``: :func:`_ep_fields`); and
+``report.md``: docs/distributed.md's decision table (:func:`decision_table`), then every row
+(:func:`table`), then the expert-parallel savings (:func:`ep_table`). Its limits (docs/distributed.md, "Traced at full
 size"): an allocation trace, not the CUDA caching allocator (rounding, fragmentation), and no NCCL buffers
 or cuBLAS workspaces.
 """
