@@ -72,15 +72,15 @@ kernel-report: install
 		&& sed -n '/^## Compilations/,$$p' runs/kernel-report/gpu-bench-$$a.md || exit 1; done
 
 # The peak memory of one training step at the real sizes (OLMoE-1B-7B, Granite-3.1-3B-A800M, Qwen3-30B-A3B,
-# full depth, one GPU and FSDP2 over 4 and 8 ranks, every arm, checkpointing on and off), traced by torch's
-# MemTracker under FakeTensorMode on this CPU: nothing allocated, no kernel run (bench/memory_real.py);
-# writes runs/memory-real/report.json. memory-real-check: the same rows at 1 and 2 layers, fake against
-# real tensors (where they fit this machine); writes runs/memory-real/check.json.
+# full depth, one GPU, FSDP2 and EP x FSDP2-dense over 4 and 8 ranks, every arm, checkpointing on and off),
+# traced by torch's MemTracker under FakeTensorMode on this CPU: nothing allocated, no kernel run
+# (bench/memory_real.py); writes runs/memory-real/report.json. memory-real-check: the one-GPU rows at 1 and
+# 2 layers, fake against real tensors (where they fit this machine); writes runs/memory-real/check.json.
 memory-real: install
 	env -u TRITON_INTERPRET $(BIN)/python bench/memory_real.py
 
 memory-real-check: install
-	env -u TRITON_INTERPRET $(BIN)/python bench/memory_real.py --check --layers 1 2 \
+	env -u TRITON_INTERPRET $(BIN)/python bench/memory_real.py --check --layers 1 2 --world-sizes 1 \
 		--out runs/memory-real/check.json
 
 # The main job: sonar-train's default preset (tiny OLMoE on the Python docs), standard vs sonar side by

@@ -89,6 +89,12 @@ def test_fsdp2_and_expert_parallel_shards():
     # FSDP2 pads the first dimension to a multiple of the ranks (Granite's 49155-row vocabulary over 8).
     assert mm.local_shape((49155, 1536), False, mm.Layout(fsdp=8)) == (6145, 1536)
     assert mm.local_shape((40, 1024, 1536), True, mm.Layout(ep=8, dp=4)) == (5, 1024, 1536)
+    # EP x FSDP2-dense: the experts E / ep per rank, held whole; every other tensor sharded by FSDP2.
+    assert mm.local_shape((40, 1024, 1536), True, mm.Layout(ep=8, fsdp=8)) == (5, 1024, 1536)
+    assert mm.local_shape((49155, 1536), False, mm.Layout(ep=8, fsdp=8)) == (6145, 1536)
+    for bad in ({"ep": 2, "fsdp": 4}, {"ep": 4, "fsdp": 4, "dp": 2}):
+        with pytest.raises(ValueError, match="FSDP2 is modelled alone or with ep equal to it"):
+            mm.Layout(**bad)
     from sonar_kernels.train.data import Preset
 
     with pytest.raises(ValueError, match="cannot be split"):

@@ -73,6 +73,82 @@ def test_the_split_paths_scratch_is_the_models_where_the_update_sets_the_peak():
     assert peak["sonar"] < peak["sonar split"], peak
 
 
+@pytest.mark.timeout(600)
+def test_an_expert_parallel_row_traces_balanced_counts_fake_as_real_and_as_the_model():
+    # EP over 4 ranks of a fake process group with the dense layers on FSDP2 over the same ranks
+    # (memory_real.ep_fsdp2_arm), 2 layers of tiny-olmoe (T = 4 x 128 tokens per rank, top-2, 32 experts:
+    # 8 per rank), checkpointing on.
+    from sonar_kernels.nn import expert_parallel
+
+    memory_real = _module()
+    original = expert_parallel.exchange_counts
+    arms = ("standard bf16", "sonar")
+    tasks = [
+        ("tiny-olmoe", arm, 2, True, fake, 4, None, "ep fsdp2") for arm in arms for fake in (True, False)
+    ]
+    rows = memory_real.run(tasks, jobs=2)
+    assert all("error" not in row for row in rows), [row for row in rows if "error" in row]
+    assert expert_parallel.exchange_counts is original  # the library's path outside the trace
+    slots = 4 * 128 * 2
+    for row in rows:
+        assert row["layout"] == "ep fsdp2" and row["world_size"] == 4
+        # Balanced routing: each rank sends S / P rows to every rank and receives as many, in every
+        # exchange (2 layers x (forward + recomputation) x 2 steps), and its experts get S rows a layer.
+        assert row["dispatch"]["splits"] == [((slots // 4,) * 4, (slots // 4,) * 4)], row["dispatch"]
+        assert row["dispatch"]["expert_rows"] == [slots] and row["dispatch"]["exchanges"] == 8
+        assert row["library_host_reads"] == []  # the counts' host read is the seam's, replaced
+        # 8 local experts of gate_up_proj [2I, H] and down_proj [H, I], 2 layers, bf16
+        assert row["expert_gradient_bytes"] == 2 * 8 * (2 * 256 * 128 + 128 * 256) * 2
+    by = {(r["arm"], r["mode"]): r for r in rows}
+    for arm in arms:
+        fake, real = by[(arm, "fake")], by[(arm, "real")]
+        assert fake["peak_bytes"] == real["peak_bytes"] and fake["phase"] == real["phase"], (fake, real)
+        assert abs(fake["model_peak_bytes"] / fake["peak_bytes"] - 1) < 1e-3, fake
+    standard, sonar = by[("standard bf16", "fake")], by[("sonar", "fake")]
+    # No expert gradient in sonar's peak: its gradients are the dense shards' (FSDP2's reduce-scattered),
+    # standard's hold the experts' besides.
+    assert sonar["breakdown"]["gradients"] < standard["breakdown"]["gradients"] - 2**20, (sonar, standard)
+    assert sonar["peak_bytes"] < standard["peak_bytes"]
+
+
+def test_the_committed_expert_parallel_rows_are_the_models_and_balanced():
+    # docs/distributed.md, "Traced at full size": the newest committed EP x FSDP2-dense report (OLMoE-1B-7B
+    # and Qwen3-30B-A3B at full depth, 4 and 8 ranks, checkpointing on and off): the memory model within
+    # 1e-3 of every traced row, each rank's counts the balanced ones (4 x 1024 tokens, top-8: S / P rows to
+    # every rank), and the savings table's numbers from the rows.
+    import json
+
+    memory_real = _module()
+    reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-real-ep.json"))
+    assert reports, "no committed expert-parallel memory-real report under bench/results/memory/"
+    rows = json.loads(reports[-1].read_text())["rows"]
+    assert all("error" not in r for r in rows) and len(rows) == 32
+    assert {(r["preset"], r["world_size"]) for r in rows} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for r in rows:
+        model = memory_real.model_prediction(
+            r["preset"], r["arm"], r["layers"], r["checkpointing"], r["world_size"], r["layout"]
+        )
+        assert abs(model.total / r["peak_bytes"] - 1) < 1e-3, (
+            r["preset"],
+            r["arm"],
+            model.total,
+            r["peak_bytes"],
+        )
+        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
+        rows_per_rank = 4 * 1024 * 8 // r["world_size"]
+        assert r["dispatch"]["splits"] == [[[rows_per_rank] * r["world_size"]] * 2], r[
+            "dispatch"
+        ]  # JSON lists
+        assert r["dispatch"]["expert_rows"] == [4 * 1024 * 8], r["dispatch"]
+        assert r["library_host_reads"] == []
+    for e in memory_real.ep_savings(rows):
+        if e["checkpointing"]:  # standard's peak holds every layer's expert gradients but the first's
+            assert e["standard_expert_gradients_at_peak"] > 0.9 * e["expert_gradient_bytes"], e
+        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] <= e["standard_bytes"], e
+
+
 def test_the_qwen3_preset_is_qwen3_30b_a3b_as_published():
     """The preset against Qwen3-30B-A3B's published configuration (its model card: 30.5 B parameters, 48
     layers, 128 experts of which 8 active, 32 query and 4 key-value heads of 128 dimensions), built on the

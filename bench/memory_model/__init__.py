@@ -20,7 +20,9 @@ activations and temporaries), for three methods:
 and these layouts (:class:`Layout`): one rank, data parallel (DDP for the dense parameters; the experts
 replicated, their gradients averaged by SonarAdamW's data-parallel group), expert parallel (each rank
 E / ep experts, tokens by all-to-all), expert parallel x data parallel, FSDP2 (``fully_shard`` of every
-experts module, every decoder layer and the model: docs/distributed.md's recipe).
+experts module, every decoder layer and the model: docs/distributed.md's recipe), and expert parallelism with
+the dense layers on FSDP2 over the same ranks (``Layout(ep=P, fsdp=P)``: docs/distributed.md, "Expert
+parallel with the dense layers on FSDP2"; checked against bench/memory_real.py's traces).
 
 How: an analytic account of what is alive at each candidate moment of the step (the end of the forward,
 the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the embedding's backward,

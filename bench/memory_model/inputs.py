@@ -50,7 +50,9 @@ def head_dim(d: Preset) -> int:
 class Layout:
     """How the ranks split the model: ``dp`` data-parallel replicas, ``ep`` expert-parallel ranks (the
     experts split E / ep over them; ``ep`` x ``dp`` ranks in all), or ``fsdp`` FSDP2 ranks (every
-    parameter sharded on its first dimension)."""
+    parameter sharded on its first dimension), or ``ep`` = ``fsdp``: expert parallelism with the dense
+    layers on FSDP2 over the same ranks (docs/distributed.md, "Expert parallel with the dense layers on
+    FSDP2": the experts E / ep per rank and held whole, every other parameter sharded)."""
 
     dp: int = 1
     ep: int = 1
@@ -59,8 +61,8 @@ class Layout:
     def __post_init__(self):
         if min(self.dp, self.ep, self.fsdp) < 1:
             raise ValueError(f"a layout needs sizes >= 1, got {self}")
-        if self.fsdp > 1 and (self.dp > 1 or self.ep > 1):
-            raise ValueError("FSDP2 is modelled alone (no dp or ep besides it)")
+        if self.fsdp > 1 and (self.dp > 1 or self.ep not in (1, self.fsdp)):
+            raise ValueError("FSDP2 is modelled alone or with ep equal to it (no dp besides it)")
 
     @property
     def ranks(self) -> int:
@@ -68,6 +70,8 @@ class Layout:
 
     @property
     def name(self) -> str:
+        if self.fsdp > 1 and self.ep > 1:
+            return f"EP {self.ep} x FSDP2-dense {self.fsdp}"
         if self.fsdp > 1:
             return f"FSDP2 {self.fsdp}"
         if self.ep > 1 and self.dp > 1:

@@ -19,7 +19,17 @@ from memory_model.expert_backward import (
     torch_expert_backward,
     triton_expert_backward,
 )
-from memory_model.inputs import CATEGORIES, DDP_BUCKET, DDP_FIRST_BUCKET, FP32, Prediction, Setup, head_dim
+from memory_model.inputs import (
+    CATEGORIES,
+    DDP_BUCKET,
+    DDP_FIRST_BUCKET,
+    FP32,
+    INT32,
+    INT64,
+    Prediction,
+    Setup,
+    head_dim,
+)
 from memory_model.parameters import layer_of, local_shape, numel, optimizer_state_bytes, parameter_tensors
 
 # --- the step -------------------------------------------------------------------------------------------
@@ -254,7 +264,8 @@ def _categories(terms: dict, phase: str) -> dict:
                       "fp32_masters"):  # fmt: skip
             out["parameters"] += value
         elif name.startswith("grad:") or name in (
-            "gradients", "in_flight_expert_gradients", "reduce_scatter_output", "master_gradients"
+            "gradients", "in_flight_expert_gradients", "reduce_scatter_output", "master_gradients",
+            "expert_gradients",
         ):  # fmt: skip
             out["gradients"] += value
         elif name == "step:adamw" and phase == "optimizer step":
@@ -262,6 +273,54 @@ def _categories(terms: dict, phase: str) -> dict:
         else:
             out["activations_and_temporaries"] += value
     return out
+
+
+def _ep_expert_backward(s: Setup, add, base: dict, act: int, previous_rs: int, moe: dict, rows: int, w1: int,
+                        w2: int, mode: str) -> None:  # fmt: skip
+    """One layer's expert backward under EP x FSDP2-dense (:func:`_predict_fsdp`): :func:`predict`'s expert
+    parallel node and expert backward (``rows`` received rows, the local ``w1`` and ``w2`` bytes), with the
+    layer's FSDP2 terms (``base``: the root's and this layer's unsharded dense parameters, the prefetched
+    all-gather, the gradients so far) and the previous layer's reduce-scatter input alive."""
+    d, T, H, a = s.dims, s.tokens, s.dims.hidden_size, s.compute_bytes or s.param_bytes
+    lay = s.layout
+    node = sum(moe.values()) + (T * H * a if d.family == "granitemoe" else 0)
+    node += rows * H * a + T * d.top_k * a  # the experts' dY (its rows), the combine weights' gradient
+    n = {"S": rows, "T": rows, "k": 1, "H": H, "I": d.intermediate_size, "a": a, "w1": w1, "w2": w2,
+         "E": d.num_experts // lay.ep, "routing_grad": False}  # fmt: skip
+    if mode == "split":
+        shapes = {name: local_shape(shape, expert, lay) for name, shape, expert in parameter_tensors(d)}
+        n |= {f"{w}_scratch": split_scratch_bytes(shapes[f"layers.0.{name}"], s.param_bytes, whole=s.method == "paper")
+              for w, name in (("w1", "gate_up_proj"), ("w2", "down_proj"))}  # fmt: skip
+    if s.checkpointing:
+        add("backward", {**base, "activations": act, "previous_reduce_scatter_input": previous_rs,
+                         **_ep_recompute_combine(s, rows), "node": sum(moe.values())})  # fmt: skip
+    tape = Tape({**base, "activations": act, "previous_reduce_scatter_input": previous_rs, "node": node})
+    if s.backend == "torch":
+        torch_expert_backward(tape, n, mode, s.adamw, s.moments)
+    else:
+        triton_expert_backward(tape, n, mode)
+    add("backward", tape.at_peak)
+
+
+def _ep_recompute_combine(s: Setup, rows: int) -> dict:
+    """What the recomputed forward of a checkpointed layer holds at its combine under expert parallelism
+    (``sonar_kernels/nn/expert_parallel.py``, ``index_copy`` of the weighted rows into the slots), besides
+    the layer's saved tensors and the experts' node: the residual [T, H], the router logits [T, E] and the
+    routing weights [T, top_k]; the dispatch's locals (the kept mask, the destination ranks and their sort
+    order [S], the local expert ids [S] int32 sent and [rows] received); the experts' output [rows, H] and
+    the rows returned [S, H]; the combine's fp32 terms: the rows as fp32, their weights, the weighted rows,
+    the zeros they are copied into and the copy's output."""
+    d, T, H, a = s.dims, s.tokens, s.dims.hidden_size, s.compute_bytes or s.param_bytes
+    S = T * d.top_k
+    return {
+        "residual": T * H * a,
+        "router_logits": T * d.num_experts * logits_dtype_bytes(d, a),
+        "routing_weights": T * d.top_k * a,
+        "dispatch_indices": S * (1 + INT64 + INT64 + INT32) + rows * INT32,
+        "expert_output": rows * H * a,
+        "returned_rows": S * H * a,
+        "combine_fp32": 4 * S * H * FP32 + S * FP32,
+    }
 
 
 def _predict_fsdp(s: Setup, tensors) -> Prediction:
@@ -286,14 +345,27 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     ``_fsdp_collectives.py``): the shards, their gradients and AdamW's state in fp32; the all-gather (its
     inputs cast to bf16 by a foreach copy), the unsharded parameters, the model's computation and its
     unsharded gradients in bf16; each reduce-scatter input in fp32 (``chunk_cat`` of the bf16 gradients
-    into an fp32 buffer) and its output, the sharded gradients, in fp32 (the shards' own dtype: no cast)."""
+    into an fp32 buffer) and its output, the sharded gradients, in fp32 (the shards' own dtype: no cast).
+
+    With ``layout.ep`` (= ``fsdp``): expert parallelism with the dense layers on FSDP2 (docs/distributed.md,
+    "Expert parallel with the dense layers on FSDP2"; ``fully_shard`` of every decoder layer and of the
+    model with the expert tensors in ``ignored_params``). Each rank holds its E / ep experts whole: no
+    experts group, no all-gather or reduce-scatter of them; the tokens reach them by all-to-all, balanced
+    (T * top_k rows a layer), and their backward is :func:`predict`'s under expert parallelism (the Triton
+    or torch expert backward: the gradients kept in ``.grad`` by standard training, the update fused or
+    split in the backward otherwise), inside the FSDP2 terms of the layer around it."""
     from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS
 
     d, p, T, L, lay = s.dims, s.param_bytes, s.tokens, s.dims.num_layers, s.layout
     a = s.compute_bytes or p
     H, E, V, N = d.hidden_size, d.num_experts, d.vocab_size, lay.fsdp
     # Unsharded: in the parameters' dtype, or under mixed precision in param_dtype (a); sharded in p.
-    full = {name: numel(shape) * a for name, shape, _ in tensors}
+    ep = lay.ep > 1
+    # Under EP the experts are never all-gathered: their unsharded tensor is the rank's own E / ep.
+    full = {
+        name: numel(local_shape(shape, expert, lay) if expert and ep else shape) * a
+        for name, shape, expert in tensors
+    }
     shard = {name: numel(local_shape(shape, expert, lay)) * p for name, shape, expert in tensors}
     expert_names = {name for name, _, expert in tensors if expert}
     names = [name for name, _, _ in tensors]
@@ -356,7 +428,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     # (``comm_ctx.all_gather_state``, _fsdp_param_group.py ``wait_for_unshard``) until the root's
     # post-forward frees it (_fsdp_state.py ``_post_forward``): through the lm_head and the losses, which
     # the model's forward computes.
-    last_all_gather = gathered(L - 1, True)
+    last_all_gather = gathered(L - 1, not ep)  # under EP the last layer's dense group: no experts group
     add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
                     "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32,
                     "last_all_gather": last_all_gather})  # fmt: skip
@@ -373,9 +445,33 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     w1, w2 = full["layers.0.gate_up_proj"], full["layers.0.down_proj"]
     w1_shard = shard["layers.0.gate_up_proj"]
     previous_rs = 0  # the last reduce-scatter input, kept until the next post-backward
+    expert_grads = 0  # EP, standard: the expert gradients kept in .grad so far (they are not sharded)
+    mode = "grad" if not in_backward else "fused" if s.method == "sonar" and s.fused_epilogue else "split"
+    if ep and s.backend == "torch" and in_backward:
+        mode = "deferred"
     for layer in reversed(range(L)):
         kept, moe, _ = saved[layer]
         act = activations(layer) + (x if inputs_kept else 0) + sum(kept.values()) + shared
+        if ep:
+            base = {
+                "root_unsharded_parameters": root_unsharded,
+                "unsharded_parameters": total(full, layer, False),
+                "prefetched_all_gather": gathered(layer - 1, False),
+                "gradients": sharded_grads + root_grads,
+                "expert_gradients": expert_grads,
+                "router_logit_gradients": (layer + 1) * T * E * ld,
+                "incoming_gradient": x,
+            }
+            _ep_expert_backward(s, add, base, act, previous_rs, moe, rows[layer], w1, w2, mode)
+            if not in_backward:  # standard: this rank's expert gradients stay in .grad to the step
+                expert_grads += w1 + w2
+            base["gradients"], base["expert_gradients"] = sharded_grads + root_grads, expert_grads
+            base["router_logit_gradients"] = layer * T * E * ld
+            reduce_scatter({**base, "activations": act - sum(kept.values()), "unsharded_gradients": total(full, layer, False)},
+                           padded(layer, False), total(shard, layer, False))  # fmt: skip
+            sharded_grads += total(shard, layer, False)
+            previous_rs = padded(layer, False)
+            continue
         node = sum(moe.values()) + rows[layer] * 2 * d.intermediate_size * a + kept["routing_metadata"]
         if d.family == "granitemoe":
             node += x
@@ -426,13 +522,14 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     # unsharded gradients reduce-scattered.
     embedding = full["embed_tokens"]
     add("backward", {"root_unsharded_parameters": root_unsharded, "gradients": sharded_grads + root_grads + embedding,
-                     "incoming_gradient": x, "previous_reduce_scatter_input": previous_rs})  # fmt: skip
+                     "expert_gradients": expert_grads, "incoming_gradient": x,
+                     "previous_reduce_scatter_input": previous_rs})  # fmt: skip
     root_shard = sum(shard[n] for n in root)
-    reduce_scatter({"gradients": sharded_grads, "unsharded_gradients": root_grads + embedding}, N * root_shard,
-                   root_shard)  # fmt: skip
+    reduce_scatter({"gradients": sharded_grads, "expert_gradients": expert_grads,
+                    "unsharded_gradients": root_grads + embedding}, N * root_shard, root_shard)  # fmt: skip
     grads = sharded_grads + root_shard
     stepped = [shard[n] for n in names if not (in_backward and n in expert_names)]
-    add("optimizer step", {"gradients": grads, "loss_and_norm": 2 * FP32,
+    add("optimizer step", {"gradients": grads, "expert_gradients": expert_grads, "loss_and_norm": 2 * FP32,
                            "step:adamw": adamw_temporaries(s.adamw, stepped)})  # fmt: skip
     phase, terms = max(moments, key=lambda m: sum(m[1].values()))
     terms = {**static, **terms}

@@ -47,10 +47,10 @@ def numel(shape) -> int:
 
 
 def local_shape(shape: tuple[int, ...], is_expert: bool, layout: Layout) -> tuple[int, ...]:
-    """The shape one rank holds: experts split E / ep; under FSDP2 every tensor's first dimension padded
-    to a multiple of the ranks and split (FSDP2 keeps the padded shard)."""
+    """The shape one rank holds: experts split E / ep (and then held whole); under FSDP2 every other
+    tensor's first dimension padded to a multiple of the ranks and split (FSDP2 keeps the padded shard)."""
     if is_expert and layout.ep > 1:
-        shape = (shape[0] // layout.ep, *shape[1:])
+        return (shape[0] // layout.ep, *shape[1:])
     if layout.fsdp > 1:
         shape = (-(-shape[0] // layout.fsdp), *shape[1:])
     return shape

@@ -46,6 +46,21 @@ class _ScaleGrad(torch.autograd.Function):
         return grad * ctx.scale, None
 
 
+def exchange_counts(dest: torch.Tensor, group) -> tuple[list[int], list[int]]:
+    """The split sizes of the dispatch: ``dest`` [S] int64, the destination rank of each of this rank's
+    slots (P, the size of ``group``, for a dropped one); the rows this rank sends to each rank, counted,
+    exchanged with ``all_to_all_single`` and read on the host (the one sync per layer). Returns (rows sent
+    to each rank, rows received from each rank), P each.
+
+    A seam: a memory trace under fake tensors, which have no values to count or read, replaces it with
+    known counts (bench/memory_real.py's balanced routing; docs/distributed.md, "Traced at full size")."""
+    size = dist.get_world_size(group)
+    counts = torch.bincount(dest, minlength=size + 1)[:size]
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts, group=group)
+    return counts.tolist(), received.tolist()
+
+
 def _all_to_all(rows: torch.Tensor, output_splits: list[int], input_splits: list[int], group) -> torch.Tensor:
     """Rows exchanged with ``all_to_all_single``, differentiable (the backward is the reverse exchange):
     torch's functional collective, waited for here."""
@@ -95,10 +110,7 @@ def expert_parallel_moe_mlp(
     # Destination rank of each slot (size for a dropped one); slots sorted by it, stable.
     dest = torch.where(kept, flat.div(local, rounding_mode="floor"), size)
     order = torch.sort(dest, stable=True).indices
-    counts = torch.bincount(dest, minlength=size + 1)[:size]
-    received = torch.empty_like(counts)
-    dist.all_to_all_single(received, counts, group=group)
-    send_splits, recv_splits = counts.tolist(), received.tolist()
+    send_splits, recv_splits = exchange_counts(dest, group)
     slots = order[: sum(send_splits)]
     tokens = slots.div(top_k, rounding_mode="floor")
     # The local expert id travels with each row; the routing weight stays here for the combine.

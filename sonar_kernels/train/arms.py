@@ -333,13 +333,7 @@ def train_step(
     norm = None
     if arm.clip_params is not None:
         if arm.ep_experts is not None and arm.name == "standard":
-            # The global norm over all parameters: each rank holds other experts, so their squared norms
-            # are summed over the ranks (the dense gradients are the same on every rank after DDP).
-            experts = [p.grad for p in arm.ep_experts if p.grad is not None]
-            dense = [p.grad for p in arm.clip_params if p.grad is not None and not _among(p, arm.ep_experts)]
-            expert_sq = distributed.all_reduce_sum(torch.nn.utils.get_total_norm(experts).square())
-            norm = torch.sqrt(torch.nn.utils.get_total_norm(dense).square() + expert_sq)
-            torch.nn.utils.clip_grads_with_norm_(arm.clip_params, max_grad_norm, norm)
+            norm = _ep_clip(arm, max_grad_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(arm.clip_params, max_grad_norm)
     arm.optimizer.step()
@@ -358,6 +352,28 @@ def train_step(
         scheduler.step()
     arm.optimizer.zero_grad(set_to_none=True)
     return loss.detach(), None if norm is None else norm.detach()
+
+
+def _ep_clip(arm: Arm, max_grad_norm: float) -> torch.Tensor:
+    """Global-norm clipping under expert parallelism (the standard arm): each rank holds other experts, so
+    their squared norms are summed over the ranks; the dense gradients are the same on every rank after DDP,
+    or sharded by FSDP2 (the layout ``sonar_kernels.nn.fully_shard_dense`` builds; bench/memory_real.py),
+    whose norm is a DTensor made whole by its all-reduce, and whose gradients are scaled by the norm as a
+    replicated DTensor (torch refuses a DTensor and a plain tensor in one operation). Returns the norm."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    dense_params = [p for p in arm.clip_params if not _among(p, arm.ep_experts)]
+    experts = [p.grad for p in arm.ep_experts if p.grad is not None]
+    expert_sq = distributed.all_reduce_sum(torch.nn.utils.get_total_norm(experts).square())
+    dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense_params if p.grad is not None])
+    mesh = dense_norm.device_mesh if isinstance(dense_norm, DTensor) else None
+    if mesh is not None:
+        dense_norm = dense_norm.full_tensor()
+    norm = torch.sqrt(dense_norm.square() + expert_sq)
+    torch.nn.utils.clip_grads_with_norm_(arm.ep_experts, max_grad_norm, norm)
+    dense_by = norm if mesh is None else DTensor.from_local(norm, mesh, [Replicate()] * mesh.ndim)
+    torch.nn.utils.clip_grads_with_norm_(dense_params, max_grad_norm, dense_by)
+    return norm
 
 
 def _expert_step_count(arm: Arm) -> torch.Tensor:
