@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import ranks
 import torch
+from test_ep_fsdp2 import _create_dense_state  # the dense moments DCP loads into
 from torch import nn
 
 import sonar_kernels
@@ -76,20 +77,6 @@ def _snapshot(model, optimizer):
         for n, p in model.named_parameters()
     }
     return params, state
-
-
-def _create_dense_state(optimizer):
-    """The dense parameters' AdamW state, by a step with zero gradients and lr 0: DCP loads into existing
-    tensors (torchtitan does the same)."""
-    lrs = [group["lr"] for group in optimizer.param_groups]
-    for p in optimizer.dense_parameters():
-        p.grad = torch.zeros_like(p)
-    for group in optimizer.param_groups:
-        group["lr"] = 0.0
-    optimizer.step()
-    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-        group["lr"] = lr
-    optimizer.zero_grad()
 
 
 def _resume_rank(rank, world_size, mode, out):
