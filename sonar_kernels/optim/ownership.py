@@ -137,8 +137,10 @@ def sharded_experts_message(owner: str) -> str:
         "torchtitan's EP + FSDP), so each is updated in the backward from its reduced gradient, which exists as a "
         "tensor until its update: the paper's method's memory, not the fused wgrad epilogue's (no expert gradient "
         "at all). The fused update needs each rank to hold its experts' complete gradient: expert parallelism "
-        "through SonarExperts(ep_group=...) with the dense layers on FSDP2 (sonar_kernels.nn.fully_shard_dense; "
-        "docs/distributed.md). Filter ShardedExpertsWarning where this layout is the one you want."
+        "(SonarExperts(ep_group=...), or sonar_kernels.integrations.transformers.shard_experts for a transformers "
+        "model) with the dense layers on FSDP2 (sonar_kernels.nn.fully_shard_dense, or accelerate's FSDP2 plugin "
+        "with ignored_modules= the experts modules; docs/distributed.md). Filter ShardedExpertsWarning where "
+        "this layout is the one you want."
     )
 
 

@@ -130,8 +130,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             unless ``param_groups`` got its FSDP2 shard by then (accelerate's ``prepare``:
             :meth:`sync_param_groups`); expert tensors replaced in ``param_groups`` by tensors that are not
             experts (DeepSpeed ZeRO's flat partitions) are refused there too (RuntimeError), naming
-            DeepSpeed.
-        TypeError: an expert tensor of an unsupported dtype.
+            DeepSpeed; so are dense parameters of the model that FSDP2 sharded after this optimizer was
+            built (RuntimeError; optim/group_sync.py). TypeError: an expert tensor of an unsupported dtype.
     """
 
     # Experts modules hand over the expert tensors it holds as dense ones (InBackwardAdamW.claim).
