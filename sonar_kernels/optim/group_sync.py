@@ -38,9 +38,8 @@ def remember_source(optimizer, model: torch.nn.Module) -> None:
     names = {id(p): name for name, p in model.named_parameters() if not is_expert_tensor(p)}
     optimizer._dense_source = (weakref.ref(model), names)
 
-    def forget(
-        opt, args, kwargs
-    ):  # stays registered (removed while torch iterates the hooks, it would break)
+    # It stays registered: removing it while torch iterates the hooks would break that iteration.
+    def forget(opt, args, kwargs):
         opt._dense_source = None
 
     optimizer.register_step_post_hook(forget)
