@@ -101,7 +101,9 @@ def _run(args) -> int:
     preset = PRESETS[args.preset]
     device = args.device_obj
     ranks, leader = distributed.world_size(), distributed.rank() == 0
-    in_backward = [name for name in args.arms if name in ("all-in-backward", "paper-inbwd", "per-expert-inbwd")]
+    in_backward = [
+        name for name in args.arms if name in ("all-in-backward", "paper-inbwd", "per-expert-inbwd")
+    ]
     if ranks > 1 and in_backward:
         raise UsageError(
             f"--arms {' '.join(in_backward)} runs on one process only: torch's AdamW updates its parameters in "
