@@ -116,7 +116,7 @@ class Section:
 
     def __init__(self, plan, device):
         self.plan, self.device = plan, device
-        self.predictions = load_predictions() if PREDICTIONS.exists() else {}
+        self.predictions = load_predictions()  # committed with the code: a missing file is an error
         self.standard: dict[tuple[str, bool], dict] = {}
         self.controls: dict[str, list[tuple[str, torch.Tensor]]] = {}
 
