@@ -401,6 +401,34 @@ def test_expert_tensors_replaced_in_param_groups_by_other_tensors_are_refused():
         assert torch.equal(p, before[name]), name
 
 
+def test_a_refused_optimizer_of_another_model_does_not_stop_this_one():
+    # An optimizer left refused and alive (a notebook's variable, a traceback's frame) raises at its own
+    # model's forwards and step(), never at another model's, which trains as it does without it.
+    def train(model):
+        optimizer = sonar_kernels.SonarAdamW(model, **HYPER)
+        for step in range(3):
+            x, y = _batch(step)
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return model
+
+    alone = train(_model("torch"))
+    refused_model = _model("torch", seed=1)
+    refused = sonar_kernels.SonarAdamW(refused_model, **HYPER)
+    refused.param_groups[0]["params"] = [nn.Parameter(torch.zeros(3))]
+    x, _ = _batch(0)
+    with pytest.raises(RuntimeError, match=r"param_groups were replaced"):
+        refused_model(x)
+    trained = train(_model("torch"))
+    for (name, p), q in zip(trained.named_parameters(), alone.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    with pytest.raises(RuntimeError, match=r"param_groups were replaced"):
+        refused_model(x)
+    with pytest.raises(RuntimeError, match=r"param_groups were replaced"):
+        refused.step()
+
+
 def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
     model = _model("torch")
     optimizer = sonar_kernels.SonarAdamW(model, **HYPER)

@@ -279,7 +279,11 @@ def check_loadable(
     """Check, before anything is loaded, what the in-backward update needs of ``state_dict``: a group that
     holds managed tensors only with the options and hyperparameter ranges the update implements (any other
     group loads as into torch.optim.AdamW); as many groups and parameters as ``param_groups``; each managed
-    tensor's moments tensors of its shape, or no state. Returns the (saved id, tensor) pairs.
+    tensor's moments tensors of its shape, or no state; every parameter's state tensors (all but the 0-dim
+    ones, ``step``) sharded as the parameter is: a DTensor of its placements for a DTensor (FSDP2, EP) and
+    a plain tensor for a plain one. torch.optim.Optimizer.load_state_dict would take a full tensor for a
+    shard, and the step would fail after the load replaced the whole state. Returns the (saved id, tensor)
+    pairs.
 
     Raises:
         ValueError: what does not hold, naming the option, the parameter and the key.
@@ -294,6 +298,7 @@ def check_loadable(
     pairs = _pairs(saved_groups, param_groups)
     for param_id, p in pairs:
         saved = state_dict["state"].get(param_id, {})
+        _check_placements(param_id, p, saved)
         if not managed(p):
             continue
         for key in MOMENTS:
@@ -305,6 +310,25 @@ def check_loadable(
                     f"{key} of parameter {param_id} has shape {tuple(value.shape)}, the parameter {tuple(p.shape)}"
                 )
     return pairs
+
+
+def _check_placements(param_id, p: torch.Tensor, saved: dict) -> None:
+    """A saved state of ``p`` whose tensors are sharded as ``p`` is (see :func:`check_loadable`)."""
+    for key, value in saved.items():
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            continue
+        if isinstance(p, DTensor) != isinstance(value, DTensor) or (
+            isinstance(p, DTensor) and value.placements != p.placements
+        ):
+            shown = f"DTensor with placements {value.placements}" if isinstance(value, DTensor) else "tensor"
+            wanted = (
+                f"a DTensor with placements {p.placements}" if isinstance(p, DTensor) else "a plain tensor"
+            )
+            raise ValueError(
+                f"{key} of parameter {param_id} is a {shown}, the parameter's state must be {wanted}: a state "
+                "dict saved under another sharding loads through torch.distributed.checkpoint.state_dict's "
+                "set_optimizer_state_dict (docs/distributed.md)"
+            )
 
 
 def _load_8bit(p: torch.Tensor, saved: dict) -> dict:

@@ -188,7 +188,13 @@ def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module 
         return
     _install_step_check()
     for optimizer in list(_adopters):
-        optimizer.sync_param_groups()
+        try:
+            optimizer.sync_param_groups()
+        except (RuntimeError, ValueError, TypeError):
+            # An optimizer of another model that refuses its groups does not stop this one: its own
+            # models' forwards and its step() raise it (it updates nothing meanwhile).
+            if _concerns(optimizer, module, tensors):
+                raise
     before = getattr(module, _CLAIMED, None) if module is not None else None
     for index, t in enumerate(tensors):
         if t is None:
@@ -208,6 +214,18 @@ def claim_expert_tensors(*tensors: torch.Tensor | None, module: torch.nn.Module 
             if update is not None and getattr(update, "tensor", lambda: None)() is tensors[index]:
                 # Where the tensor sits: step() checks that it is still there (InBackwardUpdates.check_before_step).
                 update.held_at = (weakref.ref(module), index)
+
+
+def _concerns(optimizer, module: torch.nn.Module | None, tensors: tuple) -> bool:
+    """Whether ``optimizer`` holds or updates one of ``tensors`` (in its groups, or as the tensors it
+    updates in the backward), or was built from a model that holds ``module``."""
+    held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    held.update(id(p) for p in optimizer._managed)
+    if any(t is not None and id(t) in held for t in tensors):
+        return True
+    source = getattr(optimizer, "_dense_source", None)
+    model = source[0]() if source is not None else None
+    return model is not None and module is not None and any(m is module for m in model.modules())
 
 
 # The attribute of an experts module that holds the update handles of the tensors of its last forward.
