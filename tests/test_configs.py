@@ -169,6 +169,9 @@ def _dhpre_core(config, poison, device):
     outputs = moe_mlp_bwd_core(grad_out, x, weights, w1, w2, hpre, meta, "silu", (True,) * 5)
     kept = int(meta.expert_offsets[-1])
     names = ("dX", "d top_k_weights", "dHpre", "A", "magnitudes")
+    # The magnitudes' rows are the shares of a pass over the dHpre kernel's per-program maxima (their number
+    # depends on its tiles): each column's largest is what bounds the gradients.
+    outputs = (*outputs[:4], outputs[4].amax(0))
     return {
         name: _bits(t[:kept] if name in ("dHpre", "A") else t) for name, t in zip(names, outputs, strict=True)
     }

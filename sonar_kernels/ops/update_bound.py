@@ -1,0 +1,93 @@
+"""Launchers of the overflow bound of the updated expert tensors' gradients (``kernels/update_bound.py``):
+the 0.0 / 1.0 flag that lets an update's check pass return at once (docs/design.md, "Backward and the fused
+update"). One pass per layer step reads the operands' magnitudes (:func:`layer_magnitudes`, in the
+backward's core), one single-program launch per update turns them into its flag (:func:`overflow_flag`):
+what used to be some twenty torch ops per update. No host sync; the flag is the torch expression's
+(``ops/adamw.py``, :func:`sonar_kernels.ops.adamw.overflow_possible`)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from sonar_kernels.kernels.update_bound import COLUMNS, bound_flag_kernel, bound_magnitudes_kernel
+from sonar_kernels.ops import common
+from sonar_kernels.ops.common import inf_norm
+
+# Token rows per block of the magnitudes pass, and its programs at most (an H100 has 132 SMs): at OLMoE's
+# T 4096 each of 128 programs reads two blocks of 16 rows of X and of dO.
+BLOCK_T = 16
+MAX_PROGRAMS = 128
+# The column of Q's largest magnitude for each expert tensor (kernels/update_bound.py): A for the down
+# projection, X for the gate/up projection, none (a column of ones) for a bias.
+_Q_COLUMN = {"down_proj": 0, "gate_up_proj": 4, "up_proj": 4, "gate_up_proj_bias": -1, "down_proj_bias": -1}
+
+
+def magnitude_rows(T: int) -> int:
+    """The rows of :func:`layer_magnitudes` for ``T`` tokens (the programs of its pass; at least 1)."""
+    # sym_max / sym_min: a symbolic T (the fake implementation under torch.compile) stays symbolic.
+    return torch.sym_max(1, torch.sym_min((T + BLOCK_T - 1) // BLOCK_T, MAX_PROGRAMS))
+
+
+def layer_magnitudes(
+    hidden_states: torch.Tensor,
+    grad_out: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    absmax: torch.Tensor | None,
+    expert_offsets: torch.Tensor,
+) -> torch.Tensor:
+    """The magnitudes that bound every expert tensor's gradient of a layer step, in one launch.
+
+    Args:
+        hidden_states: X [T, H]; grad_out: dO [T, H] (any strides, 0 included); top_k_weights: [T, top_k].
+        absmax: [n, 2] fp32, the dHpre kernel's per-program largest |A| and |dHpre| (NaN counted as inf),
+            or None when it did not run (no kept rows).
+        expert_offsets: [E + 1] int32.
+    Returns:
+        [:func:`magnitude_rows` (T), 6] fp32: per program of the pass, the largest |A|, |dHpre|,
+        |top_k_weights|, |dO|, |X| and rows of an expert over its share (a NaN counted as inf); the largest
+        of each column is that of the whole tensor.
+    """
+    T, H = hidden_states.shape
+    top_k = top_k_weights.shape[1]
+    programs = magnitude_rows(T)
+    out = common.empty((programs, COLUMNS), torch.float32, hidden_states.device)
+    absmax_arg, num_absmax = (out, 0) if absmax is None else (absmax, absmax.shape[0])
+    bound_magnitudes_kernel[(programs,)](
+        hidden_states, grad_out, top_k_weights, absmax_arg, expert_offsets, out,
+        T, H, top_k, num_absmax, expert_offsets.numel() - 1,
+        hidden_states.stride(0), hidden_states.stride(1), grad_out.stride(0), grad_out.stride(1),
+        top_k_weights.stride(0), top_k_weights.stride(1),
+        BLOCK_T=BLOCK_T, BLOCK_H=256, BLOCK_J=max(2, triton.next_power_of_2(top_k)), BLOCK_A=64, BLOCK_E=64,
+        num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def overflow_flag(
+    magnitudes: torch.Tensor,
+    name: str,
+    grad_in: torch.Tensor | None,
+    entry_limit: float,
+    operand_limit: float,
+) -> torch.Tensor:
+    """The 0-dim fp32 flag of the expert tensor ``name``'s update: 0.0 when no entry of its wgrad, rounded
+    (and summed with ``grad_in``), can exceed ``entry_limit`` in magnitude and no GEMM operand can exceed
+    ``operand_limit`` when rounded to the GEMM dtype, else 1.0 (so also for a NaN or inf anywhere): the
+    decision of :func:`sonar_kernels.ops.adamw.overflow_possible` on the same magnitudes, in one launch
+    (plus torch's max |grad_in| when there is one, gradient accumulation).
+
+    Args:
+        magnitudes: :func:`layer_magnitudes`' rows for this layer step.
+        name: one of :data:`sonar_kernels.specs.EXPERT_TENSORS`: P is w * dO (the down projection and its
+            bias) or dHpre; Q is A, X or a column of ones.
+        entry_limit, operand_limit: Python floats that fp32 holds exactly (a power of two, a dtype's max).
+    """
+    flag = common.empty((), torch.float32, magnitudes.device)
+    grad_in_max = flag if grad_in is None else inf_norm(grad_in)
+    bound_flag_kernel[(1,)](
+        magnitudes, grad_in_max, flag, magnitudes.shape[0], float(entry_limit), float(operand_limit),
+        P_FROM_TOKENS=name in ("down_proj", "down_proj_bias"), Q_COLUMN=_Q_COLUMN[name],
+        HAS_GRAD_IN=grad_in is not None, BLOCK_ROWS=128, num_warps=4, enable_fp_fusion=False,
+    )  # fmt: skip
+    return flag
