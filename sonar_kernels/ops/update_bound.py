@@ -14,10 +14,11 @@ from sonar_kernels.kernels.update_bound import COLUMNS, bound_flag_kernel, bound
 from sonar_kernels.ops import common
 from sonar_kernels.ops.common import inf_norm
 
-# Token rows per block of the magnitudes pass, and its programs at most (an H100 has 132 SMs): at OLMoE's
-# T 4096 each of 128 programs reads two blocks of 16 rows of X and of dO.
+# Token rows per block of the magnitudes pass, and its programs at most (some four per SM of an H100, whose
+# sm_90a build takes 128 registers at 4 warps): at OLMoE's T 4096, 256 programs each read 16 rows of X and
+# of dO (128 KiB in bf16).
 BLOCK_T = 16
-MAX_PROGRAMS = 128
+MAX_PROGRAMS = 512
 # The column of Q's largest magnitude for each expert tensor (kernels/update_bound.py): A for the down
 # projection, X for the gate/up projection, none (a column of ones) for a bias.
 _Q_COLUMN = {"down_proj": 0, "gate_up_proj": 4, "up_proj": 4, "gate_up_proj_bias": -1, "down_proj_bias": -1}
