@@ -8,6 +8,7 @@ tests/test_nonfinite.py shows the skipped updates themselves."""
 import pytest
 import torch
 
+from sonar_kernels.ops import update_bound
 from sonar_kernels.ops.adamw import overflow_possible
 from sonar_kernels.ops.update_bound import layer_magnitudes, magnitude_rows, overflow_flag
 from sonar_kernels.specs import EXPERT_TENSORS
@@ -65,23 +66,27 @@ def _kernel_flags(operands, grad_in, entry_limit, operand_limit):
     }
 
 
-# T below the pass's row block, T over several blocks of one program, and above MAX_PROGRAMS blocks (programs
-# that take several blocks); odd H over the column block; top_k 1 and 3; E prime.
+# T below the pass's row block; T over several blocks, one per program; more blocks than programs (the pass
+# held to 4 programs: each takes several blocks); odd H over the column block; top_k 1 and 3; E prime.
 SHAPES = [
-    pytest.param(5, 24, 1, 3, id="T5-H24-k1-E3"),
-    pytest.param(40, 300, 3, 7, id="T40-H300-k3-E7"),
-    pytest.param(2100, 8, 2, 5, id="T2100-H8-k2-E5"),
+    pytest.param(5, 24, 1, 3, None, id="T5-H24-k1-E3"),
+    pytest.param(40, 300, 3, 7, None, id="T40-H300-k3-E7"),
+    pytest.param(210, 8, 2, 5, 4, id="T210-H8-k2-E5-4programs"),
 ]
 
 
-@pytest.mark.parametrize(("T", "H", "top_k", "E"), SHAPES)
+@pytest.mark.parametrize(("T", "H", "top_k", "E", "programs"), SHAPES)
 @pytest.mark.parametrize("poison", [None, "nan", "inf"])
-def test_magnitudes_are_each_operands_largest(T, H, top_k, E, poison):
+def test_magnitudes_are_each_operands_largest(T, H, top_k, E, programs, poison, monkeypatch):
+    if programs is not None:
+        monkeypatch.setattr(update_bound, "MAX_PROGRAMS", programs)
     generator = torch.Generator().manual_seed(T + H)
     operands = _operands(T, H, top_k, E, (1.0, 2.0**40, 3.0, 0.5), torch.bfloat16, generator, poison)
     x, grad_out, weights, absmax, offsets = operands
     magnitudes = layer_magnitudes(x, grad_out, weights, absmax, offsets)
-    assert magnitudes.shape == (magnitude_rows(T), 6)
+    assert magnitudes.shape == (magnitude_rows(T), 6) and (
+        programs is None or magnitudes.shape[0] == programs
+    )
     expected = torch.stack(
         [
             *absmax.amax(0),
