@@ -93,6 +93,7 @@ def test_every_kernel_and_configuration_builds(report):
         "update_begin_kernel",
         "update_end_kernel",
         "bound_magnitudes_kernel",
+        "bound_table_kernel",
         "bound_flag_kernel",
     }
     import os

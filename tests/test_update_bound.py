@@ -5,19 +5,31 @@ NaN, inf, an expert without rows, all-zero and empty inputs, every expert tensor
 without the gradient of earlier micro-batches. The flag decides only whether the exact check pass runs;
 tests/test_nonfinite.py shows the skipped updates themselves."""
 
+from unittest import mock
+
 import pytest
 import torch
 
+from sonar_kernels.kernels.update_bound import COLUMNS, TABLE
 from sonar_kernels.ops import update_bound
 from sonar_kernels.ops.adamw import overflow_possible
-from sonar_kernels.ops.update_bound import layer_magnitudes, magnitude_rows, overflow_flag
+from sonar_kernels.ops.update_bound import (
+    ENTRY_LIMITS,
+    OPERAND_LIMITS,
+    layer_magnitudes,
+    magnitude_rows,
+    magnitudes_numel,
+    overflow_flag,
+)
 from sonar_kernels.specs import EXPERT_TENSORS
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 FP16_MAX = torch.finfo(torch.float16).max
-# The entry limits an update meets: grad_limit of fp32 / bf16 moments (2**63), an fp16 gradient's max
-# (65504), grad_limit of fp16 moments (2**7).
-ENTRY_LIMITS = (2.0**63, FP16_MAX, 128.0)
+
+
+def _rows(magnitudes: torch.Tensor) -> torch.Tensor:
+    """The pass's rows of a layer's magnitudes buffer (past the flags' table)."""
+    return magnitudes[TABLE:].view(-1, COLUMNS)
 
 
 def _largest(t: torch.Tensor) -> torch.Tensor:
@@ -58,12 +70,16 @@ def _torch_flag(name, operands, grad_in, entry_limit, operand_limit):
     return overflow_possible((p_max, q_max, most_rows), grad_in, entry_limit, operand_limit)
 
 
-def _kernel_flags(operands, grad_in, entry_limit, operand_limit):
+def _kernel_flags(operands, grad_in, entry_limit, operand_limit, own_launch=False):
+    """Each expert tensor's flag from the layer's magnitudes: read from the table (with grad_in: the
+    update's own launch), or with ``own_launch`` every one from its own launch."""
     x, grad_out, weights, absmax, offsets = operands
     magnitudes = layer_magnitudes(x, grad_out, weights, absmax, offsets)
-    return {
-        name: overflow_flag(magnitudes, name, grad_in, entry_limit, operand_limit) for name in EXPERT_TENSORS
-    }
+    with mock.patch.object(update_bound, "ENTRY_LIMITS", () if own_launch else update_bound.ENTRY_LIMITS):
+        return {
+            name: overflow_flag(magnitudes, name, grad_in, entry_limit, operand_limit)
+            for name in EXPERT_TENSORS
+        }
 
 
 # T below the pass's row block; T over several blocks, one per program; more blocks than programs (the pass
@@ -84,9 +100,8 @@ def test_magnitudes_are_each_operands_largest(T, H, top_k, E, programs, poison, 
     operands = _operands(T, H, top_k, E, (1.0, 2.0**40, 3.0, 0.5), torch.bfloat16, generator, poison)
     x, grad_out, weights, absmax, offsets = operands
     magnitudes = layer_magnitudes(x, grad_out, weights, absmax, offsets)
-    assert magnitudes.shape == (magnitude_rows(T), 6) and (
-        programs is None or magnitudes.shape[0] == programs
-    )
+    assert magnitudes.shape == (magnitudes_numel(T),)
+    assert _rows(magnitudes).shape[0] == magnitude_rows(T) == (programs or magnitude_rows(T))
     expected = torch.stack(
         [
             *absmax.amax(0),
@@ -96,7 +111,7 @@ def test_magnitudes_are_each_operands_largest(T, H, top_k, E, programs, poison, 
             (offsets[1:] - offsets[:-1]).amax().float(),
         ]
     )
-    got = magnitudes.amax(0)
+    got = _rows(magnitudes).amax(0)
     assert torch.equal(got, expected), (got, expected)
     assert bool(torch.isinf(got[3])) == (poison is not None)
 
@@ -108,13 +123,15 @@ def test_magnitudes_read_strided_and_broadcast_grad_out():
     weights = torch.rand(3, 33, generator=generator).t()
     grad_out = torch.full((), -7.5).expand(33, 32)
     offsets = torch.tensor([0, 40, 40, 99], dtype=torch.int32)
-    magnitudes = layer_magnitudes(x, grad_out, weights, None, offsets).amax(0)
+    magnitudes = _rows(layer_magnitudes(x, grad_out, weights, None, offsets)).amax(0)
     expected = torch.tensor([0.0, 0.0, float(_largest(weights)), 7.5, float(_largest(x)), 59.0])
     assert torch.equal(magnitudes, expected), magnitudes
 
 
-def test_flag_is_the_torch_expressions_on_random_magnitudes():
-    # Magnitudes over 2**-20 .. 2**40 against each entry limit: both decisions occur, near the limits too.
+@pytest.mark.parametrize("own_launch", [False, True], ids=["table", "own-launch"])
+def test_flag_is_the_torch_expressions_on_random_magnitudes(own_launch):
+    # Magnitudes over 2**-20 .. 2**40 against each pair of limits: both decisions occur. The flags the
+    # layer's table holds (grad_in: the update's own launch), or every flag from its own launch.
     generator = torch.Generator().manual_seed(2)
     decisions = {0.0: 0, 1.0: 0}
     for case in range(24):
@@ -123,10 +140,10 @@ def test_flag_is_the_torch_expressions_on_random_magnitudes():
             0, 2 ** int(torch.randint(1, 20, (), generator=generator)), (5,), generator=generator
         )
         operands = _operands(12, 40, 2, 5, scale, torch.float32, generator, counts=counts)
-        entry_limit = ENTRY_LIMITS[case % 3]
-        operand_limit = (BF16_MAX, FP16_MAX)[case % 2]
+        entry_limit = (2.0**63, FP16_MAX, 128.0)[case % 3]
+        operand_limit = OPERAND_LIMITS[case % 3 if case % 2 else (case + 1) % 3]
         grad_in = None if case % 4 else torch.randn(3, 4, generator=generator) * scale[0]
-        flags = _kernel_flags(operands, grad_in, entry_limit, operand_limit)
+        flags = _kernel_flags(operands, grad_in, entry_limit, operand_limit, own_launch)
         for name, flag in flags.items():
             expected = _torch_flag(name, operands, grad_in, entry_limit, operand_limit)
             assert flag.shape == () and flag.dtype == torch.float32
@@ -183,13 +200,31 @@ def test_flag_at_the_last_fp32_step_of_the_limit(limit, operand_limit):
     def flag_of(p, kernel=False):
         absmax = torch.stack([torch.ones(()), p]).view(1, 2)
         operands = (x, grad_out, weights, absmax, offsets)
-        if kernel:
-            return overflow_flag(
-                layer_magnitudes(*operands[:4], offsets), "gate_up_proj_bias", None, limit, operand_limit
-            )
+        if kernel:  # from the table, and from the update's own launch
+            return [
+                _kernel_flags(operands, None, limit, operand_limit, own)["gate_up_proj_bias"]
+                for own in (0, 1)
+            ]
         return _torch_flag("gate_up_proj_bias", operands, None, limit, operand_limit)
 
     last = _boundary(flag_of, 1.0, min(limit, operand_limit))
     first = torch.nextafter(last, torch.tensor(float("inf")))
     assert float(flag_of(last)) == 0.0 and float(flag_of(first)) == 1.0
-    assert float(flag_of(last, kernel=True)) == 0.0 and float(flag_of(first, kernel=True)) == 1.0
+    assert [float(f) for f in flag_of(last, kernel=True)] == [0.0, 0.0]
+    assert [float(f) for f in flag_of(first, kernel=True)] == [1.0, 1.0]
+
+
+def test_a_flag_of_the_table_is_a_view_that_starts_16_bytes_aligned():
+    # The check pass reads it through a pointer the JIT specialises on 16-byte alignment: every flag of the
+    # table keeps the check pass's compiled variant.
+    assert ENTRY_LIMITS == (2.0**63, FP16_MAX, 128.0)
+    generator = torch.Generator().manual_seed(4)
+    operands = _operands(6, 8, 2, 3, (1.0, 1.0, 1.0, 1.0), torch.float32, generator)
+    magnitudes = layer_magnitudes(*operands)
+    for entry_limit in ENTRY_LIMITS:
+        for operand_limit in OPERAND_LIMITS:
+            for name in EXPERT_TENSORS:
+                flag = overflow_flag(magnitudes, name, None, entry_limit, operand_limit)
+                assert flag.shape == () and flag.data_ptr() % 16 == 0
+                assert flag.untyped_storage().data_ptr() == magnitudes.untyped_storage().data_ptr()
+                assert torch.equal(flag, _torch_flag(name, operands, None, entry_limit, operand_limit))

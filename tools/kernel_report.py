@@ -803,8 +803,8 @@ def _adamw_specs() -> list[Spec]:
         )
     )  # fmt: skip
     # The overflow bound before each update's check pass (ops/update_bound.py): the layer's magnitudes pass
-    # over X, dO and the routing weights (each activation dtype; the weights fp32 or the activation's), and
-    # each update's flag (every operand set).
+    # over X, dO and the routing weights (each activation dtype; the weights fp32 or the activation's), its
+    # table of flags, and the flag of an update with the gradient of earlier micro-batches (every operand set).
     for act_dtype, w_dtype in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
         out.append(
             Spec(
@@ -817,6 +817,15 @@ def _adamw_specs() -> list[Spec]:
                 unit_strides=("stride_xh", "stride_gh", "stride_wj"),
             )
         )  # fmt: skip
+    out.append(
+        Spec(
+            update_bound.bound_table_kernel,
+            "every tensor and limit",
+            {"magnitudes_ptr": "fp32"},
+            {"BLOCK_ROWS": 128},
+            {"num_warps": 4, "enable_fp_fusion": False},
+        )
+    )
     for p_from_tokens, q_column, grad_in in ((True, 0, False), (False, 4, False), (False, -1, True)):
         out.append(
             Spec(

@@ -1,9 +1,15 @@
 """The overflow bound of an expert tensor's gradient, which decides whether the update's check pass runs
 (docs/design.md, "Backward and the fused update"): one pass per layer step over the operands that bound every
-updated tensor's gradient (:func:`bound_magnitudes_kernel`), then one single-program launch per update that
-reduces the pass's partial maxima and computes its 0.0 / 1.0 flag (:func:`bound_flag_kernel`). They replace
-some twenty torch ops per update (``ops/update_bound.py``); the flag is the one the torch expression gives
-(``ops/adamw.py``, ``overflow_possible``), or 1.0 where that expression meets a NaN."""
+updated tensor's gradient (:func:`bound_magnitudes_kernel`), then one single-program launch that reduces the
+pass's partial maxima and computes the 0.0 / 1.0 flag of every expert tensor at every pair of limits an
+update can meet (:func:`bound_table_kernel`); an update with the gradient of earlier micro-batches (or other
+limits) takes its own single-program launch (:func:`bound_flag_kernel`). They replace some twenty torch ops
+per update (``ops/update_bound.py``); the flag is the one the torch expression gives (``ops/adamw.py``,
+``overflow_possible``), or 1.0 where that expression meets a NaN.
+
+The layer's buffer (fp32): first the table, one flag per (entry limit, operand limit, expert tensor) every
+FLAG_STRIDE elements (each flag 16-byte aligned, as the check pass's pointer is specialised), then one row of
+COLUMNS partial maxima per program of the pass."""
 
 import triton
 import triton.language as tl
@@ -11,6 +17,19 @@ import triton.language as tl
 # The columns of the magnitudes (one row per program of the pass): largest |A|, largest |dHpre| (from the
 # dHpre kernel's per-program maxima), largest |top_k_weights|, |dO|, |X|, the most rows of an expert.
 COLUMNS = 6
+# The table: ENTRY_LIMITS x OPERAND_LIMITS x EXPERT TENSORS (``ops/update_bound.py``; the tensors in
+# ``specs.EXPERT_TENSORS``' order: gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias), one
+# fp32 flag every FLAG_STRIDE elements.
+NUM_ENTRY_LIMITS = 3
+NUM_OPERAND_LIMITS = 3
+NUM_TENSORS = 5
+FLAG_STRIDE = 4
+TABLE = NUM_ENTRY_LIMITS * NUM_OPERAND_LIMITS * NUM_TENSORS * FLAG_STRIDE
+# The same, as the kernels read them (a Triton kernel reads only constexpr globals).
+_COLUMNS = tl.constexpr(COLUMNS)
+_NUM_TENSORS = tl.constexpr(NUM_TENSORS)
+_FLAG_STRIDE = tl.constexpr(FLAG_STRIDE)
+_TABLE = tl.constexpr(TABLE)
 
 
 @triton.jit
@@ -35,7 +54,7 @@ def bound_magnitudes_kernel(
     weights_ptr,  # [T, top_k] fp32/bf16/fp16, read: the routing weights
     absmax_ptr,  # [num_absmax, 2] fp32, read: the dHpre kernel's per-program largest |A|, |dHpre| (NaN -> inf)
     offsets_ptr,  # [E + 1] int32, read: the expert offsets
-    out_ptr,  # [num_programs, COLUMNS] fp32, written: each program's largest magnitudes (NaN -> inf)
+    out_ptr,  # [TABLE + num_programs * COLUMNS] fp32, written past the table: each program's largest magnitudes
     # sizes
     T,
     H,
@@ -56,7 +75,7 @@ def bound_magnitudes_kernel(
     BLOCK_A: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
-    """out[pid] = (max |A|, max |dHpre|, max |top_k_weights|, max |dO|, max |X|, max rows of an expert) over
+    """out[TABLE + pid * COLUMNS:][:COLUMNS] = (max |A|, max |dHpre|, max |top_k_weights|, max |dO|, max |X|, max rows of an expert) over
     this program's share: the row blocks pid, pid + grid, ... of X, dO and the weights, the same stride over
     the dHpre kernel's maxima and over the experts. A NaN counts as inf; an empty share gives 0.
 
@@ -99,7 +118,7 @@ def bound_magnitudes_kernel(
         low = tl.load(offsets_ptr + experts, mask=mask_e, other=0)
         high = tl.load(offsets_ptr + experts + 1, mask=mask_e, other=0)
         most = tl.maximum(most, high - low)
-    out = out_ptr + pid.to(tl.int64) * 6
+    out = out_ptr + _TABLE + pid.to(tl.int64) * _COLUMNS
     tl.store(out + cols2, a_largest.to(tl.float32, bitcast=True))
     tl.store(out + 2, _largest(w_bits))
     tl.store(out + 3, _largest(g_bits))
@@ -109,9 +128,93 @@ def bound_magnitudes_kernel(
 
 
 @triton.jit
+def _column_largest(magnitudes_ptr, num_rows, BLOCK_ROWS: tl.constexpr):
+    """[8] fp32: the largest of each column of the pass's rows (past the table; columns 6 and 7 are 0)."""
+    offs_r = tl.arange(0, BLOCK_ROWS)
+    cols = tl.arange(0, 8)
+    largest = tl.zeros([BLOCK_ROWS, 8], dtype=tl.float32)
+    for r0 in range(0, num_rows, BLOCK_ROWS):
+        rows = r0 + offs_r
+        mask = (rows < num_rows)[:, None] & (cols < _COLUMNS)[None, :]
+        ptrs = magnitudes_ptr + _TABLE + rows[:, None] * _COLUMNS + cols[None, :]
+        # magnitudes: >= 0, no NaN (a NaN was counted as inf)
+        largest = tl.maximum(largest, tl.load(ptrs, mask=mask, other=0.0))
+    return tl.max(largest, axis=0)
+
+
+@triton.jit
+def _pick(column, c: tl.constexpr):
+    """Entry ``c`` of the [8] column maxima, as a scalar."""
+    return tl.max(tl.where(tl.arange(0, 8) == c, column, 0.0), axis=0)
+
+
+@triton.jit
+def _flag(n, p, q, grad_in_max, entry_limit, operand_limit):
+    """1.0 unless (total * 1.03 <= entry_limit) and (p * 1.01 <= operand_limit), total = n * p * q * (1 + n *
+    2**-23) + grad_in_max: ``ops/adamw.py``'s ``overflow_possible`` in fp32, in torch's order."""
+    total = n * p * q * (tl.full([], 1.0, tl.float32) + n * tl.full([], 1.1920928955078125e-07, tl.float32))
+    total = total + grad_in_max
+    safe = (total * tl.full([], 1.03, tl.float32) <= entry_limit) & (
+        p * tl.full([], 1.01, tl.float32) <= operand_limit
+    )
+    return tl.where(safe, 0.0, 1.0)
+
+
+@triton.jit
+def _table_row(out_ptr, row: tl.constexpr, n, p_tokens, p_dhpre, q_a, q_x, entry_limit, operand_limit):
+    """The flags of the five expert tensors at one pair of limits (specs.EXPERT_TENSORS' order): P is w * dO
+    for the down projection and its bias, dHpre otherwise; Q is A, X, or 1 for a bias."""
+    zero = tl.full([], 0.0, tl.float32)
+    one = tl.full([], 1.0, tl.float32)
+    base = out_ptr + row * _NUM_TENSORS * _FLAG_STRIDE
+    tl.store(base, _flag(n, p_dhpre, q_x, zero, entry_limit, operand_limit))
+    tl.store(base + _FLAG_STRIDE, _flag(n, p_tokens, q_a, zero, entry_limit, operand_limit))
+    tl.store(base + 2 * _FLAG_STRIDE, _flag(n, p_dhpre, q_x, zero, entry_limit, operand_limit))
+    tl.store(base + 3 * _FLAG_STRIDE, _flag(n, p_dhpre, one, zero, entry_limit, operand_limit))
+    tl.store(base + 4 * _FLAG_STRIDE, _flag(n, p_tokens, one, zero, entry_limit, operand_limit))
+
+
+@triton.jit
+def bound_table_kernel(
+    # pointers
+    magnitudes_ptr,  # [TABLE + num_rows * COLUMNS] fp32, read past the table, the table written
+    # sizes
+    num_rows,
+    entry_limit_0: tl.float32,  # ops/update_bound.py's ENTRY_LIMITS (fp32 holds each exactly)
+    entry_limit_1: tl.float32,
+    entry_limit_2: tl.float32,
+    operand_limit_0: tl.float32,  # ops/update_bound.py's OPERAND_LIMITS (the same)
+    operand_limit_1: tl.float32,
+    operand_limit_2: tl.float32,
+    # meta-parameters
+    BLOCK_ROWS: tl.constexpr,
+):
+    """table[(i * NUM_OPERAND_LIMITS + j) * NUM_TENSORS + k] = the flag of expert tensor k at entry limit i
+    and operand limit j (:func:`bound_flag_kernel`'s, without grad_in), every FLAG_STRIDE elements.
+
+    Grid: (1,). Launched without fp fusion (the expression's roundings are torch's).
+    """
+    column = _column_largest(magnitudes_ptr, num_rows, BLOCK_ROWS)
+    n = _pick(column, 5)
+    p_tokens = _pick(column, 2) * _pick(column, 3)
+    p_dhpre = _pick(column, 1)
+    q_a = _pick(column, 0)
+    q_x = _pick(column, 4)
+    _table_row(magnitudes_ptr, 0, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_0, operand_limit_0)
+    _table_row(magnitudes_ptr, 1, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_0, operand_limit_1)
+    _table_row(magnitudes_ptr, 2, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_0, operand_limit_2)
+    _table_row(magnitudes_ptr, 3, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_1, operand_limit_0)
+    _table_row(magnitudes_ptr, 4, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_1, operand_limit_1)
+    _table_row(magnitudes_ptr, 5, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_1, operand_limit_2)
+    _table_row(magnitudes_ptr, 6, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_2, operand_limit_0)
+    _table_row(magnitudes_ptr, 7, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_2, operand_limit_1)
+    _table_row(magnitudes_ptr, 8, n, p_tokens, p_dhpre, q_a, q_x, entry_limit_2, operand_limit_2)
+
+
+@triton.jit
 def bound_flag_kernel(
     # pointers
-    magnitudes_ptr,  # [num_rows, COLUMNS] fp32, read: bound_magnitudes_kernel's rows
+    magnitudes_ptr,  # [TABLE + num_rows * COLUMNS] fp32, read past the table: bound_magnitudes_kernel's rows
     grad_in_max_ptr,  # [] fp32, read with HAS_GRAD_IN: max |grad_in| (NaN when it holds one)
     flag_ptr,  # [] fp32, written: 1.0 when the gradient may exceed the limits, else 0.0
     # sizes
@@ -131,31 +234,11 @@ def bound_flag_kernel(
 
     Grid: (1,). Launched without fp fusion (the expression's roundings are torch's).
     """
-    offs_r = tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, 8)
-    largest = tl.zeros([BLOCK_ROWS, 8], dtype=tl.float32)
-    for r0 in range(0, num_rows, BLOCK_ROWS):
-        rows = r0 + offs_r
-        mask = (rows < num_rows)[:, None] & (cols < 6)[None, :]
-        m = tl.load(magnitudes_ptr + rows[:, None] * 6 + cols[None, :], mask=mask, other=0.0)
-        largest = tl.maximum(largest, m)
-    # [8]: the largest of each column (magnitudes: >= 0, no NaN)
-    column = tl.max(largest, axis=0)
-    n = tl.max(tl.where(cols == 5, column, 0.0), axis=0)
-    if P_FROM_TOKENS:
-        p = tl.max(tl.where(cols == 2, column, 0.0), axis=0) * tl.max(
-            tl.where(cols == 3, column, 0.0), axis=0
-        )
-    else:
-        p = tl.max(tl.where(cols == 1, column, 0.0), axis=0)
-    if Q_COLUMN < 0:
-        q = tl.full([], 1.0, tl.float32)
-    else:
-        q = tl.max(tl.where(cols == Q_COLUMN, column, 0.0), axis=0)
-    total = n * p * q * (tl.full([], 1.0, tl.float32) + n * tl.full([], 1.1920928955078125e-07, tl.float32))
+    column = _column_largest(magnitudes_ptr, num_rows, BLOCK_ROWS)
+    n = _pick(column, 5)
+    p = _pick(column, 2) * _pick(column, 3) if P_FROM_TOKENS else _pick(column, 1)
+    q = tl.full([], 1.0, tl.float32) if Q_COLUMN < 0 else _pick(column, Q_COLUMN)
+    grad_in_max = tl.full([], 0.0, tl.float32)
     if HAS_GRAD_IN:
-        total = total + tl.load(grad_in_max_ptr)
-    safe = (total * tl.full([], 1.03, tl.float32) <= entry_limit) & (
-        p * tl.full([], 1.01, tl.float32) <= operand_limit
-    )
-    tl.store(flag_ptr, tl.where(safe, 0.0, 1.0))
+        grad_in_max = tl.load(grad_in_max_ptr)
+    tl.store(flag_ptr, _flag(n, p, q, grad_in_max, entry_limit, operand_limit))
