@@ -189,8 +189,7 @@ def expert_wgrad(
     projection and its bias; a separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down
     projection), X [T, H] (the gate/up projection; rows gathered by token) or None (a bias: a column of
     ones). ``largest``: the core's magnitudes (``ops/update_bound.py``), needed by an update (its check pass's
-    bound). ``checked``: the
-    caller ran :func:`check_wgrad` already."""
+    bound). ``checked``: the caller ran :func:`check_wgrad` already."""
     if not checked:
         check_wgrad(name, weight, update, accumulator, layout)
     down = name in ("down_proj", "down_proj_bias")
