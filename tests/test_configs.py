@@ -9,6 +9,7 @@ from numerics import assert_close
 
 import sonar_kernels
 from sonar_kernels import ops, reference
+from sonar_kernels.kernels.update_bound import COLUMNS, TABLE
 from sonar_kernels.ops import configs
 from sonar_kernels.ops.backward import moe_mlp_bwd_core
 from sonar_kernels.ops.common import tile_offsets_for
@@ -169,6 +170,10 @@ def _dhpre_core(config, poison, device):
     outputs = moe_mlp_bwd_core(grad_out, x, weights, w1, w2, hpre, meta, "silu", (True,) * 5)
     kept = int(meta.expert_offsets[-1])
     names = ("dX", "d top_k_weights", "dHpre", "A", "magnitudes")
+    # The magnitudes: the flags' table, then the rows of a pass over the dHpre kernel's per-program maxima
+    # (whose number depends on its tiles): the table and each column's largest are what bound the gradients.
+    table, rows = outputs[4][:TABLE], outputs[4][TABLE:].view(-1, COLUMNS)
+    outputs = (*outputs[:4], torch.cat([rows.amax(0), table]))
     return {
         name: _bits(t[:kept] if name in ("dHpre", "A") else t) for name, t in zip(names, outputs, strict=True)
     }

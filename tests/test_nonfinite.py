@@ -148,14 +148,14 @@ def test_precheck_that_fires_on_a_finite_gradient_changes_no_bit(device, monkeyp
     g1, g2 = _plain_grads(w1, w2, batch)
     assert max(float(g1.abs().max()), float(g2.abs().max())) <= 128
     fired = []
-    original = ops.wgrad_update.overflow_possible
+    original = ops.wgrad.overflow_flag  # the update's flag (ops/update_bound.py)
 
     def spy(*args):
         flag = original(*args)
         fired.append(float(flag))
         return flag
 
-    monkeypatch.setattr(ops.wgrad_update, "overflow_possible", spy)
+    monkeypatch.setattr(ops.wgrad, "overflow_flag", spy)
     a1, a2 = (torch.nn.Parameter(p.detach().clone()) for p in (w1, w2))
     fused = _one_update(a1, a2, batch)
     assert fired == [1.0, 1.0]
@@ -300,10 +300,10 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
 def test_precheck_does_not_fire_on_ordinary_gradients(dtype, device, monkeypatch):
     # The check pass would double the wgrad's cost: on ordinary data the bound must rule it out.
     fired = []
-    original = ops.wgrad_update.overflow_possible
+    original = ops.wgrad.overflow_flag  # the update's flag (ops/update_bound.py)
     monkeypatch.setattr(
-        ops.wgrad_update,
-        "overflow_possible",
+        ops.wgrad,
+        "overflow_flag",
         lambda *args: fired.append(float(original(*args))) or original(*args),
     )
     w1, w2 = _weights(dtype, device)

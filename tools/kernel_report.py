@@ -59,8 +59,10 @@ from sonar_kernels.kernels import (
     expert_wgrad,
     moments_8bit,
     routing,
+    update_bound,
     update_steps,
 )
+from sonar_kernels.ops import update_bound as ops_update_bound
 from sonar_kernels.ops import update_steps as ops_update_steps
 from sonar_kernels.specs import ACTIVATIONS
 
@@ -800,6 +802,40 @@ def _adamw_specs() -> list[Spec]:
             {"num_warps": 1},
         )
     )  # fmt: skip
+    # The overflow bound before each update's check pass (ops/update_bound.py): the layer's magnitudes pass
+    # over X, dO and the routing weights (each activation dtype; the weights fp32 or the activation's), its
+    # table of flags, and the flag of an update with the gradient of earlier micro-batches (every operand set).
+    for act_dtype, w_dtype in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
+        out.append(
+            Spec(
+                update_bound.bound_magnitudes_kernel,
+                f"x={act_dtype} w={w_dtype}",
+                {"x_ptr": act_dtype, "grad_out_ptr": act_dtype, "weights_ptr": w_dtype, "absmax_ptr": "fp32",
+                 "offsets_ptr": "i32", "out_ptr": "fp32"},
+                {"BLOCK_T": ops_update_bound.BLOCK_T, "BLOCK_H": 256, "BLOCK_J": 8, "BLOCK_A": 64, "BLOCK_E": 64},
+                {"num_warps": 4},
+                unit_strides=("stride_xh", "stride_gh", "stride_wj"),
+            )
+        )  # fmt: skip
+    out.append(
+        Spec(
+            update_bound.bound_table_kernel,
+            "every tensor and limit",
+            {"magnitudes_ptr": "fp32"},
+            {"BLOCK_ROWS": 128},
+            {"num_warps": 4, "enable_fp_fusion": False},
+        )
+    )
+    for p_from_tokens, q_column, grad_in in ((True, 0, False), (False, 4, False), (False, -1, True)):
+        out.append(
+            Spec(
+                update_bound.bound_flag_kernel,
+                f"{'w * dO' if p_from_tokens else 'dHpre'} q={q_column}{' grad_in' if grad_in else ''}",
+                {"magnitudes_ptr": "fp32", "grad_in_max_ptr": "fp32", "flag_ptr": "fp32"},
+                {"P_FROM_TOKENS": p_from_tokens, "Q_COLUMN": q_column, "HAS_GRAD_IN": grad_in, "BLOCK_ROWS": 128},
+                {"num_warps": 4, "enable_fp_fusion": False},
+            )
+        )  # fmt: skip
     return out
 
 

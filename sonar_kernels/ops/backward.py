@@ -29,6 +29,7 @@ from sonar_kernels.ops.common import (
     tile_offsets_for,
     triton_interpreting,
 )
+from sonar_kernels.ops.update_bound import layer_magnitudes
 from sonar_kernels.ops.wgrad import AdamWUpdate, GradAccumulator, check_wgrad, expert_wgrad
 from sonar_kernels.specs import RoutingMetadata, down_view, parse_activation
 
@@ -150,13 +151,14 @@ def moe_mlp_bwd_core(
     layout="concatenated", down_proj_bias=None, up_proj=None,
 ):  # fmt: skip
     """What the backward computes once per layer, before the expert tensors' wgrads: (dX [T, H], d
-    top_k_weights [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [2] float32 (largest |A|, largest
-    |dHpre|) that bound the updated tensors' gradients), each None where ``needs`` (the same five) says no.
+    top_k_weights [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes that bound the updated tensors'
+    gradients and the flags they give ([n] float32, ``ops/update_bound.py``'s ``layer_magnitudes``)), each
+    None where ``needs`` (the same five) says no.
 
-    Launch order: dHpre with A, the routing-weight partial sums and the magnitudes (reads W2), the
-    routing-weight reduction, dX rows and their sum over top_k (reads W1: ``gate_up_proj`` and
-    ``up_proj`` in ``layout``). dHpre and A have max(S, 1) rows (the rows past the kept ones are
-    never written or read). No host sync; no atomics."""
+    Launch order: dHpre with A, the routing-weight partial sums and the largest |A| and |dHpre| (reads W2),
+    the magnitudes pass and its flags, the routing-weight reduction, dX rows and their sum over top_k (reads
+    W1: ``gate_up_proj`` and ``up_proj`` in ``layout``). dHpre and A have max(S, 1) rows (the rows past the
+    kept ones are never written or read). No host sync; no atomics."""
     with on_device(hidden_states.device):
         return _launch_core(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
@@ -229,9 +231,10 @@ def _launch_core(
     # The tile configuration: tuned per layer shape on a GPU (ops/configs.py), never per token count.
     key = (E, H, I, layout, str(w2.dtype), kind, need_w, need_a, need_grad_hpre)
     dw_partial, absmax = dhpre(configs.choose("dhpre", key, dtype, device, dhpre if run_dhpre else None))
+    # The magnitudes that bound the updated tensors' gradients and their flags (ops/update_bound.py).
     largest = None
     if need_magnitudes:
-        largest = absmax.amax(0) if absmax is not None else torch.zeros(2, dtype=torch.float32, device=device)
+        largest = layer_magnitudes(hidden_states, grad_out, top_k_weights, absmax, meta.expert_offsets)
     del absmax
 
     grad_w = None

@@ -296,10 +296,10 @@ def choose(
     """
     if family in _pinned:
         return _pinned[family]
-    options = candidates(family, dtype, device) if options is None else options
     full_key = (family, *key, str(dtype).removeprefix("torch."), device.type, device.index)
-    if full_key in _chosen:
+    if full_key in _chosen:  # tuned: the options are not needed
         return _chosen[full_key]
+    options = candidates(family, dtype, device) if options is None else options
     if run is None or len(options) == 1 or not tuning_enabled(device):
         return options[0]
     best, best_time = options[0], float("inf")

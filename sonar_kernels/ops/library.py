@@ -31,6 +31,7 @@ from sonar_kernels.ops.torch_update import (
     torch_update,
     torch_update_of,
 )
+from sonar_kernels.ops.update_bound import magnitudes_numel
 from sonar_kernels.rules.clipping import clips
 from sonar_kernels.specs import RoutingMetadata
 
@@ -156,9 +157,9 @@ def moe_mlp_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """What the layer's backward computes once, before the expert tensors' gradients
     (:func:`expert_wgrad`, :func:`expert_wgrad_`): (grad hidden_states [T, H], grad top_k_weights
-    [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [2] float32 that bound an updated tensor's
-    gradient on the Triton backend), each an empty tensor where ``needs`` (in :data:`CORE_NEEDS` order)
-    says no (the magnitudes are always empty on the torch backend). ``meta``: the five tensors of
+    [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [n] float32 that bound an updated tensor's
+    gradient on the Triton backend, ``ops/update_bound.py``), each an empty tensor where ``needs`` (in
+    :data:`CORE_NEEDS` order) says no (the magnitudes are always empty on the torch backend). ``meta``: the five tensors of
     :class:`RoutingMetadata`. Reads W2 (dHpre, A and the routing-weight gradient, with G = dO[token] @
     W2[e]) and W1 (dX); writes no input."""
     grads = run_moe_mlp_bwd(
@@ -202,7 +203,7 @@ def _moe_mlp_bwd_fake(
         (need_w, top_k_weights.shape, top_k_weights.dtype),
         (need_dhpre, (rows, hpre.shape[1]), hpre.dtype),
         (need_a, (rows, I), hpre.dtype),
-        (need_magnitudes and backend == "triton", (2,), torch.float32),
+        (need_magnitudes and backend == "triton", (magnitudes_numel(hidden_states.shape[0]),), torch.float32),
     )
     return tuple(
         hidden_states.new_empty(shape, dtype=dtype) if need else hidden_states.new_empty(0)

@@ -15,7 +15,8 @@ import torch
 
 from sonar_kernels.ops import configs
 from sonar_kernels.ops.bias import ones_rows
-from sonar_kernels.ops.common import inf_norm, like, on_device, triton_interpreting
+from sonar_kernels.ops.common import like, on_device, triton_interpreting
+from sonar_kernels.ops.update_bound import overflow_flag
 from sonar_kernels.ops.validation import check_buffer, check_update
 from sonar_kernels.ops.wgrad_launch import WgradLaunch, weight_of_row
 from sonar_kernels.ops.wgrad_update import apply_update
@@ -187,8 +188,8 @@ def expert_wgrad(
     and its bias; rows gathered by token, scaled by the routing weight) or dHpre [S, 2I] (the gate/up
     projection and its bias; a separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down
     projection), X [T, H] (the gate/up projection; rows gathered by token) or None (a bias: a column of
-    ones). ``largest``: the core's magnitudes, needed by an update (its check pass's bound). ``checked``: the
-    caller ran :func:`check_wgrad` already."""
+    ones). ``largest``: the core's magnitudes (``ops/update_bound.py``), needed by an update (its check pass's
+    bound). ``checked``: the caller ran :func:`check_wgrad` already."""
     if not checked:
         check_wgrad(name, weight, update, accumulator, layout)
     down = name in ("down_proj", "down_proj_bias")
@@ -202,20 +203,10 @@ def expert_wgrad(
         bound = None
         if update is not None:
 
-            def bound():
-                """The magnitudes that bound the gradient, computed when the update needs them:
-                (largest |P|, largest |Q|, most rows of an expert). P = w * dO[token] (rounded) or dHpre;
-                Q = A, X[token] or ones."""
-                one = torch.ones((), dtype=torch.float32, device=weight.device)
-                most_rows = (meta.expert_offsets[1:] - meta.expert_offsets[:-1]).amax().float()
-                p_max = inf_norm(top_k_weights) * inf_norm(p) if down else largest[1]
-                if name == "down_proj":
-                    q_max = largest[0]
-                elif name in ("gate_up_proj", "up_proj"):
-                    q_max = inf_norm(q)
-                else:
-                    q_max = one
-                return p_max, q_max, most_rows
+            def bound(grad_in, entry_limit, operand_limit):
+                """The update's 0-dim flag, computed when it needs it: 1.0 when the gradient (with
+                ``grad_in``) may exceed the limits (``ops/update_bound.py``), from the layer's magnitudes."""
+                return overflow_flag(largest, name, grad_in, entry_limit, operand_limit)
 
         return _wgrad(
             p, down, q, name in ("gate_up_proj", "up_proj"), top_k_weights, meta, weight, update, M, N,

@@ -23,7 +23,7 @@ import triton
 from sonar_kernels import specs
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel
 from sonar_kernels.ops import common, configs, moments_8bit
-from sonar_kernels.ops.adamw import adamw_arithmetic, overflow_possible
+from sonar_kernels.ops.adamw import adamw_arithmetic
 from sonar_kernels.ops.common import is_dense, like
 from sonar_kernels.ops.update_steps import begin_update, end_update
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
@@ -107,9 +107,9 @@ def apply_update(launch, weight, update, bound, key) -> None:
     ``launch`` (:class:`sonar_kernels.ops.wgrad_launch.WgradLaunch`) computes: skip decided on the device
     (a gradient entry non-finite or beyond :func:`grad_limit`, see ``AdamWUpdate``), step advanced unless
     skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written, and
-    ``update.on_done`` called. ``bound``: a callable that returns (largest |P|, largest |Q|, most rows of
-    an expert), the cheap test that spares the check pass (called only where that pass runs); ``key``: the
-    wgrad's tuning key (shape, dtypes, operands).
+    ``update.on_done`` called. ``bound``: a callable of (grad_in, entry limit, operand limit) that returns the
+    0-dim fp32 flag of ``ops/update_bound.py`` (1.0: the gradient may exceed the limits), the cheap test
+    that spares the check pass; ``key``: the wgrad's tuning key (shape, dtypes, operands).
 
     Raises:
         ValueError: ``bound`` is None.
@@ -138,7 +138,7 @@ def apply_update(launch, weight, update, bound, key) -> None:
     # to inf), and returns at once unless the bound says the gradient may exceed it. One tile (or chunk)
     # cannot skip the update once others are stored.
     entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
-    maybe = overflow_possible(bound(), update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
+    maybe = bound(update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
     job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
     # The skip (the largest flag), the step and the scalars in one launch (ops/update_steps.py). torch's
     # AdamW increments the step before it computes the bias corrections; a skipped update leaves it (as

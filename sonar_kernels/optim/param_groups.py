@@ -234,12 +234,13 @@ class GroupHyperparameters:
         """
         index = self.index(p)
         values = hyperparameters(self.param_groups[index])
-        ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
         key = (index, p.device)
         cached = self._tensors.get(key)
         clipping = self._clipping()
         size = 5 if clipping is None else 7
         if cached is None or cached[0] != values or cached[1].numel() != size:
+            # Values equal to the cached ones were checked when they were cached (a NaN never equals).
+            ops.check_hyperparameters(values[0], values[1:3], values[3], values[4])
             tensor = (
                 cached[1]
                 if cached is not None and cached[1].numel() == size
