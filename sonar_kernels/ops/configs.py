@@ -53,6 +53,10 @@ class Config(NamedTuple):
     # wgrad only: each epilogue slice's state loaded before the previous slice's stores; with 8-bit moments
     # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
+    # grouped_mm only: both operands through TMA descriptors (kernels/expert_mlp_tma.py; offered where the
+    # layout allows it, ops/tma.py), and with PERSISTENT a grid of a few programs per SM walking the tiles
+    TMA: bool = False
+    PERSISTENT: bool = False
 
     def blocks(self) -> dict:
         """The BLOCK_* constexprs as kernel keywords."""
@@ -85,6 +89,8 @@ def _config(d: dict) -> Config:
         d["num_stages"],
         d.get("EPILOGUE_SPLIT", 1),
         d.get("EPILOGUE_PREFETCH", False),
+        d.get("TMA", False),
+        d.get("PERSISTENT", False),
     )
 
 
@@ -99,6 +105,17 @@ _DEFAULTS = {
     "dhpre": _config(DHPRE_CONFIG),
     "wgrad": _config(WGRAD_CONFIG),
 }
+# The grouped GEMM with both operands through TMA descriptors (kernels/expert_mlp_tma.py), offered on sm_90
+# and later where the layout allows it (ops/tma.py): the default's tile (the same bits as the pointer
+# kernel under the interpreter; 42 registers, 24 KB, 5 CTAs per SM on sm_90a), 128x128 and 128x64 tiles
+# (90 and 58 registers, 96 KB: 2 CTAs per SM), and 128x128 on a persistent grid of 2 programs per SM
+# (make kernel-report). A 4th stage of 128x128 (128 KB) would leave 1 CTA per SM.
+TMA_CANDIDATES = (
+    Config(64, 64, 32, 8, 3, TMA=True),
+    Config(128, 128, 64, 8, 3, TMA=True),
+    Config(128, 64, 64, 8, 4, TMA=True),
+    Config(128, 128, 64, 8, 3, TMA=True, PERSISTENT=True),
+)
 # Candidates per family and (dtype class, architecture major), the default first. Chosen by
 # `make kernel-report` (no spills at aligned shapes for every 16-bit dtype pair, fp32 master weights
 # included, shared memory within the architecture's 227 KB (sm_90) and 163 KB (sm_80), wgmma on sm_90a;
@@ -128,6 +145,7 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
             Config(64, 128, 64, 8, 4),
             Config(128, 64, 64, 8, 4),
             Config(128, 64, 32, 8, 5),
+            *TMA_CANDIDATES,
         ),
         ("16bit", 8): (_DEFAULTS["grouped_mm"], Config(128, 128, 32, 8, 4), Config(64, 128, 64, 8, 4)),
     },
@@ -192,10 +210,13 @@ def _arch(device: torch.device) -> int | None:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
+def candidates(
+    family: str, dtype: torch.dtype, device: torch.device, tma: bool = False
+) -> tuple[Config, ...]:
     """The candidate configurations of ``family`` for GEMM operands of ``dtype`` on ``device`` (CPU: the
     interpreter, which takes the sm_90 list); an architecture without a list of its own takes sm_80's
-    (sm_90's for 10 and later).
+    (sm_90's for 10 and later). The TMA candidates only with ``tma`` (the launch's operands have TMA
+    descriptors: :func:`sonar_kernels.ops.tma.grouped_mm_descriptors`, which also checks the device).
 
     Raises:
         ValueError: an unknown family.
@@ -207,7 +228,8 @@ def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[C
     if kind == "fp32":
         return lists[("fp32", None)]
     arch = _arch(device)
-    return lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+    listed = lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+    return listed if tma else tuple(c for c in listed if not c.TMA)
 
 
 def own_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:

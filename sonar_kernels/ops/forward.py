@@ -17,7 +17,7 @@ from sonar_kernels.kernels.routing import (
     routing_scan_kernel,
     routing_scatter_kernel,
 )
-from sonar_kernels.ops import common, configs
+from sonar_kernels.ops import common, configs, tma
 from sonar_kernels.ops.common import (
     gate_up_operand,
     input_precision,
@@ -162,7 +162,15 @@ def _launch_fwd(
 
     y = common.empty((S, H), dtype, device)
 
+    # W2[e] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/tma.py).
+    w2_strides = (w2.stride(0), 0, w2.stride(2), w2.stride(1))
+    bias2 = (down_proj_bias, (b2.stride(0), b2.stride(1))) if down_proj_bias is not None else (None, (0, 0))
+
     def down(cfg):
+        if cfg.TMA and tma.launch_grouped_mm(
+            cfg, a, w2, w2_strides, 1, *bias2, meta, y, E, H, I, precision, interpret
+        ):  # fmt: skip
+            return
         expert_mlp_grouped_mm_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(H, cfg.BLOCK_N),)](
             a, w2, b2, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), y,
             E, H, I,
@@ -173,7 +181,8 @@ def _launch_fwd(
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    down(configs.choose("grouped_mm", (*key, "fwd"), dtype, device, down))
+    offered = configs.candidates("grouped_mm", dtype, device, tma=tma.usable(a, w2, w2_strides, 1, H))
+    down(configs.choose("grouped_mm", (*key, "fwd"), dtype, device, down, offered))
     a = None  # freed before the combine (the closures above hold its cell, not the tensor)
 
     cc = COMBINE_CONFIG
