@@ -183,3 +183,23 @@ def test_offered_only_on_devices_that_run_tma(monkeypatch):
     )
     assert not any(c.TMA for family in configs.FAMILIES if family != "grouped_mm"
                    for c in configs.candidates(family, bf16, torch.device("cpu"), tma=True))  # fmt: skip
+
+
+def test_the_tuner_times_the_tma_candidates_where_offered_and_keeps_a_correct_one(launches):
+    # Tuning on (the interpreter's times mean nothing): every TMA candidate is launched once, and whichever
+    # option wins, dX matches the float64 reference; the key is tuned once.
+    _, index, _, w1, _ = _routed()
+    T, H, I, E, top_k = CASE.T, CASE.H, CASE.I, CASE.E, CASE.top_k
+    meta = routing_metadata(index, E)
+    w = gate_up_operand(w1, "concatenated")
+    grad_hpre = torch.randn(T * top_k, 2 * I).to(torch.bfloat16)
+    with configs.tuning():
+        for _ in range(2):
+            grad_x = torch.full((T, H), float("nan"), dtype=torch.bfloat16)
+            dx = _dx(grad_hpre, w, meta, grad_x, top_k, torch.bfloat16, triton_interpreting(), ("tuned",))
+            assert_close(dx, _dx_expected(grad_hpre, w1, meta, T, top_k, True), torch.bfloat16, what="dX")
+    chosen = configs.chosen()
+    assert len(chosen) == 1 and next(iter(chosen.values())) in configs.candidates(
+        "grouped_mm", torch.bfloat16, torch.device("cpu"), tma=True
+    )
+    assert launches[: len(configs.TMA_CANDIDATES)] == [True] * len(configs.TMA_CANDIDATES)

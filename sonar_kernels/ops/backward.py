@@ -291,9 +291,10 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
             INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    offered = configs.candidates(
-        "grouped_mm", dtype, grad_x.device, tma=tma.usable(grad_hpre, w1.base, w1_strides, halves, H)
-    )
+    def offered():  # the TMA candidates where the layout allows them (host time: only when tuning)
+        usable = tma.usable(grad_hpre, w1.base, w1_strides, halves, H)
+        return configs.candidates("grouped_mm", dtype, grad_x.device, tma=usable)
+
     rows(configs.choose("grouped_mm", (*key, "dX"), dtype, grad_x.device, rows, offered))
     cc = COMBINE_CONFIG
     expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](

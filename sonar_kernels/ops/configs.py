@@ -301,7 +301,7 @@ def choose(
     dtype: torch.dtype,
     device: torch.device,
     run: Callable[[Config], None] | None = None,
-    options: tuple | None = None,
+    options: tuple | Callable[[], tuple] | None = None,
 ):
     """The configuration of one launch of ``family``.
 
@@ -311,18 +311,24 @@ def choose(
         run: launches the kernel (or its side-effect-free variant) with a given option; called once per
             option, timed, when tuning is enabled and ``key`` was not tuned yet.
         options: what to choose from, the default first; None: :func:`candidates` of the family (a
-            wgrad with its update passes its :class:`UpdateChoice` options).
+            wgrad with its update passes its :class:`UpdateChoice` options); or a callable giving them,
+            called only when the key is tuned (the grouped GEMM's TMA candidates, whose check of the
+            operands' layout costs host time), whose first option is :func:`candidates`' first.
     Returns:
         The pinned configuration (a :class:`Config`, whatever ``options`` hold), the option tuned for the
         key, or the default (the first option).
     """
     if family in _pinned:
         return _pinned[family]
-    options = candidates(family, dtype, device) if options is None else options
+    if options is None or (callable(options) and (run is None or not tuning_enabled(device))):
+        options = candidates(family, dtype, device)
     full_key = (family, *key, str(dtype).removeprefix("torch."), device.type, device.index)
     if full_key in _chosen:
         return _chosen[full_key]
-    if run is None or len(options) == 1 or not tuning_enabled(device):
+    if run is None or not tuning_enabled(device):
+        return options[0]
+    options = options() if callable(options) else options
+    if len(options) == 1:
         return options[0]
     best, best_time = options[0], float("inf")
     measured = {}
