@@ -332,11 +332,16 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert r["target"] == "sm_90a" and r["wgmma"], (config, kind)
         assert r["spill_stores"] == r["spill_loads"] == 0, (config, kind, r)
         assert r["shared_bytes"] <= SHARED_LIMITS["sm_90a"], (config, kind)
+        assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
+        if config.TMA:
+            # Both operands through TMA (cp.async.bulk.tensor, 2 per K step per half, with the pipeline's
+            # prologue), one buffer per stage each, no cp.async groups to wait on (mbarriers instead).
+            assert r["tma_loads"] >= 2 * config.num_stages and r["loop_wait_groups"] == [], (config, kind, r)
+            continue
         # The main loop waits with copies in flight (its operands are not gathered by an index loaded in the
         # loop): 2 at 3 stages, 4 at 4 (a group for each operand per stage), 6 at 5.
         assert r["loop_wait_groups"] == [2 * (config.num_stages - 2)], (config, kind, r["loop_wait_groups"])
-        assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
-        assert r["epilogue_instructions"], (config, kind)
+        assert r["tma_loads"] == 0 and r["epilogue_instructions"], (config, kind)
     # Today's defaults: the up-projection at 4 CTAs per SM (63 registers), the down projection and dX at 5 (45
     # and 46), dHpre at 1 (146 registers, 95 epilogue instructions per (gate, up) pair with the magnitudes).
     ctas = {"up": 4, "down": 5, "dX": 5, "dHpre": 1, "dHpre-plain": 1}
@@ -353,6 +358,19 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert len(deep) >= 2, kind
         for config in deep:
             assert rows[config, kind]["ctas_per_sm"] >= 2, (config, kind, rows[config, kind]["registers"])
+    # The TMA grouped GEMM (ops/tma.py): at the default's tile as many CTAs per SM as today's (5), at
+    # 128x128x64 2 (90 registers where the pointer kernel's dX has 164 and 1 CTA per SM), and the persistent
+    # candidates at least ops.tma.PERSISTENT_CTAS_PER_SM, the programs per SM its grid launches.
+    from sonar_kernels.ops import tma
+
+    for kind in ("down", "dX"):
+        for config in configs.TMA_CANDIDATES:
+            r = rows[config, kind]
+            pointer = rows.get((config._replace(TMA=False, PERSISTENT=False), kind))
+            assert r["ctas_per_sm"] >= (pointer or r)["ctas_per_sm"], (config, kind)
+            if config.PERSISTENT:
+                assert r["ctas_per_sm"] >= tma.PERSISTENT_CTAS_PER_SM, (config, kind, r["registers"])
+    assert rows[configs.TMA_CANDIDATES[1], "dX"]["ctas_per_sm"] == 2
     # dHpre's epilogue in column slices: at most 128 registers (2 CTAs per SM or more) where the whole-tile
     # epilogue at the same tile has 146 to 252 (1 CTA), and at least 25 % fewer epilogue instructions per
     # (gate, up) pair (the magnitudes kept elementwise and reduced once per tile, as integer bits).
