@@ -941,7 +941,8 @@ def epilogue_sass(cubin: bytes) -> list[str] | None:
     (the epilogue's column slices are unrolled).
 
     ``cuobjdump --dump-sass`` (from the triton wheel) disassembles the cubin. The main loop ends at the
-    last backward branch (a ``BRA`` to a lower address) whose range holds an ``HGMMA`` (sm_90a's wgmma);
+    last innermost backward branch (a ``BRA`` to a lower address, before the last ``EXIT``) whose range
+    holds an ``HGMMA`` (sm_90a's wgmma);
     kept: every instruction after it to the end of the kernel, the slow-path subroutines it calls (IEEE
     division and square root) included, the padding after the kernel (``NOP``s, the closing branch to
     itself) not. None: no loop with an HGMMA."""
@@ -954,13 +955,23 @@ def epilogue_sass(cubin: bytes) -> list[str] | None:
     # (address, instruction) pairs, e.g. (0x1760, "@!P4 BRA 0x1000").
     code = [(int(a, 16), t.strip()) for a, t in re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M)]
     hgmma = [address for address, text in code if "HGMMA" in text]
-    loop_end = None
+    # Branches after the kernel's last EXIT are out-of-line stubs (a TMA loop's mbarrier retry, which
+    # jumps back into the loop), not loops; of the loops holding an HGMMA the innermost (a persistent
+    # kernel's tile loop holds its K loop and its epilogue).
+    last_exit = max((address for address, text in code if re.search(r"\bEXIT\b", text)), default=None)
+    loops = []
     for address, text in code:
         m = re.search(r"\bBRA\b.*\b0x([0-9a-f]+)$", text)
-        if m and any(int(m.group(1), 16) <= a < address for a in hgmma):
-            loop_end = address
-    if loop_end is None:
+        if m and (last_exit is None or address < last_exit):
+            start = int(m.group(1), 16)
+            if any(start <= a < address for a in hgmma):
+                loops.append((start, address))
+    innermost = [
+        (a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
+    ]
+    if not innermost:
         return None
+    loop_end = max(b for _, b in innermost)
     padding = ("NOP",)
     return [t for a, t in code if a > loop_end and t not in padding and t != f"BRA 0x{a:x}"]
 
