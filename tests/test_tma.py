@@ -1,7 +1,7 @@
-"""The grouped GEMM through TMA descriptors (sonar_kernels/ops/tma.py, kernels/expert_mlp_tma.py): the same
-bits as the pointer kernel at the same tile, and the float64 reference, for the down projection and dX in
-every layout it is offered for, at shapes with K and N tails and an expert without rows; and not offered
-where the strides or the device do not allow it."""
+"""The grouped GEMMs through TMA descriptors (sonar_kernels/ops/tma.py, kernels/expert_mlp_tma.py): the same
+bits as the pointer kernel at the same tile, and the float64 reference, for the down projection, dX and the
+up-projection in every layout each is offered for, at shapes with K and N tails and experts without rows;
+and not offered where the strides or the device do not allow it."""
 
 import pytest
 import torch
@@ -203,3 +203,74 @@ def test_the_tuner_times_the_tma_candidates_where_offered_and_keeps_a_correct_on
         "grouped_mm", torch.bfloat16, torch.device("cpu"), tma=True
     )
     assert launches[: len(configs.TMA_CANDIDATES)] == [True] * len(configs.TMA_CANDIDATES)
+
+
+@pytest.fixture
+def up_descriptors(monkeypatch):
+    """Whether each ops.tma.up_descriptor call gave a descriptor (True: the TMA up-projection ran)."""
+    seen = []
+    describe = tma.up_descriptor
+
+    def spy(*args, **kwargs):
+        seen.append(describe(*args, **kwargs) is not None)
+        return None if not seen[-1] else describe(*args, **kwargs)
+
+    monkeypatch.setattr(tma, "up_descriptor", spy)
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("layout", "activation", "bias"),
+    [("concatenated", "silu", False), ("interleaved", "clamped_swiglu", True), ("separate", "gelu", False),
+     ("ungated", "relu2", False)],
+)  # fmt: skip
+@pytest.mark.parametrize(
+    "config", configs.UP_TMA_CANDIDATES, ids=lambda c: "x".join(map(str, c.blocks().values()))
+)
+def test_up_projection_through_tma_equals_the_pointer_kernel_bitwise(
+    layout, activation, bias, config, up_descriptors
+):
+    # W1 through a descriptor (gate and up rows in one copy), X gathered by pointers: Hpre (its kept rows)
+    # and the output equal the pointer kernel's at the same tile, and the output the float64 reference's.
+    x, index, weights, w1, w2 = _routed()
+    gated = layout != "ungated"
+    gate_up_proj, up_proj = _gate_up(w1, layout)
+    b1 = (torch.randn(CASE.E, 2 * CASE.I) / 4).to(torch.bfloat16) if bias else None
+    b1_layout = torch.stack((b1[:, : CASE.I], b1[:, CASE.I :]), dim=2).flatten(1) if bias else None
+    results = []
+    for cfg in (config, config._replace(TMA=False)):
+        configs.pin("up", cfg)
+        out, hpre, meta = moe_mlp_fwd(
+            x,
+            index,
+            weights,
+            gate_up_proj,
+            w2,
+            activation,
+            layout,
+            gate_up_proj_bias=b1_layout,
+            up_proj=up_proj,
+        )
+        results.append((out, hpre[: int(meta.expert_offsets[-1])]))
+    assert up_descriptors == [True]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    w1_ref = w1 if gated else w1[:, : CASE.I]
+    expected = reference.moe_mlp(
+        x.double(), index, weights.double(), w1_ref.double(), w2.double(), activation=activation,
+        gate_up_proj_bias=None if b1 is None else b1.double(), gated=gated,
+    )  # fmt: skip
+    assert_close(results[0][0], expected, torch.bfloat16)
+
+
+@pytest.mark.parametrize("layout", ["concatenated_transposed", "interleaved_transposed", "separate-reversed"])
+def test_up_projection_not_offered_where_w1_has_no_unit_stride_along_h(layout):
+    _, _, _, w1, _ = _routed()
+    gate, up = _gate_up(w1, layout)
+    operand = gate_up_operand(gate, layout.replace("-reversed", ""), up)
+    assert tma.up_descriptor(operand, CASE.H, 64, 32) is None and not tma.up_usable(operand, CASE.H)
+    assert tma.up_usable(gate_up_operand(w1, "concatenated"), CASE.H)
+    offered = configs.candidates("up", torch.bfloat16, torch.device("cpu"), tma=False)
+    assert not any(c.TMA for c in offered)
+    assert set(configs.UP_TMA_CANDIDATES) <= set(
+        configs.candidates("up", torch.bfloat16, torch.device("cpu"), tma=True)
+    )

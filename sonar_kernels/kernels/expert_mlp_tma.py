@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from sonar_kernels.kernels.common import expert_tile, round_to
+from sonar_kernels.kernels.expert_mlp_fwd import up_epilogue
 
 
 @triton.jit
@@ -139,3 +140,85 @@ def _tma_output_tile(
         acc += tl.load(b_ptrs, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     y_ptrs = y_ptr + rows[:, None] * stride_ys + cols[None, :] * stride_yh
     tl.store(y_ptrs, round_to(acc, dtype, INTERPRET), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit(do_not_specialize=("E",))  # E only bounds loops and masks: one build for every expert count
+def expert_mlp_fwd_up_tma_kernel(
+    # pointers and descriptors
+    x_ptr,  # [T, H] activation dtype, read (rows gathered by token_of_row)
+    w1_desc,  # [E, HALVES, I, H] activation dtype or fp32, block [1, HALVES, BLOCK_N, BLOCK_K], read
+    b1_ptr,  # [E, 2, I] dtype of w1, read when HAS_BIAS
+    token_of_row_ptr,  # [S] int32, read
+    expert_offsets_ptr,  # [E + 1] int32, read
+    tile_offsets_ptr,  # [E + 1] int32, read
+    hpre_ptr,  # [S, 2I] activation dtype, written for rows < expert_offsets[E]
+    a_ptr,  # [S, I] activation dtype, written for rows < expert_offsets[E]
+    # sizes
+    E,
+    H,
+    I,
+    # strides
+    stride_xt,
+    stride_xh,
+    stride_hs,
+    stride_hn,
+    stride_as,
+    stride_an,
+    stride_be,
+    stride_bg,
+    stride_bn,
+    # the clamped SwiGLU's slope and clamp (read only by ACTIVATION "clamped_swiglu")
+    alpha: tl.float32,
+    limit: tl.float32,
+    # meta-parameters
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """:func:`sonar_kernels.kernels.expert_mlp_fwd.expert_mlp_fwd_up_kernel` with W1 read through a TMA
+    descriptor: each K step loads the gate rows and the up rows of the tile's columns in one copy
+    ([1, HALVES, BLOCK_N, BLOCK_K], zero-filled past I and past H); the gathered X rows stay pointer loads.
+    Same dot, same epilogue (``up_epilogue``), so the interpreter gives the pointer kernel's bits.
+
+    Mapping: M -> rows r, N -> I (gate and up columns n, one dot of width HALVES * BLOCK_N), K -> H.
+    Grid: (row tiles * cdiv(I, BLOCK_N),).
+    Preconditions: W1's unit stride along H (ops.tma.up_descriptor); tile_offsets for row tiles of BLOCK_M
+    rows (ops.common.tile_offsets_for).
+    """
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(I, BLOCK_N)
+    pid_m = pid // num_pid_n
+    pid_n = pid % num_pid_n
+    if pid_m >= tl.load(tile_offsets_ptr + E):
+        return
+    expert, row_start, row_end = expert_tile(pid_m, tile_offsets_ptr, expert_offsets_ptr, E, BLOCK_M)
+    dtype = hpre_ptr.dtype.element_ty
+    HALVES: tl.constexpr = 2 if GATED else 1
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    tokens = tl.load(token_of_row_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + tokens[:, None] * stride_xt + offs_k[None, :] * stride_xh  # [BLOCK_M, BLOCK_K]
+    acc = tl.zeros((BLOCK_M, HALVES * BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k < H - k0)[None, :], other=0.0)
+        # Rows j < BLOCK_N the gate rows n of W1, j >= BLOCK_N the up rows: the pointer kernel's columns.
+        w = tl.reshape(w1_desc.load([expert, 0, pid_n * BLOCK_N, k0]), (HALVES * BLOCK_N, BLOCK_K))
+        x = round_to(x, dtype, INTERPRET)
+        w = round_to(w, dtype, INTERPRET)
+        if INTERPRET:
+            x = x.to(tl.float32)
+            w = w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
+        x_ptrs += BLOCK_K * stride_xh
+    up_epilogue(
+        acc, expert, offs_m, mask_m, pid_n, b1_ptr, hpre_ptr, a_ptr, I, stride_hs, stride_hn, stride_as,
+        stride_an, stride_be, stride_bg, stride_bn, alpha, limit, ACTIVATION, GATED, HAS_BIAS, BLOCK_M, BLOCK_N,
+        INTERPRET,
+    )  # fmt: skip

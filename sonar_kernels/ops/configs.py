@@ -53,8 +53,8 @@ class Config(NamedTuple):
     # wgrad only: each epilogue slice's state loaded before the previous slice's stores; with 8-bit moments
     # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
-    # grouped_mm only: both operands through TMA descriptors (kernels/expert_mlp_tma.py; offered where the
-    # layout allows it, ops/tma.py), and with PERSISTENT a grid of a few programs per SM walking the tiles
+    # grouped_mm: both operands through TMA descriptors, up: W1 (kernels/expert_mlp_tma.py; offered where the
+    # layout allows it, ops/tma.py); grouped_mm's PERSISTENT: a grid of a few programs per SM walking the tiles
     TMA: bool = False
     PERSISTENT: bool = False
 
@@ -116,6 +116,11 @@ TMA_CANDIDATES = (
     Config(128, 64, 64, 8, 4, TMA=True),
     Config(128, 128, 64, 8, 3, TMA=True, PERSISTENT=True),
 )
+# The up-projection with W1 through a TMA descriptor (kernels/expert_mlp_tma.py; the gathered X by
+# pointers), offered where W1's unit stride is along H (ops/tma.py): the default's tile (the same bits as
+# the pointer kernel under the interpreter; 64 registers, 36 KB, 4 CTAs per SM on sm_90a) and 128x64x32 at 4
+# stages (100 registers, 64 KB, 2 CTAs per SM; make kernel-report).
+UP_TMA_CANDIDATES = (Config(64, 64, 32, 8, 3, TMA=True), Config(128, 64, 32, 8, 4, TMA=True))
 # Candidates per family and (dtype class, architecture major), the default first. Chosen by
 # `make kernel-report` (no spills at aligned shapes for every 16-bit dtype pair, fp32 master weights
 # included, shared memory within the architecture's 227 KB (sm_90) and 163 KB (sm_80), wgmma on sm_90a;
@@ -132,6 +137,7 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
             Config(64, 128, 64, 8, 3),
             Config(128, 64, 32, 8, 4),
             Config(128, 64, 32, 8, 5),
+            *UP_TMA_CANDIDATES,
         ),
         ("16bit", 8): (_DEFAULTS["up"], Config(128, 64, 32, 8, 4), Config(64, 64, 64, 8, 4)),
     },

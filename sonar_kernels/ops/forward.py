@@ -12,6 +12,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     expert_mlp_fwd_up_kernel,
     expert_mlp_grouped_mm_kernel,
 )
+from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_fwd_up_tma_kernel
 from sonar_kernels.kernels.routing import (
     routing_histogram_kernel,
     routing_scan_kernel,
@@ -146,19 +147,32 @@ def _launch_fwd(
     key = (E, H, I, layout, str(w2.dtype), kind, gate_up_proj_bias is not None, down_proj_bias is not None)
 
     def up(cfg):
-        expert_mlp_fwd_up_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)](
-            hidden_states, w1.base, b1, meta.token_of_row, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M),
+        # A TMA candidate where W1's layout allows it (else, pinned or tuned at another call, the pointer
+        # kernel at its tile).
+        w1_desc = (
+            tma.up_descriptor(w1, H, cfg.BLOCK_N, cfg.BLOCK_K)
+            if cfg.TMA and tma.tma_supported(device)
+            else None
+        )
+        kernel = expert_mlp_fwd_up_kernel if w1_desc is None else expert_mlp_fwd_up_tma_kernel
+        w1_args = (w1.base,) if w1_desc is None else (w1_desc,)
+        w1_strides = w1.strides if w1_desc is None else ()
+        kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)](
+            hidden_states, *w1_args, b1, meta.token_of_row, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M),
             hpre, a,
             E, H, I,
             hidden_states.stride(0), hidden_states.stride(1),
-            *w1.strides,
+            *w1_strides,
             hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
             alpha, limit,
             ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, **cfg.blocks(),
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    up(configs.choose("up", key, dtype, device, up))
+    def up_offered():  # the TMA candidates where W1's layout allows them (host time: only when tuning)
+        return configs.candidates("up", dtype, device, tma=tma.up_usable(w1, H))
+
+    up(configs.choose("up", key, dtype, device, up, up_offered))
 
     y = common.empty((S, H), dtype, device)
 

@@ -152,3 +152,23 @@ def launch_grouped_mm(
         INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
     )  # fmt: skip
     return True
+
+
+def up_descriptor(w1, H: int, block_n: int, block_k: int) -> TensorDescriptor | None:
+    """The W1 descriptor of ``expert_mlp_fwd_up_tma_kernel``: over [E, halves, I, H] (``w1`` a
+    :class:`sonar_kernels.ops.common.GateUpOperand`), block [1, halves, block_n, block_k], or None where the
+    layout does not allow it (W1's unit stride not along H: the transposed layouts; a separate layout's up
+    tensor before its gate tensor or an unaligned number of bytes after it; an unaligned base or row)."""
+    E, halves, I = w1.base.shape[0], w1.halves, w1.I
+    stride_e, stride_half, stride_i, stride_h = w1.strides
+    if halves == 1:
+        stride_half = stride_e  # a dimension of one entry: never stepped, any valid stride
+    strides = (stride_e, stride_half, stride_i, stride_h)
+    if min(E, I, H) == 0 or not _describable(w1.base, strides):
+        return None
+    return TensorDescriptor(w1.base, [E, halves, I, H], list(strides), [1, halves, block_n, block_k])
+
+
+def up_usable(w1, H: int) -> bool:
+    """Whether the TMA up-projection may run on this W1 here (the device, then the layout)."""
+    return tma_supported(w1.base.device) and up_descriptor(w1, H, 64, 32) is not None
