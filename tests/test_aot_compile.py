@@ -334,6 +334,11 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert r["shared_bytes"] <= SHARED_LIMITS["sm_90a"], (config, kind)
         assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
         assert r["epilogue_instructions"], (config, kind)
+        if config.TMA and kind == "up":
+            # W1 through TMA (cp.async.bulk.tensor), the gathered X by cp.async: one group per stage.
+            assert r["tma_loads"] >= config.num_stages, (config, kind, r)
+            assert r["loop_wait_groups"] == [config.num_stages - 2], (config, kind, r)
+            continue
         if config.TMA:
             # Both operands through TMA (cp.async.bulk.tensor, 2 per K step per half, with the pipeline's
             # prologue), one buffer per stage each, no cp.async groups to wait on (mbarriers instead).
@@ -372,6 +377,10 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
             if config.PERSISTENT:
                 assert r["ctas_per_sm"] >= tma.PERSISTENT_CTAS_PER_SM, (config, kind, r["registers"])
     assert rows[configs.TMA_CANDIDATES[1], "dX"]["ctas_per_sm"] == 2
+    # The up-projection with W1 through TMA: as many CTAs per SM as the pointer kernel at the same tile.
+    for config in configs.UP_TMA_CANDIDATES:
+        pointer = config._replace(TMA=False)
+        assert rows[config, "up"]["ctas_per_sm"] >= rows[pointer, "up"]["ctas_per_sm"], config
     # dHpre's epilogue in column slices: at most 128 registers (2 CTAs per SM or more) where the whole-tile
     # epilogue at the same tile has 146 to 252 (1 CTA), and at least 25 % fewer epilogue instructions per
     # (gate, up) pair (the magnitudes kept elementwise and reduced once per tile, as integer bits).

@@ -311,10 +311,11 @@ def _own_candidate_specs() -> list[Spec]:
 
 
 def _tma_specs() -> list[Spec]:
-    """The grouped GEMM through TMA descriptors (kernels/expert_mlp_tma.py) at each TMA candidate of
+    """The grouped GEMMs through TMA descriptors (kernels/expert_mlp_tma.py) at each TMA candidate of
     ops/configs.py (sm_90a, aligned), for each 16-bit dtype pair of the candidates: the down projection (W2
-    [E, H, I], unit stride along K) and dX (W1's halves, unit stride along N), the rows of the forward and
-    dgrad table for bf16; with bf16 weights also the transposed layouts (the other unit stride)."""
+    [E, H, I], unit stride along K) and dX (W1's halves, unit stride along N), with bf16 weights also the
+    transposed layouts (the other unit stride); the up-projection (W1 through a descriptor, SwiGLU); the
+    rows of the forward and dgrad table for bf16."""
     from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_grouped_mm_tma_kernel
     from sonar_kernels.ops import configs
 
@@ -351,6 +352,29 @@ def _tma_specs() -> list[Spec]:
                         },
                     )
                 )  # fmt: skip
+    from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_fwd_up_tma_kernel
+
+    for config in configs.UP_TMA_CANDIDATES:
+        blocks = config.blocks()
+        for pair in filter(None, chosen.split(",")):
+            act_dtype, w_dtype = pair.split("/")
+            out.append(
+                Spec(
+                    expert_mlp_fwd_up_tma_kernel,
+                    f"x={act_dtype} w={w_dtype} silu tma",
+                    {"x_ptr": act_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
+                     "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
+                    _precision(act_dtype) | blocks | {"ACTIVATION": "silu", "GATED": True, "HAS_BIAS": False},
+                    config.launch(),
+                    unit_strides=("stride_xh", "stride_hn", "stride_an"),
+                    is_gemm=True,
+                    config=blocks | {"TMA": True},
+                    targets=("sm_90a",),
+                    aligned_only=True,
+                    gemm_table="up" if (act_dtype, w_dtype) == ("bf16", "bf16") else "",
+                    descriptors={"w1_desc": f"tensordesc<{w_dtype}[1, 2, {blocks['BLOCK_N']}, {blocks['BLOCK_K']}]>"},
+                )
+            )  # fmt: skip
     return out
 
 
@@ -903,8 +927,10 @@ def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
 
 def operand_buffers(ttgir: str) -> list[int]:
     """The shared-memory buffers of each floating-point GEMM operand the pipeliner allocates (the leading
-    dimension of each 3-d ``ttg.local_alloc`` without an initial value), in allocation order."""
-    pattern = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32|tf32|f8)"
+    dimension of each ``ttg.local_alloc`` of 3 or more dimensions without an initial value; a TMA copy's
+    buffer keeps its descriptor's block shape, [stages, 1, 2, BLOCK_N, BLOCK_K] for the up-projection's W1),
+    in allocation order."""
+    pattern = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)(?:x\d+){2,}x(?:bf16|f16|f32|tf32|f8)"
     return [int(n) for n in re.findall(pattern, ttgir)]
 
 
