@@ -84,6 +84,8 @@ def test_every_kernel_and_configuration_builds(report):
         "routing_scatter_kernel",
         "expert_mlp_fwd_up_kernel",
         "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_fwd_up_tma_kernel",
+        "expert_mlp_grouped_mm_tma_kernel",
         "expert_mlp_combine_kernel",
         "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dw_kernel",
@@ -125,9 +127,11 @@ def test_every_kernel_and_configuration_builds(report):
                     targets = ("sm_90a",)
                 else:
                     targets = ("sm_90a",) if major == 9 else ("sm_80",)
+                # The TMA candidates are kernels of their own (kernels/expert_mlp_tma.py).
+                name = kernels[family].replace("_kernel", "_tma_kernel") if config.TMA else kernels[family]
                 for target in targets:
                     assert any(
-                        kernel == kernels[family] and arch == target and blocks.items() <= dict(items).items()
+                        kernel == name and arch == target and blocks.items() <= dict(items).items()
                         for kernel, arch, items in built
                     ), (family, target, config)
     # The fused update's own tiles (8-bit moments, bf16 master weights), beyond the default, on sm_90a.
@@ -169,6 +173,8 @@ def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
     assert {r["kernel"] for r in gemms} == {
         "expert_mlp_fwd_up_kernel",
         "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_fwd_up_tma_kernel",
+        "expert_mlp_grouped_mm_tma_kernel",
         "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dw_kernel",
     }
