@@ -84,6 +84,8 @@ def test_every_kernel_and_configuration_builds(report):
         "routing_scatter_kernel",
         "expert_mlp_fwd_up_kernel",
         "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_fwd_up_tma_kernel",
+        "expert_mlp_grouped_mm_tma_kernel",
         "expert_mlp_combine_kernel",
         "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dw_kernel",
@@ -128,9 +130,11 @@ def test_every_kernel_and_configuration_builds(report):
                     targets = ("sm_90a",)
                 else:
                     targets = ("sm_90a",) if major == 9 else ("sm_80",)
+                # The TMA candidates are kernels of their own (kernels/expert_mlp_tma.py).
+                name = kernels[family].replace("_kernel", "_tma_kernel") if config.TMA else kernels[family]
                 for target in targets:
                     assert any(
-                        kernel == kernels[family] and arch == target and blocks.items() <= dict(items).items()
+                        kernel == name and arch == target and blocks.items() <= dict(items).items()
                         for kernel, arch, items in built
                     ), (family, target, config)
     # The fused update's own tiles (8-bit moments, bf16 master weights), beyond the default, on sm_90a.
@@ -172,6 +176,8 @@ def test_gemms_use_tensor_cores_and_fp32_stays_fp32(report):
     assert {r["kernel"] for r in gemms} == {
         "expert_mlp_fwd_up_kernel",
         "expert_mlp_grouped_mm_kernel",
+        "expert_mlp_fwd_up_tma_kernel",
+        "expert_mlp_grouped_mm_tma_kernel",
         "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dw_kernel",
     }
@@ -335,11 +341,22 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert r["target"] == "sm_90a" and r["wgmma"], (config, kind)
         assert r["spill_stores"] == r["spill_loads"] == 0, (config, kind, r)
         assert r["shared_bytes"] <= SHARED_LIMITS["sm_90a"], (config, kind)
+        assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
+        assert r["epilogue_instructions"], (config, kind)
+        if config.TMA and kind == "up":
+            # W1 through TMA (cp.async.bulk.tensor), the gathered X by cp.async: one group per stage.
+            assert r["tma_loads"] >= config.num_stages, (config, kind, r)
+            assert r["loop_wait_groups"] == [config.num_stages - 2], (config, kind, r)
+            continue
+        if config.TMA:
+            # Both operands through TMA (cp.async.bulk.tensor, 2 per K step per half, with the pipeline's
+            # prologue), one buffer per stage each, no cp.async groups to wait on (mbarriers instead).
+            assert r["tma_loads"] >= 2 * config.num_stages and r["loop_wait_groups"] == [], (config, kind, r)
+            continue
         # The main loop waits with copies in flight (its operands are not gathered by an index loaded in the
         # loop): 2 at 3 stages, 4 at 4 (a group for each operand per stage), 6 at 5.
         assert r["loop_wait_groups"] == [2 * (config.num_stages - 2)], (config, kind, r["loop_wait_groups"])
-        assert r["operand_buffers"] and set(r["operand_buffers"]) == {config.num_stages}, (config, kind)
-        assert r["epilogue_instructions"], (config, kind)
+        assert r["tma_loads"] == 0, (config, kind)
     # Today's defaults: the up-projection at 4 CTAs per SM (63 registers), the down projection and dX at 5 (45
     # and 46), dHpre at 1 (146 registers, 95 epilogue instructions per (gate, up) pair with the magnitudes).
     ctas = {"up": 4, "down": 5, "dX": 5, "dHpre": 1, "dHpre-plain": 1}
@@ -356,6 +373,23 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert len(deep) >= 2, kind
         for config in deep:
             assert rows[config, kind]["ctas_per_sm"] >= 2, (config, kind, rows[config, kind]["registers"])
+    # The TMA grouped GEMM (ops/tma.py): at the default's tile as many CTAs per SM as today's (5), at
+    # 128x128x64 2 (90 registers where the pointer kernel's dX has 164 and 1 CTA per SM), and the persistent
+    # candidates at least ops.tma.PERSISTENT_CTAS_PER_SM, the programs per SM its grid launches.
+    from sonar_kernels.ops import tma
+
+    for kind in ("down", "dX"):
+        for config in configs.TMA_CANDIDATES:
+            r = rows[config, kind]
+            pointer = rows.get((config._replace(TMA=False, PERSISTENT=False), kind))
+            assert r["ctas_per_sm"] >= (pointer or r)["ctas_per_sm"], (config, kind)
+            if config.PERSISTENT:
+                assert r["ctas_per_sm"] >= tma.PERSISTENT_CTAS_PER_SM, (config, kind, r["registers"])
+    assert rows[configs.TMA_CANDIDATES[1], "dX"]["ctas_per_sm"] == 2
+    # The up-projection with W1 through TMA: as many CTAs per SM as the pointer kernel at the same tile.
+    for config in configs.UP_TMA_CANDIDATES:
+        pointer = config._replace(TMA=False)
+        assert rows[config, "up"]["ctas_per_sm"] >= rows[pointer, "up"]["ctas_per_sm"], config
     # dHpre's epilogue in column slices: at most 128 registers (2 CTAs per SM or more) where the whole-tile
     # epilogue at the same tile has 146 to 252 (1 CTA), and at least 25 % fewer epilogue instructions per
     # (gate, up) pair (the magnitudes kept elementwise and reduced once per tile, as integer bits).

@@ -341,10 +341,12 @@ def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_bu
     variants = result["variants"]
     identities = {json.dumps(v["identity"], sort_keys=True) for v in variants}
     assert result["compilations"] == len(variants) == len(identities)
-    # Every kernel the run launches, each variant launched at least once and built for sm_90a without spills.
+    # Every kernel the run launches, each variant launched at least once and built for sm_90a without spills
+    # (the TMA kernels: the wgrad section's tuned step times the up and grouped_mm families' TMA candidates).
     assert {v["kernel"] for v in variants} == {
         "routing_histogram_kernel", "routing_scan_kernel", "routing_scatter_kernel", "expert_mlp_fwd_up_kernel",
-        "expert_mlp_grouped_mm_kernel", "expert_mlp_combine_kernel", "expert_mlp_bwd_dhpre_kernel",
+        "expert_mlp_grouped_mm_kernel", "expert_mlp_fwd_up_tma_kernel", "expert_mlp_grouped_mm_tma_kernel",
+        "expert_mlp_combine_kernel", "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dweights_kernel", "expert_mlp_bwd_dw_kernel", "adamw_kernel",
         "adamw_8bit_kernel", "update_begin_kernel", "update_end_kernel",
     }  # fmt: skip

@@ -126,6 +126,9 @@ class Spec:
     # A row of the forward and dgrad variants' table ("up", "down", "dX", "dHpre", "dHpre-plain";
     # GEMM_TABLE_KINDS): its sm_90a build's main loop and epilogue are read too (read_sm90_code).
     gemm_table: str = ""
+    # Tensor-descriptor arguments (host-side TMA descriptors): argument -> the JIT's type,
+    # "tensordesc<bf16[1, 64, 32]>" (element type and block shape).
+    descriptors: dict[str, str] = field(default_factory=dict)
 
 
 def _source(spec: Spec, aligned: bool) -> ASTSource:
@@ -149,6 +152,9 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
             continue
         if param.is_constexpr:
             raise ValueError(f"{fn.__name__}: constexpr {name} has no value in spec {spec.variant!r}")
+        if name in spec.descriptors:
+            signature[name] = spec.descriptors[name]
+            continue
         if name in pointers:
             signature[name] = f"*{pointers[name]}"
         else:
@@ -204,6 +210,7 @@ def specs() -> list[Spec]:
         + _adamw_specs()
         + _candidate_specs()
         + _own_candidate_specs()
+        + _tma_specs()
     )
 
 
@@ -240,8 +247,8 @@ def _candidate_specs() -> list[Spec]:
         default = configs.CANDIDATES[family][("fp32", None)][0]
         for arch, major in arches.items():
             for config in configs.CANDIDATES[family][("16bit", major)]:
-                if config == default:
-                    continue
+                if config == default or config.TMA:
+                    continue  # the TMA candidates are another kernel: _tma_specs
                 chosen = os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES))
                 for pair in filter(None, chosen.split(",")):  # empty: --candidate-dtypes with no pair
                     act_dtype, w_dtype = pair.split("/")
@@ -302,6 +309,74 @@ def _own_candidate_specs() -> list[Spec]:
                         wgrad_table=spec.wgrad_table if arch == "sm_90a" else "",
                     )
                 )
+    return out
+
+
+def _tma_specs() -> list[Spec]:
+    """The grouped GEMMs through TMA descriptors (kernels/expert_mlp_tma.py) at each TMA candidate of
+    ops/configs.py (sm_90a, aligned), for each 16-bit dtype pair of the candidates: the down projection (W2
+    [E, H, I], unit stride along K) and dX (W1's halves, unit stride along N), with bf16 weights also the
+    transposed layouts (the other unit stride); the up-projection (W1 through a descriptor, SwiGLU); the
+    rows of the forward and dgrad table for bf16."""
+    from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_grouped_mm_tma_kernel
+    from sonar_kernels.ops import configs
+
+    out = []
+    chosen = os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES))
+    for config in configs.TMA_CANDIDATES:
+        blocks = config.blocks()
+        bm, bn, bk = blocks["BLOCK_M"], blocks["BLOCK_N"], blocks["BLOCK_K"]
+        for pair in filter(None, chosen.split(",")):
+            act_dtype, w_dtype = pair.split("/")
+            kinds = [("fwd", 1, False, "down"), ("dX", 2, True, "dX")]
+            if act_dtype == w_dtype:
+                kinds += [("fwd transposed", 1, True, ""), ("dX transposed", 2, False, "")]
+            for name, halves, w_kn, table in kinds:
+                w_block = [1, 1, bk, bn] if w_kn else [1, 1, bn, bk]
+                out.append(
+                    Spec(
+                        expert_mlp_grouped_mm_tma_kernel,
+                        f"x={act_dtype} w={w_dtype} {name} tma" + (" persistent" if config.PERSISTENT else ""),
+                        {"b2_ptr": w_dtype, "expert_offsets_ptr": "i32", "tile_offsets_ptr": "i32",
+                         "y_ptr": act_dtype},
+                        _precision(act_dtype) | blocks
+                        | {"HALVES": halves, "W_KN": w_kn, "HAS_BIAS": False, "PERSISTENT": config.PERSISTENT},
+                        config.launch(),
+                        unit_strides=("stride_yh", "stride_bh"),
+                        is_gemm=True,
+                        config=blocks | {"TMA": True, "PERSISTENT": config.PERSISTENT},
+                        targets=("sm_90a",),
+                        aligned_only=True,
+                        gemm_table=table if (act_dtype, w_dtype) == ("bf16", "bf16") else "",
+                        descriptors={
+                            "a_desc": f"tensordesc<{act_dtype}[1, {bm}, {bk}]>",
+                            "w_desc": f"tensordesc<{w_dtype}[{', '.join(map(str, w_block))}]>",
+                        },
+                    )
+                )  # fmt: skip
+    from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_fwd_up_tma_kernel
+
+    for config in configs.UP_TMA_CANDIDATES:
+        blocks = config.blocks()
+        for pair in filter(None, chosen.split(",")):
+            act_dtype, w_dtype = pair.split("/")
+            out.append(
+                Spec(
+                    expert_mlp_fwd_up_tma_kernel,
+                    f"x={act_dtype} w={w_dtype} silu tma",
+                    {"x_ptr": act_dtype, "b1_ptr": w_dtype, "token_of_row_ptr": "i32", "expert_offsets_ptr": "i32",
+                     "tile_offsets_ptr": "i32", "hpre_ptr": act_dtype, "a_ptr": act_dtype},
+                    _precision(act_dtype) | blocks | {"ACTIVATION": "silu", "GATED": True, "HAS_BIAS": False},
+                    config.launch(),
+                    unit_strides=("stride_xh", "stride_hn", "stride_an"),
+                    is_gemm=True,
+                    config=blocks | {"TMA": True},
+                    targets=("sm_90a",),
+                    aligned_only=True,
+                    gemm_table="up" if (act_dtype, w_dtype) == ("bf16", "bf16") else "",
+                    descriptors={"w1_desc": f"tensordesc<{w_dtype}[1, 2, {blocks['BLOCK_N']}, {blocks['BLOCK_K']}]>"},
+                )
+            )  # fmt: skip
     return out
 
 
@@ -888,8 +963,10 @@ def ctas_per_sm(registers: int, shared_bytes: int, num_warps: int) -> int:
 
 def operand_buffers(ttgir: str) -> list[int]:
     """The shared-memory buffers of each floating-point GEMM operand the pipeliner allocates (the leading
-    dimension of each 3-d ``ttg.local_alloc`` without an initial value), in allocation order."""
-    pattern = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)x\d+x\d+x(?:bf16|f16|f32|tf32|f8)"
+    dimension of each ``ttg.local_alloc`` of 3 or more dimensions without an initial value; a TMA copy's
+    buffer keeps its descriptor's block shape, [stages, 1, 2, BLOCK_N, BLOCK_K] for the up-projection's W1),
+    in allocation order."""
+    pattern = r"ttg\.local_alloc\s*:\s*\(\)\s*->\s*!ttg\.memdesc<(\d+)(?:x\d+){2,}x(?:bf16|f16|f32|tf32|f8)"
     return [int(n) for n in re.findall(pattern, ttgir)]
 
 
@@ -926,7 +1003,8 @@ def epilogue_sass(cubin: bytes) -> list[str] | None:
     (the epilogue's column slices are unrolled).
 
     ``cuobjdump --dump-sass`` (from the triton wheel) disassembles the cubin. The main loop ends at the
-    last backward branch (a ``BRA`` to a lower address) whose range holds an ``HGMMA`` (sm_90a's wgmma);
+    last innermost backward branch (a ``BRA`` to a lower address, before the last ``EXIT``) whose range
+    holds an ``HGMMA`` (sm_90a's wgmma);
     kept: every instruction after it to the end of the kernel, the slow-path subroutines it calls (IEEE
     division and square root) included, the padding after the kernel (``NOP``s, the closing branch to
     itself) not. None: no loop with an HGMMA."""
@@ -939,13 +1017,23 @@ def epilogue_sass(cubin: bytes) -> list[str] | None:
     # (address, instruction) pairs, e.g. (0x1760, "@!P4 BRA 0x1000").
     code = [(int(a, 16), t.strip()) for a, t in re.findall(r"^\s*/\*([0-9a-f]+)\*/\s+([^;]*);", sass, re.M)]
     hgmma = [address for address, text in code if "HGMMA" in text]
-    loop_end = None
+    # Branches after the kernel's last EXIT are out-of-line stubs (a TMA loop's mbarrier retry, which
+    # jumps back into the loop), not loops; of the loops holding an HGMMA the innermost (a persistent
+    # kernel's tile loop holds its K loop and its epilogue).
+    last_exit = max((address for address, text in code if re.search(r"\bEXIT\b", text)), default=None)
+    loops = []
     for address, text in code:
         m = re.search(r"\bBRA\b.*\b0x([0-9a-f]+)$", text)
-        if m and any(int(m.group(1), 16) <= a < address for a in hgmma):
-            loop_end = address
-    if loop_end is None:
+        if m and (last_exit is None or address < last_exit):
+            start = int(m.group(1), 16)
+            if any(start <= a < address for a in hgmma):
+                loops.append((start, address))
+    innermost = [
+        (a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)
+    ]
+    if not innermost:
         return None
+    loop_end = max(b for _, b in innermost)
     padding = ("NOP",)
     return [t for a, t in code if a > loop_end and t not in padding and t != f"BRA 0x{a:x}"]
 
@@ -977,6 +1065,8 @@ def read_sm90_code(compiled, registers: int, num_warps: int, tile_elements: int)
         "epilogue_instructions": epilogue,
         "epilogue_per_element": None if epilogue is None else epilogue / per_thread,
         "epilogue_loads_ahead": None if sass is None else loads_before_first_store(sass),
+        # TMA loads in the PTX (cp.async.bulk.tensor: the grouped GEMM's descriptor candidates), 0 elsewhere.
+        "tma_loads": compiled.asm["ptx"].count("cp.async.bulk.tensor"),
     }
 
 
@@ -1131,7 +1221,8 @@ def _print_gemm_table(rows: list[dict]) -> None:
         "\n## forward and dgrad variants on sm_90a (bf16 activations and weights, SwiGLU, concatenated layout)\n"
         "up: expert_mlp_fwd_up_kernel; down, dX: expert_mlp_grouped_mm_kernel (HALVES 1, 2); dHpre: "
         "expert_mlp_bwd_dhpre_kernel with A, the routing-weight partial sums and the magnitudes (dHpre-plain: "
-        "without the magnitudes).\n"
+        "without the magnitudes); tma: expert_mlp_grouped_mm_tma_kernel (both operands through TMA descriptors; "
+        "wait TMA: its loop waits on mbarriers, no cp.async groups).\n"
         "CTAs/SM, buffers, wait: as in the wgrad table. epilogue: SASS instructions after the main loop, in all "
         "and per element of a thread's share of the BLOCK_M x BLOCK_N tile (up and dHpre: per (gate, up) "
         "column pair)."
@@ -1146,8 +1237,9 @@ def _print_gemm_table(rows: list[dict]) -> None:
         c = fields(r)
         cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} w{c['num_warps']} s{c['num_stages']}"
         cfg += f" split{r['config']['EPILOGUE_SPLIT']}" if "EPILOGUE_SPLIT" in r["config"] else ""
+        cfg += (" tma persistent" if c["PERSISTENT"] else " tma") if c["TMA"] else ""
         buffers = ",".join(map(str, r["operand_buffers"])) or "-"
-        waits = ",".join(map(str, r["loop_wait_groups"])) or "-"
+        waits = ",".join(map(str, r["loop_wait_groups"])) or ("TMA" if r.get("tma_loads") else "-")
         epilogue, per = r["epilogue_instructions"], r["epilogue_per_element"]
         print(
             f"{r['gemm_table']:11} {cfg:31} {r['registers']:4d} {r['spill_stores'] + r['spill_loads']:5d} "

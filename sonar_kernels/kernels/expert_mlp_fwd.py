@@ -143,6 +143,47 @@ def expert_mlp_fwd_up_kernel(
         w1_ptr + expert.to(tl.int64) * stride_we, w_rows, mask_n, 1, stride_wh,
         H, BLOCK_M, HALVES * BLOCK_N, BLOCK_K, dtype, INPUT_PRECISION, INTERPRET,
     )  # fmt: skip  # [BLOCK_M, HALVES * BLOCK_N]
+    up_epilogue(
+        acc, expert, offs_m, mask_m, pid_n, b1_ptr, hpre_ptr, a_ptr, I, stride_hs, stride_hn, stride_as,
+        stride_an, stride_be, stride_bg, stride_bn, alpha, limit, ACTIVATION, GATED, HAS_BIAS, BLOCK_M, BLOCK_N,
+        INTERPRET,
+    )  # fmt: skip
+
+
+@triton.jit
+def up_epilogue(
+    acc,  # [BLOCK_M, HALVES * BLOCK_N] fp32: columns j < BLOCK_N the gate, j >= BLOCK_N the up projection
+    expert,
+    offs_m,  # [BLOCK_M] the tile's rows
+    mask_m,  # [BLOCK_M] rows < the expert's end
+    pid_n,
+    b1_ptr,
+    hpre_ptr,
+    a_ptr,
+    I,
+    stride_hs,
+    stride_hn,
+    stride_as,
+    stride_an,
+    stride_be,
+    stride_bg,
+    stride_bn,
+    alpha,
+    limit,
+    ACTIVATION: tl.constexpr,
+    GATED: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
+    """The up-projection's epilogue (expert_mlp_fwd_up_kernel and its TMA variant, kernels/expert_mlp_tma.py):
+    the bias in fp32, Hpre's one rounding and store, A = act(gate) * up from the rounded Hpre."""
+    dtype = hpre_ptr.dtype.element_ty
+    HALVES: tl.constexpr = 2 if GATED else 1
+    offs_j = tl.arange(0, HALVES * BLOCK_N)
+    offs_n = pid_n * BLOCK_N + offs_j % BLOCK_N
+    mask_n = offs_n < I
     if HAS_BIAS:  # added in fp32 before the one rounding of Hpre
         b_offsets = offs_n.to(tl.int64) * stride_bn + (offs_j // BLOCK_N).to(tl.int64) * stride_bg
         bias = tl.load(b1_ptr + expert.to(tl.int64) * stride_be + b_offsets, mask=mask_n, other=0.0)

@@ -19,7 +19,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     expert_mlp_combine_kernel,
     expert_mlp_grouped_mm_kernel,
 )
-from sonar_kernels.ops import common, configs
+from sonar_kernels.ops import common, configs, tma
 from sonar_kernels.ops.bias import down_bias_weight_term
 from sonar_kernels.ops.common import (
     gate_up_operand,
@@ -275,7 +275,15 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
     stride_e, stride_half, stride_i, stride_h = w1.strides
     dx_rows = common.empty((S, H), dtype, grad_x.device)
 
+    # W1[e, half] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/tma.py).
+    w1_strides = (stride_e, stride_half, stride_i, stride_h)
+
     def rows(cfg):
+        if cfg.TMA and tma.launch_grouped_mm(
+            cfg, grad_hpre, w1.base, w1_strides, halves, None, (0, 0), meta, dx_rows, E, H, I,
+            input_precision(dtype), interpret,
+        ):  # fmt: skip
+            return
         expert_mlp_grouped_mm_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(H, cfg.BLOCK_N),)](
             grad_hpre, w1.base, w1.base, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), dx_rows,
             E, H, I,
@@ -286,7 +294,11 @@ def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
             INPUT_PRECISION=input_precision(dtype), INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    rows(configs.choose("grouped_mm", (*key, "dX"), dtype, grad_x.device, rows))
+    def offered():  # the TMA candidates where the layout allows them (host time: only when tuning)
+        usable = tma.usable(grad_hpre, w1.base, w1_strides, halves, H)
+        return configs.candidates("grouped_mm", dtype, grad_x.device, tma=usable)
+
+    rows(configs.choose("grouped_mm", (*key, "dX"), dtype, grad_x.device, rows, offered))
     cc = COMBINE_CONFIG
     expert_mlp_combine_kernel[(triton.cdiv(T, cc["BLOCK_M"]), triton.cdiv(H, cc["BLOCK_N"]))](
         dx_rows, meta.row_of_slot, dx_rows, grad_x,

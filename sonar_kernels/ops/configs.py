@@ -53,6 +53,10 @@ class Config(NamedTuple):
     # wgrad only: each epilogue slice's state loaded before the previous slice's stores; with 8-bit moments
     # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
+    # grouped_mm: both operands through TMA descriptors, up: W1 (kernels/expert_mlp_tma.py; offered where the
+    # layout allows it, ops/tma.py); grouped_mm's PERSISTENT: a grid of a few programs per SM walking the tiles
+    TMA: bool = False
+    PERSISTENT: bool = False
 
     def blocks(self) -> dict:
         """The BLOCK_* constexprs as kernel keywords."""
@@ -85,6 +89,8 @@ def _config(d: dict) -> Config:
         d["num_stages"],
         d.get("EPILOGUE_SPLIT", 1),
         d.get("EPILOGUE_PREFETCH", False),
+        d.get("TMA", False),
+        d.get("PERSISTENT", False),
     )
 
 
@@ -99,6 +105,22 @@ _DEFAULTS = {
     "dhpre": _config(DHPRE_CONFIG),
     "wgrad": _config(WGRAD_CONFIG),
 }
+# The grouped GEMM with both operands through TMA descriptors (kernels/expert_mlp_tma.py), offered on sm_90
+# and later where the layout allows it (ops/tma.py): the default's tile (the same bits as the pointer
+# kernel under the interpreter; 42 registers, 24 KB, 5 CTAs per SM on sm_90a), 128x128 and 128x64 tiles
+# (90 and 58 registers, 96 KB: 2 CTAs per SM), and 128x128 on a persistent grid of 2 programs per SM
+# (make kernel-report). A 4th stage of 128x128 (128 KB) would leave 1 CTA per SM.
+TMA_CANDIDATES = (
+    Config(64, 64, 32, 8, 3, TMA=True),
+    Config(128, 128, 64, 8, 3, TMA=True),
+    Config(128, 64, 64, 8, 4, TMA=True),
+    Config(128, 128, 64, 8, 3, TMA=True, PERSISTENT=True),
+)
+# The up-projection with W1 through a TMA descriptor (kernels/expert_mlp_tma.py; the gathered X by
+# pointers), offered where W1's unit stride is along H (ops/tma.py): the default's tile (the same bits as
+# the pointer kernel under the interpreter; 64 registers, 36 KB, 4 CTAs per SM on sm_90a) and 128x64x32 at 4
+# stages (100 registers, 64 KB, 2 CTAs per SM; make kernel-report).
+UP_TMA_CANDIDATES = (Config(64, 64, 32, 8, 3, TMA=True), Config(128, 64, 32, 8, 4, TMA=True))
 # Candidates per family and (dtype class, architecture major), the default first. Chosen by
 # `make kernel-report` (no spills at aligned shapes for every 16-bit dtype pair, fp32 master weights
 # included, shared memory within the architecture's 227 KB (sm_90) and 163 KB (sm_80), wgmma on sm_90a;
@@ -115,6 +137,7 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
             Config(64, 128, 64, 8, 3),
             Config(128, 64, 32, 8, 4),
             Config(128, 64, 32, 8, 5),
+            *UP_TMA_CANDIDATES,
         ),
         ("16bit", 8): (_DEFAULTS["up"], Config(128, 64, 32, 8, 4), Config(64, 64, 64, 8, 4)),
     },
@@ -128,6 +151,7 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
             Config(64, 128, 64, 8, 4),
             Config(128, 64, 64, 8, 4),
             Config(128, 64, 32, 8, 5),
+            *TMA_CANDIDATES,
         ),
         ("16bit", 8): (_DEFAULTS["grouped_mm"], Config(128, 128, 32, 8, 4), Config(64, 128, 64, 8, 4)),
     },
@@ -192,10 +216,13 @@ def _arch(device: torch.device) -> int | None:
     return torch.cuda.get_device_capability(device)[0]
 
 
-def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
+def candidates(
+    family: str, dtype: torch.dtype, device: torch.device, tma: bool = False
+) -> tuple[Config, ...]:
     """The candidate configurations of ``family`` for GEMM operands of ``dtype`` on ``device`` (CPU: the
     interpreter, which takes the sm_90 list); an architecture without a list of its own takes sm_80's
-    (sm_90's for 10 and later).
+    (sm_90's for 10 and later). The TMA candidates only with ``tma`` (the launch's operands have TMA
+    descriptors: :func:`sonar_kernels.ops.tma.grouped_mm_descriptors`, which also checks the device).
 
     Raises:
         ValueError: an unknown family.
@@ -207,7 +234,8 @@ def candidates(family: str, dtype: torch.dtype, device: torch.device) -> tuple[C
     if kind == "fp32":
         return lists[("fp32", None)]
     arch = _arch(device)
-    return lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+    listed = lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
+    return listed if tma else tuple(c for c in listed if not c.TMA)
 
 
 def own_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
@@ -279,7 +307,7 @@ def choose(
     dtype: torch.dtype,
     device: torch.device,
     run: Callable[[Config], None] | None = None,
-    options: tuple | None = None,
+    options: tuple | Callable[[], tuple] | None = None,
 ):
     """The configuration of one launch of ``family``.
 
@@ -289,7 +317,9 @@ def choose(
         run: launches the kernel (or its side-effect-free variant) with a given option; called once per
             option, timed, when tuning is enabled and ``key`` was not tuned yet.
         options: what to choose from, the default first; None: :func:`candidates` of the family (a
-            wgrad with its update passes its :class:`UpdateChoice` options).
+            wgrad with its update passes its :class:`UpdateChoice` options); or a callable giving them,
+            called only when the key is tuned (the grouped GEMM's TMA candidates, whose check of the
+            operands' layout costs host time), whose first option is :func:`candidates`' first.
     Returns:
         The pinned configuration (a :class:`Config`, whatever ``options`` hold), the option tuned for the
         key, or the default (the first option).
@@ -299,8 +329,13 @@ def choose(
     full_key = (family, *key, str(dtype).removeprefix("torch."), device.type, device.index)
     if full_key in _chosen:  # tuned: the options are not needed
         return _chosen[full_key]
-    options = candidates(family, dtype, device) if options is None else options
-    if run is None or len(options) == 1 or not tuning_enabled(device):
+    if run is None or not tuning_enabled(device):
+        # The default: the first option (of the candidates where ``options`` is a callable or None).
+        return candidates(family, dtype, device)[0] if options is None or callable(options) else options[0]
+    options = (
+        candidates(family, dtype, device) if options is None else options() if callable(options) else options
+    )
+    if len(options) == 1:
         return options[0]
     best, best_time = options[0], float("inf")
     measured = {}

@@ -12,12 +12,13 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     expert_mlp_fwd_up_kernel,
     expert_mlp_grouped_mm_kernel,
 )
+from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_fwd_up_tma_kernel
 from sonar_kernels.kernels.routing import (
     routing_histogram_kernel,
     routing_scan_kernel,
     routing_scatter_kernel,
 )
-from sonar_kernels.ops import common, configs
+from sonar_kernels.ops import common, configs, tma
 from sonar_kernels.ops.common import (
     gate_up_operand,
     input_precision,
@@ -146,23 +147,44 @@ def _launch_fwd(
     key = (E, H, I, layout, str(w2.dtype), kind, gate_up_proj_bias is not None, down_proj_bias is not None)
 
     def up(cfg):
-        expert_mlp_fwd_up_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)](
-            hidden_states, w1.base, b1, meta.token_of_row, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M),
+        # A TMA candidate where W1's layout allows it (else, pinned or tuned at another call, the pointer
+        # kernel at its tile).
+        w1_desc = (
+            tma.up_descriptor(w1, H, cfg.BLOCK_N, cfg.BLOCK_K)
+            if cfg.TMA and tma.tma_supported(device)
+            else None
+        )
+        kernel = expert_mlp_fwd_up_kernel if w1_desc is None else expert_mlp_fwd_up_tma_kernel
+        w1_args = (w1.base,) if w1_desc is None else (w1_desc,)
+        w1_strides = w1.strides if w1_desc is None else ()
+        kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(I, cfg.BLOCK_N),)](
+            hidden_states, *w1_args, b1, meta.token_of_row, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M),
             hpre, a,
             E, H, I,
             hidden_states.stride(0), hidden_states.stride(1),
-            *w1.strides,
+            *w1_strides,
             hpre.stride(0), hpre.stride(1), a.stride(0), a.stride(1), b1.stride(0), b1.stride(1), b1.stride(2),
             alpha, limit,
             ACTIVATION=kind, GATED=halves == 2, HAS_BIAS=gate_up_proj_bias is not None, **cfg.blocks(),
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    up(configs.choose("up", key, dtype, device, up))
+    def up_offered():  # the TMA candidates where W1's layout allows them (host time: only when tuning)
+        return configs.candidates("up", dtype, device, tma=tma.up_usable(w1, H))
+
+    up(configs.choose("up", key, dtype, device, up, up_offered))
 
     y = common.empty((S, H), dtype, device)
 
+    # W2[e] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/tma.py).
+    w2_strides = (w2.stride(0), 0, w2.stride(2), w2.stride(1))
+    bias2 = (down_proj_bias, (b2.stride(0), b2.stride(1))) if down_proj_bias is not None else (None, (0, 0))
+
     def down(cfg):
+        if cfg.TMA and tma.launch_grouped_mm(
+            cfg, a, w2, w2_strides, 1, *bias2, meta, y, E, H, I, precision, interpret
+        ):  # fmt: skip
+            return
         expert_mlp_grouped_mm_kernel[(max_row_tiles(S, E, cfg.BLOCK_M) * triton.cdiv(H, cfg.BLOCK_N),)](
             a, w2, b2, meta.expert_offsets, tile_offsets_for(meta, cfg.BLOCK_M), y,
             E, H, I,
@@ -173,7 +195,10 @@ def _launch_fwd(
             INPUT_PRECISION=precision, INTERPRET=interpret, **cfg.launch(),
         )  # fmt: skip
 
-    down(configs.choose("grouped_mm", (*key, "fwd"), dtype, device, down))
+    def offered():  # the TMA candidates where the layout allows them (host time: only when tuning)
+        return configs.candidates("grouped_mm", dtype, device, tma=tma.usable(a, w2, w2_strides, 1, H))
+
+    down(configs.choose("grouped_mm", (*key, "fwd"), dtype, device, down, offered))
     a = None  # freed before the combine (the closures above hold its cell, not the tensor)
 
     cc = COMBINE_CONFIG
