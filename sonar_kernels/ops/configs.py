@@ -28,6 +28,7 @@ Tile offsets of the routing metadata are computed for the BLOCK_M a launch uses
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import time
 from collections.abc import Callable
@@ -235,7 +236,13 @@ def candidates(
         return lists[("fp32", None)]
     arch = _arch(device)
     listed = lists[("16bit", 9 if arch is not None and arch >= 9 else 8)]
-    return listed if tma else tuple(c for c in listed if not c.TMA)
+    return listed if tma else _without_tma(listed)
+
+
+@functools.cache
+def _without_tma(listed: tuple[Config, ...]) -> tuple[Config, ...]:
+    """``listed`` less its TMA candidates (cached: :func:`candidates` runs at every launch)."""
+    return tuple(c for c in listed if not c.TMA)
 
 
 def own_candidates(dtype: torch.dtype, device: torch.device) -> tuple[Config, ...]:
