@@ -32,8 +32,12 @@ __all__ = ["adamw_8bit_cpu_", "available"]
 
 SOURCE = Path(__file__).with_name("cpu_8bit.c")
 # No contraction of a * b + c into an fma and no unsafe math (gcc's defaults but the first): every rounding
-# where the rule puts it. -fno-math-errno lets sqrtf be the instruction (it changes no result).
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
+# where the rule puts it. -fno-math-errno lets sqrtf be the instruction, -fno-trapping-math lets a division
+# whose result a select may drop run in every lane (the loops vectorize); neither changes a result (no
+# exception is unmasked). -march=native: built where it runs, once per process.
+FLAGS = (
+    "-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared",
+)  # fmt: skip
 # Blocks per thread below which one thread runs the whole call (a thread's start costs tens of microseconds).
 MIN_BLOCKS_PER_THREAD = 4096
 _WEIGHT_KINDS = {"fp32": 0, "bf16": 1, "remainder": 2, "stochastic": 3}
@@ -56,7 +60,7 @@ def _build() -> ctypes.CDLL:
     library = ctypes.CDLL(target)
     fn = library.sonar_adamw_8bit
     i64, ptr, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    fn.argtypes = [i64, i64, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+    fn.argtypes = [i64, i64, ptr, i32, ptr, i32, ptr, ptr, ptr, ptr, ptr, ptr, ptr, i64, ptr, ptr]
     fn.restype = None
     return library
 
@@ -98,7 +102,6 @@ def adamw_8bit_cpu_(
     moments: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     scalars: torch.Tensor,
     hyper: torch.Tensor,
-    tables: torch.Tensor,
     *,
     remainder: torch.Tensor | None = None,
     seed: torch.Tensor | None = None,
@@ -117,7 +120,6 @@ def adamw_8bit_cpu_(
             ``weight``'s shape, scales one per block of 32).
         scalars: [2] fp32, ``rules.adamw.adamw_scalars`` at the update's step.
         hyper: [5] fp64 (lr, beta1, beta2, eps, weight_decay); [7] (expert clipping) is not taken here.
-        tables: [384] fp32, ``rules.moments_8bit.tables``.
         remainder: int16, ``weight``'s shape: the fp32 master is (weight, remainder).
         seed, step, first_index: stochastic rounding: the 0-dim int64 seed, the 0-dim fp32 step (already
             incremented), the stream counter of ``weight``'s first element.
@@ -126,11 +128,11 @@ def adamw_8bit_cpu_(
     """
     m_codes, m_scales, v_codes, v_scales = moments
     kind = _weight_kind(weight, remainder, seed)
-    tensors = (weight, grad, *moments, scalars, hyper, tables, *(t for t in (remainder, seed, step) if t is not None))
+    tensors = (weight, grad, *moments, scalars, hyper, *(t for t in (remainder, seed, step) if t is not None))
     if (
         kind is None
         or hyper.numel() != 5
-        or (hyper.dtype, scalars.dtype, tables.dtype) != (torch.float64, torch.float32, torch.float32)
+        or (hyper.dtype, scalars.dtype) != (torch.float64, torch.float32)
         or tuple(t.dtype for t in moments) != (torch.int8, torch.float32, torch.uint8, torch.float32)
         or (remainder is not None and remainder.dtype != torch.int16)
         or (seed is not None and (seed.dtype != torch.int64 or step is None or step.dtype != torch.float32))
@@ -147,7 +149,6 @@ def adamw_8bit_cpu_(
         m_scales.data_ptr(), v_codes.data_ptr(), v_scales.data_ptr(),
         None if remainder is None else remainder.data_ptr(), None if seed is None else seed.data_ptr(),
         None if step is None else step.data_ptr(), int(first_index), hyper.data_ptr(), scalars.data_ptr(),
-        tables.data_ptr(),
     )  # fmt: skip
     fn = _library.sonar_adamw_8bit
     threads = max(1, min(torch.get_num_threads(), blocks // MIN_BLOCKS_PER_THREAD))
