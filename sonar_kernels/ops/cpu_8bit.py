@@ -93,7 +93,9 @@ def _weight_kind(weight, remainder, seed) -> int | None:
         return None if remainder is not None or seed is not None else _WEIGHT_KINDS["fp32"]
     if weight.dtype != torch.bfloat16 or (remainder is not None and seed is not None):
         return None
-    return _WEIGHT_KINDS["remainder" if remainder is not None else "stochastic" if seed is not None else "bf16"]
+    return _WEIGHT_KINDS[
+        "remainder" if remainder is not None else "stochastic" if seed is not None else "bf16"
+    ]
 
 
 def adamw_8bit_cpu_(
@@ -166,5 +168,7 @@ def _executor() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None or _pool._max_workers < torch.get_num_threads():
-            _pool = ThreadPoolExecutor(max_workers=torch.get_num_threads(), thread_name_prefix="sonar_cpu_8bit")
+            _pool = ThreadPoolExecutor(
+                max_workers=torch.get_num_threads(), thread_name_prefix="sonar_cpu_8bit"
+            )
         return _pool
