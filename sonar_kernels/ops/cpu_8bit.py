@@ -42,6 +42,7 @@ FLAGS = (
 MIN_BLOCKS_PER_THREAD = 4096
 _WEIGHT_KINDS = {"fp32": 0, "bf16": 1, "remainder": 2, "stochastic": 3}
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failed = False
@@ -141,7 +142,8 @@ def adamw_8bit_cpu_(
         or grad.dtype not in (torch.float32, torch.bfloat16)
         or weight.numel() % BLOCK
         or m_scales.numel() * BLOCK != weight.numel()
-        or any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
+        # plain CPU tensors: no subclass (a fake tensor has no storage to hand to C, a DTensor's is a shard)
+        or any(type(t) not in _PLAIN or t.device.type != "cpu" or not t.is_contiguous() for t in tensors)
         or not available()
     ):
         return False
