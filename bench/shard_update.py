@@ -1,7 +1,7 @@
 """FSDP2 shards with 8-bit moments, a remainder or stochastic rounding (issue 61, item 3): for each kind, the
 update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
 at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
-of the sharded update (8-bit moments: the C update, ``ops/cpu_8bit.py``; exact moments with stochastic
+of the sharded update (8-bit moments: the C update, ``ops/cpu_update.py``; exact moments with stochastic
 rounding: the compiled rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
 shape), median and p10-p90 of interleaved repeats.
 
@@ -201,10 +201,10 @@ def main() -> None:
 
 def _c_available() -> bool:
     try:
-        from sonar_kernels.ops import cpu_8bit
+        from sonar_kernels.ops import cpu_update
     except ImportError:  # a checkout before the C update
         return False
-    return cpu_8bit.available()
+    return cpu_update.available()
 
 
 if __name__ == "__main__":

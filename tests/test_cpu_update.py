@@ -1,5 +1,6 @@
-"""The CPU's C update with 8-bit moments (sonar_kernels/ops/cpu_8bit.py) gives the bits of the rule op by op
-(sonar_kernels/rules/update.py's adamw_update_) for every master kind and gradient dtype, on random inputs
+"""The CPU's C update (sonar_kernels/ops/cpu_update.py) gives the bits of the rule op by op
+(sonar_kernels/rules/update.py's adamw_update_), with 8-bit moments for every master kind and gradient dtype
+and with exact moments and stochastic rounding, on random inputs
 with the edge values the rule treats apart (signed zeros, subnormals, huge values, blocks of zeros, every
 code of both tables) and on the quantizer's ties and thresholds; the driver (ops/fp64_update.py) takes it;
 a build that fails warns once and leaves the rule; a build without AVX2 (the portable selects) agrees."""
@@ -14,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from sonar_kernels.ops import cpu_8bit
-from sonar_kernels.ops.fp64_update import adamw_8bit_
+from sonar_kernels.ops import cpu_update
+from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.rules import master_weights as mw
 from sonar_kernels.rules import moments_8bit as q8
 from sonar_kernels.rules.adamw import adamw_scalars
@@ -75,7 +76,7 @@ def _both(weight, grad, moments, extra, hyper, first_index=1000):
         held = tuple(t.clone() for t in moments)
         more = {k: t.clone() for k, t in extra.items()}
         if use_c:
-            assert cpu_8bit.adamw_8bit_cpu_(w, grad, held, scalars, hyper, first_index=first_index, **more)
+            assert cpu_update.adamw_8bit_cpu_(w, grad, held, scalars, hyper, first_index=first_index, **more)
         else:
             index = {"first_index": torch.tensor(first_index)} if "seed" in more else {}
             adamw_update_(
@@ -94,6 +95,34 @@ def test_the_c_update_gives_the_bits_of_the_rule(master, weight_dtype, grad_dtyp
     assert not _same_bits(rule[0], weight)  # the update moved the weight
     names = ["weight", "m_codes", "m_scales", "v_codes", "v_scales", "remainder"][: len(rule)]
     for name, a, b in zip(names, rule, c, strict=True):
+        assert _same_bits(a, b), (name, (a != b).sum().item())
+
+
+@pytest.mark.parametrize(
+    "grad_dtype, moments_dtype",
+    [(torch.bfloat16, torch.float32), (torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16)],
+    ids=["bf16-grad", "fp32-grad", "bf16-moments"],
+)
+def test_the_c_stochastic_update_with_exact_moments_gives_the_bits_of_the_rule(grad_dtype, moments_dtype):
+    weight, grad, _, extra = _problem("stochastic", torch.bfloat16, grad_dtype, 6)
+    gen = torch.Generator().manual_seed(6)
+    moments = (1e-3 * torch.randn(SHAPE, generator=gen), 1e-6 * torch.rand(SHAPE, generator=gen))
+    moments[0].view(-1)[:6] = torch.tensor([0.0, -0.0, 1e-40, -1e-40, 1e20, -1e-30])
+    moments[1].view(-1)[:4] = torch.tensor([0.0, 1e-42, 1e30, 3e-39])
+    moments = tuple(t.to(moments_dtype) for t in moments)
+    hyper = torch.tensor(HYPER, dtype=torch.float64)
+    scalars = adamw_scalars(torch.tensor(5.0), hyper)
+    out = []
+    for use_c in (False, True):
+        w, held = weight.clone(), tuple(t.clone() for t in moments)
+        if use_c:
+            assert cpu_update.adamw_stochastic_cpu_(w, grad, held, scalars, hyper, first_index=77, **extra)
+        else:
+            adamw_update_(w, grad, held, scalars, hyper, None, q8.tables(), grad_dtype=grad_dtype,
+                          first_index=torch.tensor(77), **extra)  # fmt: skip
+        out.append((w, *held))
+    assert not _same_bits(out[0][0], weight)
+    for name, a, b in zip(["weight", "exp_avg", "exp_avg_sq"], *out, strict=True):
         assert _same_bits(a, b), (name, (a != b).sum().item())
 
 
@@ -137,12 +166,38 @@ def test_the_c_quantizer_gives_the_rules_codes_at_ties_thresholds_and_ends(monke
         assert _same_bits(a, b), (name, (a != b).sum().item())
 
 
+def test_the_driver_takes_the_c_stochastic_update_with_the_rules_bits(monkeypatch):
+    # exact moments with stochastic rounding through ops/fp64_update.py's stochastic_adamw_ (32 K elements)
+    monkeypatch.setattr(cpu_update, "MIN_BLOCKS_PER_THREAD", 16)
+    assert cpu_update.available(), "the test machine has a C compiler"
+    calls, results = [], []
+    for compile_flag in ("1", "0"):
+        monkeypatch.setenv("SONAR_KERNELS_COMPILE", compile_flag)
+        weight, grad, _, extra = _problem(
+            "stochastic", torch.bfloat16, torch.bfloat16, 7, shape=(2, 16, 1024)
+        )
+        gen = torch.Generator().manual_seed(7)
+        state = [
+            1e-3 * torch.randn(weight.shape, generator=gen),
+            1e-6 * torch.rand(weight.shape, generator=gen),
+        ]
+        state += [*_counters(), extra["seed"]]
+        library = _Spy(cpu_update._library, calls, "sonar_adamw_stochastic") if compile_flag == "1" else None
+        monkeypatch.setattr(cpu_update, "_library", library or cpu_update._library)
+        stochastic_adamw_(weight, grad, None, state, torch.tensor(HYPER, dtype=torch.float64),
+                          grad_dtype=torch.bfloat16, chunk_bytes=None, index_base=4096)  # fmt: skip
+        results.append((weight, *state))
+    assert len(calls) == min(torch.get_num_threads(), 1024 // 16)
+    for a, b in zip(*results, strict=True):
+        assert _same_bits(a, b)
+
+
 def test_the_driver_takes_the_c_update_with_the_rules_bits(monkeypatch):
     # A tensor as large as the compiled rule takes (ops/fp64_update.py), split among 2 threads: the driver
     # runs the C update (counted), and its result is the rule's op by op (SONAR_KERNELS_COMPILE=0).
-    monkeypatch.setattr(cpu_8bit, "MIN_BLOCKS_PER_THREAD", 16)
+    monkeypatch.setattr(cpu_update, "MIN_BLOCKS_PER_THREAD", 16)
     calls = []
-    original = cpu_8bit._library.sonar_adamw_8bit if cpu_8bit.available() else None
+    original = cpu_update._library.sonar_adamw_8bit if cpu_update.available() else None
     assert original is not None, "the test machine has a C compiler"
     results = []
     for compile_flag in ("1", "0"):
@@ -153,7 +208,9 @@ def test_the_driver_takes_the_c_update_with_the_rules_bits(monkeypatch):
         m_codes, m_scales, v_codes, v_scales = moments
         state = [m_codes, v_codes, *_counters(), m_scales, v_scales, extra["seed"]]
         monkeypatch.setattr(
-            cpu_8bit, "_library", _Spy(cpu_8bit._library, calls) if compile_flag == "1" else cpu_8bit._library
+            cpu_update,
+            "_library",
+            _Spy(cpu_update._library, calls) if compile_flag == "1" else cpu_update._library,
         )
         adamw_8bit_(weight, grad, None, state, torch.tensor(HYPER, dtype=torch.float64), grad_dtype=torch.bfloat16,
                     chunk_bytes=None, index_base=4096)  # fmt: skip
@@ -174,16 +231,19 @@ def _counters():
 
 
 class _Spy:
-    """A library whose ``sonar_adamw_8bit`` calls are recorded."""
+    """A library whose calls of ``name`` are recorded."""
 
-    def __init__(self, library, calls):
-        self._library, self._calls = library, calls
+    def __init__(self, library, calls, name="sonar_adamw_8bit"):
+        self._library, self._calls, self._name = library, calls, name
 
-    @property
-    def sonar_adamw_8bit(self):
+    def __getattr__(self, name):
+        fn = getattr(self._library, name)
+        if name != self._name:
+            return fn
+
         def call(*args):
             self._calls.append(args[:2])
-            return self._library.sonar_adamw_8bit(*args)
+            return fn(*args)
 
         return call
 
@@ -191,16 +251,16 @@ class _Spy:
 def test_a_build_that_fails_warns_once_and_leaves_the_rule(monkeypatch):
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
     monkeypatch.setenv("CC", "/nonexistent/cc")
-    monkeypatch.setattr(cpu_8bit, "_library", None)
-    monkeypatch.setattr(cpu_8bit, "_failed", False)
+    monkeypatch.setattr(cpu_update, "_library", None)
+    monkeypatch.setattr(cpu_update, "_failed", False)
     weight, grad, moments, _ = _problem("none", torch.float32, torch.float32, 4)
     hyper = torch.tensor(HYPER, dtype=torch.float64)
     scalars = adamw_scalars(torch.tensor(5.0), hyper)
     before = [weight.clone(), *(t.clone() for t in moments)]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert not cpu_8bit.adamw_8bit_cpu_(weight, grad, moments, scalars, hyper)
-        assert not cpu_8bit.adamw_8bit_cpu_(weight, grad, moments, scalars, hyper)  # no second warning
+        assert not cpu_update.adamw_8bit_cpu_(weight, grad, moments, scalars, hyper)
+        assert not cpu_update.adamw_8bit_cpu_(weight, grad, moments, scalars, hyper)  # no second warning
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "could not be built" in messages[0] and "compiled rule" in messages[0]
     for a, b in zip([weight, *moments], before, strict=True):  # nothing changed
@@ -218,11 +278,11 @@ def test_a_build_that_fails_warns_once_and_leaves_the_rule(monkeypatch):
 
 
 def test_a_build_without_avx2_gives_the_same_bits(monkeypatch):
-    # The portable selects of cpu_8bit.c (no -march=native: x86-64's baseline, no AVX2 permutation).
+    # The portable selects of cpu_update.c (no -march=native: x86-64's baseline, no AVX2 permutation).
     monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
-    monkeypatch.setattr(cpu_8bit, "FLAGS", tuple(f for f in cpu_8bit.FLAGS if f != "-march=native"))
-    monkeypatch.setattr(cpu_8bit, "_library", None)
-    monkeypatch.setattr(cpu_8bit, "_failed", False)
+    monkeypatch.setattr(cpu_update, "FLAGS", tuple(f for f in cpu_update.FLAGS if f != "-march=native"))
+    monkeypatch.setattr(cpu_update, "_library", None)
+    monkeypatch.setattr(cpu_update, "_failed", False)
     probes = _quantizer_probes()[:4000]
     for master, weight_dtype, grad_dtype in [
         ("none", torch.float32, torch.float32),

@@ -1,9 +1,9 @@
 /* AdamW with 8-bit moments on the CPU, one pass over memory: the rule of sonar_kernels/rules/update.py
  * (adamw_update_ with 8-bit moments: dequantize, AdamW in the "fp64" arithmetic of rules/adamw.py,
  * requantize with rules/moments_8bit.py's closed form; the master kinds of rules/master_weights.py) written
- * once more in C, operation for operation, for sonar_kernels/ops/cpu_8bit.py, which compiles it with the
+ * once more in C, operation for operation, for sonar_kernels/ops/cpu_update.py, which compiles it with the
  * machine's C compiler (no contraction into fused multiply-adds, no unsafe math) and checks it against the
- * rule (tests/test_cpu_8bit.py: bit for bit).
+ * rule (tests/test_cpu_update.py: bit for bit).
  *
  * One call updates blocks [first_block, last_block) of 32 consecutive elements; the caller splits a
  * tensor's blocks among threads. Every rounding is the rule's:
@@ -243,5 +243,62 @@ void sonar_adamw_8bit(int64_t first_block, int64_t last_block, void *weight, int
     case 5: UPDATE(2, 1); break;
     case 6: UPDATE(3, 0); break;
     default: UPDATE(3, 1); break;
+    }
+}
+
+/* Exact moments with stochastic rounding (rules/update.py's adamw_update_ with (exp_avg, exp_avg_sq) and a
+ * seed): elements [first, last) of a bf16 weight, its gradient (bf16 or fp32), exp_avg and exp_avg_sq (each
+ * bf16 or fp32, read as fp32, stored rounded to nearest even), the weight rounded stochastically at the
+ * stream of element 0 of the call's tensors (first_index). */
+static inline __attribute__((always_inline)) void update_exact(
+    int64_t first, int64_t last, uint16_t *weight, const void *grad, const int grad_bf16, void *exp_avg,
+    const int m_bf16, void *exp_avg_sq, const int v_bf16, const int64_t *seed, const float *step,
+    int64_t first_index, const double *hyper, const float *scalars) {
+    const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], eps = hyper[3], weight_decay = hyper[4];
+    const double decay = lr * weight_decay, one_minus_beta1 = 1.0 - beta1, one_minus_beta2 = 1.0 - beta2;
+    const float step_size = scalars[0], bc2_sqrt = scalars[1];
+    const uint32_t stream = hash32(hash32((uint32_t)*seed) ^ (uint32_t)(int64_t)*step);
+    for (int64_t i = first; i < last; i++) {
+        float w = u2f((uint32_t)weight[i] << 16);
+        float g = grad_bf16 ? u2f((uint32_t)((const uint16_t *)grad)[i] << 16) : ((const float *)grad)[i];
+        float mq = m_bf16 ? u2f((uint32_t)((const uint16_t *)exp_avg)[i] << 16) : ((const float *)exp_avg)[i];
+        float vq = v_bf16 ? u2f((uint32_t)((const uint16_t *)exp_avg_sq)[i] << 16) : ((const float *)exp_avg_sq)[i];
+        double w64 = w;
+        float decayed = (float)(w64 - decay * w64);
+        w = weight_decay != 0.0 ? decayed : w;
+        double g64 = g;
+        float m_new = (float)(beta1 * (double)mq + one_minus_beta1 * g64);
+        float v_new = (float)(beta2 * (double)vq + one_minus_beta2 * g64 * g64);
+        float denom = (float)((double)(sqrtf(v_new) / bc2_sqrt) + eps);
+        float p = w - (step_size * m_new) / denom;
+        if (m_bf16)
+            ((uint16_t *)exp_avg)[i] = to_bf16(m_new);
+        else
+            ((float *)exp_avg)[i] = m_new;
+        if (v_bf16)
+            ((uint16_t *)exp_avg_sq)[i] = to_bf16(v_new);
+        else
+            ((float *)exp_avg_sq)[i] = v_new;
+        uint32_t u = hash32((uint32_t)(first_index + i) ^ stream) >> 16;
+        int64_t high = ((int64_t)(int32_t)f2u(p) + u) >> 16;
+        weight[i] = p != p ? 0x7FC0 : (uint16_t)high;
+    }
+}
+
+#define UPDATE_EXACT(g, m, v)                                                                                  \
+    update_exact(first, last, weight, grad, g, exp_avg, m, exp_avg_sq, v, seed, step, first_index, hyper, scalars)
+
+void sonar_adamw_stochastic(int64_t first, int64_t last, uint16_t *weight, const void *grad, int grad_bf16,
+                            void *exp_avg, int m_bf16, void *exp_avg_sq, int v_bf16, const int64_t *seed,
+                            const float *step, int64_t first_index, const double *hyper, const float *scalars) {
+    switch ((grad_bf16 != 0) * 4 + (m_bf16 != 0) * 2 + (v_bf16 != 0)) {
+    case 0: UPDATE_EXACT(0, 0, 0); break;
+    case 1: UPDATE_EXACT(0, 0, 1); break;
+    case 2: UPDATE_EXACT(0, 1, 0); break;
+    case 3: UPDATE_EXACT(0, 1, 1); break;
+    case 4: UPDATE_EXACT(1, 0, 0); break;
+    case 5: UPDATE_EXACT(1, 0, 1); break;
+    case 6: UPDATE_EXACT(1, 1, 0); break;
+    default: UPDATE_EXACT(1, 1, 1); break;
     }
 }
