@@ -13,6 +13,7 @@ rule; a build that fails warns once. ``SONAR_KERNELS_COMPILE=0`` turns it off wi
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import os
 import shutil
@@ -53,6 +54,7 @@ def _build() -> ctypes.CDLL:
     if compiler is None:
         raise RuntimeError("no C compiler (cc, or $CC) on PATH")
     folder = tempfile.mkdtemp(prefix="sonar_kernels_cpu_update_")
+    atexit.register(shutil.rmtree, folder, True)  # the loaded library stays mapped; the folder goes at exit
     target = os.path.join(folder, "cpu_update.so")
     done = subprocess.run([compiler, *FLAGS, "-o", target, str(SOURCE)], capture_output=True, text=True)
     if done.returncode:
@@ -70,8 +72,8 @@ def _build() -> ctypes.CDLL:
 
 def available() -> bool:
     """Whether the C update runs in this process: enabled (``SONAR_KERNELS_COMPILE`` is not "0") and built;
-    the first call builds it (about a second), and a build that fails warns once and answers False from then
-    on."""
+    the first call builds it (about 2 s of CPU time), and a build that fails warns once and answers False
+    from then on."""
     global _library, _failed
     if _failed or os.environ.get("SONAR_KERNELS_COMPILE", "1") == "0":
         return False
