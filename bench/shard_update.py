@@ -1,11 +1,11 @@
 """FSDP2 shards with 8-bit moments, a remainder or stochastic rounding (issue 61, item 3): for each kind, the
 update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
 at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
-of the sharded update (8-bit moments: the C update, ``ops/cpu_update.py``; exact moments with stochastic
-rounding: the compiled rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
+of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
+rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
 shape), median and p10-p90 of interleaved repeats.
 
-    PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...]
+    PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
 
 Run without TRITON_INTERPRET (the dry run records the JIT's launches; tests/test_shard_update.py runs the same
 launches under the interpreter and proves their bits). A measurement, not a test.
@@ -175,13 +175,16 @@ def main() -> None:
     parser.add_argument("--shape", type=int, nargs=3, default=[16, 768, 1024])
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     qwen_shard = 128 * 1536 * 2048 // 8  # Qwen3-30B-A3B's gate_up_proj on FSDP2 x 8
     print(f"before issue 61 (torch rules on CUDA): {-(-qwen_shard // UPDATE_ELEMENTS)} slices of {UPDATE_ELEMENTS} "
           "elements for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
     numel = torch.Size(args.shape).numel()
     print(f"CPU: {torch.get_num_threads()} threads, shard {tuple(args.shape)} ({numel} elements), {args.repeats} "
-          f"repeats, load average {os.getloadavg()[0]:.2f}; C update of 8-bit moments: "
+          f"repeats, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
           f"{'built' if _c_available() else 'not available (the compiled rule runs)'}")  # fmt: skip
     qwen = (128 // 8, 1536, 2048)
     print(
