@@ -69,6 +69,27 @@ static inline float entry(int32_t d) {
 static inline float m_entry(int32_t k) { return k == 0 ? 0.0f : entry(k - 127); }
 static inline float v_entry(int32_t c) { return entry(c - 255); }
 
+/* rules/master_weights.py's split of the fp32 master p: the bf16 weight's bits returned, the remainder
+ * stored. The rule's int64 high = (bits + 2 ** 15) >> 16 in 32 bits (vector lanes): bits >> 16 plus the
+ * carry of the low half's 2 ** 15; the remainder bits - high * 2 ** 16 lies in [-2 ** 15, 2 ** 15), its
+ * low 16 bits taken from the wrapping difference. */
+static inline uint16_t split(float p, int16_t *remainder) {
+    int32_t bits = (int32_t)f2u(p);
+    int32_t high = (bits >> 16) + ((bits & 0xFFFF) >= 0x8000);
+    *remainder = (int16_t)(uint16_t)((uint32_t)bits - ((uint32_t)high << 16));
+    return (uint16_t)high;
+}
+
+/* rules/master_weights.py's stochastic_round of p at the stream counter index (its low 32 bits): the rule's
+ * int64 (bits + u) >> 16 in 32 bits, bits >> 16 plus the carry of the low half and u (both below 2 ** 16);
+ * a NaN becomes torch's bf16 NaN. */
+static inline uint16_t stochastic(float p, uint32_t index, uint32_t stream) {
+    uint32_t u = hash32(index ^ stream) >> 16;
+    int32_t bits = (int32_t)f2u(p);
+    int32_t high = (bits >> 16) + (int32_t)((((uint32_t)bits & 0xFFFFu) + u) >> 16);
+    return p != p ? 0x7FC0 : (uint16_t)high;
+}
+
 /* rules/moments_8bit.py's dequantize_blocks of one block of each moment: table[code] * scale, the sign of
  * an exp_avg code applied to the entry first. With AVX2 the entry's fp32(2 ** (r / 8)) is one permutation
  * of a register (a third of the update's time in the portable selects). */
@@ -159,8 +180,8 @@ static inline void quantize(const float *x, const int signed_codes, int8_t *m_ou
     *scale_out = scale;
 }
 
-/* The update of blocks [first_block, last_block). weight_kind: 0 fp32, 1 bf16 (rounded to nearest even), 2 bf16 with an int16 remainder (the fp32 master
- * split), 3 bf16 rounded stochastically (seed, step, first_index: the stream of element 0 of the call's
+/* The update of blocks [first_block, last_block). weight_kind: 0 fp32, 1 bf16 (rounded to nearest even),
+ * 2 bf16 with an int16 remainder (the fp32 master split), 3 bf16 rounded stochastically (seed, step, first_index: the stream of element 0 of the call's
  * tensors). grad_bf16: the gradient is bf16, else fp32. hyper: [5] fp64; scalars: [2] fp32 (step_size,
  * bc2_sqrt). */
 static inline __attribute__((always_inline)) void update(
@@ -209,15 +230,11 @@ static inline __attribute__((always_inline)) void update(
                 ((float *)weight)[base + i] = p[i];
             } else if (weight_kind == 1) {
                 ((uint16_t *)weight)[base + i] = to_bf16(p[i]);
-            } else if (weight_kind == 2) { /* rules/master_weights.py's split */
-                int64_t bits = (int32_t)f2u(p[i]);
-                int64_t high = (bits + (1 << 15)) >> 16;
-                ((uint16_t *)weight)[base + i] = (uint16_t)high;
-                remainder[base + i] = (int16_t)(bits - high * 65536);
-            } else { /* rules/master_weights.py's stochastic_round */
-                uint32_t u = hash32((uint32_t)(first_index + base + i) ^ stream) >> 16;
-                int64_t high = ((int64_t)(int32_t)f2u(p[i]) + u) >> 16;
-                ((uint16_t *)weight)[base + i] = p[i] != p[i] ? 0x7FC0 : (uint16_t)high;
+            } else if (weight_kind == 2) {
+                ((uint16_t *)weight)[base + i] = split(p[i], remainder + base + i);
+            } else {
+                uint32_t index = (uint32_t)(first_index + base) + (uint32_t)i; /* the counter's low 32 bits */
+                ((uint16_t *)weight)[base + i] = stochastic(p[i], index, stream);
             }
         }
         quantize(m, 1, m_codes + base, 0, m_scales + b);
@@ -279,9 +296,7 @@ static inline __attribute__((always_inline)) void update_exact(
             ((uint16_t *)exp_avg_sq)[i] = to_bf16(v_new);
         else
             ((float *)exp_avg_sq)[i] = v_new;
-        uint32_t u = hash32((uint32_t)(first_index + i) ^ stream) >> 16;
-        int64_t high = ((int64_t)(int32_t)f2u(p) + u) >> 16;
-        weight[i] = p != p ? 0x7FC0 : (uint16_t)high;
+        weight[i] = stochastic(p, (uint32_t)first_index + (uint32_t)i, stream);
     }
 }
 
