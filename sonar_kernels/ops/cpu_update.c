@@ -181,9 +181,9 @@ static inline void quantize(const float *x, const int signed_codes, int8_t *m_ou
 }
 
 /* The update of blocks [first_block, last_block). weight_kind: 0 fp32, 1 bf16 (rounded to nearest even),
- * 2 bf16 with an int16 remainder (the fp32 master split), 3 bf16 rounded stochastically (seed, step, first_index: the stream of element 0 of the call's
- * tensors). grad_bf16: the gradient is bf16, else fp32. hyper: [5] fp64; scalars: [2] fp32 (step_size,
- * bc2_sqrt). */
+ * 2 bf16 with an int16 remainder (the fp32 master split), 3 bf16 rounded stochastically (seed, step,
+ * first_index: the stream counter of element 0 of the call's tensors). grad_bf16: the gradient is bf16,
+ * else fp32. hyper: [5] fp64; scalars: [2] fp32 (step_size, bc2_sqrt). */
 static inline __attribute__((always_inline)) void update(
     int64_t first_block, int64_t last_block, void *weight, const int weight_kind, const void *grad,
     const int grad_bf16, int8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales, int16_t *remainder,
