@@ -1,31 +1,36 @@
-"""FSDP2 shards with 8-bit moments, a remainder or stochastic rounding (issue 61, item 3): the update launches
-per tensor per step on the GPU path, counted under the Triton interpreter, and the CPU time of the sharded
-update (the compiled rules) against the exact update (torch's fused AdamW) on the same shard.
+"""FSDP2 shards with 8-bit moments, a remainder or stochastic rounding (issue 61, item 3): for each kind, the
+update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
+at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
+of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
+rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
+shape), median and p10-p90 of interleaved repeats.
 
-    python bench/shard_update.py [--shape E R C] [--repeats 3]
+    PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
 
-Run on the CPU with TRITON_INTERPRET=1 (set here when CUDA is absent). A measurement, not a test.
+Run without TRITON_INTERPRET (the dry run records the JIT's launches; tests/test_shard_update.py runs the same
+launches under the interpreter and proves their bits). A measurement, not a test.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import time
 
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from sonar_kernels.kernels import adamw as adamw_kernels
-from sonar_kernels.kernels import moments_8bit as kernels_8bit
 from sonar_kernels.ops import shard_update
-from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS, adamw_8bit_
-from sonar_kernels.rules.moments_8bit import scales_shape
+from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS, adamw_8bit_, stochastic_adamw_
+from sonar_kernels.rules.moments_8bit import quantize, scales_shape, tables
+
+# The tables are made once per device and kept (rules/moments_8bit.py): made here, for real, before a dry
+# run's fake tensor mode could make (and keep) a fake one.
+tables("cpu")
 
 HYPER = torch.tensor([1e-3, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
+KINDS = ("8bit", "8bit-remainder", "8bit-stochastic", "stochastic")
 
 
 def _state_8bit(weight, extra=()):
@@ -41,91 +46,168 @@ def _state_8bit(weight, extra=()):
     return [m, v, *counters, torch.zeros(s), torch.zeros(s), *extra]
 
 
-class _Counted:
-    """A Triton kernel whose launches (``kernel[grid](...)``) are counted."""
+def dry_run_launches(kind: str, shape) -> tuple[int, int, int]:
+    """(Triton launches, torch ops over the shard's elements, torch ops on 0-dim scalars) of one shard's
+    update on the GPU path (``ops/shard_update.py``) at ``shape``, under ``bench/dry_run.py``'s dry run:
+    fake tensors (no memory, no time), each Triton launch recorded as sm_90a's JIT would compile it, each
+    torch op seen by a dispatch mode. The caller's skip check and norm over the whole gradient (two
+    reductions and their collectives, ``ops/fp64_update.py``) are not in it."""
+    from dry_run import dry_run
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __init__(self, kernel):
-        self.kernel, self.launches = kernel, 0
+    class _Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.sizes: list[int] = []
 
-    def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            if tensors and func._schema.name.startswith("aten::") and not func.is_view:  # a view runs nothing
+                self.sizes.append(max(t.numel() for t in tensors))
+            return func(*args, **(kwargs or {}))
 
-
-def launches(kind: str) -> int:
-    """Triton launches of one shard's update (a small shard: the count does not depend on its size)."""
-    weight = torch.randn(2, 4, 64).to(torch.float32 if kind == "8bit" else torch.bfloat16)
-    grad = torch.randn_like(weight)
-    counted = [_Counted(kernels_8bit.adamw_8bit_kernel), _Counted(adamw_kernels.adamw_kernel)]
-    kernels_8bit.adamw_8bit_kernel, shard_update.adamw_kernel = counted
-    try:
-        if kind == "stochastic":
-            state = [
-                torch.zeros_like(weight, dtype=torch.float32),
-                torch.zeros_like(weight, dtype=torch.float32),
-            ]
-            state += [*_state_8bit(weight)[2:6], torch.tensor(3, dtype=torch.int64)]
-            moments, seed, remainder = (state[0], state[1]), state[6], None
-        else:
-            extra = {"8bit": [], "8bit-remainder": [torch.zeros(weight.shape, dtype=torch.int16)],
-                     "8bit-stochastic": [torch.tensor(3, dtype=torch.int64)]}[kind]  # fmt: skip
-            state = _state_8bit(weight, extra)
-            moments = (state[0], state[6], state[1], state[7])
-            remainder = extra[0] if kind == "8bit-remainder" else None
-            seed = extra[0] if kind == "8bit-stochastic" else None
-        shard_update.shard_update_triton_(
-            weight, grad, moments, state, HYPER, decided=torch.tensor(False), remainder=remainder, seed=seed
-        )
-    finally:
-        kernels_8bit.adamw_8bit_kernel, shard_update.adamw_kernel = (c.kernel for c in counted)
-    return sum(c.launches for c in counted)
+    with dry_run() as recorded:
+        weight, grad, moments, state, remainder, seed = _shard(kind, shape, torch.empty)
+        ops = _Ops()
+        with ops:
+            shard_update.shard_update_triton_(
+                weight,
+                grad,
+                moments,
+                state,
+                HYPER,
+                decided=torch.tensor(False),
+                remainder=remainder,
+                seed=seed,
+            )
+    triton = sum(v.launches for v in recorded.variants.values())
+    return (
+        triton,
+        sum(size >= weight.numel() // 32 for size in ops.sizes),
+        sum(size <= 2 for size in ops.sizes),
+    )
 
 
-def cpu_times(shape, repeats: int) -> tuple[float, float]:
-    """Median seconds of the sharded 8-bit update (the CPU's compiled rules, a whole shard's gradient) and of
-    torch's fused AdamW (fp32 moments) on a tensor of ``shape``, fp32."""
+def _shard(kind: str, shape, make):
+    """(weight, grad, moments, state, remainder, seed) of a shard of ``kind``, tensors made by ``make``
+    (``torch.empty`` under the dry run)."""
+    dtype = torch.float32 if kind == "8bit" else torch.bfloat16
+    weight, grad = make(shape, dtype=dtype), make(shape, dtype=dtype)
+    counters = _state_8bit(torch.zeros(1, 32))[2:6]
+    if kind == "stochastic":
+        state = [
+            make(shape, dtype=torch.float32),
+            make(shape, dtype=torch.float32),
+            *counters,
+            torch.tensor(3),
+        ]
+        return weight, grad, (state[0], state[1]), state, None, state[6]
+    extra = {
+        "8bit": [],
+        "8bit-remainder": [make(shape, dtype=torch.int16)],
+        "8bit-stochastic": [torch.tensor(3)],
+    }
+    scales = scales_shape(tuple(shape))
+    state = [make(shape, dtype=torch.int8), make(shape, dtype=torch.uint8), *counters,
+             make(scales, dtype=torch.float32), make(scales, dtype=torch.float32), *extra[kind]]  # fmt: skip
+    remainder = extra[kind][0] if kind == "8bit-remainder" else None
+    seed = extra[kind][0] if kind == "8bit-stochastic" else None
+    return weight, grad, (state[0], state[6], state[1], state[7]), state, remainder, seed
+
+
+def _problem(kind: str, shape):
+    """(update, its state list, weight, gradient) of ``kind`` on a tensor of ``shape``: fp32 weight and
+    gradient for 8-bit moments alone, bf16 otherwise (the remainder and stochastic rounding are bf16 kinds),
+    moments of one earlier step's size."""
     torch.manual_seed(0)
-    weight = torch.randn(shape)
-    grad = torch.randn(shape)
-    state = _state_8bit(weight)
-    exp_avg, exp_avg_sq = torch.zeros_like(weight), torch.zeros_like(weight)
-    step = torch.tensor(0.0)
+    dtype = torch.float32 if kind == "8bit" else torch.bfloat16
+    weight = torch.randn(shape).to(dtype)
+    grad = (1e-2 * torch.randn(shape)).to(dtype)
+    counters = _state_8bit(weight)[2:6]
+    counters[0].fill_(3.0)
+    if kind == "stochastic":
+        moments = [1e-3 * torch.randn(shape), 1e-6 * torch.rand(shape)]
+        return stochastic_adamw_, [*moments, *counters, torch.tensor(3, dtype=torch.int64)], weight, grad
+    m_codes, m_scales = quantize(1e-3 * torch.randn(shape), "exp_avg")
+    v_codes, v_scales = quantize(1e-6 * torch.rand(shape), "exp_avg_sq")
+    extra = {"8bit": [], "8bit-remainder": [torch.randint(-(2**15), 2**15, shape, dtype=torch.int32).to(torch.int16)],
+             "8bit-stochastic": [torch.tensor(3, dtype=torch.int64)]}[kind]  # fmt: skip
+    return adamw_8bit_, [m_codes, v_codes, *counters, m_scales, v_scales, *extra], weight, grad
+
+
+def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float]]:
+    """Seconds of each repeat of the update of ``kind`` (a whole shard's gradient, as FSDP2's shard update
+    runs it on the CPU: the skip check, the norm, then the rule; ``ops/fp64_update.py``) and of the exact
+    update (torch's fused AdamW, fp32 weight, gradient and moments) on a tensor of ``shape``, interleaved
+    so that both see the same load."""
+    update, state, weight, grad = _problem(kind, shape)
+    exact_weight, exact_grad = torch.randn(shape), 1e-2 * torch.randn(shape)
+    exp_avg, exp_avg_sq, step = torch.zeros(shape), torch.zeros(shape), torch.tensor(0.0)
 
     def sharded():
-        adamw_8bit_(weight, grad, None, state, HYPER, grad_dtype=torch.float32, chunk_bytes=None)
+        update(weight, grad, None, state, HYPER, grad_dtype=grad.dtype, chunk_bytes=None)
 
     def exact():
         torch._fused_adamw_(
-            [weight], [grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=1e-3, beta1=0.9, beta2=0.95,
-            weight_decay=0.1, eps=1e-8, maximize=False,
+            [exact_weight], [exact_grad], [exp_avg], [exp_avg_sq], [], [step], amsgrad=False, lr=1e-3,
+            beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
         )  # fmt: skip
 
-    times = []
-    for fn in (sharded, exact):
-        fn()  # warm-up (the rule's compilation)
-        runs = []
-        for _ in range(repeats):
+    sharded(), exact()  # warm-up (a compiled rule's or the C update's build)
+    times = ([], [])
+    for _ in range(repeats):
+        for fn, runs in zip((sharded, exact), times, strict=True):
             start = time.perf_counter()
             fn()
             runs.append(time.perf_counter() - start)
-        times.append(statistics.median(runs))
-    return times[0], times[1]
+    return times
+
+
+def _spread(runs: list[float]) -> str:
+    """median (p10-p90) in ms."""
+    ordered = sorted(runs)
+    p10, p90 = ordered[int(0.1 * (len(ordered) - 1))], ordered[math.ceil(0.9 * (len(ordered) - 1))]
+    return f"{statistics.median(runs) * 1e3:.1f} ({p10 * 1e3:.1f}-{p90 * 1e3:.1f})"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", type=int, nargs=3, default=[16, 768, 1024])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
     args = parser.parse_args()
-    for kind in ("8bit", "8bit-remainder", "8bit-stochastic", "stochastic"):
-        print(f"{kind}: {launches(kind)} Triton update launch(es) per tensor per step on a shard")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     qwen_shard = 128 * 1536 * 2048 // 8  # Qwen3-30B-A3B's gate_up_proj on FSDP2 x 8
-    print(f"before (torch rules on CUDA): {-(-qwen_shard // UPDATE_ELEMENTS)} slices of {UPDATE_ELEMENTS} elements "
-          "for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
-    sharded, exact = cpu_times(tuple(args.shape), args.repeats)
+    print(f"before issue 61 (torch rules on CUDA): {-(-qwen_shard // UPDATE_ELEMENTS)} slices of {UPDATE_ELEMENTS} "
+          "elements for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
     numel = torch.Size(args.shape).numel()
-    print(f"CPU, {torch.get_num_threads()} threads, shard {tuple(args.shape)} fp32 ({numel} elements): sharded 8-bit "
-          f"{sharded * 1e3:.1f} ms, exact (torch fused AdamW) {exact * 1e3:.1f} ms, ratio {sharded / exact:.2f}")  # fmt: skip
+    print(f"CPU: {torch.get_num_threads()} threads, shard {tuple(args.shape)} ({numel} elements), {args.repeats} "
+          f"repeats, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
+          f"{'built' if _c_available() else 'not available (the compiled rule runs)'}")  # fmt: skip
+    qwen = (128 // 8, 1536, 2048)
+    print(
+        f"GPU path, per tensor per step, by the dry run at a Qwen3-30B-A3B gate_up_proj shard {qwen}: Triton "
+        "launches, and the torch ops of the update over the shard's elements and on 0-dim scalars (the caller's "
+        "skip check and norm over the whole gradient, two reductions and their collectives, not included)"
+    )
+    print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | exact ms | "
+          "ratio of medians")  # fmt: skip
+    for kind in args.kinds:
+        triton, elementwise, scalar = dry_run_launches(kind, qwen)
+        sharded, exact = cpu_times(kind, tuple(args.shape), args.repeats)
+        ratio = statistics.median(sharded) / statistics.median(exact)
+        print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | "
+              f"{_spread(exact)} | {ratio:.2f}")  # fmt: skip
+
+
+def _c_available() -> bool:
+    try:
+        from sonar_kernels.ops import cpu_update
+    except ImportError:  # a checkout before the C update
+        return False
+    return cpu_update.available()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The torch backend's driver of the updates in the "fp64" arithmetic: 8-bit moments (any master kind) and
 stochastic rounding (exact moments). The rule of one element is ``sonar_kernels/rules/update.py``'s
 ``adamw_update``; this module decides the skip, counts the step, computes the gradient by chunks of experts
-and feeds the rule a slice at a time (:data:`UPDATE_ELEMENTS`, :data:`COMPILED_UPDATE_ELEMENTS`).
+and feeds the rule a slice at a time (:data:`UPDATE_ELEMENTS`, :data:`COMPILED_UPDATE_ELEMENTS`); on the CPU,
+8-bit moments and stochastic rounding without expert clipping take the rule's C translation instead, a
+chunk in one call (``ops/cpu_update.py``).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 
 from sonar_kernels.ops.adamw import chunked_update_skipped
 from sonar_kernels.ops.common import inf_norm, whole
+from sonar_kernels.ops.cpu_update import adamw_8bit_cpu_, adamw_stochastic_cpu_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.master_weights import element_index, shard_index_base
@@ -198,6 +201,23 @@ def _update_(
             if bool(skip):
                 return
             skip = None
+        if compiled and len(moments) == 4:  # 8-bit moments: the C update in one pass, where it applies
+            chunk = weight[first:last]
+            held = [t[first:last] for t in (*moments, *([] if remainder is None else [remainder]))]
+            if adamw_8bit_cpu_(
+                chunk, grad, tuple(held[:4]), scalars, hyper, remainder=held[4] if held[4:] else None, seed=seed,
+                step=step, first_index=chunk.storage_offset() - start_offset + index_base,
+            ):  # fmt: skip
+                return
+        if (
+            compiled and len(moments) == 2 and seed is not None
+        ):  # exact moments, stochastic rounding: likewise
+            chunk = weight[first:last]
+            if adamw_stochastic_cpu_(
+                chunk, grad, tuple(t[first:last] for t in moments), scalars, hyper, seed=seed, step=step,
+                first_index=chunk.storage_offset() - start_offset + index_base,
+            ):  # fmt: skip
+                return
         for w, g, held_moments, held_remainder in parts(first, last, grad, elements):
             index = first_index = None
             if seed is not None:  # the elements' counters: their offsets in the whole tensor
