@@ -348,7 +348,8 @@ def test_the_dry_run_counts_what_the_gpu_run_compiles_and_each_build_fits_the_bu
         "expert_mlp_grouped_mm_kernel", "expert_mlp_fwd_up_tma_kernel", "expert_mlp_grouped_mm_tma_kernel",
         "expert_mlp_combine_kernel", "expert_mlp_bwd_dhpre_kernel",
         "expert_mlp_bwd_dweights_kernel", "expert_mlp_bwd_dw_kernel", "adamw_kernel",
-        "adamw_8bit_kernel", "update_begin_kernel", "update_end_kernel",
+        "adamw_8bit_kernel", "update_begin_kernel", "update_end_kernel", "bound_magnitudes_kernel",
+        "bound_table_kernel",
     }  # fmt: skip
     assert all(v["launches"] >= 1 and v["compile_s"] > 0 and v["registers"] > 0 for v in variants)
     assert result["spilling"] == []

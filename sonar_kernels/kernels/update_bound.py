@@ -46,7 +46,9 @@ def _largest(bits):
     return tl.minimum(tl.max(tl.max(bits, axis=1), axis=0), 0x7F800000).to(tl.float32, bitcast=True)
 
 
-@triton.jit
+# T, num_absmax and E only bound loops and masks: one build for every token and expert count (top_k
+# and H keep their specialisation: the loads' vector width).
+@triton.jit(do_not_specialize=("T", "num_absmax", "E"))
 def bound_magnitudes_kernel(
     # pointers
     x_ptr,  # [T, H] fp32/bf16/fp16, read: the layer's input X
@@ -174,7 +176,7 @@ def _table_row(out_ptr, row: tl.constexpr, n, p_tokens, p_dhpre, q_a, q_x, entry
     tl.store(base + 4 * _FLAG_STRIDE, _flag(n, p_tokens, one, zero, entry_limit, operand_limit))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("num_rows",))  # a loop bound: one build for every count
 def bound_table_kernel(
     # pointers
     magnitudes_ptr,  # [TABLE + num_rows * COLUMNS] fp32, read past the table, the table written
