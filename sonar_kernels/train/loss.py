@@ -27,11 +27,13 @@ LOGIT_DIVISORS = {"olmoe": None, "qwen3_moe": None, "granitemoe": "logits_scalin
 
 def _chunk_loss_sum(hidden, weight, labels, divisor):
     """Summed cross entropy of one chunk, as transformers computes each token's: logits in the model's
-    dtype (divided by ``divisor``), cast to fp32, ``cross_entropy`` with labels IGNORE_INDEX left out."""
+    dtype (divided by ``divisor``), cast to fp32, ``cross_entropy`` with labels IGNORE_INDEX left out. Each
+    rebinding releases the previous [chunk, V] tensor (no node saves it)."""
     logits = F.linear(hidden, weight)
     if divisor is not None:
         logits = logits / divisor
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+    logits = logits.float()
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
 class ChunkedCausalLMLoss(torch.autograd.Function):
