@@ -206,3 +206,37 @@ def test_the_chunked_loss_is_the_models_where_it_sets_the_peak():
         assert chunked["peak_bytes"] < whole["peak_bytes"] - 2 * 256 * 2 * 32768 * 4, (chunked, whole)
     fake, real = by[("sonar", "1 gpu", 128, "fake")], by[("sonar", "1 gpu", 128, "real")]
     assert abs(fake["peak_bytes"] / real["peak_bytes"] - 1) < 0.01 and fake["phase"] == real["phase"]
+
+
+def test_the_committed_chunked_loss_rows_are_the_models():
+    # docs/distributed.md, "With the chunked loss": the newest committed EP x FSDP2-dense report traced with
+    # sonar-train's --loss-chunk-tokens (OLMoE-1B-7B and Qwen3-30B-A3B, 4 and 8 ranks): every row the
+    # memory model's within 1e-3 with the same chunk, its expert gradients at the peak the model's; sonar
+    # holds none at its peak and is below standard.
+    import json
+
+    memory_real = _module()
+    reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-real-ep-chunked-loss.json"))
+    assert reports, "no committed chunked-loss memory-real report under bench/results/memory/"
+    rows = json.loads(reports[-1].read_text())["rows"]
+    assert rows and all("error" not in r for r in rows)
+    assert {(r["preset"], r["world_size"]) for r in rows} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for r in rows:
+        assert r["layout"] == "ep fsdp2" and r["loss_chunk_tokens"] == 1024, r
+        model = memory_real.model_prediction(r["preset"], r["arm"], r["layers"], r["checkpointing"],
+                                             r["world_size"], r["layout"], r["loss_chunk_tokens"])  # fmt: skip
+        assert abs(model.total / r["peak_bytes"] - 1) < 1e-3, (
+            r["preset"],
+            r["arm"],
+            model.total,
+            r["peak_bytes"],
+        )
+        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
+    savings = memory_real.ep_savings(rows)
+    assert {(e["preset"], e["ranks"]) for e in savings if e["checkpointing"]} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for e in savings:
+        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] < e["standard_bytes"], e

@@ -157,12 +157,16 @@ def predict(s: Setup) -> Prediction:
         add("backward", {"activations": act_all - L * T * E * ld, "router_logit_gradients": L * T * E * ld,
                          "log_softmax_and_gradients": 3 * T * V * FP32})  # fmt: skip
     else:  # the chunked loss, after the model's forward (its load-balancing loss made, not yet run back)
+        # Its backward runs with the model's output gone: the router logits it held released, the
+        # load-balancing loss's saved softmax alive.
         forward, backward = chunked_loss_moments(d, T, a, s.loss_chunk_tokens)
-        around = {"activations": act_all, "aux_loss_softmax": L * T * E * ld}
         for terms in forward:
-            add("forward", {**around, **terms})
+            add("forward", {"activations": act_all, "aux_loss_softmax": L * T * E * ld, **terms})
         for terms in backward:
-            add("backward", {**around, **terms})
+            add(
+                "backward",
+                {"activations": act_all - L * T * E * ld, "aux_loss_softmax": L * T * E * ld, **terms},
+            )
     if s.method == "standard" or reduce_first:
         mode = "grad"
     elif s.backend == "torch":
@@ -446,13 +450,13 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     if s.loss_chunk_tokens is not None:
         # The chunked loss runs after the model's forward (the root's post-forward has freed the last
         # all-gather) and its backward before the load-balancing loss's, whose output's hook is the root's
-        # pre-backward (no prefetch yet).
+        # pre-backward (no prefetch yet); the model's output gone by then, with the router logits it held.
         forward, backward = chunked_loss_moments(d, T, a, s.loss_chunk_tokens)
-        around = {"root_unsharded_parameters": root_unsharded, "activations": act_all,
-                  "aux_loss_softmax": L * T * E * ld}  # fmt: skip
-        for phase, moments_of in (("forward", forward), ("backward", backward)):
-            for terms in moments_of:
-                add(phase, {**around, **terms})
+        around = {"root_unsharded_parameters": root_unsharded, "aux_loss_softmax": L * T * E * ld}
+        for terms in forward:
+            add("forward", {**around, "activations": act_all, **terms})
+        for terms in backward:
+            add("backward", {**around, "activations": act_all - L * T * E * ld, **terms})
     else:
         add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
                         "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32,
