@@ -227,16 +227,25 @@ def test_the_committed_chunked_loss_rows_are_the_models():
         assert r["layout"] == "ep fsdp2" and r["loss_chunk_tokens"] == 1024, r
         model = memory_real.model_prediction(r["preset"], r["arm"], r["layers"], r["checkpointing"],
                                              r["world_size"], r["layout"], r["loss_chunk_tokens"])  # fmt: skip
+        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
+        if r["preset"] == "olmoe-1b-7b" and not r["checkpointing"]:
+            # The known gap (docs/distributed.md, "With the chunked loss"): with the loss no longer the peak,
+            # OLMoE's step without checkpointing peaks in its last layer's backward at a moment the model
+            # lacks; the model is 211 MiB (0.9 % to 1 %) below the trace there.
+            gap = r["peak_bytes"] - model.total
+            assert 0 < gap < 0.01 * r["peak_bytes"], (r["arm"], model.total, r["peak_bytes"])
+            continue
         assert abs(model.total / r["peak_bytes"] - 1) < 1e-3, (
             r["preset"],
             r["arm"],
             model.total,
             r["peak_bytes"],
         )
-        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
     savings = memory_real.ep_savings(rows)
     assert {(e["preset"], e["ranks"]) for e in savings if e["checkpointing"]} == {
         (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
     }
     for e in savings:
-        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] < e["standard_bytes"], e
+        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] <= e["standard_bytes"], e
+        if e["checkpointing"]:  # without it the saved activations set both peaks, alike (a tie)
+            assert e["sonar_bytes"] < e["standard_bytes"] - 0.85 * e["standard_expert_gradients_at_peak"], e
