@@ -33,6 +33,9 @@ many (:class:`BalancedDispatch`, which stands in for the dispatch's host read of
 ``sonar_kernels.nn.expert_parallel.exchange_counts``; docs/distributed.md, "Expert parallel with the dense
 layers on FSDP2, traced").
 
+``--loss-chunk-tokens N`` traces every row with sonar-train's chunked loss (``sonar_kernels/train/loss.py``;
+the rows then carry ``loss_chunk_tokens``, and the memory model predicts them with it).
+
 ``--real`` runs the same code with real CPU tensors (kernels not run, matrix products not computed:
 every allocation is real, the values are not); ``--check`` (``make memory-real-check``) runs every row at
 reduced depth (``--layers 1 2``) fake and real and compares them (:func:`check`; the layouts of

@@ -1,5 +1,6 @@
-"""The causal-LM loss over token chunks (sonar-train's ``--loss-chunk-tokens``, docs/distributed.md, "The
-chunked loss"): transformers' ``model(input_ids, labels=input_ids).loss`` without its [T, V] tensors.
+"""The causal-LM loss over token chunks (sonar-train's ``--loss-chunk-tokens``: docs/sonar-train.md; its
+memory at full size: docs/distributed.md, "With the chunked loss"): transformers'
+``model(input_ids, labels=input_ids).loss`` without its [T, V] tensors.
 
 transformers' ForCausalLM forward (OLMoE, Granite MoE, Qwen3-MoE, transformers 5) computes the logits of all
 T tokens, ``lm_head(hidden)`` [T, V] in the model's dtype (Granite then divides them by
