@@ -33,6 +33,9 @@ many (:class:`BalancedDispatch`, which stands in for the dispatch's host read of
 ``sonar_kernels.nn.expert_parallel.exchange_counts``; docs/distributed.md, "Expert parallel with the dense
 layers on FSDP2, traced").
 
+``--loss-chunk-tokens N`` traces every row with sonar-train's chunked loss (``sonar_kernels/train/loss.py``;
+the rows then carry ``loss_chunk_tokens``, and the memory model predicts them with it).
+
 ``--real`` runs the same code with real CPU tensors (kernels not run, matrix products not computed:
 every allocation is real, the values are not); ``--check`` (``make memory-real-check``) runs every row at
 reduced depth (``--layers 1 2``) fake and real and compares them (:func:`check`; the layouts of
@@ -129,12 +132,14 @@ def trace(
     world_size: int = 1,
     dims=None,
     layout: str | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> dict:
     """One row: the second training step of ``arm`` on ``preset_name`` (``layers`` decoder layers, all when
     None) under MemTracker, in bf16, on one rank of ``world_size``, in ``layout`` (:data:`LAYOUTS`; None:
     "1 gpu" on one rank, else "fsdp2"; see the module docstring). ``dims``: a ``sonar_kernels.train.Preset``
     traced and predicted under ``preset_name`` instead of its own dimensions (tests/test_memory_real.py),
-    restored after the row."""
+    restored after the row. ``loss_chunk_tokens``: the step's loss over chunks of that many tokens
+    (sonar-train's ``--loss-chunk-tokens``, ``sonar_kernels.train.loss``); None: transformers' loss."""
     layout = layout or ("1 gpu" if world_size == 1 else "fsdp2")
     if layout not in LAYOUTS or (layout == "1 gpu") != (world_size == 1):
         raise ValueError(
@@ -145,7 +150,9 @@ def trace(
 
         saved, data.PRESETS[preset_name] = data.PRESETS[preset_name], dims
         try:
-            return trace(preset_name, arm, layers, checkpointing, fake, world_size, None, layout)
+            return trace(
+                preset_name, arm, layers, checkpointing, fake, world_size, None, layout, loss_chunk_tokens
+            )
         finally:
             data.PRESETS[preset_name] = saved
     os.environ["SONAR_KERNELS_TUNING"] = "0"
@@ -164,7 +171,8 @@ def trace(
     depth = layers or preset.num_layers
     sonar_arm, precision, _ = ARMS[arm]
     argv = ["--preset", preset_name, "--layers", str(depth), "--device", "cpu", "--dtype", "bfloat16",
-            "--quiet", "--fused", *([] if checkpointing else ["--no-checkpointing"])]  # fmt: skip
+            "--quiet", "--fused", *([] if checkpointing else ["--no-checkpointing"]),
+            *([] if loss_chunk_tokens is None else ["--loss-chunk-tokens", str(loss_chunk_tokens)])]  # fmt: skip
     args = train.parse_args(argv)
     if world_size > 1:  # one rank of world_size; the collectives do nothing (their outputs are allocated)
         from torch.distributed.device_mesh import init_device_mesh
@@ -189,6 +197,7 @@ def trace(
                 if arm == "sonar split":  # the paper arm's split path, at the library's scratch bound
                     built.split_fraction = None
             del initial
+            built.loss_chunk_tokens = loss_chunk_tokens  # the arms built here as build_arm builds them
             train.train_step(built, data.batch(0), args.max_grad_norm)  # creates the optimizer state
             masters = getattr(built.optimizer, "masters", None)  # Fp32Masters' fp32 copies: parameters too
             step = functools.partial(train.train_step, built, data.batch(1), args.max_grad_norm)
@@ -201,11 +210,11 @@ def trace(
         "preset": preset_name, "layers": depth, "layout": layout, "world_size": world_size,
         "precision": "fp32 sharded, bf16 compute, fp32 moments" if mixed_fsdp else precision, "arm": arm,
         "checkpointing": checkpointing, "peak_bytes": result["peak_memory_bytes"],
-        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing, world_size, layout),
+        "model_peak_bytes": model_peak(preset_name, arm, depth, checkpointing, world_size, layout, loss_chunk_tokens),
         "parameters": parameters, "mode": "fake" if fake else "real", "breakdown": result["peak_memory"],
         "phase": result["peak_phase"], "library_host_reads": sorted(set(launches.library_reads)),
-        "seconds": time.perf_counter() - start,
-        **(_ep_fields(dispatch, built, preset_name, arm, depth, checkpointing, world_size) if layout == "ep fsdp2" else {}),
+        "seconds": time.perf_counter() - start, **({} if loss_chunk_tokens is None else {"loss_chunk_tokens": loss_chunk_tokens}),
+        **(_ep_fields(dispatch, built, preset_name, arm, depth, checkpointing, world_size, loss_chunk_tokens) if layout == "ep fsdp2" else {}),
     }  # fmt: skip
 
 
@@ -364,13 +373,22 @@ def ep_fsdp2_arm(name: str, model, args, mesh):
 
 
 def _ep_fields(
-    dispatch: BalancedDispatch, built, preset_name, arm, layers, checkpointing, world_size
+    dispatch: BalancedDispatch,
+    built,
+    preset_name,
+    arm,
+    layers,
+    checkpointing,
+    world_size,
+    loss_chunk_tokens=None,
 ) -> dict:
     """An expert-parallel row's own fields: the dispatch's record (:meth:`BalancedDispatch.record`), the
     bytes of this rank's expert gradients had they all been kept (its local experts' gate_up_proj and
     down_proj elements x their element size: 2 in bf16), and the expert-gradient bytes alive at the memory
     model's peak (:func:`model_expert_gradients`)."""
-    prediction = model_prediction(preset_name, arm, layers, checkpointing, world_size, "ep fsdp2")
+    prediction = model_prediction(
+        preset_name, arm, layers, checkpointing, world_size, "ep fsdp2", loss_chunk_tokens
+    )
     return {"dispatch": dispatch.record(),
             "expert_gradient_bytes": sum(p.numel() * p.element_size() for p in built.ep_experts),
             "model_expert_gradients_at_peak": model_expert_gradients(prediction)}  # fmt: skip
@@ -383,11 +401,15 @@ def model_peak(
     checkpointing: bool,
     world_size: int = 1,
     layout: str | None = None,
+    loss_chunk_tokens: int | None = None,
 ) -> int:
     """bench/memory_model's prediction of the row (one rank of ``world_size`` in ``layout``, as
     :func:`trace`; the Triton backend, torch's fused AdamW, allocations as the trace sees them; balanced
-    routing under expert parallelism); it models every preset and arm."""
-    return model_prediction(preset_name, arm, layers, checkpointing, world_size, layout).total
+    routing under expert parallelism; the chunked loss of ``loss_chunk_tokens``); it models every preset and
+    arm."""
+    return model_prediction(
+        preset_name, arm, layers, checkpointing, world_size, layout, loss_chunk_tokens
+    ).total
 
 
 def model_expert_gradients(prediction) -> int:
@@ -404,6 +426,7 @@ def model_prediction(
     checkpointing: bool,
     world_size: int = 1,
     layout: str | None = None,
+    loss_chunk_tokens: int | None = None,
 ):
     """:func:`model_peak`'s ``memory_model.Prediction`` (its terms name what is alive at the peak)."""
     import dataclasses
@@ -427,7 +450,7 @@ def model_prediction(
     )
     setup = dataclasses.replace(
         setup, master=options.get("master"), fp32_masters=masters, dims=with_layers(setup.dims, layers),
-        fused_epilogue=options.get("fused_epilogue", True),
+        fused_epilogue=options.get("fused_epilogue", True), loss_chunk_tokens=loss_chunk_tokens,
     )  # fmt: skip
     return predict(setup)
 
@@ -510,12 +533,17 @@ def decision_table(rows: list[dict]) -> str:
                 if layout == "ep fsdp2" and arm not in EP_ARMS:  # not an arm of this layout
                     cells.append("")
                     continue
-                model = model_peak(preset, arm, None, True, world, layout)
+                model = model_peak(preset, arm, None, True, world, layout, _loss_chunk(rows))
                 cells.append(
                     "" if model is None else f"{model / 2**30:.1f} GiB, {smallest_gpu(model)} (model)"
                 )
             lines.append(f"| {preset} | {_layout_name(layout, world)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _loss_chunk(rows: list[dict]) -> int | None:
+    """The rows' ``loss_chunk_tokens`` (one run traces one loss), or None."""
+    return next((r["loss_chunk_tokens"] for r in rows if r.get("loss_chunk_tokens")), None)
 
 
 def _layouts(rows: list[dict], preset: str) -> list[tuple[str, int]]:
@@ -585,8 +613,10 @@ def table(rows: list[dict]) -> str:
                           "ep fsdp2": f"EP over {world} ranks with the dense layers on FSDP2, balanced routing, "
                           "per rank"}[layout_key]  # fmt: skip
                 base = next((r["peak_bytes"] for r in part if r["arm"] == "standard bf16"), None)
+                chunked = part[0].get("loss_chunk_tokens")
+                loss = f", with the chunked loss ({chunked} tokens a chunk)" if chunked else ""
                 lines += [f"**{preset}**, {part[0]['layers']} layers, {layout}, activation checkpointing "
-                          f"{'on' if ck else 'off'} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
+                          f"{'on' if ck else 'off'}{loss} ({part[0]['parameters'] / 1e9:.2f} B parameters, {part[0]['mode']})",
                           "", "| arm | precision | peak GiB | vs standard bf16 | memory model GiB |",
                           "|---|---|---|---|---|"]  # fmt: skip
                 for r in part:
@@ -603,7 +633,9 @@ def table(rows: list[dict]) -> str:
 REAL_HEADROOM = 3 * 2**30
 
 
-def check(presets, arms, depths, cks, jobs: int, layouts=(("1 gpu", 1),)) -> tuple[list[dict], list[dict]]:
+def check(
+    presets, arms, depths, cks, jobs: int, layouts=(("1 gpu", 1),), loss_chunk_tokens: int | None = None
+) -> tuple[list[dict], list[dict]]:
     """The fake trace against real allocations (``--check``): each row at the reduced ``depths`` in each of
     ``layouts`` ((layout, ranks) pairs: one rank, or one rank of a fake process group, whose collectives
     allocate their outputs and fill nothing), fake (``jobs`` processes), then real, one fresh process at a
@@ -613,7 +645,7 @@ def check(presets, arms, depths, cks, jobs: int, layouts=(("1 gpu", 1),)) -> tup
 
     from sonar_kernels.train.memory import available_memory
 
-    tasks = [(p, a, d, ck, True, w, None, layout) for d in depths for p in presets for layout, w in layouts
+    tasks = [(p, a, d, ck, True, w, None, layout, loss_chunk_tokens) for d in depths for p in presets for layout, w in layouts
              for ck in cks for a in arms if _traced(a, layout)]  # fmt: skip
     fakes = run(tasks, jobs)
     reals, skipped = [], []
@@ -621,7 +653,7 @@ def check(presets, arms, depths, cks, jobs: int, layouts=(("1 gpu", 1),)) -> tup
         if "error" in row:
             continue
         task = (row["preset"], row["arm"], row["layers"], row["checkpointing"], False, row["world_size"], None,
-                row["layout"])  # fmt: skip
+                row["layout"], loss_chunk_tokens)  # fmt: skip
         available = available_memory(torch.device("cpu"))["host"] or 0
         if row["peak_bytes"] + REAL_HEADROOM > available:
             need = (row["peak_bytes"] + REAL_HEADROOM) / 2**30
@@ -688,6 +720,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--check", action="store_true",
                         help="fake and real traces of every row at --layers, compared (check())")  # fmt: skip
+    parser.add_argument("--loss-chunk-tokens", type=int, metavar="N",
+                        help="every row's loss over chunks of N tokens (sonar-train's --loss-chunk-tokens)")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="traces at once (processes)")
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "memory-real" / "report.json")
     args = parser.parse_args(argv)
@@ -701,10 +735,12 @@ def main(argv=None) -> int:
             parser.error("--check needs --layers (reduced depths whose real tensors fit this machine)")
         layouts = [("1 gpu", 1)] * (1 in args.world_sizes)
         layouts += [(layout, w) for w in args.world_sizes if w > 1 for layout in args.layouts]
-        rows, skipped = check(presets, args.arms, args.layers, cks, args.jobs, layouts)
+        rows, skipped = check(
+            presets, args.arms, args.layers, cks, args.jobs, layouts, args.loss_chunk_tokens
+        )
         text = check_table(rows, skipped)
     else:
-        tasks = [(p, a, d, ck, not args.real, w, None, layout) for d in args.layers for p in presets
+        tasks = [(p, a, d, ck, not args.real, w, None, layout, args.loss_chunk_tokens) for d in args.layers for p in presets
                  for w in args.world_sizes for layout in (["1 gpu"] if w == 1 else args.layouts)
                  for ck in cks for a in args.arms if _traced(a, layout)]  # fmt: skip
         rows = run(tasks, args.jobs)

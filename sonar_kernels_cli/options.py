@@ -170,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="torch.optim.AdamW's flag, the same in every arm (default, when neither --fused nor --foreach "
                         "is given: on wherever torch has a fused AdamW for the device and dtype, the CPU and CUDA among "
                         "them)")  # fmt: skip
+    parser.add_argument("--loss-chunk-tokens", type=int, metavar="N",
+                        help="the causal-LM loss over chunks of N tokens (sonar_kernels.train.loss): one chunk's "
+                        "logits [N, vocabulary] alive at a time instead of all tokens' (default: transformers' "
+                        "loss)")  # fmt: skip
     parser.add_argument("--no-memory", dest="memory", action="store_false",
                         help="skip the memory pass (per arm, first seed: two warm-up steps, then one step tracked by MemTracker)")  # fmt: skip
     parser.add_argument("--timing-rounds", type=int, default=40, metavar="N",
@@ -237,7 +241,7 @@ def _refuse_changed(
 
 
 def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep"):
+    for name in ("layers", "steps", "seeds", "batch_size", "seq_len", "ep", "loss_chunk_tokens"):
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")

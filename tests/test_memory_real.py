@@ -177,3 +177,75 @@ def test_the_smallest_gpu_is_the_first_whose_usable_share_holds_the_peak():
     assert memory_real.smallest_gpu(int(0.9 * 24e9) + 1) == "48 GB"
     assert memory_real.smallest_gpu(int(0.9 * 80e9)) == "80 GB"
     assert memory_real.smallest_gpu(int(0.9 * 141e9) + 1) == "none"
+
+
+@pytest.mark.timeout(900)
+def test_the_chunked_loss_is_the_models_where_it_sets_the_peak():
+    # A vocabulary large against the rest of the step (2 layers of H 128, 8 experts of I 64, V 32768, 2 x 256
+    # tokens): transformers' loss (three fp32 [T, V] of 64 MiB) and the chunked loss (128 tokens a chunk, its
+    # fp32 [128, V] of 16 MiB) set the peaks. The fake trace against the memory model, one rank and EP x
+    # FSDP2-dense over 4 ranks, standard and sonar; fake against real allocations on one rank; the chunked
+    # peak far below the unchunked.
+    from sonar_kernels.train import Preset
+
+    memory_real = _module()
+    wide = Preset("olmoe", 128, 64, 8, 2, 2, 4, 4, 32768, batch_size=2, sequence_length=256)
+    tasks = [("tiny-olmoe", arm, None, True, True, 1, wide, "1 gpu", chunk) for arm in ("standard bf16", "sonar")
+             for chunk in (None, 128)]  # fmt: skip
+    tasks += [("tiny-olmoe", "sonar", None, True, False, 1, wide, "1 gpu", 128)]
+    tasks += [
+        ("tiny-olmoe", arm, None, True, True, 4, wide, "ep fsdp2", 128) for arm in ("standard bf16", "sonar")
+    ]
+    rows = memory_real.run(tasks, jobs=2)
+    assert all("error" not in row for row in rows), [row for row in rows if "error" in row]
+    by = {(r["arm"], r["layout"], r.get("loss_chunk_tokens"), r["mode"]): r for r in rows}
+    for row in rows:
+        assert abs(row["model_peak_bytes"] / row["peak_bytes"] - 1) < 1e-3, row
+    for arm in ("standard bf16", "sonar"):
+        chunked, whole = by[(arm, "1 gpu", 128, "fake")], by[(arm, "1 gpu", None, "fake")]
+        assert chunked["peak_bytes"] < whole["peak_bytes"] - 2 * 256 * 2 * 32768 * 4, (chunked, whole)
+    fake, real = by[("sonar", "1 gpu", 128, "fake")], by[("sonar", "1 gpu", 128, "real")]
+    assert abs(fake["peak_bytes"] / real["peak_bytes"] - 1) < 0.01 and fake["phase"] == real["phase"]
+
+
+def test_the_committed_chunked_loss_rows_are_the_models():
+    # docs/distributed.md, "With the chunked loss": the newest committed EP x FSDP2-dense report traced with
+    # sonar-train's --loss-chunk-tokens (OLMoE-1B-7B and Qwen3-30B-A3B, 4 and 8 ranks): every row the
+    # memory model's within 1e-3 with the same chunk, its expert gradients at the peak the model's; sonar
+    # holds none at its peak and is below standard.
+    import json
+
+    memory_real = _module()
+    reports = sorted((ROOT / "bench" / "results" / "memory").glob("*-cpu-memory-real-ep-chunked-loss.json"))
+    assert reports, "no committed chunked-loss memory-real report under bench/results/memory/"
+    rows = json.loads(reports[-1].read_text())["rows"]
+    assert rows and all("error" not in r for r in rows)
+    assert {(r["preset"], r["world_size"]) for r in rows} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for r in rows:
+        assert r["layout"] == "ep fsdp2" and r["loss_chunk_tokens"] == 1024, r
+        model = memory_real.model_prediction(r["preset"], r["arm"], r["layers"], r["checkpointing"],
+                                             r["world_size"], r["layout"], r["loss_chunk_tokens"])  # fmt: skip
+        assert r["model_expert_gradients_at_peak"] == memory_real.model_expert_gradients(model)
+        if r["preset"] == "olmoe-1b-7b" and not r["checkpointing"]:
+            # The known gap (docs/distributed.md, "With the chunked loss"): with the loss no longer the peak,
+            # OLMoE's step without checkpointing peaks in its last layer's backward at a moment the model
+            # lacks; the model is 211 MiB (0.9 % to 1 %) below the trace there.
+            gap = r["peak_bytes"] - model.total
+            assert 0 < gap < 0.01 * r["peak_bytes"], (r["arm"], model.total, r["peak_bytes"])
+            continue
+        assert abs(model.total / r["peak_bytes"] - 1) < 1e-3, (
+            r["preset"],
+            r["arm"],
+            model.total,
+            r["peak_bytes"],
+        )
+    savings = memory_real.ep_savings(rows)
+    assert {(e["preset"], e["ranks"]) for e in savings if e["checkpointing"]} == {
+        (p, w) for p in ("olmoe-1b-7b", "qwen3-30b-a3b") for w in (4, 8)
+    }
+    for e in savings:
+        assert e["sonar_expert_gradients_at_peak"] == 0 and e["sonar_bytes"] <= e["standard_bytes"], e
+        if e["checkpointing"]:  # without it the saved activations set both peaks, alike (a tie)
+            assert e["sonar_bytes"] < e["standard_bytes"] - 0.85 * e["standard_expert_gradients_at_peak"], e

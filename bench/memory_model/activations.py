@@ -105,3 +105,35 @@ def shared_saved(
 def logits_dtype_bytes(d: Preset, a: int) -> int:
     """The router logits' dtype: OLMoE's and Qwen3-MoE's in a, Granite's cast to fp32 (.float())."""
     return a if d.family in ("olmoe", "qwen3_moe") else FP32
+
+
+def chunked_loss_moments(d: Preset, T: int, a: int, chunk: int) -> tuple[list[dict], list[dict]]:
+    """The chunked loss's own bytes (``sonar_kernels/train/loss.py``, ``ChunkedCausalLMLoss``) at each of its
+    candidate moments, as (forward moments, backward moments), each a dict of named byte counts to add to
+    what the step holds around the loss. c = min(chunk, T) tokens a chunk, c2 the second chunk's (the lm_head's
+    gradient exists from the second chunk on).
+
+    Forward, per chunk (no grad): the logits [c, V] in a (Granite's divided copy beside them), their fp32
+    copy (the 16-bit logits released by the rebinding), ``cross_entropy``'s log_softmax output beside it:
+    at most 2 [c, V] fp32. Backward, per chunk, beside the whole hidden states' gradient [T, H] in a
+    (allocated first): the recomputed log_softmax output, the gradient reaching it and the one it gives
+    (3 [c, V] fp32); then that gradient in a (Granite: divided, both alive) and the lm_head's matmul
+    backward, which makes the chunk's [c, H] and [V, H] gradients while the [c, V] one is alive, beside the
+    accumulated [V, H] gradient."""
+    V, H = d.vocab_size, d.hidden_size
+    c, c2 = min(chunk, T), min(chunk, max(T - chunk, 0))
+    forward = [{"loss_chunk_logits_and_log_softmax": 2 * c * V * FP32}]
+    grad_hidden = {"hidden_gradient": T * H * a}
+    backward = [{**grad_hidden, "loss_chunk_log_softmax_and_gradients": 3 * c * V * FP32},
+                {**grad_hidden, "loss_chunk_logit_gradient": c * V * a, "loss_chunk_hidden_gradient": c * H * a,
+                 "loss_chunk_lm_head_gradient": V * H * a}]  # fmt: skip
+    if d.family == "granitemoe":
+        backward.append({**grad_hidden, "loss_chunk_logit_gradients": 2 * c * V * a})
+    if c2:
+        accumulated = {**grad_hidden, "lm_head_gradient": V * H * a}
+        backward += [{**accumulated, "loss_chunk_log_softmax_and_gradients": 3 * c2 * V * FP32},
+                     {**accumulated, "loss_chunk_logit_gradient": c2 * V * a, "loss_chunk_hidden_gradient": c2 * H * a,
+                      "loss_chunk_lm_head_gradient": V * H * a}]  # fmt: skip
+        if d.family == "granitemoe":
+            backward.append({**accumulated, "loss_chunk_logit_gradients": 2 * c2 * V * a})
+    return forward, backward

@@ -143,13 +143,18 @@ class Setup:
             tensor's update; None (SonarAdamW's default: the tuner picks either per layer shape on CUDA),
             bounded by the split path's peak, modelled as False. The paper's method is the split path with
             the whole gradient (``split_scratch(fraction=1)``, sonar-train's ``paper`` arm); it ignores this.
+        loss_chunk_tokens: None (transformers' loss over all T tokens' logits at once) or the chunked loss
+            of sonar-train's ``--loss-chunk-tokens`` (``sonar_kernels/train/loss.py``): the cross entropy
+            over chunks of that many tokens, one chunk's logits alive at a time in the forward and in the
+            backward, which recomputes them (``activations.loss_terms``).
 
     Raises:
         ValueError: an unknown method, AdamW implementation or backend; sonar's fused update on the torch
             backend; parameter bytes other than 2 or 4, activations wider than the parameters; experts that
             ``layout.ep`` does not divide; a layout with FSDP2 and dp or ep, or a size below 1; master
             weights with the standard method or fp32 parameters; fp32 masters with another method, fp32
-            parameters or FSDP2; ``fused_epilogue`` other than True with another method than sonar.
+            parameters or FSDP2; ``fused_epilogue`` other than True with another method than sonar;
+            ``loss_chunk_tokens`` below 1.
     """
 
     dims: Preset
@@ -170,6 +175,7 @@ class Setup:
     fp32_masters: bool = False
     causal_mask: bool = False
     fused_epilogue: bool | None = True
+    loss_chunk_tokens: int | None = None
 
     def __post_init__(self):
         if self.fp32_masters and (self.method != "standard" or self.param_bytes != 2 or self.layout.fsdp > 1):
@@ -205,6 +211,8 @@ class Setup:
             raise ValueError(
                 f"compute_bytes must be None or 2 or 4, at most param_bytes, got {self.compute_bytes}"
             )
+        if self.loss_chunk_tokens is not None and self.loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens must be None or >= 1, got {self.loss_chunk_tokens}")
         if self.dims.num_experts % self.layout.ep:
             raise ValueError(f"{self.dims.num_experts} experts cannot be split over ep {self.layout.ep}")
 

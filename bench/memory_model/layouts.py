@@ -9,7 +9,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     pass
 
-from memory_model.activations import layer_saved, logits_dtype_bytes, rms_norm_saved, shared_saved
+from memory_model.activations import (
+    chunked_loss_moments,
+    layer_saved,
+    logits_dtype_bytes,
+    rms_norm_saved,
+    shared_saved,
+)
 from memory_model.expert_backward import (
     UPDATE_8BIT_BYTES_PER_ELEMENT,
     Tape,
@@ -141,14 +147,26 @@ def predict(s: Setup) -> Prediction:
     # per-layer softmax saved).
     act_all = activations(L) + final_norm + shared + L * T * E * ld
     logits = T * V * a
-    add("forward", {"activations": act_all, "logits": logits, "logits_fp32": T * V * FP32 if a != FP32 else 0,
-                    "log_softmax": T * V * FP32})  # fmt: skip
-    add("forward", {"activations": act_all, "logits": logits, "log_softmax": T * V * FP32,
-                    "aux_loss_softmax": L * T * E * ld})  # fmt: skip
-    # The loss's backward: log_softmax's output, the gradient in and out of it (fp32 [T, V] each); the
-    # load-balancing loss ran first and left every layer's router-logit gradient.
-    add("backward", {"activations": act_all - L * T * E * ld, "router_logit_gradients": L * T * E * ld,
-                     "log_softmax_and_gradients": 3 * T * V * FP32})  # fmt: skip
+    if s.loss_chunk_tokens is None:
+        add("forward", {"activations": act_all, "logits": logits, "logits_fp32": T * V * FP32 if a != FP32 else 0,
+                        "log_softmax": T * V * FP32})  # fmt: skip
+        add("forward", {"activations": act_all, "logits": logits, "log_softmax": T * V * FP32,
+                        "aux_loss_softmax": L * T * E * ld})  # fmt: skip
+        # The loss's backward: log_softmax's output, the gradient in and out of it (fp32 [T, V] each); the
+        # load-balancing loss ran first and left every layer's router-logit gradient.
+        add("backward", {"activations": act_all - L * T * E * ld, "router_logit_gradients": L * T * E * ld,
+                         "log_softmax_and_gradients": 3 * T * V * FP32})  # fmt: skip
+    else:  # the chunked loss, after the model's forward (its load-balancing loss made, not yet run back)
+        # Its backward runs with the model's output gone: the router logits it held released, the
+        # load-balancing loss's saved softmax alive.
+        forward, backward = chunked_loss_moments(d, T, a, s.loss_chunk_tokens)
+        for terms in forward:
+            add("forward", {"activations": act_all, "aux_loss_softmax": L * T * E * ld, **terms})
+        for terms in backward:
+            add(
+                "backward",
+                {"activations": act_all - L * T * E * ld, "aux_loss_softmax": L * T * E * ld, **terms},
+            )
     if s.method == "standard" or reduce_first:
         mode = "grad"
     elif s.backend == "torch":
@@ -429,17 +447,28 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     # post-forward frees it (_fsdp_state.py ``_post_forward``): through the lm_head and the losses, which
     # the model's forward computes.
     last_all_gather = gathered(L - 1, not ep)  # under EP the last layer's dense group: no experts group
-    add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
-                    "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32,
-                    "last_all_gather": last_all_gather})  # fmt: skip
-    add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
-                    "log_softmax": T * V * FP32, "aux_loss_softmax": L * T * E * ld,
-                    "last_all_gather": last_all_gather})  # fmt: skip
-    # The loss's backward: the root's pre-backward (the loss's gradient hook, _fsdp_state.py ``_pre_backward``)
-    # has prefetched the next group in reverse forward order, the last layer's dense one.
-    add("backward", {"root_unsharded_parameters": root_unsharded, "activations": act_all - L * T * E * ld,
-                     "router_logit_gradients": L * T * E * ld, "log_softmax_and_gradients": 3 * T * V * FP32,
-                     "prefetched_all_gather": gathered(L - 1, False)})  # fmt: skip
+    if s.loss_chunk_tokens is not None:
+        # The chunked loss runs after the model's forward (the root's post-forward has freed the last
+        # all-gather) and its backward before the load-balancing loss's, whose output's hook is the root's
+        # pre-backward (no prefetch yet); the model's output gone by then, with the router logits it held.
+        forward, backward = chunked_loss_moments(d, T, a, s.loss_chunk_tokens)
+        around = {"root_unsharded_parameters": root_unsharded, "aux_loss_softmax": L * T * E * ld}
+        for terms in forward:
+            add("forward", {**around, "activations": act_all, **terms})
+        for terms in backward:
+            add("backward", {**around, "activations": act_all - L * T * E * ld, **terms})
+    else:
+        add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
+                        "logits_fp32": T * V * FP32 if a != FP32 else 0, "log_softmax": T * V * FP32,
+                        "last_all_gather": last_all_gather})  # fmt: skip
+        add("forward", {"root_unsharded_parameters": root_unsharded, "activations": act_all, "logits": T * V * a,
+                        "log_softmax": T * V * FP32, "aux_loss_softmax": L * T * E * ld,
+                        "last_all_gather": last_all_gather})  # fmt: skip
+        # The loss's backward: the root's pre-backward (the loss's gradient hook, _fsdp_state.py
+        # ``_pre_backward``) has prefetched the next group in reverse forward order, the last layer's dense one.
+        add("backward", {"root_unsharded_parameters": root_unsharded, "activations": act_all - L * T * E * ld,
+                         "router_logit_gradients": L * T * E * ld, "log_softmax_and_gradients": 3 * T * V * FP32,
+                         "prefetched_all_gather": gathered(L - 1, False)})  # fmt: skip
     sharded_grads = 0
     root_grads = full["lm_head"] + full["norm"]  # unsharded until the root's reduce-scatter at the end
     w1, w2 = full["layers.0.gate_up_proj"], full["layers.0.down_proj"]

@@ -88,6 +88,7 @@ from sonar_kernels.train.arms import (
 )
 from sonar_kernels.train.cli import main
 from sonar_kernels.train.data import PRESETS, ByteData, Preset, UsageError, default_text, load_text
+from sonar_kernels.train.loss import chunked_causal_lm_loss
 from sonar_kernels.train.memory import LABELS, measure_memory
 from sonar_kernels.train.options import parse_args
 from sonar_kernels.train.report import plot, summary_table
@@ -95,7 +96,7 @@ from sonar_kernels_cli.options import ARMS, OTHER_ARMS
 
 __all__ = [
     "ARMS", "EXPERT_PARAMS", "LABELS", "OTHER_ARMS", "PRESETS", "AllInBackward", "Arm", "ByteData", "Preset",
-    "UsageError", "build_arm", "build_model", "default_text", "dense_parameters", "enable_checkpointing",
+    "UsageError", "build_arm", "build_model", "chunked_causal_lm_loss", "default_text", "dense_parameters", "enable_checkpointing",
     "heldout_loss", "load_text", "main", "measure_memory", "parse_args", "plot", "run_arm", "summary_table",
     "sync", "train_step",
 ]  # fmt: skip

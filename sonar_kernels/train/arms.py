@@ -24,6 +24,7 @@ from sonar_kernels.train.clipping import (
 )
 from sonar_kernels.train.data import ByteData, Preset
 from sonar_kernels.train.in_backward import EXPERT_PARAMS, AllInBackward, TorchExpertsInBackward
+from sonar_kernels.train.loss import chunked_causal_lm_loss
 
 # The arms' names (ARMS by default; OTHER_ARMS on request; MASTER_ARMS with --dtype bfloat16, docs/design.md
 # "bf16 master weights": SonarAdamW with a remainder or stochastic rounding for the experts, mixed-precision
@@ -225,6 +226,9 @@ class Arm:
     # fraction of an expert tensor's gradient; set around the backward only): 1 for the paper arm, the
     # whole gradient as the paper's method writes it; None: the library's bound (a chunk of experts).
     split_fraction: int | None = None
+    # The causal-LM loss over chunks of this many tokens (``loss.chunked_causal_lm_loss``,
+    # ``--loss-chunk-tokens``); None: transformers' ``.loss``.
+    loss_chunk_tokens: int | None = None
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
@@ -304,6 +308,7 @@ def build_arm(name: str, initial, args, steps: int, count_updates: bool = False)
     arm = Arm(name, model, optimizer, [], clip, distributed.wrap(model), ep_experts)
     if name == "paper":
         arm.split_fraction = 1
+    arm.loss_chunk_tokens = getattr(args, "loss_chunk_tokens", None)
     if name in SONAR_ARMS and count_updates:
         arm.updates = {"backward": 0, "step": 0}
     if name in CLIPPING_MODE and count_updates:
@@ -320,8 +325,12 @@ def train_step(
     spike, ``--inject-spike``), and the returned loss is the multiplied one. With ``arm.updates``, the
     expert tensors' AdamW step counts are read (on the device) before and after the backward and after
     ``step()``: the increments are the updates that happened in each. With ``arm.clipping``, the step's
-    expert-clipping telemetry is appended (``clipping.clipping_telemetry``)."""
-    loss = (arm.wrapped or arm.model)(input_ids=tokens, labels=tokens).loss
+    expert-clipping telemetry is appended (``clipping.clipping_telemetry``). With ``arm.loss_chunk_tokens``
+    the loss is ``loss.chunked_causal_lm_loss``'s."""
+    if arm.loss_chunk_tokens is None:
+        loss = (arm.wrapped or arm.model)(input_ids=tokens, labels=tokens).loss
+    else:
+        loss = chunked_causal_lm_loss(arm.wrapped or arm.model, tokens, tokens, arm.loss_chunk_tokens)
     if spike is not None:
         loss = loss * spike
     before = _expert_step_count(arm) if arm.updates is not None else None
