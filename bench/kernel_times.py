@@ -43,6 +43,12 @@ NAMES = {
     # Before each update its skip, step and scalars; after it the telemetry (ops/update_steps.py).
     "update_begin_kernel": "update begin",
     "update_end_kernel": "update end",
+    # The bound that spares the check pass (ops/update_bound.py): the layer's magnitudes, then every update's
+    # flag in one launch (an update with a gradient to add launches its own).
+    "bound_magnitudes_kernel": "update bound",
+    "bound_table_kernel": "update flags",
+    "bound_flag_kernel": "update flag",
+    "expert_mlp_fwd_up_tma_kernel": "up",
 }
 # About 25 ms of GPU time at the H200's clock: longer than the host needs to launch one layer's step.
 SLEEP_CYCLES = 50_000_000
@@ -74,7 +80,7 @@ def traffic(
         routing_weights: dtype of the routing weights [T, top_k].
     Returns:
         label -> {tensor: bytes}, labels as :func:`label` names the launches: the forward's up, down and
-        combine, dgrad G, dgrad dX, combine dX, and for dW2 and dW1 the wgrad with the AdamW epilogue
+        combine, dgrad G, dgrad dX, combine dX, the update bound's magnitudes pass, and for dW2 and dW1 the wgrad with the AdamW epilogue
         ("adamw"), the wgrad that writes the gradient ("store") and the split path's AdamW ("adamw dW1").
     """
     T, H, I, E, top_k = shape
@@ -95,6 +101,8 @@ def traffic(
         "dgrad G": {"dO": x, "W2": w2, "Hpre": hpre, "routing weights": routing, "dHpre": hpre, "A": a},
         "dgrad dX": {"dHpre": hpre, "W1": w1, "dX rows": rows},
         "combine dX": {"dX rows": rows, "dX": x},
+        # The largest |X|, |dO| and routing weight (the check pass's bound, ops/update_bound.py).
+        "update bound": {"X": x, "dO": x, "routing weights": routing},
     }
     wgrads = {
         "dW2": ("W2", E * H * I, {"dO": x, "routing weights": routing, "A": a}),
@@ -116,6 +124,8 @@ def label(name: str, args: tuple, kwargs: dict, gate_up_proj, down_proj) -> str:
     """The label of one launch of kernel ``name`` (see the module docstring)."""
     if name == "expert_mlp_grouped_mm_kernel":
         return "down" if _same_storage(args[1], down_proj) else "dgrad dX"
+    if name == "expert_mlp_grouped_mm_tma_kernel":  # args[1]: the weight's TMA descriptor
+        return "down" if _same_storage(args[1].base, down_proj) else "dgrad dX"
     if name == "expert_mlp_combine_kernel":
         return "combine" if kwargs["HAS_WEIGHTS"] else "combine dX"
     if name == "expert_mlp_bwd_dw_kernel":
