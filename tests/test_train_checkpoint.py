@@ -157,6 +157,19 @@ def test_a_preset_that_cannot_fit_is_refused_before_the_model_is_allocated(tmp_p
     assert 6 * 6.92e9 * 4 / 2**30 <= need < 200  # initial + kept copy + parameters, gradients, 2 moments
     assert devices == ["meta"]  # the shapes only: nothing allocated, no run folder reserved
     assert not (tmp_path / "runs").exists()
+    # With the chunked loss, one chunk's logits (the dtype, their fp32 cast and its fp32 gradient) replace
+    # the T tokens' (train/loss.py), and the message says so in the arm's activations.
+    code = train.main(
+        ["--preset", "olmoe-1b-7b", "--device", "cpu", "--out", str(tmp_path / "runs"), "--quiet",
+         "--loss-chunk-tokens", "256"]
+    )  # fmt: skip
+    chunked = capsys.readouterr().err
+    assert code == 2, chunked
+    activations = [float(e.split("activations ")[1].split(")")[0].split(",")[0]) for e in (err, chunked)]
+    p = train.PRESETS["olmoe-1b-7b"]
+    T, V = p.batch_size * p.sequence_length, 50304  # OLMoE-1B-7B's vocabulary
+    assert T > 256
+    assert activations[0] - activations[1] == pytest.approx((T - 256) * V * (4 + 4 + 4) / 2**30, abs=0.1)
     # bf16 halves it; two layers fit in 24 GiB only in bf16.
     estimate = _estimate("olmoe-1b-7b", None, torch.bfloat16)
     assert estimate["host_bytes"] == pytest.approx(need * 2**30 / 2, rel=0.05)

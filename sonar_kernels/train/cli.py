@@ -171,7 +171,7 @@ def _run(args) -> int:
     estimate = estimate_training_memory(
         shapes, dtype=dtype, batch_size=batch_size, sequence_length=sequence_length, arms=args.arms,
         checkpointing=args.checkpointing, device=device, foreach=args.foreach, fused=args.fused,
-        local_processes=local_processes(),
+        local_processes=local_processes(), loss_chunk_tokens=getattr(args, "loss_chunk_tokens", None),
     )  # fmt: skip
     available = available_memory(device)
     estimate["available_host_bytes"], estimate["available_device_bytes"] = (

@@ -147,6 +147,7 @@ def estimate_training_memory(
     foreach: bool | None = None,
     fused: bool | None = None,
     local_processes: int = 1,
+    loss_chunk_tokens: int | None = None,
 ) -> dict:
     """The bytes a sonar-train run holds at its peak, from the shapes of ``model`` (built on the meta
     device: nothing allocated) and its config; a deliberately rough upper estimate, not the measurement
@@ -161,7 +162,8 @@ def estimate_training_memory(
     (per layer its input under activation checkpointing, and one layer's working set: attention and
     norms about 12 T H, the routed rows T top_k (3 H + 6 I), the attention scores, the router's fp32
     logits; without checkpointing every layer's working set; the logits T V in the dtype, in fp32 for
-    the loss and its fp32 gradient). The run also holds on the host, for the whole run: the initial model
+    the loss and its fp32 gradient; with ``loss_chunk_tokens`` (``--loss-chunk-tokens``, ``train/loss.py``)
+    one chunk's: min(T, loss_chunk_tokens) rows instead of T). The run also holds on the host, for the whole run: the initial model
     (each arm's copy is made from it), the first seed's parameters of sonar or its control until the
     other has trained (they are compared bit for bit), and on CUDA the host copy each arm is made from.
     Under torchrun every one of ``local_processes`` holds all of it (expert parallelism's smaller expert
@@ -189,7 +191,10 @@ def estimate_training_memory(
         + a * batch_size * heads * sequence_length**2
         + 2 * 4 * T * E
     )
-    activations = (L * a * T * H + layer if checkpointing else L * layer) + T * V * (a + 8) + L * 4 * T * E
+    logit_rows = T if loss_chunk_tokens is None else min(T, loss_chunk_tokens)
+    activations = (
+        (L * a * T * H + layer if checkpointing else L * layer) + logit_rows * V * (a + 8) + L * 4 * T * E
+    )
     if fused is None and foreach is None:
         fused = has_torch_fused_adamw(device, dtype)  # sonar-train's default (cli.py)
     if fused:
