@@ -127,3 +127,66 @@ def test_sonar_equals_its_control_bitwise_with_the_chunked_loss():
     with torch.no_grad():
         expected = initial(input_ids=data.batch(0), labels=data.batch(0)).loss
     assert abs(float(losses["sonar"][0]) / float(expected) - 1) < 1e-6
+
+
+def _reference_gradients(tokens, labels):
+    """Single-process training on the concatenated batch with transformers' own loss: the mean over the
+    ranks of each rank's ``.loss`` (DDP's and FSDP2's convention: each rank's loss a mean over its tokens,
+    the gradients averaged over the ranks)."""
+    torch.manual_seed(0)
+    model = _model("olmoe", torch.float32)
+    model.config.router_aux_loss_coef = 0.5
+    halves = [
+        model(input_ids=t, labels=y).loss for t, y in zip(tokens.chunk(2), labels.chunk(2), strict=True)
+    ]
+    (sum(halves) / 2).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _batch():
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 300, (4, 24), generator=generator)
+    labels = tokens.clone()
+    labels[1, 3:7] = -100  # rank 0's ignored positions: ranks count different labelled tokens
+    return tokens, labels
+
+
+def _chunked_loss_rank(rank, world_size, layout, out):
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _model("olmoe", torch.float32)
+    model.config.router_aux_loss_coef = 0.5
+    if layout == "ddp":
+        wrapped = DistributedDataParallel(model)
+    else:
+        for layer in model.model.layers:
+            fully_shard(layer)
+        if layout == "fsdp2-lm-head":
+            fully_shard(model.lm_head)
+        wrapped = fully_shard(model)
+    tokens, labels = (t.chunk(world_size)[rank] for t in _batch())
+    train.chunked_causal_lm_loss(wrapped, tokens, labels, 10).backward()
+    grads = {
+        n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        for n, p in model.named_parameters()
+    }
+    if rank == 0:
+        torch.save(grads, out)
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2", "fsdp2-lm-head"])
+def test_the_chunked_loss_under_ddp_and_fsdp2_matches_single_process_training(tmp_path, layout):
+    # 2 gloo ranks, each its own half of the batch: the gradients DDP averages, and FSDP2's (each decoder
+    # layer sharded, the root holding the embedding and the lm_head; or the lm_head sharded on its own,
+    # resharded after its forward of no tokens and gathered again for the loss), against single-process
+    # training with transformers' loss.
+    import ranks
+    from numerics import assert_close
+
+    ranks.run(_chunked_loss_rank, 2, layout, tmp_path / "grads.pt")
+    grads, expected = torch.load(tmp_path / "grads.pt"), _reference_gradients(*_batch())
+    assert grads.keys() == expected.keys()
+    for name, grad in grads.items():
+        assert_close(grad, expected[name], torch.float32, what=f"{layout}: {name}")

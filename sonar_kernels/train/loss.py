@@ -11,7 +11,9 @@ tokens (a forward pre-hook slices its input to zero positions and keeps the last
 so transformers computes no loss, but its load-balancing loss ``aux_loss`` as always), and
 :class:`ChunkedCausalLMLoss` computes the same cross entropy ``chunk`` tokens at a time: the forward keeps
 no logits, the backward recomputes one chunk's logits at a time and accumulates the lm_head's gradient
-into one tensor, so autograd accumulates it once (DDP's and the in-backward optimizers' hooks fire once)."""
+into one tensor, so autograd accumulates it once (DDP's and the in-backward optimizers' hooks fire once).
+An lm_head that FSDP2 shards on its own is gathered for it by a forward of the lm_head module
+(tests/test_train_loss.py: DDP and FSDP2 on 2 gloo ranks against single-process training)."""
 
 from __future__ import annotations
 
@@ -129,9 +131,24 @@ def chunked_causal_lm_loss(model, input_ids: torch.Tensor, labels: torch.Tensor,
         handle.remove()
     hidden = kept[0]
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
-    loss = ChunkedCausalLMLoss.apply(
-        hidden.reshape(-1, hidden.shape[-1]), inner.lm_head.weight, shifted.reshape(-1), chunk, divisor
-    )
+
+    rows, row_labels = hidden.reshape(-1, hidden.shape[-1]), shifted.reshape(-1)
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(inner.lm_head, FSDPModule):
+        # An lm_head sharded by a fully_shard of its own holds its weight gathered only in its forward (and
+        # again in its backward): the loss runs as a forward of that module, so FSDP2 gathers the weight
+        # for it and reduce-scatters its gradient, as for transformers' own call.
+        def loss_forward(rows, row_labels):
+            return ChunkedCausalLMLoss.apply(rows, inner.lm_head.weight, row_labels, chunk, divisor)
+
+        inner.lm_head.forward = loss_forward
+        try:
+            loss = inner.lm_head(rows, row_labels)
+        finally:
+            del inner.lm_head.forward
+    else:
+        loss = ChunkedCausalLMLoss.apply(rows, inner.lm_head.weight, row_labels, chunk, divisor)
     if getattr(output, "aux_loss", None) is not None:
         loss = loss + inner.router_aux_loss_coef * output.aux_loss.to(loss.device)
     return loss
