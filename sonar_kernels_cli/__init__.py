@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import sys
 
-from sonar_kernels_cli.options import parse
-
-# Exit code of a run ended by Ctrl-C (SIGINT), the shells' 128 + 2.
-INTERRUPTED = 130
+from sonar_kernels_cli.options import INTERRUPTED, parse
 
 
 def main(argv: list[str] | None = None) -> int:

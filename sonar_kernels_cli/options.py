@@ -31,6 +31,8 @@ PRESET_STEPS = {"tiny-olmoe": 200, "tiny-granitemoe": 200, "olmoe-1b-7b": 20, "g
 SPIKE_THRESHOLD = 5000.0
 TIMING_WARMUP = 5
 
+# Exit code of a run ended by Ctrl-C (SIGINT), the shells' 128 + 2 (the launcher's and train/resume.py's).
+INTERRUPTED = 130
 # Where a run folder keeps what --resume reads: the options and every finished (seed, arm) (train/resume.py).
 RESUME_FOLDER = "resume"
 # The options that do not change what a run computes: free to differ between a run and its resumption.

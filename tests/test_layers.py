@@ -26,3 +26,19 @@ def test_no_module_of_the_package_is_over_500_lines():
     }
     assert len(sizes) > 40, sizes  # the package was found
     assert {path: n for path, n in sizes.items() if n > 500} == {}
+
+
+def test_no_import_circle_between_the_packages_modules():
+    """No module imports (at its top or inside a function) one that imports it back, directly or through
+    others: every room can be read from the ones it imports."""
+    import grimp  # import-linter's import graph
+
+    graph = grimp.build_graph("sonar_kernels", "sonar_kernels_cli")
+    assert len(graph.modules) > 80, len(graph.modules)  # the packages were found
+    circles = [
+        (module, chain)
+        for module in sorted(graph.modules)
+        for imported in graph.find_modules_directly_imported_by(module)
+        if (chain := graph.find_shortest_chain(importer=imported, imported=module)) is not None
+    ]
+    assert circles == [], circles[:3]

@@ -9,7 +9,7 @@ from torch import nn
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
-from sonar_kernels.nn.sharding import check_not_fsdp_managed
+from sonar_kernels.nn.fsdp_guard import check_not_fsdp_managed
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import (
@@ -130,6 +130,9 @@ class SonarExperts(nn.Module):
             mark_expert_parallel(self.ep_group, self.gate_up_proj, self.down_proj)
         claim_expert_tensors(self.gate_up_proj, self.down_proj, module=self)
         if self.ep_group is not None:
+            # The rank's own arguments checked before the token counts are exchanged: an error raised inside
+            # the exchange would leave the other ranks waiting in it. moe_mlp checks the received rows again
+            # (its own arguments, a different batch: the rows of the local experts from every rank).
             backend = check_moe_mlp_args(
                 hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj,
                 self.activation, self.backend,

@@ -167,11 +167,24 @@ class ExpertGradient:
         """(first, last) expert ranges of at most ``budget_bytes`` of gradient each (at least one expert;
         grown to the next boundary on a multiple of :data:`CHUNK_ALIGN` elements), in order; one range
         over all experts when ``budget_bytes`` is None or the gradient is not chunkable."""
-        E = self.num_experts
-        if budget_bytes is None or not self.chunkable or E == 0:
-            return [(0, E)]
-        per_expert = self.weight[0].numel()
-        size = max(1, budget_bytes // max(per_expert * self.weight.element_size(), 1))
-        step = CHUNK_ALIGN // math.gcd(per_expert, CHUNK_ALIGN)  # experts per aligned boundary
-        size = -(-size // step) * step
-        return [(first, min(first + size, E)) for first in range(0, E, size)]
+        if not self.chunkable:
+            return [(0, self.num_experts)]
+        return expert_chunks(tuple(self.weight.shape), self.weight.element_size(), budget_bytes)
+
+
+def expert_chunks(
+    shape: tuple[int, ...], element_size: int, budget_bytes: int | None
+) -> list[tuple[int, int]]:
+    """The torch backend's chunk geometry: (first, last) ranges of the experts of a tensor of ``shape``
+    [E, ...] with ``element_size`` bytes an element, each at most ``budget_bytes`` (at least one expert;
+    grown to the next boundary on a multiple of :data:`CHUNK_ALIGN` elements), in order; one range over
+    all experts when ``budget_bytes`` is None. :meth:`ExpertGradient.chunks`, and sonar-train's bitwise
+    controls, which sum a gradient's norm in the same chunks (``train/clipping.py``)."""
+    E = shape[0]
+    if budget_bytes is None or E == 0:
+        return [(0, E)]
+    per_expert = math.prod(shape[1:])
+    size = max(1, budget_bytes // max(per_expert * element_size, 1))
+    step = CHUNK_ALIGN // math.gcd(per_expert, CHUNK_ALIGN)  # experts per aligned boundary
+    size = -(-size // step) * step
+    return [(first, min(first + size, E)) for first in range(0, E, size)]

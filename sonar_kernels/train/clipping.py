@@ -4,12 +4,10 @@ recorded per step, and their lines in the printed summary (the verdicts themselv
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from sonar_kernels.ops import has_torch_fused_adamw, torch_backend
-from sonar_kernels.ops.expert_gradient import CHUNK_ALIGN
+from sonar_kernels.ops.expert_gradient import expert_chunks
 from sonar_kernels.train.stats import nats
 
 # sonar-spike: SPAM's spike rule inside the in-backward update; sonar-lagged: the experts scaled by the
@@ -156,26 +154,15 @@ def expert_norm_sq(grad: torch.Tensor, fused: bool) -> torch.Tensor:
     """The squared L2 norm of an expert tensor's gradient (experts along dim 0) as the torch backend's
     in-backward update records it (ops/adamw.py, ``torch_adamw_chunked_``): on the CPU under torch's fused
     AdamW (``fused``) the experts in chunks of at most ``torch_backend.WGRAD_CHUNK_BYTES`` of gradient
-    (``ExpertGradient.chunks``: at least one expert, grown to a multiple of ``CHUNK_ALIGN`` elements),
+    (``ops/expert_gradient.expert_chunks``, the geometry of ``ExpertGradient.chunks``),
     each chunk's dot product with itself (fp32 and contiguous; else its fp32 ``vector_norm`` squared)
     summed in order from an fp32 zero; as one chunk (a GPU, another AdamW, a small tensor)
     ``vector_norm(grad, dtype=float32)`` squared. The norm's summation order is the arm's, so that the
     control's clipping coefficients are the arm's bits; the Triton kernels sum in their own order (the
     control is bitwise on the torch backend only, as standard-dense-clip is)."""
-    experts = grad.shape[0]
-    chunks = [(0, experts)]
-    budget = torch_backend.WGRAD_CHUNK_BYTES
-    if (
-        fused
-        and budget is not None
-        and grad.device.type == "cpu"
-        and has_torch_fused_adamw(grad.device, grad.dtype)
-    ):
-        per_expert = grad[0].numel()
-        size = max(1, budget // max(per_expert * grad.element_size(), 1))
-        step = CHUNK_ALIGN // math.gcd(per_expert, CHUNK_ALIGN)
-        size = -(-size // step) * step
-        chunks = [(first, min(first + size, experts)) for first in range(0, experts, size)]
+    chunks = [(0, grad.shape[0])]
+    if fused and grad.device.type == "cpu" and has_torch_fused_adamw(grad.device, grad.dtype):
+        chunks = expert_chunks(tuple(grad.shape), grad.element_size(), torch_backend.WGRAD_CHUNK_BYTES)
     if len(chunks) == 1:
         return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
     total = torch.zeros((), dtype=torch.float32, device=grad.device)

@@ -23,8 +23,7 @@ from sonar_kernels.train.arms import CONTROLS
 from sonar_kernels.train.data import UsageError
 from sonar_kernels.train.options import build_parser
 from sonar_kernels.train.results import partial
-from sonar_kernels_cli import INTERRUPTED
-from sonar_kernels_cli.options import RESUME_FOLDER, RESUME_FREE
+from sonar_kernels_cli.options import INTERRUPTED, RESUME_FOLDER, RESUME_FREE
 
 # Options that do not change what a run computes: free to differ between a run and its resumption.
 FREE = (*RESUME_FREE, "run_name", "argv")
