@@ -29,6 +29,8 @@ from typing import NamedTuple
 
 import torch
 
+from sonar_kernels.update_state import UpdateState
+
 BACKENDS = ("auto", "triton", "torch")
 # "silu": SwiGLU; "gelu": GeGLU with the exact erf GELU; "gelu_tanh": GeGLU with the tanh approximation
 # of the GELU (torch's ``F.gelu(approximate="tanh")``, transformers' "gelu_pytorch_tanh"); "clamped_swiglu":
@@ -185,15 +187,11 @@ class ExpertUpdate:
 
     def state(self) -> list[torch.Tensor]:
         """The tensors the update writes, in the order the ``sonar_kernels::`` ops take them (``hyper`` is
-        passed apart: it is only read); the 8-bit moments' scales, then the remainder or the seed, last."""
-        state = [self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped, self.clipped]
-        if self.exp_avg_scales is not None:
-            state += [self.exp_avg_scales, self.exp_avg_sq_scales]
-        if self.remainder is not None:
-            state.append(self.remainder)
-        if self.seed is not None:
-            state.append(self.seed)
-        return state
+        passed apart: it is only read): ``update_state.UpdateState.tensors``."""
+        return UpdateState(
+            self.exp_avg, self.exp_avg_sq, self.step, self.grad_norm_sq, self.skipped, self.clipped,
+            self.exp_avg_scales, self.exp_avg_sq_scales, self.remainder, self.seed,
+        ).tensors()  # fmt: skip
 
     def accumulating(self) -> bool:
         """Whether the next backward's gradient is kept for later (micro-batches 1 .. k-1 of k)."""

@@ -480,7 +480,7 @@ def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch
     original = ops.wgrad._wgrad
 
     def fail_second(*args, **kwargs):
-        if kwargs["name"] == "down_proj" and args[7] is not None and args[7].defer is None:
+        if kwargs["name"] == "down_proj" and args[7] is not None:  # W2's update
             raise torch.OutOfMemoryError("simulated")
         return original(*args, **kwargs)
 

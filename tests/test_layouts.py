@@ -284,7 +284,7 @@ def test_biases_are_updated_in_the_backward_like_torch_adamw(backend, monkeypatc
     def recording(name, *args, **kwargs):
         grad = run_expert_wgrad(name, *args, **kwargs)
         if name.endswith("_bias"):
-            returned.append((name, args[6], grad))  # the tensor's mode, what its job returned
+            returned.append((name, kwargs["mode"], grad))  # the tensor's mode, what its job returned
         return grad
 
     monkeypatch.setattr(library, "run_expert_wgrad", recording)

@@ -26,6 +26,7 @@ import torch
 
 from sonar_kernels import specs
 from sonar_kernels.ops import library
+from sonar_kernels.update_state import kind_of
 
 # The forward op's inputs (library.moe_mlp_fwd): the expert tensors (specs.EXPERT_TENSORS order) are
 # inputs 3 to 7; then the options and, per expert tensor, its update's state, hyperparameters and gradient
@@ -194,7 +195,7 @@ def _backward(ctx, grad_out, *unused):
     # parts added to the update's grad_in; nothing reaches .grad. A gradient added to a buffer (mode
     # "accumulate") gets those parts added to the buffer in the same pre-hook.
     wanted = [needs[index] and weights[i] is not None for i, (index, _) in enumerate(_WEIGHTS)]
-    plans, defer = [], [None] * count
+    plans, waits = [], [False] * count
     for i, ((_, name), state, hyper, owner, grad_dtype) in enumerate(
         zip(_WEIGHTS, states, hypers, ctx.owners, ctx.grad_dtypes, strict=True)
     ):
@@ -215,8 +216,7 @@ def _backward(ctx, grad_out, *unused):
                     if accumulation is not None:
                         mode, (buffer, add) = "accumulate", accumulation
                 elif accumulators[i] is not None:
-                    mode = "update"
-                    defer[i] = functools.partial(_when_complete, accumulators[i], owner, outer_tasks[i])
+                    mode, waits[i] = "update", True
                 else:
                     mode, buffer = "update", owner.grad_in()
         plans.append((mode, list(state) if mode != "grad" else [], hyper, buffer, add, grad_dtype))
@@ -239,9 +239,9 @@ def _backward(ctx, grad_out, *unused):
                 layout,
             )
     owned = any(owner is not None for owner in ctx.owners)
-    # Eager mode: the jobs' bodies without the ops' dispatch (with owners, the updates report to them as
-    # they are applied and may be deferred: closures the ops cannot take); under torch.compile, a
-    # dispatch mode or a tensor subclass, the ops.
+    # Eager mode: the jobs' bodies without the ops' dispatch (with owners, each update is reported to its
+    # owner as soon as it is applied, and may wait for the weight's whole gradient: see below); under
+    # torch.compile, a dispatch mode or a tensor subclass, the ops.
     direct = owned or (getattr(ctx, "eager", False) and not torch.compiler.is_compiling())
     updates = [wanted[i] and mode == "update" for i, (mode, *_) in enumerate(plans)]
     down_proj, up_proj = weights[1], weights[2]
@@ -283,7 +283,7 @@ def _backward(ctx, grad_out, *unused):
         # or tensor betas get torch's arithmetic for tensors, as in standard training.
         values = tuple(
             owner.hyperparameters()
-            if owner is not None and mode == "update" and not triton and owner.exp_avg_scales is None
+            if owner is not None and mode == "update" and not triton and kind_of(owner).moments == "exact"
             else None  # 8-bit moments read the [5] float64 tensor, as the kernels do
             for owner, (mode, *_) in zip(ctx.owners, plans, strict=True)
         )  # fmt: skip
@@ -304,13 +304,24 @@ def _backward(ctx, grad_out, *unused):
             else:
                 grads[i] = library.expert_wgrad(*job, backend, layout)
             continue
-        plan = (magnitudes, mode, state, hyper, buffer, add, grad_dtype, fused_epilogue, foreach, torch_fused)
         if direct:
-            library.run_expert_wgrad(
-                *job, *plan, backend, layout, on_done=done[i], defer=defer[i], value=values[i]
-            )
+            run = functools.partial(
+                library.run_expert_wgrad, *job, mode=mode, state=state, hyper=hyper, backend=backend, layout=layout,
+                magnitudes=magnitudes, buffer=buffer, buffer_add=add, grad_dtype=grad_dtype,
+                fused_epilogue=fused_epilogue, foreach=foreach, torch_fused=torch_fused, value=values[i],
+            )  # fmt: skip
+            if waits[i]:  # the whole gradient first: launched in the weight's AccumulateGrad pre-hook
+                _when_complete(accumulators[i], ctx.owners[i], outer_tasks[i], run, done[i])
+            else:
+                run()
+                if done[i] is not None:
+                    done[i]()
+            del run
         else:
-            library.expert_wgrad_(*job, *plan, backend, layout)
+            library.expert_wgrad_(
+                *job, magnitudes, mode, state, hyper, buffer, add, grad_dtype, fused_epilogue, foreach, torch_fused,
+                backend, layout,
+            )  # fmt: skip
         del job
     for accumulator, outer, owner, (mode, *_) in zip(
         accumulators, outer_tasks, ctx.owners, plans, strict=True
@@ -341,10 +352,17 @@ def _refuse_other_producers(name: str, grad) -> None:
         )
 
 
-def _when_complete(accumulator, owner, outer_task, run) -> None:
-    """Call ``run(grad_in)`` (the deferred wgrad and update) in the pre-hook of ``accumulator``, with the
-    gradient of earlier micro-batches and of the weight's other producers (see :func:`_on_accumulator`)."""
-    _on_accumulator(accumulator, lambda other: run(owner.grad_in(other)), outer_task)
+def _when_complete(accumulator, owner, outer_task, run, done) -> None:
+    """In the pre-hook of ``accumulator``: ``run(buffer=grad_in)`` (the weight's wgrad and its update, their
+    operands kept alive by ``run`` until then; checked again with that ``grad_in``), ``grad_in`` the
+    gradient of earlier micro-batches and of the weight's other producers (see :func:`_on_accumulator`);
+    then ``done()``, the update reported to its owner."""
+
+    def whole(other):
+        run(buffer=owner.grad_in(other))
+        done()
+
+    _on_accumulator(accumulator, whole, outer_task)
 
 
 def _on_accumulator(accumulator, fn, outer_task: int | None = None) -> None:

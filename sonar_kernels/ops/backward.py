@@ -66,8 +66,7 @@ def moe_mlp_bwd(
     then one :func:`expert_wgrad` launch per expert tensor, covering every expert: dW2 (updates W2 when
     ``down_proj_update`` is given), dW1 (updates W1 when ``gate_up_proj_update`` is given; in a separate
     layout the gate tensor's and the up tensor's wgrad, each with its own update), then the biases'
-    (db1, db2, each with its update when given) (docs/design.md). An update with ``defer`` set is
-    launched later by its caller. Every update and accumulator is validated before the first launch. No
+    (db1, db2, each with its update when given) (docs/design.md). Every update and accumulator is validated before the first launch. No
     host sync; no atomics.
 
     Args:

@@ -18,6 +18,7 @@ from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.master_weights import element_index, shard_index_base
 from sonar_kernels.rules.moments_8bit import BLOCK, tables
 from sonar_kernels.rules.update import adamw_update
+from sonar_kernels.update_state import UpdateState
 
 __all__ = [
     "COMPILED_UPDATE_ELEMENTS",
@@ -77,13 +78,11 @@ def adamw_8bit_(
         index_base: added to every element's stream counter with stochastic rounding (a shard's position in
             the whole tensor).
     """
-    m_codes, v_codes, *_, m_scales, v_scales = state[:8]
-    master = state[8:]
-    remainder = master[0] if master and master[0].dtype == torch.int16 else None
-    seed = master[0] if master and remainder is None else None
+    s = UpdateState.of(state)
     _update_(
-        weight, gradient, grad_in, (m_codes, m_scales, v_codes, v_scales), state, hyper, remainder=remainder,
-        seed=seed, grad_dtype=grad_dtype, chunk_bytes=chunk_bytes, found=found, index_base=index_base,
+        weight, gradient, grad_in, (s.exp_avg, s.exp_avg_scales, s.exp_avg_sq, s.exp_avg_sq_scales), state, hyper,
+        remainder=s.remainder, seed=s.seed, grad_dtype=grad_dtype, chunk_bytes=chunk_bytes, found=found,
+        index_base=index_base,
     )  # fmt: skip
 
 
@@ -104,14 +103,13 @@ def stochastic_adamw_(
     fp32 in the "fp64" arithmetic, the result rounded back with ``rules.master_weights.stochastic_round`` at
     the tensor's seed, the update's step (incremented) and each element's offset (``element_index``): given
     the same gradient, the same bits as the Triton epilogue and split path. ``state``: exp_avg,
-    exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed (``ops/torch_update.py``'s
-    STATE_FIELDS_STOCHASTIC); ``hyper``: the [5] fp64 hyperparameters ([7]: expert clipping first,
+    exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed (``update_state.UpdateState``'s order); ``hyper``: the [5] fp64 hyperparameters ([7]: expert clipping first,
     ``rules/clipping.py``). ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes``, the skip, a DTensor
     weight, ``found`` and ``index_base`` as :func:`adamw_8bit_` takes them; any layout of the weight (each
     element's counter is its offset in the storage)."""
-    exp_avg, exp_avg_sq, _step, _norm, _skipped, _clipped, seed = state
+    s = UpdateState.of(state)
     _update_(
-        weight, gradient, grad_in, (exp_avg, exp_avg_sq), state, hyper, seed=seed, grad_dtype=grad_dtype,
+        weight, gradient, grad_in, (s.exp_avg, s.exp_avg_sq), state, hyper, seed=s.seed, grad_dtype=grad_dtype,
         chunk_bytes=chunk_bytes, found=found, index_base=index_base,
     )  # fmt: skip
 
@@ -126,7 +124,9 @@ def _update_(
 ) -> None:  # fmt: skip
     """:func:`adamw_8bit_` and :func:`stochastic_adamw_`, their state unpacked: ``moments`` the tuple the
     rule takes, ``state`` the whole list (step, grad_norm_sq, skipped and clipped at 2 to 5)."""
-    step, grad_norm_sq, skipped, clipped = state[2:6]
+    s = UpdateState.of(state)
+    step, grad_norm_sq, skipped, clipped = s.step, s.grad_norm_sq, s.skipped, s.clipped
+    eight_bit = s.kind.moments == "8bit"
     dtype = grad_dtype or weight.dtype
     if _is_dtensor(weight):  # FSDP2's shard: the skip and the norm over the whole gradient, then the shard
         if not _is_dtensor(gradient) or grad_in is not None:
@@ -141,14 +141,14 @@ def _update_(
             if local[0].is_cuda:  # one Triton launch per tensor per step (ops/shard_update.py)
                 from sonar_kernels.ops.shard_update import shard_update_triton_
 
-                eight = len(moments) == 4
+                h = UpdateState.of(held)
                 shard_update_triton_(
-                    local[0], local[1], (held[0], held[6], held[1], held[7]) if eight else (held[0], held[1]), held,
-                    hyper, decided=decided, remainder=remainder if remainder is None else held[8],
-                    seed=None if seed is None else held[8 if eight else 6], index_base=base,
+                    local[0], local[1], (h.exp_avg, h.exp_avg_scales, h.exp_avg_sq, h.exp_avg_sq_scales) if eight_bit
+                    else (h.exp_avg, h.exp_avg_sq), held, hyper, decided=decided, remainder=h.remainder, seed=h.seed,
+                    index_base=base,
                 )  # fmt: skip
             else:  # the CPU: the compiled rules (docs/design.md, "The update rules")
-                update = adamw_8bit_ if len(moments) == 4 else stochastic_adamw_
+                update = adamw_8bit_ if eight_bit else stochastic_adamw_
                 update(
                     local[0], local[1], None, held, hyper, grad_dtype=dtype, chunk_bytes=None, found=decided,
                     index_base=base,
@@ -166,7 +166,7 @@ def _update_(
         ([-1, BLOCK] with 8-bit moments, their scales [-1, 1]: the layout the compiled rule runs fastest
         on), else rows of one expert at a time (any layout)."""
         if all(t.is_contiguous() for t in extras) and grad.is_contiguous():
-            width = BLOCK if len(moments) == 4 else None
+            width = BLOCK if eight_bit else None
             scales = (2, 4) if width else ()  # the 8-bit moments' scales among the extras
 
             def flat(t: torch.Tensor, i: int) -> torch.Tensor:
@@ -201,7 +201,7 @@ def _update_(
             if bool(skip):
                 return
             skip = None
-        if compiled and len(moments) == 4:  # 8-bit moments: the C update in one pass, where it applies
+        if compiled and eight_bit:  # 8-bit moments: the C update in one pass, where it applies
             chunk = weight[first:last]
             held = [t[first:last] for t in (*moments, *([] if remainder is None else [remainder]))]
             if adamw_8bit_cpu_(
@@ -209,9 +209,7 @@ def _update_(
                 step=step, first_index=chunk.storage_offset() - start_offset + index_base,
             ):  # fmt: skip
                 return
-        if (
-            compiled and len(moments) == 2 and seed is not None
-        ):  # exact moments, stochastic rounding: likewise
+        if compiled and not eight_bit and seed is not None:  # exact moments, stochastic rounding: likewise
             chunk = weight[first:last]
             if adamw_stochastic_cpu_(
                 chunk, grad, tuple(t[first:last] for t in moments), scalars, hyper, seed=seed, step=step,

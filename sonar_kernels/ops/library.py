@@ -6,8 +6,8 @@ fake (meta) implementation beside it, so torch.compile traces them as single ops
 the forward's autograd formula is registered by ``sonar_kernels.autograd``.
 
 Both backends run behind the same ops ("triton": the Triton launchers; "torch": ``torch_backend``).
-An update's mutable tensors travel as one list in the order of :data:`STATE_FIELDS` (an empty list
-means "no update"); its hyperparameter tensor, which the update only reads and which every tensor of a
+An update's mutable tensors travel as one list in the order of ``update_state.UpdateState.tensors`` (an
+empty list means "no update"); its hyperparameter tensor, which the update only reads and which every tensor of a
 parameter group shares, travels apart, so that an update does not bump its version counter.
 """
 
@@ -21,19 +21,11 @@ from sonar_kernels.ops import backward as triton_bwd
 from sonar_kernels.ops import forward as triton_fwd
 from sonar_kernels.ops import torch_backend
 from sonar_kernels.ops import wgrad as triton_wgrad
-from sonar_kernels.ops.torch_update import STATE_FIELDS as STATE_FIELDS  # re-exported: the ops' state order
-from sonar_kernels.ops.torch_update import STATE_FIELDS_8BIT as STATE_FIELDS_8BIT
-from sonar_kernels.ops.torch_update import (
-    check_master_state,
-    moments_of,
-    remainder_of,
-    seed_of,
-    torch_update,
-    torch_update_of,
-)
+from sonar_kernels.ops.torch_update import check_master_state, torch_update
 from sonar_kernels.ops.update_bound import magnitudes_numel
 from sonar_kernels.rules.clipping import clips
 from sonar_kernels.specs import RoutingMetadata
+from sonar_kernels.update_state import UpdateState
 
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
 # or add it to an accumulation buffer.
@@ -80,7 +72,7 @@ def moe_mlp_fwd(
 
     The rest are inputs only so that the registered backward receives them, per expert tensor in the
     order of :data:`sonar_kernels.specs.EXPERT_TENSORS`: its in-backward update's state (``state_sizes``
-    tensors of ``states`` each, in :data:`STATE_FIELDS` order; none: no update), its hyperparameter tensor
+    tensors of ``states`` each, in ``UpdateState.tensors``' order; none: no update), its hyperparameter tensor
     (or None) and its gradient dtype (:func:`grad_dtype_code`); and the update options of the layer (the
     fused epilogue or its split path, torch AdamW's foreach and fused flags)."""
     return moe_mlp_fwd_body(
@@ -232,8 +224,19 @@ def expert_wgrad(
 
 def run_expert_grad(name, weight, p, q, top_k_weights, meta, backend, layout) -> Tensor:
     """The body of :func:`expert_wgrad`: :func:`run_expert_wgrad` in mode "grad"."""
-    plain = (None, "grad", [], None, None, False, None, True, None, None)  # magnitudes .. torch_fused
-    return run_expert_wgrad(name, weight, p, q, top_k_weights, meta, *plain, backend, layout)
+    return run_expert_wgrad(
+        name,
+        weight,
+        p,
+        q,
+        top_k_weights,
+        meta,
+        mode="grad",
+        state=[],
+        hyper=None,
+        backend=backend,
+        layout=layout,
+    )
 
 
 @expert_wgrad.register_fake
@@ -263,7 +266,7 @@ def expert_wgrad_(
     layout: str,
 ) -> None:
     """The gradient of the expert tensor ``name`` (operands as for :func:`expert_wgrad`) applied in place:
-    ``wgrad_mode`` (not ``mode``, a keyword of torch's auto-functionalization) "update": AdamW on ``weight`` and its ``state`` (:data:`STATE_FIELDS`; ``hyper`` its [5]
+    ``wgrad_mode`` (not ``mode``, a keyword of torch's auto-functionalization) "update": AdamW on ``weight`` and its ``state`` (``UpdateState.tensors``' order; ``hyper`` its [5]
     float64 hyperparameters, [7] with expert clipping), with ``buffer`` (the gradient of earlier micro-batches, or None) added to
     this backward's gradient first: on the Triton backend in the wgrad epilogue (or its split path with
     ``fused_epilogue=False``; ``magnitudes`` from :func:`moe_mlp_bwd` bound the gradient), on the torch
@@ -272,8 +275,9 @@ def expert_wgrad_(
     gradient added to ``buffer`` (``buffer_add``) or written into it. ``grad_dtype``: the gradient is
     rounded to it before the update (None: the weight's dtype)."""
     run_expert_wgrad(
-        name, weight, p, q, top_k_weights, meta, magnitudes, wgrad_mode, state, hyper, buffer, buffer_add, grad_dtype,
-        fused_epilogue, foreach, torch_fused, backend, layout,
+        name, weight, p, q, top_k_weights, meta, magnitudes=magnitudes, mode=wgrad_mode, state=state, hyper=hyper,
+        buffer=buffer, buffer_add=buffer_add, grad_dtype=grad_dtype, fused_epilogue=fused_epilogue, foreach=foreach,
+        torch_fused=torch_fused, backend=backend, layout=layout,
     )  # fmt: skip
 
 
@@ -282,26 +286,16 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
     return None
 
 
-def _update(
-    state: list[Tensor], hyper, grad_dtype, fused: bool, grad_in, on_done, defer
-) -> triton_wgrad.AdamWUpdate:
-    remainder, seed = remainder_of(state), seed_of(state)
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped, *scales = moments_of(state)
-    exp_avg_scales, exp_avg_sq_scales = scales if scales else (None, None)
-    return triton_wgrad.AdamWUpdate(
-        exp_avg=exp_avg, exp_avg_sq=exp_avg_sq, step=step, hyper=hyper, grad_dtype=grad_dtype, fused=fused,
-        grad_in=grad_in, grad_norm_sq=grad_norm_sq, skipped=skipped, clipped=clipped, on_done=on_done, defer=defer,
-        exp_avg_scales=exp_avg_scales, exp_avg_sq_scales=exp_avg_sq_scales, remainder=remainder, seed=seed,
-    )  # fmt: skip
-
-
-def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, on_done, defer):
+def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue):
     """(the ``ops.AdamWUpdate`` or None, the ``ops.GradAccumulator`` or None) of a Triton wgrad."""
     if mode == "update":
-        grad_dtype = weight.dtype if grad_dtype is None else grad_dtype
-        return _update(state, hyper, grad_dtype, fused_epilogue, buffer, on_done, defer), None
+        update = triton_wgrad.AdamWUpdate(
+            **UpdateState.of(state)._asdict(), hyper=hyper, fused=fused_epilogue, grad_in=buffer,
+            grad_dtype=weight.dtype if grad_dtype is None else grad_dtype,
+        )  # fmt: skip
+        return update, None
     if mode == "accumulate":
-        return None, triton_wgrad.GradAccumulator(buffer, buffer_add, on_done)
+        return None, triton_wgrad.GradAccumulator(buffer, buffer_add)
     return None, None
 
 
@@ -326,29 +320,26 @@ def check_expert_wgrad(
         check_master_state(name, weight, state)
     if backend == "triton":
         update, accumulator = _triton_plan(
-            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, None, None
+            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue
         )
         triton_wgrad.check_wgrad(name, weight, update, accumulator, layout)
 
 
 def run_expert_wgrad(
-    name, weight, p, q, top_k_weights, meta, magnitudes, mode, state, hyper, buffer, buffer_add, grad_dtype,
-    fused_epilogue, foreach, torch_fused, backend, layout, on_done=None, defer=None, value=None,
+    name, weight, p, q, top_k_weights, meta, *, mode, state, hyper, backend, layout, magnitudes=None, buffer=None,
+    buffer_add=False, grad_dtype=None, fused_epilogue=None, foreach=None, torch_fused=None, value=None,
 ):  # fmt: skip
     """The body of :func:`expert_wgrad_` (and, with ``mode`` "grad", of :func:`expert_wgrad`: returns the
-    gradient; else None), callable in eager mode with ``on_done``: a callable run right after the launch
-    that updated the tensor or added to its buffer (before any later launch, so that a failure further on
-    cannot leave an applied update unrecorded); ``defer``: None (the update runs now) or a callable given
-    ``run``, a function of the gradient of earlier micro-batches (``grad_in``, or None) that computes the
-    gradient and applies the update when it is called, later (see ``ops.AdamWUpdate.defer``); and
-    ``value``: None or the hyperparameters as the owner's parameter group holds them
-    (``specs.ExpertUpdate.hyperparameters``), which the torch backend's AdamW then takes in place of the
-    values of ``hyper`` (torch's arithmetic for tensor lr and betas). Mutated tensors' version counters
-    are the caller's to bump here (the op bumps them)."""
+    gradient; else None), its plan by keyword, callable in eager mode with ``value``: None or the
+    hyperparameters as the owner's parameter group holds them (``specs.ExpertUpdate.hyperparameters``),
+    which the torch backend's AdamW then takes in place of the values of ``hyper`` (torch's arithmetic for
+    tensor lr and betas). Returns once the update is applied or the buffer written (the caller records it
+    then, before any later launch). Mutated tensors' version counters are the caller's to bump here (the op
+    bumps them)."""
     meta = RoutingMetadata(*meta)
     if backend == "triton":
         update, accumulator = _triton_plan(
-            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, on_done, defer
+            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue
         )
         return triton_wgrad.expert_wgrad(
             name, weight, p, q, top_k_weights, meta, layout, magnitudes, update, accumulator
@@ -358,9 +349,9 @@ def run_expert_wgrad(
         return gradient.full()
     if mode != "update":
         raise ValueError(f"{name}: mode {mode!r} is not supported by the torch backend (grad or update)")
-    torch_update_of(
-        weight, state, hyper if value is None else value, buffer, foreach, torch_fused, on_done, grad_dtype, defer,
-        gradient, clip=hyper if clips(hyper) else None,
+    torch_update(
+        weight, state, hyper if value is None else value, buffer, foreach, torch_fused, gradient,
+        grad_dtype=grad_dtype, clip=hyper if clips(hyper) else None,
     )  # fmt: skip
     return None
 
@@ -376,13 +367,13 @@ def expert_adamw_(
     fused: bool | None,
 ) -> None:
     """torch's AdamW on one expert tensor, in place (weight, exp_avg, exp_avg_sq, step, the gradient's
-    squared norm and the skip counter; ``state`` in the order of :data:`STATE_FIELDS`), from ``grad``
+    squared norm and the skip counter; ``state`` in ``UpdateState.tensors``' order), from ``grad``
     plus ``grad_in`` (earlier micro-batches, or None) summed in grad_in's dtype, as autograd sums them in
     ``.grad``. Skipped as a whole for a non-finite or too large gradient (see
     :func:`sonar_kernels.ops.adamw.torch_adamw_`). The hyperparameters are read from ``hyper``
     ([5] float64, :data:`sonar_kernels.specs.HYPERPARAMETERS`) on the host (a sync on a GPU; the Triton
     backend reads them in its kernels)."""
-    torch_update(weight, state, hyper, grad_in, foreach, fused, None, grad)
+    torch_update(weight, state, hyper, grad_in, foreach, fused, grad)
 
 
 @expert_adamw_.register_fake

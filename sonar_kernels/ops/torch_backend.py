@@ -287,8 +287,7 @@ def moe_mlp_bwd(
 
     ``down_proj_update`` / ``gate_up_proj_update`` / ``up_proj_update`` / the biases' updates: a callable
     that updates the tensor in place, given its :class:`ExpertGradient` (computed whole or by chunks of
-    experts when asked); it computes the gradient then, or later (a deferred update keeps the operands
-    alive until then); None is returned for that tensor. ``hpre_writable``: as for
+    experts when asked); None is returned for that tensor. ``hpre_writable``: as for
     :func:`moe_mlp_bwd_core`."""
     need_x, need_w, need_w1, need_w2, need_w3 = (*needs_input_grad, False)[:5]
     need_w3 = need_w3 and up_proj is not None

@@ -12,63 +12,9 @@ from sonar_kernels.ops.adamw import remainder_adamw_, torch_adamw_, torch_adamw_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.rules.clipping import clips
+from sonar_kernels.update_state import STATE_FIELDS, UpdateState
 
-__all__ = [
-    "STATE_FIELDS",
-    "STATE_FIELDS_8BIT",
-    "STATE_FIELDS_8BIT_REMAINDER",
-    "STATE_FIELDS_8BIT_STOCHASTIC",
-    "STATE_FIELDS_REMAINDER",
-    "STATE_FIELDS_STOCHASTIC",
-    "check_master_state",
-    "moments_of",
-    "remainder_of",
-    "seed_of",
-    "torch_update",
-    "torch_update_of",
-]
-
-# The tensors of an in-backward update, in the order the ops take them.
-# ``clipped``: a 0-dim int64 that receives the number of gradient entries the spike rule replaced in the
-# update (expert clipping, docs/design.md; 0 without it).
-STATE_FIELDS = ("exp_avg", "exp_avg_sq", "step", "grad_norm_sq", "skipped", "clipped")
-# With 8-bit moments (docs/design.md, "8-bit moments"): exp_avg and exp_avg_sq are their int8 and uint8
-# codes, and their fp32 block scales follow.
-STATE_FIELDS_8BIT = (*STATE_FIELDS, "exp_avg_scales", "exp_avg_sq_scales")
-# With bf16 master weights (docs/design.md, "bf16 master weights"), one more tensor follows the moments'
-# fields (STATE_FIELDS or STATE_FIELDS_8BIT): the int16 remainder, or the 0-dim int64 seed of the tensor's
-# stochastic rounding.
-STATE_FIELDS_REMAINDER = (*STATE_FIELDS, "remainder")
-STATE_FIELDS_STOCHASTIC = (*STATE_FIELDS, "seed")
-STATE_FIELDS_8BIT_REMAINDER = (*STATE_FIELDS_8BIT, "remainder")
-STATE_FIELDS_8BIT_STOCHASTIC = (*STATE_FIELDS_8BIT, "seed")
-
-
-def _master_of(state: list) -> torch.Tensor | None:
-    """The tensor that follows the moments' fields of an update's ``state`` list, or None."""
-    return (
-        state[-1] if len(state) in (len(STATE_FIELDS_REMAINDER), len(STATE_FIELDS_8BIT_REMAINDER)) else None
-    )
-
-
-def remainder_of(state: list) -> torch.Tensor | None:
-    """The int16 remainder at the end of an update's ``state`` list (:data:`STATE_FIELDS_REMAINDER`,
-    :data:`STATE_FIELDS_8BIT_REMAINDER`), or None."""
-    last = _master_of(state)
-    return last if last is not None and last.dtype == torch.int16 else None
-
-
-def seed_of(state: list) -> torch.Tensor | None:
-    """The 0-dim int64 seed at the end of an update's ``state`` list (:data:`STATE_FIELDS_STOCHASTIC`,
-    :data:`STATE_FIELDS_8BIT_STOCHASTIC`), or None."""
-    last = _master_of(state)
-    return last if last is not None and last.dtype == torch.int64 and last.dim() == 0 else None
-
-
-def moments_of(state: list) -> list:
-    """An update's ``state`` list without its remainder or seed: :data:`STATE_FIELDS` or
-    :data:`STATE_FIELDS_8BIT`."""
-    return state if _master_of(state) is None else state[:-1]
+__all__ = ["check_master_state", "torch_update"]
 
 
 def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
@@ -81,18 +27,15 @@ def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
         TypeError: the weight's dtype.
         ValueError: the rest.
     """
-    moments = moments_of(state)
-    if len(moments) == len(STATE_FIELDS_8BIT) and any(t.dtype != torch.float32 for t in moments[6:]):
+    decoded = UpdateState.of(state, name)
+    if decoded.kind.moments == "8bit" and any(
+        t.dtype != torch.float32 for t in (decoded.exp_avg_scales, decoded.exp_avg_sq_scales)
+    ):
         raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
-    extra = _master_of(state)
+    extra = decoded.remainder if decoded.remainder is not None else decoded.seed
     if extra is None:
         return
-    if remainder_of(state) is None and seed_of(state) is None:
-        raise ValueError(
-            f"{name}: the state's last tensor must be an int16 remainder or a 0-dim int64 seed, got "
-            f"{extra.dtype} of shape {tuple(extra.shape)}"
-        )
-    if remainder_of(state) is not None and extra.shape != weight.shape:
+    if decoded.remainder is not None and extra.shape != weight.shape:
         raise ValueError(
             f"{name}: the remainder has shape {tuple(extra.shape)}, the weight {tuple(weight.shape)}"
         )
@@ -104,39 +47,21 @@ def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
         )
 
 
-def torch_update_of(
-    weight, state, hyper, grad_in, foreach, fused, done, grad_dtype, defer, gradient, clip=None
-) -> None:
-    """The torch backend's update of one weight, given its ``expert_gradient.ExpertGradient``: now, or
-    through ``defer`` (see ``ops/library.py``'s ``run_expert_wgrad``)."""
-    if defer is None:
-        torch_update(
-            weight, state, hyper, grad_in, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip
-        )
-    else:
-        defer(
-            lambda later: torch_update(
-                weight, state, hyper, later, foreach, fused, done, gradient, grad_dtype=grad_dtype, clip=clip
-            )
-        )
-
-
-def torch_update(
-    weight, state, hyper, grad_in, foreach, fused, done, grad, grad_dtype=None, clip=None
-) -> None:
+def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype=None, clip=None) -> None:
     """The body of ``sonar_kernels::expert_adamw_`` (``grad`` a tensor) and of the torch backend's in-backward update
     (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
-    ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`); then
-    ``done()`` when given. ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
+    ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`).
+    ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
     weight_decay) as it holds them (see ``ops/library.py``'s ``run_expert_wgrad``). ``grad_dtype``: the gradient is rounded
     to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
     ``grad_in`` (already in that dtype) is rounded once more. ``clip``: None, or the [7] float64 tensor of
     an update with expert clipping (docs/design.md, "Expert clipping"; taken from ``hyper`` when that is one):
     the gradient is clipped first, as the Triton kernels clip it (``rules/clipping.py``)."""
     check_master_state("weight", weight, state)
+    decoded = UpdateState.of(state)
     if clip is None and clips(hyper):
         clip = hyper
-    if len(moments_of(state)) == len(STATE_FIELDS_8BIT):  # 8-bit moments: the scheme's arithmetic
+    if decoded.kind.moments == "8bit":  # 8-bit moments: the scheme's arithmetic
         if clip is not None:  # the group's values and the clipping entries, as the kernels read them
             hyper = clip
         elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
@@ -145,10 +70,10 @@ def torch_update(
             weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
             chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
         )  # fmt: skip
-        if done is not None:
-            done()
         return
-    if seed_of(state) is not None:  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
+    if (
+        decoded.kind.master == "stochastic"
+    ):  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
         if clip is not None:
             hyper = clip
         elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
@@ -157,11 +82,9 @@ def torch_update(
             weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
             chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
         )  # fmt: skip
-        if done is not None:
-            done()
         return
-    remainder = remainder_of(state)
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped = state[: len(STATE_FIELDS)]
+    remainder = decoded.remainder
+    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped = decoded[: len(STATE_FIELDS)]
     hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper[:5].tolist())
     clipping = {"clip": clip, "clipped": clipped}
     if isinstance(grad, ExpertGradient):
@@ -184,5 +107,3 @@ def torch_update(
                 weight, total, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
                 foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
-    if done is not None:
-        done()

@@ -19,6 +19,7 @@ from sonar_kernels.specs import (
     layout_name,
     parse_activation,
 )
+from sonar_kernels.update_state import kind_of
 
 
 def check_layout(transposed, interleaved, gated=True, separate=False) -> str:
@@ -290,7 +291,7 @@ def check_update(name: str, weight: torch.Tensor, update) -> None:
         raise TypeError(f"{name} must be float32, bfloat16 or float16 to be updated, got {weight.dtype}")
     if not is_dense(weight):
         raise ValueError(f"{name} must be a dense tensor (no gaps or overlaps) to be updated in place")
-    eight_bit = getattr(update, "exp_avg_scales", None) is not None
+    eight_bit = kind_of(update).moments == "8bit"
     if eight_bit:
         _check_8bit(name, weight, update)
     for key in ("exp_avg", "exp_avg_sq"):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -21,6 +20,7 @@ from sonar_kernels.ops.validation import check_buffer, check_update
 from sonar_kernels.ops.wgrad_launch import WgradLaunch, weight_of_row
 from sonar_kernels.ops.wgrad_update import apply_update
 from sonar_kernels.specs import down_view, gate_up_bias_view, gate_up_view
+from sonar_kernels.update_state import StateKind, kind_of
 
 
 class AdamWUpdate(NamedTuple):
@@ -48,12 +48,6 @@ class AdamWUpdate(NamedTuple):
             the gradient the update used (per-program partial sums, added in a fixed order; no atomics),
             or inf when the update was skipped.
         skipped: a 0-dim int64 tensor on the weight's device, incremented when the update is skipped.
-        on_done: called right after this weight's update is launched, before any later launch of the
-            backward (so a failure further on cannot leave an applied update unrecorded).
-        defer: when given, the wgrad launch and the update are not run in this backward:
-            ``defer(run)`` is called instead, and ``run(grad_in)`` launches them later with that grad_in
-            (validated then; the launch's operands are kept alive until then). The autograd layer uses
-            it to apply the update once the weight's whole gradient is known (docs/design.md).
         exp_avg_scales, exp_avg_sq_scales: the block scales of 8-bit moments (:attr:`moments_8bit`), or
             None: ``exp_avg`` and ``exp_avg_sq`` hold the moments themselves.
         remainder: None, or the int16 remainder (the bf16 weight's shape and strides) that completes the
@@ -81,8 +75,6 @@ class AdamWUpdate(NamedTuple):
     grad_in: torch.Tensor | None = None
     grad_norm_sq: torch.Tensor | None = None
     skipped: torch.Tensor | None = None
-    on_done: Callable[[], None] | None = None
-    defer: Callable[[Callable[[torch.Tensor | None], None]], None] | None = None
     exp_avg_scales: torch.Tensor | None = None
     exp_avg_sq_scales: torch.Tensor | None = None
     remainder: torch.Tensor | None = None
@@ -95,11 +87,17 @@ class AdamWUpdate(NamedTuple):
         return self.hyper.numel() == 7
 
     @property
+    def kind(self) -> StateKind:
+        """What the update keeps (``update_state.StateKind``): exact or 8-bit moments (``exp_avg`` int8 and
+        ``exp_avg_sq`` uint8 codes with the weight's shape and strides, ``exp_avg_scales`` and
+        ``exp_avg_sq_scales`` fp32 of :func:`sonar_kernels.rules.moments_8bit.scales_shape`, contiguous;
+        docs/design.md, "8-bit moments"), and a remainder, a stochastic rounding's seed or neither."""
+        return kind_of(self)
+
+    @property
     def moments_8bit(self) -> bool:
-        """Whether the moments are 8-bit (``exp_avg`` int8 and ``exp_avg_sq`` uint8 codes with the weight's
-        shape and strides, ``exp_avg_scales`` and ``exp_avg_sq_scales`` fp32 of
-        :func:`sonar_kernels.rules.moments_8bit.scales_shape`, contiguous; docs/design.md, "8-bit moments")."""
-        return self.exp_avg_scales is not None
+        """Whether the moments are 8-bit (:attr:`kind`)."""
+        return self.kind.moments == "8bit"
 
 
 class GradAccumulator(NamedTuple):
@@ -111,12 +109,10 @@ class GradAccumulator(NamedTuple):
         buffer: the weight's shape and strides, float32/bfloat16/float16; receives
             round(buffer + round(wgrad)) when ``add``, round(wgrad) otherwise, round() to its dtype.
         add: whether the buffer holds earlier micro-batches' gradient.
-        on_done: called right after the launch.
     """
 
     buffer: torch.Tensor
     add: bool
-    on_done: Callable[[], None] | None = None
 
 
 def check_wgrad(
@@ -134,11 +130,12 @@ def check_wgrad(
         return
     if update is not None:
         check_update(name, weight, update)
-        if update.moments_8bit and name.endswith("_bias"):
+        kind = update.kind
+        if kind.moments == "8bit" and name.endswith("_bias"):
             raise ValueError(f"{name}: 8-bit moments are for the weight matrices; a bias keeps exact moments")
-        if update.remainder is not None or update.seed is not None:
+        if kind.master != "none":
             _check_master(name, weight, update)
-        if update.moments_8bit and _kernel_view(name, layout)(weight).stride(-1) != 1:
+        if kind.moments == "8bit" and _kernel_view(name, layout)(weight).stride(-1) != 1:
             raise ValueError(
                 f"{name}: 8-bit moments need the weight contiguous along the wgrad's columns, which the "
                 f'{layout!r} layout does not give (docs/design.md, "8-bit moments")'
@@ -181,7 +178,7 @@ def expert_wgrad(
 ):  # fmt: skip
     """The wgrad of the expert tensor ``name`` (``weight``, one of :data:`sonar_kernels.specs.EXPERT_TENSORS`)
     over all experts in one launch: returns its gradient (the weight's shape and dtype), or None when
-    ``update`` was applied in the epilogue (or its split path), deferred, or when the gradient went to
+    ``update`` was applied in the epilogue (or its split path), or when the gradient went to
     ``accumulator`` (see :func:`_wgrad`).
 
     ``p``, ``q``: the GEMM operands :func:`moe_mlp_bwd_core` gave: ``p`` dO [T, H] (the down projection
@@ -232,24 +229,12 @@ def _wgrad(
 ):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight``; returns dW (the weight's shape and, when it
     is dense, strides), or None when ``update`` was applied (fused in the epilogue, or the split path:
-    ``ops/wgrad_update.py``) and reported through on_done, when it was deferred (``update.defer``), or
-    when the gradient was added to ``accumulator``.
+    ``ops/wgrad_update.py``), or when the gradient was added to ``accumulator``.
 
     ``view`` maps a tensor of the weight's shape and strides (the weight, its moments, gradients and
     buffers) to what the kernel indexes: [E, M, N], or W1's [E, 2, M / 2, N] halves
     (:func:`sonar_kernels.specs.gate_up_view`). Everything else here holds the weight's own shape.
     """
-    if update is not None and update.defer is not None:
-        operands = (p, p_from_tokens, q, q_from_tokens, top_k_weights, meta, weight)
-
-        def run(grad_in: torch.Tensor | None) -> None:
-            now = update._replace(grad_in=grad_in, defer=None)
-            check_update(name, weight, now)
-            with on_device(weight.device):
-                _wgrad(*operands, now, M, N, top_k, dtype, interpret, bound, name=name, view=view)
-
-        update.defer(run)
-        return None
     # dW2's P rows are scaled by their routing weight: one fp32 per row, contiguous (else not read).
     rows_weight = weight_of_row(top_k_weights, meta) if p_from_tokens else meta.expert_offsets
     launch = WgradLaunch(
@@ -281,8 +266,4 @@ def _wgrad(
     # The prefetched epilogue changes the fused update only: the store's candidates are the others.
     plain = tuple(c for c in configs.candidates("wgrad", dtype, weight.device) if not c.EPILOGUE_PREFETCH)
     store(configs.choose("wgrad", key, dtype, weight.device, trial, plain), grad)
-    if accumulator is None:
-        return grad
-    if accumulator.on_done is not None:
-        accumulator.on_done()
-    return None
+    return grad if accumulator is None else None

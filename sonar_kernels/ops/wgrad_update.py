@@ -28,6 +28,7 @@ from sonar_kernels.ops.common import is_dense, like
 from sonar_kernels.ops.update_steps import begin_update, end_update
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
+from sonar_kernels.update_state import StateKind
 
 # The split path's scratch (the gradient of a chunk of experts): at most 1/SPLIT_SCRATCH_FRACTION of the
 # tensor's gradient bytes or SPLIT_SCRATCH_MIN_BYTES, whichever is larger, in whole experts (at least one).
@@ -106,8 +107,7 @@ def apply_update(launch, weight, update, bound, key) -> None:
     """Apply ``update`` (an :class:`sonar_kernels.ops.AdamWUpdate`) to ``weight`` from the wgrad that
     ``launch`` (:class:`sonar_kernels.ops.wgrad_launch.WgradLaunch`) computes: skip decided on the device
     (a gradient entry non-finite or beyond :func:`grad_limit`, see ``AdamWUpdate``), step advanced unless
-    skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written, and
-    ``update.on_done`` called. ``bound``: a callable of (grad_in, entry limit, operand limit) that returns the
+    skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written. ``bound``: a callable of (grad_in, entry limit, operand limit) that returns the
     0-dim fp32 flag of ``ops/update_bound.py`` (1.0: the gradient may exceed the limits), the cheap test
     that spares the check pass; ``key``: the wgrad's tuning key (shape, dtypes, operands).
 
@@ -117,18 +117,19 @@ def apply_update(launch, weight, update, bound, key) -> None:
     if bound is None:
         raise ValueError("an update needs the bound of its gradient")
     E, device = weight.shape[0], weight.device
-    eight_bit = update.moments_8bit
+    kind = update.kind
+    eight_bit = kind.moments == "8bit"
     # 8-bit exp_avg_sq is fp32 levels times an fp32 scale: fp32's limit.
     limit = grad_limit(torch.float32 if eight_bit else update.exp_avg_sq.dtype)
     # 8-bit moments and stochastic rounding: the "fp64" arithmetic everywhere, the torch backend's too, and
     # the torch backend's scalars (job.scalars).
-    torch_rules = eight_bit or update.seed is not None
+    torch_rules = eight_bit or kind.master == "stochastic"
     arithmetic = "fp64" if torch_rules else adamw_arithmetic(device)
     state = _State(
         weight, update.exp_avg, update.exp_avg_sq, update.exp_avg_scales, update.exp_avg_sq_scales,
         update.remainder, update.grad_in,
     )  # fmt: skip
-    job = _Update(launch, update, limit, arithmetic, split_chunk(weight, update.grad_dtype))
+    job = _Update(launch, update, kind, limit, arithmetic, split_chunk(weight, update.grad_dtype))
     choice = job.choose(state, key)
     cfg = choice.config
     # One fp32 per program: the check pass's flags, then the update's sums of squares (telemetry).
@@ -165,8 +166,6 @@ def apply_update(launch, weight, update, bound, key) -> None:
     # The norm inf when skipped, the skip counted, the clipped entries (0 without clipping; a skipped update
     # clipped nothing: its programs returned before counting) in one launch, on the device.
     end_update(skip, update.grad_norm_sq, update.skipped, update.clipped, clipped)
-    if update.on_done is not None:
-        update.on_done()
 
 
 # The paths an update may take, by ``AdamWUpdate.fused``.
@@ -174,11 +173,12 @@ _PATHS = {None: ("fused", "split"), True: ("fused",), False: ("split",)}
 
 
 class _Update(NamedTuple):
-    """One update's fixed parts: the wgrad launch, the ``AdamWUpdate``, the gradient limit, the arithmetic
-    and the split path's experts per chunk."""
+    """One update's fixed parts: the wgrad launch, the ``AdamWUpdate`` and its kind, the gradient limit, the
+    arithmetic and the split path's experts per chunk."""
 
     launch: object
     update: object
+    kind: StateKind
     limit: float
     arithmetic: str
     chunk: int
@@ -192,8 +192,7 @@ class _Update(NamedTuple):
         # The fused update with 8-bit moments or bf16 master weights runs its GEMM on its own tiles
         # (configs.own_candidates: the exact update's tiles spill with them); their split path's wgrad is the
         # plain store, which takes every tile.
-        u = self.update
-        return u.moments_8bit or u.remainder is not None or u.seed is not None
+        return self.kind != StateKind()
 
     def options(self, device: torch.device) -> tuple[configs.UpdateChoice, ...]:
         """What the tuner chooses among, the untuned default first: the fused path at every tile its epilogue
@@ -208,7 +207,7 @@ class _Update(NamedTuple):
         split = tuple(c for c in regular if not c.EPILOGUE_PREFETCH)
         if self.own_tiles:
             split = (configs.WGRAD_8BIT, *(c for c in split if c != configs.WGRAD_8BIT))
-        if u.moments_8bit:
+        if self.kind.moments == "8bit":
             # The split path's rebuilt 8-bit update (the closed-form quantizer) at each tile, beside today's.
             split += tuple(c._replace(EPILOGUE_PREFETCH=True) for c in split)
         paths = _PATHS[u.fused]
@@ -225,8 +224,8 @@ class _Update(NamedTuple):
         device = state.weight.device
         options = self.options(device)
         paths = _PATHS[u.fused]
-        moments = "8bit" if u.moments_8bit else str(u.exp_avg.dtype).removeprefix("torch.")
-        master = "remainder" if u.remainder is not None else "stochastic" if u.seed is not None else "none"
+        moments = "8bit" if self.kind.moments == "8bit" else str(u.exp_avg.dtype).removeprefix("torch.")
+        master = self.kind.master
         # The paths allowed are part of the key: a choice among fused and split never serves an update pinned
         # to one path, nor the reverse.
         full_key = (

@@ -58,6 +58,7 @@ from sonar_kernels.optim.update_handle import OwnedUpdate, release_entries, sign
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.rules.master_weights import STOCHASTIC, shard_index_base, tensor_seed
 from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
+from sonar_kernels.update_state import UpdateState
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
 
@@ -329,16 +330,11 @@ class InBackwardAdamW(ExpertTelemetry):
         state = self.state[p]
         record = self._record
         foreach, fused = torch_adamw_flags(record.groups.group(p), [p])
-        if "exp_avg_codes" in state:  # 8-bit moments: the codes in the moments' places, the scales apart
-            moments = {"exp_avg": state["exp_avg_codes"], "exp_avg_sq": state["exp_avg_sq_codes"],
-                       "exp_avg_scales": state["exp_avg_scales"], "exp_avg_sq_scales": state["exp_avg_sq_scales"]}  # fmt: skip
-        else:
-            moments = {"exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
-        moments |= {"remainder": state.get("remainder"), "seed": state.get("seed")}
+        tensors = UpdateState.of_optimizer(
+            state, record.grad_norm_sq[p], record.skipped[p], record.clipped[p]
+        )
         update = OwnedUpdate(
-            self, record, p, **moments, step=state["step"],
-            hyper=record.groups.tensor(p), grad_norm_sq=record.grad_norm_sq[p], skipped=record.skipped[p],
-            clipped=record.clipped[p],
+            self, record, p, **tensors._asdict(), hyper=record.groups.tensor(p),
             grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
             accumulation_steps=self.accumulation_steps, reduce_first=record.reduces_first(p),
         )  # fmt: skip

@@ -32,6 +32,7 @@ from sonar_kernels.optim.param_groups import (
 )
 from sonar_kernels.optim.reentrant import HeldGradients
 from sonar_kernels.rules.clipping import clips
+from sonar_kernels.update_state import UpdateState
 
 __all__ = ["InBackwardUpdates"]
 
@@ -216,24 +217,35 @@ class InBackwardUpdates:
         state = self._optimizer().state[p]
         hyper = self.groups.tensor(p)
         clipping = {"clip": hyper if clips(hyper) else None, "clipped": self.clipped[p]}
-        if "exp_avg_codes" in state:  # 8-bit moments: the scheme's update (skipped the same way)
-            tensors = [state["exp_avg_codes"], state["exp_avg_sq_codes"], state["step"], self.grad_norm_sq[p],
-                       self.skipped[p], self.clipped[p], state["exp_avg_scales"], state["exp_avg_sq_scales"]]  # fmt: skip
-            tensors += [state[key] for key in ("remainder", "seed") if key in state]  # bf16 master weights
+        tensors = UpdateState.of_optimizer(state, self.grad_norm_sq[p], self.skipped[p], self.clipped[p])
+        kind = tensors.kind
+        if kind.moments == "8bit":  # 8-bit moments: the scheme's update (skipped the same way)
             adamw_8bit_(
-                p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
+                p,
+                grad,
+                None,
+                tensors.tensors(),
+                self.groups.tensor(p),
+                grad_dtype=grad.dtype,
+                chunk_bytes=None,
             )
             self.micro_batches.consumed(p)
             self.updated[p] = True
             self._record_version(p)
             return
-        if "seed" in state:  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
-            tensors = [state["exp_avg"], state["exp_avg_sq"], state["step"], self.grad_norm_sq[p], self.skipped[p],
-                       self.clipped[p], state["seed"]]  # fmt: skip
+        if (
+            kind.master == "stochastic"
+        ):  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
             stochastic_adamw_(
-                p, grad, None, tensors, self.groups.tensor(p), grad_dtype=grad.dtype, chunk_bytes=None
+                p,
+                grad,
+                None,
+                tensors.tensors(),
+                self.groups.tensor(p),
+                grad_dtype=grad.dtype,
+                chunk_bytes=None,
             )
-        elif "remainder" in state:  # bf16 master weights: torch's AdamW on the merged fp32 master
+        elif kind.master == "remainder":  # bf16 master weights: torch's AdamW on the merged fp32 master
             remainder_adamw_(
                 p, state["remainder"], grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
                 torch_hyperparameters(group), self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,
