@@ -4,12 +4,13 @@ refusal of those that would not, and the data-parallel reduction of expert gradi
 The rule (docs/design.md, "Where the fused update is valid"): an expert tensor is updated only from its
 complete gradient. With more than one rank an expert tensor is one of:
 
-- ``"sharded"``: a DTensor sharded on every mesh dimension of more than one rank (FSDP2's
-  ``fully_shard``; experts sharded over an expert-parallel mesh): the forward runs on another tensor
-  object, which carries no update; FSDP2 reduce-scatters the gradient into the sharded parameter's
-  ``.grad``, and the owner's post-accumulate-grad hook applies the update there. A DTensor replicated over
-  more than one rank (HSDP's replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing
-  here can tell whether its gradient was reduced over the replicas.
+- ``"sharded"``: a DTensor sharded (``Shard``, or FSDP2's ``_StridedShard``) on every mesh dimension of
+  more than one rank (FSDP2's ``fully_shard``; experts sharded over an expert-parallel mesh, and by FSDP2
+  over "efsdp" too): the forward runs on another tensor object, which carries no update; FSDP2
+  reduce-scatters the gradient into the sharded parameter's ``.grad``, and the owner's
+  post-accumulate-grad hook applies the update there. A DTensor replicated over more than one rank (HSDP's
+  replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing here can tell whether its
+  gradient was reduced over the replicas.
 - ``"expert-parallel"``: declared with :func:`sonar_kernels.specs.mark_expert_parallel`: each rank holds
   its own experts and receives every token routed to them, so its gradient is complete; the update runs
   in the backward as on one process. (With a ``data_parallel_group`` as well, the experts are also
@@ -110,11 +111,15 @@ def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
     """``"sharded"``, ``"expert-parallel"``, ``"data-parallel"`` or ``"local"`` (see the module
     docstring)."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(p, DTensor):
         mesh = p.device_mesh
+        # _StridedShard: FSDP2's shard of a dimension already sharded on another mesh dimension (transformers'
+        # and torchtitan's experts on ("efsdp", "ep") with efsdp > 1); not a Shard subclass in torch 2.13.
         if all(
-            isinstance(placement, Shard) or mesh.size(dim) == 1 for dim, placement in enumerate(p.placements)
+            isinstance(placement, (Shard, _StridedShard)) or mesh.size(dim) == 1
+            for dim, placement in enumerate(p.placements)
         ):
             return "sharded"
         return "local"
