@@ -23,6 +23,7 @@ import transformers
 from hf_expert_parallel_ranks import batch
 from numerics import rel_err
 
+import sonar_kernels
 from sonar_kernels.integrations import transformers as sonar_transformers
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,3 +121,38 @@ def test_transformers_expert_parallel_with_expert_fsdp_matches_single_process_an
         for part in ("efsdp 2 x ep 2", "'efsdp' of 2 ranks", "partial sum", "reduce-scatter over 'efsdp'"):
             assert part in message, (part, message)
         assert "complete before FSDP2" not in message
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ignored", [False, True], ids=["experts-under-fsdp2", "experts-ignored"])
+def test_shard_experts_under_fsdp2_is_refused_unless_the_experts_are_left_out(one_rank_mesh, ignored):
+    # shard_experts' tensors under fully_shard would have FSDP2 reduce-scatter the gradients of different
+    # experts (each rank holds its own): refused at the experts' forward, before anything is updated.
+    from torch.distributed.fsdp import fully_shard
+
+    config = _config()
+    config._experts_implementation = "sonar"
+    torch.manual_seed(0)
+    model = transformers.OlmoeForCausalLM(config)
+    sonar_transformers.shard_experts(model, one_rank_mesh)
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    fully_shard(
+        model,
+        mesh=one_rank_mesh,
+        ignored_params={p for m in experts for p in m.parameters()} if ignored else None,
+    )
+    optimizer = sonar_kernels.SonarAdamW(model, lr=LR)
+    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
+    before = {name: full(p) for name, p in experts[0].named_parameters()}
+    ids = batch(0, 0)
+    if ignored:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        assert all(p.grad is None for m in experts for p in m.parameters())
+        assert not torch.equal(full(experts[0].gate_up_proj), before["gate_up_proj"])
+        return
+    with pytest.raises(ValueError, match="FSDP2 manages its expert tensors") as raised:
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert "ignored_params" in str(raised.value) and "Nothing was updated" in str(raised.value)
+    for name, p in experts[0].named_parameters():
+        assert torch.equal(full(p), before[name]), name
