@@ -1,8 +1,9 @@
 """transformers' own expert parallelism (its DTensor-sharded experts, sentinel ids for other ranks' experts)
 with experts_implementation "sonar" and SonarAdamW, on CPU processes (tests/hf_expert_parallel_ranks.py):
 bitwise equal to the same run with torch.optim.AdamW(fused=True), what SonarAdamW's default flags run;
-within the expert-parallel tolerance of single-process training on the ranks' batches together; and the
-ShardedExpertsWarning names why the update is not fused (docs/distributed.md, "From the stacks users run").
+within the expert-parallel tolerance of single-process training on the ranks' batches together; resumed
+from a DCP checkpoint bit for bit; and the ShardedExpertsWarning names why the update is not fused
+(docs/distributed.md, "From the stacks users run").
 
 What DistributedConfig(ep_size=2, fsdp_size=F) builds (transformers 5.25, read in its distributed/ and
 checked on these ranks): the experts sharded Shard(0) over "ep" and then fully_shard over "efsdp" = F / 2
@@ -71,6 +72,13 @@ def _single_process(checkpoint: Path, processes: int) -> dict:
     return {name: p.detach() for name, p in model.named_parameters()}
 
 
+def _assert_resumed_bitwise(saved: dict, resumed: dict) -> None:
+    """The run resumed from its DCP checkpoint after step 0 ends on the weights of the run without a break."""
+    assert saved.keys() == resumed.keys()
+    for name, p in saved.items():
+        assert torch.equal(p, resumed[name]), name
+
+
 def _assert_matches_single_process(saved: dict, expected: dict, initial: dict) -> None:
     assert saved.keys() == expected.keys()
     for name, p in saved.items():
@@ -83,7 +91,7 @@ def _assert_matches_single_process(saved: dict, expected: dict, initial: dict) -
 
 @pytest.mark.timeout(300)
 def test_transformers_expert_parallel_with_sonar_equals_torch_adamw_and_single_process(tmp_path):
-    initial = _launch(tmp_path, 2, "sonar,torch")
+    initial = _launch(tmp_path, 2, "sonar,torch,resume")
     expected = _single_process(tmp_path / "checkpoint", 2)
     for r in range(2):
         sonar, standard = torch.load(tmp_path / f"sonar-{r}.pt"), torch.load(tmp_path / f"torch-{r}.pt")
@@ -97,6 +105,7 @@ def test_transformers_expert_parallel_with_sonar_equals_torch_adamw_and_single_p
         for name, p in sonar.items():
             assert torch.equal(p, standard[name]), (r, name)
         _assert_matches_single_process(sonar, expected, initial)
+        _assert_resumed_bitwise(sonar, torch.load(tmp_path / f"resume-{r}.pt"))
         # efsdp 1: the warning says the gradient was complete, why it still reached .grad, and the way out.
         for part in (
             "efsdp 1 x ep 2", "DistributedConfig(ep_size=..., fsdp_size=...)", "apply_fully_sharded_data_parallelism",
@@ -110,7 +119,7 @@ def test_transformers_expert_parallel_with_sonar_equals_torch_adamw_and_single_p
 @pytest.mark.timeout(300)
 def test_transformers_expert_parallel_with_expert_fsdp_matches_single_process_and_says_partial(tmp_path):
     # ep_size 2, fsdp_size 4: efsdp 2, two copies of every expert group, each FSDP-sharded over its pair.
-    initial = _launch(tmp_path, 4, "sonar")
+    initial = _launch(tmp_path, 4, "sonar,resume")
     expected = _single_process(tmp_path / "checkpoint", 4)
     for r in range(4):
         sonar = torch.load(tmp_path / f"sonar-{r}.pt")
@@ -118,6 +127,7 @@ def test_transformers_expert_parallel_with_expert_fsdp_matches_single_process_an
         (message,) = sonar.pop("sharded_messages")
         assert sonar.pop("other_warnings") == []
         _assert_matches_single_process(sonar, expected, initial)
+        _assert_resumed_bitwise(sonar, torch.load(tmp_path / f"resume-{r}.pt"))
         for part in ("efsdp 2 x ep 2", "'efsdp' of 2 ranks", "partial sum", "reduce-scatter over 'efsdp'"):
             assert part in message, (part, message)
         assert "complete before FSDP2" not in message
