@@ -133,6 +133,11 @@ def test_transformers_expert_parallel_with_expert_fsdp_matches_single_process_an
         assert "complete before FSDP2" not in message
 
 
+def _full(p: torch.Tensor) -> torch.Tensor:
+    """A copy of the whole tensor of ``p`` (gathered if it is a DTensor)."""
+    return (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("ignored", [False, True], ids=["experts-under-fsdp2", "experts-ignored"])
 def test_shard_experts_under_fsdp2_is_refused_unless_the_experts_are_left_out(one_rank_mesh, ignored):
@@ -152,17 +157,16 @@ def test_shard_experts_under_fsdp2_is_refused_unless_the_experts_are_left_out(on
         ignored_params={p for m in experts for p in m.parameters()} if ignored else None,
     )
     optimizer = sonar_kernels.SonarAdamW(model, lr=LR)
-    full = lambda p: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # noqa: E731
-    before = {name: full(p) for name, p in experts[0].named_parameters()}
+    before = {name: _full(p) for name, p in experts[0].named_parameters()}
     ids = batch(0, 0)
     if ignored:
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         assert all(p.grad is None for m in experts for p in m.parameters())
-        assert not torch.equal(full(experts[0].gate_up_proj), before["gate_up_proj"])
+        assert not torch.equal(_full(experts[0].gate_up_proj), before["gate_up_proj"])
         return
     with pytest.raises(ValueError, match="FSDP2 manages its expert tensors") as raised:
         model(input_ids=ids, labels=ids).loss.backward()
     assert "ignored_params" in str(raised.value) and "Nothing was updated" in str(raised.value)
     for name, p in experts[0].named_parameters():
-        assert torch.equal(full(p), before[name]), name
+        assert torch.equal(_full(p), before[name]), name
