@@ -1,7 +1,8 @@
 """One rank of transformers' own expert parallelism (``DistributedConfig(ep_size=2, fsdp_size=FSDP)``) on a
 tiny OLMoE running experts_implementation "sonar", one run per entry of KINDS: "sonar", 3 steps with
 SonarAdamW; "torch", 3 with torch.optim.AdamW(fused=True) (what SonarAdamW's default flags run); "resume",
-SonarAdamW's step 0, a DCP checkpoint, then steps 1 and 2 on a fresh model and optimizer loaded from it.
+SonarAdamW's step 0, a DCP checkpoint, then steps 1 and 2 on a fresh model and optimizer loaded from it;
+"hsdp", with dp_replicate_size=2 as well, SonarAdamW's first step, which is refused.
 Every run starts from the same checkpoint and saves this rank's view of the full parameters (the first
 two also the ShardedExpertsWarnings they saw, their text and the library's other warnings). Rank r's batch
 of step s is seeded 10 * s + r. Run by torchrun from tests/test_transformers_expert_parallel.py:
@@ -27,12 +28,30 @@ def batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
 
 
-def load(checkpoint: str, fsdp_size: str) -> transformers.OlmoeForCausalLM:
+def load(checkpoint: str, fsdp_size: str, dp_replicate_size: int = 1) -> transformers.OlmoeForCausalLM:
     return transformers.OlmoeForCausalLM.from_pretrained(
         checkpoint,
         experts_implementation="sonar",
-        distributed_config=DistributedConfig(ep_size=2, fsdp_size=int(fsdp_size)),
+        distributed_config=DistributedConfig(
+            ep_size=2, fsdp_size=int(fsdp_size), dp_replicate_size=dp_replicate_size
+        ),
     )
+
+
+def hsdp(checkpoint: str, out: str, fsdp_size: str) -> None:
+    """HSDP (dp_replicate_size 2) beside EP: SonarAdamW's first step is refused; saved as "hsdp-RANK.pt":
+    the refusal's type and text, and whether any parameter changed."""
+    model = load(checkpoint, fsdp_size, dp_replicate_size=2)
+    optimizer = sonar_kernels.SonarAdamW(model, lr=1e-2)
+    before = full_parameters(model)
+    try:
+        train(model, optimizer, range(1))
+        refusal = None
+    except (RuntimeError, ValueError) as error:
+        refusal = (type(error).__name__, str(error))
+    after = full_parameters(model)
+    changed = [name for name, p in after.items() if not torch.equal(p, before[name])]
+    torch.save({"refusal": refusal, "changed": changed}, Path(out) / f"hsdp-{dist.get_rank()}.pt")
 
 
 def full_parameters(model) -> dict:
@@ -89,8 +108,8 @@ def resume(checkpoint: str, out: str, fsdp_size: str) -> None:
 def main(checkpoint: str, out: str, fsdp_size: str = "2", kinds: str = "sonar,torch") -> None:
     sonar_transformers.register()
     for kind in kinds.split(","):
-        if kind == "resume":
-            resume(checkpoint, out, fsdp_size)
+        if kind in ("resume", "hsdp"):
+            {"resume": resume, "hsdp": hsdp}[kind](checkpoint, out, fsdp_size)
             continue
         model = load(checkpoint, fsdp_size)
         rank = dist.get_rank()

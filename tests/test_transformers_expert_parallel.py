@@ -10,6 +10,7 @@ checked on these ranks): the experts sharded Shard(0) over "ep" and then fully_s
 by transformers itself, so their gradient reaches FSDP2 and .grad. With F = 2 (efsdp 1) a rank's gradient
 of its experts is complete before FSDP2 (the all-to-all brings it every routed token of the group); with
 F = 4 (efsdp 2) it covers its expert-parallel group's tokens only and FSDP2's reduce-scatter completes it.
+With dp_replicate_size 2 as well (HSDP) the experts are replicated over "dp_replicate": refused, by name.
 """
 
 import os
@@ -41,9 +42,9 @@ def _config():
     )  # fmt: skip
 
 
-def _launch(tmp_path, processes: int, kinds: str) -> dict:
+def _launch(tmp_path, processes: int, kinds: str, fsdp_size: int | None = None) -> dict:
     """The tiny OLMoE saved, trained on ``processes`` ranks with DistributedConfig(ep_size=2,
-    fsdp_size=processes); returns its initial parameters."""
+    fsdp_size=fsdp_size or processes); returns its initial parameters."""
     torch.manual_seed(0)
     sonar_transformers.register()
     initial = transformers.OlmoeForCausalLM(_config())
@@ -51,7 +52,7 @@ def _launch(tmp_path, processes: int, kinds: str) -> dict:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
          str(ranks.free_port()), str(ROOT / "tests" / "hf_expert_parallel_ranks.py"), str(tmp_path / "checkpoint"),
-         str(tmp_path), str(processes), kinds],
+         str(tmp_path), str(fsdp_size or processes), kinds],
         cwd=ROOT, capture_output=True, text=True, timeout=240, env=os.environ | {"OMP_NUM_THREADS": "1"},
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -131,6 +132,25 @@ def test_transformers_expert_parallel_with_expert_fsdp_matches_single_process_an
         for part in ("efsdp 2 x ep 2", "'efsdp' of 2 ranks", "partial sum", "reduce-scatter over 'efsdp'"):
             assert part in message, (part, message)
         assert "complete before FSDP2" not in message
+
+
+@pytest.mark.timeout(300)
+def test_transformers_expert_parallel_with_hsdp_is_refused_naming_the_replicate_dimension(tmp_path):
+    # dp_replicate_size 2, fsdp_size 2, ep_size 2 on 4 ranks: the experts are Replicate() over
+    # "dp_replicate"; whether FSDP2 all-reduced their gradient is not known to the update: refused at the
+    # first step, nothing changed, the dimension named.
+    _launch(tmp_path, 4, "hsdp", fsdp_size=2)
+    for r in range(4):
+        saved = torch.load(tmp_path / f"hsdp-{r}.pt")
+        assert saved["changed"] == []
+        kind, message = saved["refusal"]
+        assert kind == "RuntimeError"
+        for part in (
+            "replicated over the mesh dimension(s) 'dp_replicate' (2)",
+            "HSDP",
+            "dp_replicate_size=1",
+        ):
+            assert part in message, (part, message)
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,7 @@ __all__ = [
     "deepspeed_note",
     "exclude_from_ddp",
     "layout",
+    "partial_gradient_message",
     "resolve_group",
     "world_size",
 ]
@@ -130,6 +131,23 @@ def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
     return "local"
 
 
+def _replicated_dims(p: torch.Tensor) -> list[str]:
+    """The mesh dimensions of more than one rank over which the DTensor ``p`` is not sharded, as
+    "name (size)"; empty for anything else."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(p, DTensor):
+        return []
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(dim) for dim in range(mesh.ndim))
+    return [
+        f"'{names[dim]}' ({mesh.size(dim)})"
+        for dim, placement in enumerate(p.placements)
+        if mesh.size(dim) > 1 and not isinstance(placement, (Shard, _StridedShard))
+    ]
+
+
 def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=ValueError) -> None:
     """Raise ``error`` when the job has more than one rank and one of ``params`` is ``"local"``: its
     in-backward update would use this rank's partial gradient."""
@@ -137,12 +155,29 @@ def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=Va
         return
     local = [p for p in params if layout(p, group) == "local"]
     if local:
-        shapes = ", ".join(str(tuple(p.shape)) for p in local[:4]) + (", ..." if len(local) > 4 else "")
-        raise error(
-            f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) "
-            f"(shapes {shapes}) are neither sharded nor given a data-parallel group: each rank would update "
-            f"them from its own partial gradient and the ranks would diverge. Fix: {FIX}.{deepspeed_note()}"
+        raise error(partial_gradient_message(owner, local))
+
+
+def partial_gradient_message(owner: str, local: list, note: str = "") -> str:
+    """Why the ``"local"`` expert tensors ``local`` are refused, and the fix; ``note`` follows the reason
+    (e.g. " (nothing was changed)"). DTensors replicated over a mesh dimension (HSDP) are named with it."""
+    shapes = ", ".join(str(tuple(p.shape)) for p in local[:4]) + (", ..." if len(local) > 4 else "")
+    head = f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) (shapes {shapes})"
+    replicated = sorted({dim for p in local for dim in _replicated_dims(p)})
+    if replicated:
+        return (
+            f"{head} are DTensors replicated over the mesh dimension(s) {', '.join(replicated)} (HSDP's "
+            "replicate dimension: transformers' DistributedConfig(dp_replicate_size=...), torchtitan's "
+            "data_parallel_replicate_degree, fully_shard over a 2-D mesh): nothing here tells whether the gradient "
+            "that reaches .grad was reduced over those replicas, and an update from a partial one would let the "
+            f"replicas diverge{note}. Fix: shard the experts on every mesh dimension of more than one rank (FSDP2 "
+            "over all the ranks: dp_replicate_size=1), or keep them whole on plain tensors with "
+            "data_parallel_group= (docs/distributed.md)."
         )
+    return (
+        f"{head} are neither sharded nor given a data-parallel group: each rank would update them from its own "
+        f"partial gradient and the ranks would diverge{note}. Fix: {FIX}.{deepspeed_note()}"
+    )
 
 
 def sum_over_expert_parallel_groups(values, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
