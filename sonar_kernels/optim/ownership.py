@@ -198,9 +198,9 @@ def _efsdp_ep_reason(names: tuple[str, ...], shape: tuple[int, ...]) -> str:
             "scales it: the update is exact, not fused."
         )
     return (
-        f"{reason} With 'efsdp' of {efsdp} ranks, {efsdp} ranks hold copies of the same experts (each holding "
-        "and updating a 1 / efsdp shard of them), and each copy's gradient covers only its own expert-parallel group's "
-        "tokens: a partial sum that FSDP2's reduce-scatter over 'efsdp' completes, so the update is exact "
+        f"{reason} With 'efsdp' of {efsdp} ranks, {efsdp} expert-parallel groups hold copies of the same experts "
+        f"(each rank of 'efsdp' holding and updating a 1 / {efsdp} shard of them), and each copy's gradient covers "
+        "only its own group's tokens: a partial sum that FSDP2's reduce-scatter over 'efsdp' completes, so the update is exact "
         "after that collective and could not run in the wgrad epilogue."
     )
 
