@@ -13,6 +13,7 @@ from torch import nn
 
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
+from sonar_kernels.nn.fsdp_guard import check_not_fsdp_managed
 from sonar_kernels.ops.glu import glu
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.optim.ownership import claim_expert_tensors
@@ -220,6 +221,8 @@ def sonar_experts_forward(
     w1 = getattr(self, expert_weight_names(self)[0])  # gate_up_proj, or up_proj without a gate
     group = getattr(self, EP_GROUP_ATTRIBUTE, None)
     if group is not None:  # shard_experts: this rank's experts, tokens dispatched by all-to-all
+        # FSDP2 over them would reduce-scatter the gradients of different experts: refused, as SonarExperts does.
+        check_not_fsdp_managed(self, group)
         backend = check_moe_mlp_args(
             hidden_states, top_k_index, top_k_weights, w1, self.down_proj, activation,
             getattr(self, BACKEND_ATTRIBUTE, "auto"), layout_name(**layout_of(self)),
@@ -259,7 +262,8 @@ def shard_experts(model: nn.Module, ep_group) -> nn.Module:
     gradient convention). The local expert tensors are declared expert-parallel, so SonarAdamW updates them
     in the backward with no gradient collective. Call it on every rank with the same model (the same
     initial weights), before building the optimizer; keep the experts out of DDP (SonarAdamW does it for
-    the module it is given). Returns ``model``.
+    the module it is given) and out of FSDP2 (``ignored_params``: accelerate's ``ignored_modules``; an
+    experts module that FSDP2 manages is refused at its forward, as for SonarExperts). Returns ``model``.
 
     Raises:
         ValueError: a model without experts modules running "sonar", an expert count not divisible by P,

@@ -1,7 +1,8 @@
 """The refusal of an expert-parallel experts module that FSDP2 manages: its reduce-scatter would average the
 gradients of *different* experts (rank r holds experts [r * E / P, (r + 1) * E / P)), and the update would run
 on that mixture (docs/distributed.md, "Expert parallel with the dense layers on FSDP2"). Checked at the
-experts' forward (``nn/experts.py``) and by :func:`sonar_kernels.nn.fully_shard_dense` before it shards."""
+experts' forward (``nn/experts.py``; the transformers experts that ``shard_experts`` made expert-parallel, in
+``integrations/transformers_experts.py``) and by :func:`sonar_kernels.nn.fully_shard_dense` before it shards."""
 
 from __future__ import annotations
 

@@ -4,12 +4,13 @@ refusal of those that would not, and the data-parallel reduction of expert gradi
 The rule (docs/design.md, "Where the fused update is valid"): an expert tensor is updated only from its
 complete gradient. With more than one rank an expert tensor is one of:
 
-- ``"sharded"``: a DTensor sharded on every mesh dimension of more than one rank (FSDP2's
-  ``fully_shard``; experts sharded over an expert-parallel mesh): the forward runs on another tensor
-  object, which carries no update; FSDP2 reduce-scatters the gradient into the sharded parameter's
-  ``.grad``, and the owner's post-accumulate-grad hook applies the update there. A DTensor replicated over
-  more than one rank (HSDP's replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing
-  here can tell whether its gradient was reduced over the replicas.
+- ``"sharded"``: a DTensor sharded (``Shard``, or FSDP2's ``_StridedShard``) on every mesh dimension of
+  more than one rank (FSDP2's ``fully_shard``; experts sharded over an expert-parallel mesh, and by FSDP2
+  over "efsdp" too): the forward runs on another tensor object, which carries no update; FSDP2
+  reduce-scatters the gradient into the sharded parameter's ``.grad``, and the owner's
+  post-accumulate-grad hook applies the update there. A DTensor replicated over more than one rank (HSDP's
+  replicate dimension, a ``Replicate()`` placement) is ``"local"``: nothing here can tell whether its
+  gradient was reduced over the replicas.
 - ``"expert-parallel"``: declared with :func:`sonar_kernels.specs.mark_expert_parallel`: each rank holds
   its own experts and receives every token routed to them, so its gradient is complete; the update runs
   in the backward as on one process. (With a ``data_parallel_group`` as well, the experts are also
@@ -43,6 +44,7 @@ __all__ = [
     "deepspeed_note",
     "exclude_from_ddp",
     "layout",
+    "partial_gradient_message",
     "resolve_group",
     "world_size",
 ]
@@ -110,11 +112,15 @@ def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
     """``"sharded"``, ``"expert-parallel"``, ``"data-parallel"`` or ``"local"`` (see the module
     docstring)."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     if isinstance(p, DTensor):
         mesh = p.device_mesh
+        # _StridedShard: FSDP2's shard of a dimension already sharded on another mesh dimension (transformers'
+        # and torchtitan's experts on ("efsdp", "ep") with efsdp > 1); not a Shard subclass in torch 2.13.
         if all(
-            isinstance(placement, Shard) or mesh.size(dim) == 1 for dim, placement in enumerate(p.placements)
+            isinstance(placement, (Shard, _StridedShard)) or mesh.size(dim) == 1
+            for dim, placement in enumerate(p.placements)
         ):
             return "sharded"
         return "local"
@@ -125,6 +131,23 @@ def layout(p: torch.Tensor, group: dist.ProcessGroup | None) -> str:
     return "local"
 
 
+def _replicated_dims(p: torch.Tensor) -> list[str]:
+    """The mesh dimensions of more than one rank over which the DTensor ``p`` is not sharded, as
+    "name (size)"; empty for anything else."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if not isinstance(p, DTensor):
+        return []
+    mesh = p.device_mesh
+    names = mesh.mesh_dim_names or tuple(str(dim) for dim in range(mesh.ndim))
+    return [
+        f"'{names[dim]}' ({mesh.size(dim)})"
+        for dim, placement in enumerate(p.placements)
+        if mesh.size(dim) > 1 and not isinstance(placement, (Shard, _StridedShard))
+    ]
+
+
 def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=ValueError) -> None:
     """Raise ``error`` when the job has more than one rank and one of ``params`` is ``"local"``: its
     in-backward update would use this rank's partial gradient."""
@@ -132,12 +155,29 @@ def check_complete(owner: str, params, group: dist.ProcessGroup | None, error=Va
         return
     local = [p for p in params if layout(p, group) == "local"]
     if local:
-        shapes = ", ".join(str(tuple(p.shape)) for p in local[:4]) + (", ..." if len(local) > 4 else "")
-        raise error(
-            f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) "
-            f"(shapes {shapes}) are neither sharded nor given a data-parallel group: each rank would update "
-            f"them from its own partial gradient and the ranks would diverge. Fix: {FIX}.{deepspeed_note()}"
+        raise error(partial_gradient_message(owner, local))
+
+
+def partial_gradient_message(owner: str, local: list, note: str = "") -> str:
+    """Why the ``"local"`` expert tensors ``local`` are refused, and the fix; ``note`` follows the reason
+    (e.g. " (nothing was changed)"). DTensors replicated over a mesh dimension (HSDP) are named with it."""
+    shapes = ", ".join(str(tuple(p.shape)) for p in local[:4]) + (", ..." if len(local) > 4 else "")
+    head = f"{owner}: torch.distributed runs {world_size()} ranks, and {len(local)} expert tensor(s) (shapes {shapes})"
+    replicated = sorted({dim for p in local for dim in _replicated_dims(p)})
+    if replicated:
+        return (
+            f"{head} are DTensors replicated over the mesh dimension(s) {', '.join(replicated)} (HSDP's "
+            "replicate dimension: transformers' DistributedConfig(dp_replicate_size=...), torchtitan's "
+            "data_parallel_replicate_degree, fully_shard over a 2-D mesh): nothing here tells whether the gradient "
+            "that reaches .grad was reduced over those replicas, and an update from a partial one would let the "
+            f"replicas diverge{note}. Fix: shard the experts on every mesh dimension of more than one rank (FSDP2 "
+            "over all the ranks: dp_replicate_size=1), or keep them whole on plain tensors with "
+            "data_parallel_group= (docs/distributed.md)."
         )
+    return (
+        f"{head} are neither sharded nor given a data-parallel group: each rank would update them from its own "
+        f"partial gradient and the ranks would diverge{note}. Fix: {FIX}.{deepspeed_note()}"
+    )
 
 
 def sum_over_expert_parallel_groups(values, params: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:

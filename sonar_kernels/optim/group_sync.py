@@ -153,12 +153,10 @@ def refuse_pending(optimizer) -> None:
     their module never ran a forward that could hand them over (torch.compile), and with several ranks
     their gradients are partial."""
     if optimizer._pending:
-        shapes = ", ".join(str(tuple(p.shape)) for p in optimizer._pending[:4])
         raise RuntimeError(
-            f"{type(optimizer).__name__}: torch.distributed runs {distributed.world_size()} ranks, and "
-            f"{len(optimizer._pending)} expert tensor(s) (shapes {shapes}) are neither sharded nor given a "
-            "data-parallel group: each rank would update them from its own partial gradient and the ranks would "
-            f"diverge (nothing was changed). Fix: {distributed.FIX}.{distributed.deepspeed_note()}"
+            distributed.partial_gradient_message(
+                type(optimizer).__name__, optimizer._pending, " (nothing was changed)"
+            )
         )
 
 

@@ -95,7 +95,7 @@ def check_forward(*modules: torch.nn.Module | None) -> None:
         if module is None or getattr(module, _WARNED_FORWARD, False):
             continue
         bound = module.__dict__.get("forward")
-        if bound is None or specs.expert_tensors_of(module) is None:
+        if bound is None or specs.expert_tensors_of(module) is None or _runs_own_forward(module, bound):
             continue
         module.__dict__[_WARNED_FORWARD] = True
         function = getattr(bound, "__func__", bound)
@@ -119,6 +119,27 @@ def check_forward(*modules: torch.nn.Module | None) -> None:
 _WARNED_FORWARD = "_sonar_warned_forward"
 
 
+def _runs_own_forward(module: torch.nn.Module, bound) -> bool:
+    """Whether ``bound``, a ``forward`` bound on ``module``, is transformers' expert-parallel forward
+    (``EpDispatchExpertsParallel.install_forward``, DistributedConfig(ep_size=...)): it exchanges the tokens
+    and then calls the module's own forward (its EPImplementation's ``experts_forward``), which dispatches
+    to "sonar" as before."""
+    function = getattr(bound, "__func__", bound)
+    if not getattr(function, "__module__", "").startswith("transformers.distributed."):
+        return False
+    for cell in getattr(function, "__closure__", None) or ():
+        try:
+            own = getattr(cell.cell_contents, "experts_forward", None)
+        except ValueError:  # an empty cell
+            continue
+        if (
+            getattr(own, "__self__", None) is module
+            and getattr(own, "__func__", None) is type(module).forward
+        ):
+            return True
+    return False
+
+
 class UnownedExpertsWarning(UserWarning):
     """An optimizer trains expert tensors of experts running "sonar" as dense parameters (no in-backward
     optimizer owns them). Filter this category where that is deliberate (a standard-training baseline)."""
@@ -131,16 +152,56 @@ class ShardedExpertsWarning(UserWarning):
     gradient exists (docs/distributed.md). Once per optimizer."""
 
 
-def sharded_experts_message(owner: str) -> str:
+def sharded_experts_message(owner: str, p: torch.Tensor | None = None) -> str:
+    """The text of :class:`ShardedExpertsWarning` for ``owner``, naming the layout of the DTensor ``p``
+    when it is one a stack builds (docs/distributed.md, "From the stacks users run")."""
+    fused = (
+        "The fused update needs each rank to hold its experts' complete gradient outside FSDP2: expert "
+        "parallelism (SonarExperts(ep_group=...), or sonar_kernels.integrations.transformers.shard_experts for "
+        "a transformers model loaded without DistributedConfig) with the dense layers on FSDP2 "
+        "(sonar_kernels.nn.fully_shard_dense, or accelerate's FSDP2 plugin with ignored_modules= the experts "
+        "modules; docs/distributed.md). Filter ShardedExpertsWarning where this layout is the one you want."
+    )
+    mesh = getattr(p, "device_mesh", None)
+    names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+    if "efsdp" in names and "ep" in names:
+        return f"{owner}: {_efsdp_ep_reason(names, tuple(mesh.shape))} {fused}"
     return (
         f"{owner}: the expert tensors are DTensor shards (FSDP2's fully_shard, transformers' DistributedConfig, "
         "torchtitan's EP + FSDP), so each is updated in the backward from its reduced gradient, which exists as a "
         "tensor until its update: the paper's method's memory, not the fused wgrad epilogue's (no expert gradient "
-        "at all). The fused update needs each rank to hold its experts' complete gradient: expert parallelism "
-        "(SonarExperts(ep_group=...), or sonar_kernels.integrations.transformers.shard_experts for a transformers "
-        "model) with the dense layers on FSDP2 (sonar_kernels.nn.fully_shard_dense, or accelerate's FSDP2 plugin "
-        "with ignored_modules= the experts modules; docs/distributed.md). Filter ShardedExpertsWarning where "
-        "this layout is the one you want."
+        f"at all). {fused}"
+    )
+
+
+def _efsdp_ep_reason(names: tuple[str, ...], shape: tuple[int, ...]) -> str:
+    """Why experts on the expert mesh (..., "efsdp", "ep") of transformers' DistributedConfig(ep_size=...,
+    fsdp_size=...) or torchtitan's EP + FSDP are updated from ``.grad``, and whether that gradient was
+    complete before FSDP2 reduced it (docs/distributed.md, "From the stacks users run")."""
+    sizes = dict(zip(names, shape, strict=True))
+    efsdp, ep = sizes["efsdp"], sizes["ep"]
+    layout = " x ".join(f"{n} {s}" for n, s in sizes.items())
+    reason = (
+        f"the expert tensors are DTensors on the expert mesh of transformers' DistributedConfig(ep_size=..., "
+        f"fsdp_size=...) or torchtitan's EP + FSDP ({layout}). Their tokens reach them by an all-to-all over "
+        f"'ep' ({ep} ranks), and the stack then applies fully_shard to the experts over 'efsdp' itself, with "
+        "no way to leave them out (transformers' apply_fully_sharded_data_parallelism wraps every "
+        "ep_dispatch_experts module and takes no ignored_params; torchtitan's apply_fsdp_to_decoder gives the "
+        "expert parameters the efsdp mesh), so the experts' forward runs on FSDP2's unsharded copy and their "
+        "gradient reaches FSDP2, then .grad: each is updated in the backward from that reduced gradient, which "
+        "exists as a tensor until its update (the paper's method's memory), not in the fused wgrad epilogue."
+    )
+    if efsdp == 1:
+        return (
+            f"{reason} With 'efsdp' of 1 rank, each rank's gradient of its experts is complete before FSDP2 "
+            "(every token of the expert-parallel group routed to them reached this rank) and FSDP2 at most "
+            "scales it: the update is exact, not fused."
+        )
+    return (
+        f"{reason} With 'efsdp' of {efsdp} ranks, {efsdp} expert-parallel groups hold copies of the same experts "
+        f"(each rank of 'efsdp' holding and updating a 1 / {efsdp} shard of them), and each copy's gradient covers "
+        "only its own group's tokens: a partial sum that FSDP2's reduce-scatter over 'efsdp' completes, so the update is exact "
+        "after that collective and could not run in the wgrad epilogue."
     )
 
 

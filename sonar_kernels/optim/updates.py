@@ -300,7 +300,8 @@ class InBackwardUpdates:
         if isinstance(p, DTensor) and not self.told_sharded:  # the fused epilogue does not run: say so once
             self.told_sharded = True
             warnings.warn(
-                ownership.ShardedExpertsWarning(ownership.sharded_experts_message(self.owner)), stacklevel=2
+                ownership.ShardedExpertsWarning(ownership.sharded_experts_message(self.owner, p)),
+                stacklevel=2,
             )
         self.micro_batches.take_grad(p)
         if self.micro_batches.count(p) >= self.micro_batches.steps:
