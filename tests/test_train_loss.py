@@ -190,3 +190,19 @@ def test_the_chunked_loss_under_ddp_and_fsdp2_matches_single_process_training(tm
     assert grads.keys() == expected.keys()
     for name, grad in grads.items():
         assert_close(grad, expected[name], torch.float32, what=f"{layout}: {name}")
+
+
+def test_the_heldout_loss_with_the_chunked_loss_is_transformers_without_the_load_balancing_loss():
+    torch.manual_seed(0)
+    model = _model("olmoe", torch.float32)
+    model.config.router_aux_loss_coef = 0.5  # weighs in training's loss, never in the held-out one
+    batches = [torch.randint(0, 300, (2, 24)) for _ in range(3)]
+    with torch.no_grad():
+        losses = [model(input_ids=b, labels=b, output_router_logits=False).loss for b in batches]
+        with_balancing = model(input_ids=batches[0], labels=batches[0], output_router_logits=True).loss
+    assert float(with_balancing) > float(losses[0]) + 1e-3  # the load-balancing loss would show
+    expected = sum(float(x) for x in losses) / len(losses)
+    for chunk in (None, 10):
+        got = train.arms.heldout_loss(model, batches, loss_chunk_tokens=chunk)
+        assert abs(got / expected - 1) < 1e-6, (chunk, got, expected)
+    assert model.training  # left in training mode

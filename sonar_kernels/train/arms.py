@@ -396,9 +396,13 @@ def _among(p: torch.Tensor, tensors) -> bool:
 
 
 @torch.no_grad()
-def heldout_loss(model, batches: list[torch.Tensor], progress=None) -> float:
+def heldout_loss(
+    model, batches: list[torch.Tensor], progress=None, loss_chunk_tokens: int | None = None
+) -> float:
     """Mean next-byte cross-entropy (nats) over the held-out batches, without the load-balancing loss.
-    ``progress``: tqdm keyword arguments for a progress bar (None: none)."""
+    ``progress``: tqdm keyword arguments for a progress bar (None: none). ``loss_chunk_tokens``: the
+    training's chunked loss (``--loss-chunk-tokens``, train/loss.py), so that the evaluation holds one
+    chunk's logits too (None: transformers' ``.loss``)."""
     from tqdm import tqdm
 
     model.eval()
@@ -408,7 +412,13 @@ def heldout_loss(model, batches: list[torch.Tensor], progress=None) -> float:
         total=len(batches), unit="batch", file=sys.stderr, disable=progress is None, **(progress or {})
     ) as bar:
         for tokens in batches:
-            total += float(model(input_ids=tokens, labels=tokens, output_router_logits=False).loss)
+            if loss_chunk_tokens is None:
+                loss = model(input_ids=tokens, labels=tokens, output_router_logits=False).loss
+            else:
+                loss = chunked_causal_lm_loss(
+                    model, tokens, tokens, loss_chunk_tokens, output_router_logits=False
+                )
+            total += float(loss)
             bar.update()
     model.train()
     return total / len(batches)
@@ -448,7 +458,7 @@ def run_arm(
     progress = None if args.quiet else {"desc": f"{label} held-out", "leave": False}
     return {
         "train_losses": losses,
-        "heldout_loss": heldout_loss(arm.model, heldout, progress),
+        "heldout_loss": heldout_loss(arm.model, heldout, progress, arm.loss_chunk_tokens),
         # clip_grad_norm_ scales by max / (norm + 1e-6): the gradients change when that is below 1.
         "clip_fraction": 0.0
         if norms is None
