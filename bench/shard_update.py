@@ -2,8 +2,9 @@
 update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
 at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
 of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
-rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
-shape), median and p10-p90 of interleaved repeats.
+rule) against the exact update on an fp32 shard of the same shape: torch's fused AdamW alone, and
+as the library runs it for a shard with exact moments (``ops/adamw.py``'s ``torch_adamw_``: the same skip check
+and norm, then the fused AdamW; the fair ratio), median and p10-p90 of interleaved repeats.
 
     PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
 
@@ -135,14 +136,22 @@ def _problem(kind: str, shape):
     return adamw_8bit_, [m_codes, v_codes, *counters, m_scales, v_scales, *extra], weight, grad
 
 
-def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of each repeat of the update of ``kind`` (a whole shard's gradient, as FSDP2's shard update
-    runs it on the CPU: the skip check, the norm, then the rule; ``ops/fp64_update.py``) and of the exact
-    update (torch's fused AdamW, fp32 weight, gradient and moments) on a tensor of ``shape``, interleaved
-    so that both see the same load."""
+def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float], list[float]]:
+    """Seconds of each repeat, interleaved so that all see the same load, on a tensor of ``shape``, of: the
+    update of ``kind`` (a whole shard's gradient, as FSDP2's shard update runs it on the CPU: the skip
+    check, the norm, then the rule; ``ops/fp64_update.py``); torch's fused AdamW alone (fp32 weight,
+    gradient and moments); and the exact update as the library runs it for a shard with exact moments
+    (``ops/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
+    moments: the same skip check and norm over the whole gradient, then torch's fused AdamW with the skip
+    as its ``found_inf``), the fair baseline."""
+    from sonar_kernels.ops.adamw import torch_adamw_
+
     update, state, weight, grad = _problem(kind, shape)
     exact_weight, exact_grad = torch.randn(shape), 1e-2 * torch.randn(shape)
     exp_avg, exp_avg_sq, step = torch.zeros(shape), torch.zeros(shape), torch.tensor(0.0)
+    library = [torch.randn(shape), 1e-2 * torch.randn(shape), torch.zeros(shape), torch.zeros(shape)]
+    library_step, norm_sq, skipped = torch.tensor(0.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    lr, beta1, beta2, eps, weight_decay = HYPER.tolist()
 
     def sharded():
         update(weight, grad, None, state, HYPER, grad_dtype=grad.dtype, chunk_bytes=None)
@@ -153,10 +162,16 @@ def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float]]
             beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
         )  # fmt: skip
 
-    sharded(), exact()  # warm-up (a compiled rule's or the C update's build)
-    times = ([], [])
+    def exact_library():
+        torch_adamw_(
+            *library, library_step, (lr, beta1, beta2, eps, weight_decay), norm_sq, skipped, foreach=None,
+            fused=True,
+        )  # fmt: skip
+
+    sharded(), exact(), exact_library()  # warm-up (a compiled rule's or the C update's build)
+    times = ([], [], [])
     for _ in range(repeats):
-        for fn, runs in zip((sharded, exact), times, strict=True):
+        for fn, runs in zip((sharded, exact, exact_library), times, strict=True):
             start = time.perf_counter()
             fn()
             runs.append(time.perf_counter() - start)
@@ -192,14 +207,16 @@ def main() -> None:
         "launches, and the torch ops of the update over the shard's elements and on 0-dim scalars (the caller's "
         "skip check and norm over the whole gradient, two reductions and their collectives, not included)"
     )
-    print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | exact ms | "
-          "ratio of medians")  # fmt: skip
+    print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | fused AdamW "
+          "alone ms | ratio to it | exact as the library runs it (skip check, norm, fused AdamW) ms | "
+          "ratio to it (fair)")  # fmt: skip
     for kind in args.kinds:
         triton, elementwise, scalar = dry_run_launches(kind, qwen)
-        sharded, exact = cpu_times(kind, tuple(args.shape), args.repeats)
+        sharded, exact, library = cpu_times(kind, tuple(args.shape), args.repeats)
         ratio = statistics.median(sharded) / statistics.median(exact)
+        fair = statistics.median(sharded) / statistics.median(library)
         print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | "
-              f"{_spread(exact)} | {ratio:.2f}")  # fmt: skip
+              f"{_spread(exact)} | {ratio:.2f} | {_spread(library)} | {fair:.2f}")  # fmt: skip
 
 
 def _c_available() -> bool:

@@ -320,3 +320,38 @@ def test_a_build_without_avx2_gives_the_same_bits(monkeypatch):
         rule, c = _both(weight, grad, moments, extra, torch.tensor(HYPER, dtype=torch.float64))
         for a, b in zip(rule, c, strict=True):
             assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize(
+    "entries, skipped",
+    [
+        pytest.param([1.0, -3.0], False, id="usual"),
+        pytest.param([2.0**63, -(2.0**63)], False, id="at-the-limit"),  # norm above it: the pass decides
+        pytest.param([2.0**62] * 5, False, id="norm-beyond-entries-within"),
+        pytest.param([2.0**63 * (1 + 2.0**-7)], True, id="beyond-the-limit"),  # bf16 holds it
+        pytest.param([float("inf")], True, id="inf"),
+        pytest.param([float("nan")], True, id="nan"),
+        pytest.param([1e30, float("nan")], True, id="nan-beside-huge"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skip_read_from_the_norm_is_the_max_pass_decision(entries, skipped, dtype, monkeypatch):
+    # ops/common.py's skip_decided: the driver's skip from the gradient's norm where the norm decides it,
+    # else the pass over the gradient; the same decision as that pass in every case, and no pass when the
+    # norm is below the limit.
+    from sonar_kernels.ops import common
+    from sonar_kernels.rules.adamw import grad_limit
+
+    limit = grad_limit(torch.float32)
+    grad = 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(9))
+    grad[100 : 100 + len(entries)] = torch.tensor(entries)
+    grad = grad.to(dtype)
+    passes = []
+    real = common.inf_norm
+    monkeypatch.setattr(common, "inf_norm", lambda x: passes.append(1) or real(x))
+    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+    decided = common.skip_decided(grad, norm, limit)
+    assert decided.dtype == torch.bool and decided.shape == ()
+    assert bool(decided) == skipped == bool(~(real(grad) <= limit))
+    assert len(passes) == (0 if bool(norm < limit) else 1)
+    assert bool(norm < limit) == (max(abs(e) for e in entries) < 2.0**62)
