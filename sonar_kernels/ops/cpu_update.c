@@ -180,46 +180,63 @@ static inline __m256i quantize_indices(__m256 n, __m256i offset, const __m256i l
     return _mm256_add_epi32(_mm256_add_epi32(offset, e8), count);
 }
 
-static inline void quantize(const float *x, const int signed_codes, int8_t *m_out, uint8_t *v_out,
-                            float *scale_out) {
+/* The block's largest magnitude (largest_magnitude's) in every lane. */
+static inline __m256 largest_magnitude_avx2(const float *x) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)x), magnitude);
+    __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 8)), magnitude);
+    __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 16)), magnitude);
+    __m256i d = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 24)), magnitude);
+    __m256i largest = _mm256_max_epu32(_mm256_max_epu32(a, b), _mm256_max_epu32(c, d));
+    largest = _mm256_max_epu32(largest, _mm256_permute2x128_si256(largest, largest, 1));
+    largest = _mm256_max_epu32(largest, _mm256_shuffle_epi32(largest, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_castsi256_ps(_mm256_max_epu32(largest, _mm256_shuffle_epi32(largest, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* quantize() of exp_avg (m, signed codes) and exp_avg_sq (v) side by side, 8 lanes of each at a time. */
+static inline void quantize_both(const float *m, const float *v, int8_t *m_out, uint8_t *v_out, float *m_scale,
+                                 float *v_scale) {
     const __m256i low = _mm256_setr_epi32(PACK(1, 0x05CAE2), PACK(2, NONE), PACK(2, 0x11E6DA), PACK(3, 0x1F1B64),
                                           PACK(4, NONE), PACK(4, 0x2D81E6), PACK(5, NONE), PACK(5, 0x3D360F));
     const __m256i high = _mm256_setr_epi32(PACK(6, NONE), PACK(6, 0x4E5614), PACK(7, NONE), PACK(7, NONE),
                                            PACK(7, 0x6102E3), PACK(8, NONE), PACK(8, 0x756064), PACK(9, NONE));
-    const int32_t top = signed_codes ? 127 : 255;
-    const __m256i offset = _mm256_set1_epi32(top - 8 * 127), zero = _mm256_setzero_si256();
-    const float scale = largest_magnitude(x);
-    const int nonzero = scale > 0.0f; /* false for a NaN scale too: every n is then 0, as the rule's */
-    const __m256 divisor = _mm256_set1_ps(nonzero ? scale : 1.0f), sign_bit = _mm256_set1_ps(-0.0f);
-    const __m256 keep = _mm256_castsi256_ps(_mm256_set1_epi32(nonzero ? -1 : 0));
-    __m256i index[4];
+    const __m256i m_offset = _mm256_set1_epi32(127 - 8 * 127), v_offset = _mm256_set1_epi32(255 - 8 * 127);
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), code_one = _mm256_set1_ps(entry(-126));
+    /* scale > 0 (false for a NaN scale too: every n is then 0, as the rule's), the divisor 1 elsewhere */
+    const __m256 m_largest = largest_magnitude_avx2(m), v_largest = largest_magnitude_avx2(v);
+    const __m256 m_keep = _mm256_cmp_ps(m_largest, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 v_keep = _mm256_cmp_ps(v_largest, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 m_divisor = _mm256_blendv_ps(_mm256_set1_ps(1.0f), m_largest, m_keep);
+    const __m256 v_divisor = _mm256_blendv_ps(_mm256_set1_ps(1.0f), v_largest, v_keep);
+    __m256i m_index[4], v_index[4];
     for (int k = 0; k < 4; k++) {
-        __m256 xs = _mm256_loadu_ps(x + 8 * k), magnitude = _mm256_andnot_ps(sign_bit, xs);
-        __m256 n = _mm256_and_ps(_mm256_div_ps(magnitude, divisor), keep);
-        __m256i i = quantize_indices(n, offset, low, high);
-        if (signed_codes) { /* below code 1: 1 from 2 ** -16 up, else the comparison of n with T[1] - n */
-            __m256 code_one = _mm256_set1_ps(entry(-126));
-            __m256i from_16 = _mm256_cmpgt_epi32(_mm256_srai_epi32(_mm256_castps_si256(n), 23),
-                                                 _mm256_set1_epi32(127 - 17));
-            __m256i tiny = _mm256_castps_si256(_mm256_cmp_ps(n, _mm256_sub_ps(code_one, n), _CMP_GT_OQ));
-            tiny = _mm256_and_si256(_mm256_or_si256(from_16, tiny), _mm256_set1_epi32(1));
-            i = _mm256_blendv_epi8(tiny, i, _mm256_cmpgt_epi32(i, zero));
-            i = _mm256_min_epi32(i, _mm256_set1_epi32(top));
-            __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(xs, _mm256_setzero_ps(), _CMP_LT_OQ));
-            i = _mm256_sub_epi32(_mm256_xor_si256(i, negative), negative);
-        } else {
-            i = _mm256_min_epi32(_mm256_max_epi32(i, zero), _mm256_set1_epi32(top));
-        }
-        index[k] = i;
+        __m256 ms = _mm256_loadu_ps(m + 8 * k), vs = _mm256_loadu_ps(v + 8 * k);
+        __m256 m_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, ms), m_divisor), m_keep);
+        __m256 v_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, vs), v_divisor), v_keep);
+        __m256i i = quantize_indices(m_n, m_offset, low, high);
+        /* below code 1: 1 from 2 ** -16 up, else the comparison of n with T[1] - n; an index of 1 or more
+         * is above both, so the larger of the two */
+        __m256i from_16 = _mm256_cmpgt_epi32(_mm256_srai_epi32(_mm256_castps_si256(m_n), 23),
+                                             _mm256_set1_epi32(127 - 17));
+        __m256i tiny = _mm256_castps_si256(_mm256_cmp_ps(m_n, _mm256_sub_ps(code_one, m_n), _CMP_GT_OQ));
+        i = _mm256_max_epi32(i, _mm256_and_si256(_mm256_or_si256(from_16, tiny), one));
+        i = _mm256_min_epi32(i, _mm256_set1_epi32(127));
+        __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(ms, _mm256_setzero_ps(), _CMP_LT_OQ));
+        m_index[k] = _mm256_sub_epi32(_mm256_xor_si256(i, negative), negative);
+        i = quantize_indices(v_n, v_offset, low, high);
+        v_index[k] = _mm256_min_epi32(_mm256_max_epi32(i, zero), _mm256_set1_epi32(255));
     }
     /* 32 indices to 32 bytes: the packs interleave 128-bit lanes, the permutation restores the order. */
-    __m256i words_low = _mm256_packs_epi32(index[0], index[1]);
-    __m256i words_high = _mm256_packs_epi32(index[2], index[3]);
-    __m256i bytes = signed_codes ? _mm256_packs_epi16(words_low, words_high)
-                                 : _mm256_packus_epi16(words_low, words_high);
-    bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256((__m256i *)(signed_codes ? (void *)m_out : (void *)v_out), bytes);
-    *scale_out = scale;
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(m_index[0], m_index[1]),
+                                       _mm256_packs_epi32(m_index[2], m_index[3]));
+    _mm256_storeu_si256((__m256i *)m_out, _mm256_permutevar8x32_epi32(bytes, order));
+    bytes = _mm256_packus_epi16(_mm256_packs_epi32(v_index[0], v_index[1]),
+                                _mm256_packs_epi32(v_index[2], v_index[3]));
+    _mm256_storeu_si256((__m256i *)v_out, _mm256_permutevar8x32_epi32(bytes, order));
+    *m_scale = _mm256_cvtss_f32(m_largest);
+    *v_scale = _mm256_cvtss_f32(v_largest);
 }
 #else
 static inline void quantize(const float *x, const int signed_codes, int8_t *m_out, uint8_t *v_out,
@@ -248,6 +265,12 @@ static inline void quantize(const float *x, const int signed_codes, int8_t *m_ou
             v_out[i] = (uint8_t)index;
     }
     *scale_out = scale;
+}
+
+static inline void quantize_both(const float *m, const float *v, int8_t *m_out, uint8_t *v_out, float *m_scale,
+                                 float *v_scale) {
+    quantize(m, 1, m_out, 0, m_scale);
+    quantize(v, 0, 0, v_out, v_scale);
 }
 #endif
 
@@ -384,8 +407,7 @@ static inline __attribute__((always_inline)) void update(
                 ((uint16_t *)weight)[base + i] = stochastic(p[i], index, stream);
             }
         }
-        quantize(m, 1, m_codes + base, 0, m_scales + b);
-        quantize(v, 0, 0, v_codes + base, v_scales + b);
+        quantize_both(m, v, m_codes + base, v_codes + base, m_scales + b, v_scales + b);
     }
 }
 
