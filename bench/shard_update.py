@@ -7,6 +7,7 @@ as the library runs it for a shard with exact moments (``ops/adamw.py``'s ``torc
 and norm, then the fused AdamW; the fair ratio), median and p10-p90 of interleaved repeats.
 
     PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
+        [--clock wall|cpu]
 
 Run without TRITON_INTERPRET (the dry run records the JIT's launches; tests/test_shard_update.py runs the same
 launches under the interpreter and proves their bits). A measurement, not a test.
@@ -136,14 +137,16 @@ def _problem(kind: str, shape):
     return adamw_8bit_, [m_codes, v_codes, *counters, m_scales, v_scales, *extra], weight, grad
 
 
-def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float], list[float]]:
+def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[list[float], ...]:
     """Seconds of each repeat, interleaved so that all see the same load, on a tensor of ``shape``, of: the
     update of ``kind`` (a whole shard's gradient, as FSDP2's shard update runs it on the CPU: the skip
     check, the norm, then the rule; ``ops/fp64_update.py``); torch's fused AdamW alone (fp32 weight,
     gradient and moments); and the exact update as the library runs it for a shard with exact moments
     (``ops/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
     moments: the same skip check and norm over the whole gradient, then torch's fused AdamW with the skip
-    as its ``found_inf``), the fair baseline."""
+    as its ``found_inf``), the fair baseline. ``clock``: ``time.perf_counter`` (wall), or
+    ``time.process_time`` (the process's CPU time over its threads: what other processes' load leaves
+    alone on a shared machine, though not the cache they share)."""
     from sonar_kernels.ops.adamw import torch_adamw_
 
     update, state, weight, grad = _problem(kind, shape)
@@ -172,9 +175,9 @@ def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float],
     times = ([], [], [])
     for _ in range(repeats):
         for fn, runs in zip((sharded, exact, exact_library), times, strict=True):
-            start = time.perf_counter()
+            start = clock()
             fn()
-            runs.append(time.perf_counter() - start)
+            runs.append(clock() - start)
     return times
 
 
@@ -191,6 +194,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall time, or the process's CPU time"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -199,7 +205,7 @@ def main() -> None:
           "elements for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
     numel = torch.Size(args.shape).numel()
     print(f"CPU: {torch.get_num_threads()} threads, shard {tuple(args.shape)} ({numel} elements), {args.repeats} "
-          f"repeats, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
+          f"repeats, {args.clock} clock, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
           f"{'built' if _c_available() else 'not available (the compiled rule runs)'}")  # fmt: skip
     qwen = (128 // 8, 1536, 2048)
     print(
@@ -212,7 +218,8 @@ def main() -> None:
           "ratio to it (fair)")  # fmt: skip
     for kind in args.kinds:
         triton, elementwise, scalar = dry_run_launches(kind, qwen)
-        sharded, exact, library = cpu_times(kind, tuple(args.shape), args.repeats)
+        clock = time.perf_counter if args.clock == "wall" else time.process_time
+        sharded, exact, library = cpu_times(kind, tuple(args.shape), args.repeats, clock)
         ratio = statistics.median(sharded) / statistics.median(exact)
         fair = statistics.median(sharded) / statistics.median(library)
         print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | "
