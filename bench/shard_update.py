@@ -4,7 +4,8 @@ at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT co
 of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
 rule) against the exact update on an fp32 shard of the same shape: torch's fused AdamW alone, and
 as the library runs it for a shard with exact moments (``ops/adamw.py``'s ``torch_adamw_``: the same skip check
-and norm, then the fused AdamW; the fair ratio), median and p10-p90 of interleaved repeats.
+and norm, then the fused AdamW; the fair ratio; also on a shard of the kind's own weight and gradient dtype),
+median and p10-p90 of interleaved repeats.
 
     PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
         [--clock wall|cpu]
@@ -144,7 +145,9 @@ def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[
     gradient and moments); and the exact update as the library runs it for a shard with exact moments
     (``ops/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
     moments: the same skip check and norm over the whole gradient, then torch's fused AdamW with the skip
-    as its ``found_inf``), the fair baseline. ``clock``: ``time.perf_counter`` (wall), or
+    as its ``found_inf``), the fair baseline; and that exact update on a shard of the kind's weight and gradient
+    dtype (bf16 but for "8bit"; the moments in that dtype, the library's default), timed apart only for a bf16
+    kind (for "8bit" it is the fp32 one). ``clock``: ``time.perf_counter`` (wall), or
     ``time.process_time`` (the process's CPU time over its threads: what other processes' load leaves
     alone on a shared machine, though not the cache they share)."""
     from sonar_kernels.ops.adamw import torch_adamw_
@@ -153,6 +156,7 @@ def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[
     exact_weight, exact_grad = torch.randn(shape), 1e-2 * torch.randn(shape)
     exp_avg, exp_avg_sq, step = torch.zeros(shape), torch.zeros(shape), torch.tensor(0.0)
     library = [torch.randn(shape), 1e-2 * torch.randn(shape), torch.zeros(shape), torch.zeros(shape)]
+    same = [t.to(weight.dtype) for t in library]
     library_step, norm_sq, skipped = torch.tensor(0.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
     lr, beta1, beta2, eps, weight_decay = HYPER.tolist()
 
@@ -165,16 +169,20 @@ def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[
             beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
         )  # fmt: skip
 
-    def exact_library():
+    def exact_library(tensors=library):
         torch_adamw_(
-            *library, library_step, (lr, beta1, beta2, eps, weight_decay), norm_sq, skipped, foreach=None,
+            *tensors, library_step, (lr, beta1, beta2, eps, weight_decay), norm_sq, skipped, foreach=None,
             fused=True,
         )  # fmt: skip
 
-    sharded(), exact(), exact_library()  # warm-up (a compiled rule's or the C update's build)
-    times = ([], [], [])
+    fns = [sharded, exact, exact_library]
+    if weight.dtype != torch.float32:
+        fns.append(lambda: exact_library(same))
+    for fn in fns:  # warm-up (a compiled rule's or the C update's build)
+        fn()
+    times = tuple([] for _ in fns)
     for _ in range(repeats):
-        for fn, runs in zip((sharded, exact, exact_library), times, strict=True):
+        for fn, runs in zip(fns, times, strict=True):
             start = clock()
             fn()
             runs.append(clock() - start)
@@ -214,16 +222,18 @@ def main() -> None:
         "skip check and norm over the whole gradient, two reductions and their collectives, not included)"
     )
     print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | fused AdamW "
-          "alone ms | ratio to it | exact as the library runs it (skip check, norm, fused AdamW) ms | "
-          "ratio to it (fair)")  # fmt: skip
+          "alone ms | ratio to it | exact as the library runs it (skip check, norm, fused AdamW), fp32 ms | "
+          "ratio to it (fair) | the same exact update in the kind's dtype ms | ratio to it")  # fmt: skip
     for kind in args.kinds:
         triton, elementwise, scalar = dry_run_launches(kind, qwen)
         clock = time.perf_counter if args.clock == "wall" else time.process_time
-        sharded, exact, library = cpu_times(kind, tuple(args.shape), args.repeats, clock)
+        sharded, exact, library, *same = cpu_times(kind, tuple(args.shape), args.repeats, clock)
+        same = same[0] if same else library
         ratio = statistics.median(sharded) / statistics.median(exact)
         fair = statistics.median(sharded) / statistics.median(library)
-        print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | "
-              f"{_spread(exact)} | {ratio:.2f} | {_spread(library)} | {fair:.2f}")  # fmt: skip
+        like = statistics.median(sharded) / statistics.median(same)
+        print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | {_spread(exact)} | "
+              f"{ratio:.2f} | {_spread(library)} | {fair:.2f} | {_spread(same)} | {like:.2f}")  # fmt: skip
 
 
 def _c_available() -> bool:
