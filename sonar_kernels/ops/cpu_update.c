@@ -215,12 +215,11 @@ static inline void quantize_both(const float *m, const float *v, int8_t *m_out, 
         __m256 m_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, ms), m_divisor), m_keep);
         __m256 v_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, vs), v_divisor), v_keep);
         __m256i i = quantize_indices(m_n, m_offset, low, high);
-        /* below code 1: 1 from 2 ** -16 up, else the comparison of n with T[1] - n; an index of 1 or more
-         * is above both, so the larger of the two */
-        __m256i from_16 = _mm256_cmpgt_epi32(_mm256_srai_epi32(_mm256_castps_si256(m_n), 23),
-                                             _mm256_set1_epi32(127 - 17));
+        /* below code 1: 1 from 2 ** -16 up, else the comparison of n with T[1] - n. From 2 ** -16 up that
+         * comparison holds too (T[1] = 2 ** -16 * E_2 < 2 n: T[1] - n, exact or negative, is below n), so it
+         * alone decides; an index of 1 or more is above it, so the larger of the two. */
         __m256i tiny = _mm256_castps_si256(_mm256_cmp_ps(m_n, _mm256_sub_ps(code_one, m_n), _CMP_GT_OQ));
-        i = _mm256_max_epi32(i, _mm256_and_si256(_mm256_or_si256(from_16, tiny), one));
+        i = _mm256_max_epi32(i, _mm256_and_si256(tiny, one));
         i = _mm256_min_epi32(i, _mm256_set1_epi32(127));
         __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(ms, _mm256_setzero_ps(), _CMP_LT_OQ));
         m_index[k] = _mm256_sub_epi32(_mm256_xor_si256(i, negative), negative);
