@@ -2,10 +2,13 @@
 update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
 at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
 of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
-rule) against the exact update (torch's fused AdamW on an fp32 shard of the same
-shape), median and p10-p90 of interleaved repeats.
+rule) against the exact update on an fp32 shard of the same shape: torch's fused AdamW alone, and
+as the library runs it for a shard with exact moments (``ops/adamw.py``'s ``torch_adamw_``: the same skip check
+and norm, then the fused AdamW; the fair ratio; also on a shard of the kind's own weight and gradient dtype),
+median and p10-p90 of interleaved repeats.
 
     PYTHONPATH=. python bench/shard_update.py [--shape E R C] [--repeats 11] [--kinds 8bit ...] [--threads N]
+        [--clock wall|cpu]
 
 Run without TRITON_INTERPRET (the dry run records the JIT's launches; tests/test_shard_update.py runs the same
 launches under the interpreter and proves their bits). A measurement, not a test.
@@ -135,14 +138,27 @@ def _problem(kind: str, shape):
     return adamw_8bit_, [m_codes, v_codes, *counters, m_scales, v_scales, *extra], weight, grad
 
 
-def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float]]:
-    """Seconds of each repeat of the update of ``kind`` (a whole shard's gradient, as FSDP2's shard update
-    runs it on the CPU: the skip check, the norm, then the rule; ``ops/fp64_update.py``) and of the exact
-    update (torch's fused AdamW, fp32 weight, gradient and moments) on a tensor of ``shape``, interleaved
-    so that both see the same load."""
+def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[list[float], ...]:
+    """Seconds of each repeat, interleaved so that all see the same load, on a tensor of ``shape``, of: the
+    update of ``kind`` (a whole shard's gradient, as FSDP2's shard update runs it on the CPU: the skip
+    check, the norm, then the rule; ``ops/fp64_update.py``); torch's fused AdamW alone (fp32 weight,
+    gradient and moments); and the exact update as the library runs it for a shard with exact moments
+    (``ops/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
+    moments: the same skip check and norm over the whole gradient, then torch's fused AdamW with the skip
+    as its ``found_inf``), the fair baseline; and that exact update on a shard of the kind's weight and gradient
+    dtype (bf16 but for "8bit"; the moments in that dtype, the library's default), timed apart only for a bf16
+    kind (for "8bit" it is the fp32 one). ``clock``: ``time.perf_counter`` (wall), or
+    ``time.process_time`` (the process's CPU time over its threads: what other processes' load leaves
+    alone on a shared machine, though not the cache they share)."""
+    from sonar_kernels.ops.adamw import torch_adamw_
+
     update, state, weight, grad = _problem(kind, shape)
     exact_weight, exact_grad = torch.randn(shape), 1e-2 * torch.randn(shape)
     exp_avg, exp_avg_sq, step = torch.zeros(shape), torch.zeros(shape), torch.tensor(0.0)
+    library = [torch.randn(shape), 1e-2 * torch.randn(shape), torch.zeros(shape), torch.zeros(shape)]
+    same = [t.to(weight.dtype) for t in library]
+    library_step, norm_sq, skipped = torch.tensor(0.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    lr, beta1, beta2, eps, weight_decay = HYPER.tolist()
 
     def sharded():
         update(weight, grad, None, state, HYPER, grad_dtype=grad.dtype, chunk_bytes=None)
@@ -153,13 +169,23 @@ def cpu_times(kind: str, shape, repeats: int) -> tuple[list[float], list[float]]
             beta1=0.9, beta2=0.95, weight_decay=0.1, eps=1e-8, maximize=False,
         )  # fmt: skip
 
-    sharded(), exact()  # warm-up (a compiled rule's or the C update's build)
-    times = ([], [])
+    def exact_library(tensors=library):
+        torch_adamw_(
+            *tensors, library_step, (lr, beta1, beta2, eps, weight_decay), norm_sq, skipped, foreach=None,
+            fused=True,
+        )  # fmt: skip
+
+    fns = [sharded, exact, exact_library]
+    if weight.dtype != torch.float32:
+        fns.append(lambda: exact_library(same))
+    for fn in fns:  # warm-up (a compiled rule's or the C update's build)
+        fn()
+    times = tuple([] for _ in fns)
     for _ in range(repeats):
-        for fn, runs in zip((sharded, exact), times, strict=True):
-            start = time.perf_counter()
+        for fn, runs in zip(fns, times, strict=True):
+            start = clock()
             fn()
-            runs.append(time.perf_counter() - start)
+            runs.append(clock() - start)
     return times
 
 
@@ -176,6 +202,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=11)
     parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     parser.add_argument("--threads", type=int, default=None, help="torch's threads (default: torch's own)")
+    parser.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall time, or the process's CPU time"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -184,7 +213,7 @@ def main() -> None:
           "elements for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
     numel = torch.Size(args.shape).numel()
     print(f"CPU: {torch.get_num_threads()} threads, shard {tuple(args.shape)} ({numel} elements), {args.repeats} "
-          f"repeats, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
+          f"repeats, {args.clock} clock, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
           f"{'built' if _c_available() else 'not available (the compiled rule runs)'}")  # fmt: skip
     qwen = (128 // 8, 1536, 2048)
     print(
@@ -192,14 +221,19 @@ def main() -> None:
         "launches, and the torch ops of the update over the shard's elements and on 0-dim scalars (the caller's "
         "skip check and norm over the whole gradient, two reductions and their collectives, not included)"
     )
-    print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | exact ms | "
-          "ratio of medians")  # fmt: skip
+    print("kind | dry run: Triton launches, element ops, scalar ops | CPU ms, median (p10-p90) | fused AdamW "
+          "alone ms | ratio to it | exact as the library runs it (skip check, norm, fused AdamW), fp32 ms | "
+          "ratio to it (fair) | the same exact update in the kind's dtype ms | ratio to it")  # fmt: skip
     for kind in args.kinds:
         triton, elementwise, scalar = dry_run_launches(kind, qwen)
-        sharded, exact = cpu_times(kind, tuple(args.shape), args.repeats)
+        clock = time.perf_counter if args.clock == "wall" else time.process_time
+        sharded, exact, library, *same = cpu_times(kind, tuple(args.shape), args.repeats, clock)
+        same = same[0] if same else library
         ratio = statistics.median(sharded) / statistics.median(exact)
-        print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | "
-              f"{_spread(exact)} | {ratio:.2f}")  # fmt: skip
+        fair = statistics.median(sharded) / statistics.median(library)
+        like = statistics.median(sharded) / statistics.median(same)
+        print(f"{kind} | {triton}, {elementwise}, {scalar} | {_spread(sharded)} | {_spread(exact)} | "
+              f"{ratio:.2f} | {_spread(library)} | {fair:.2f} | {_spread(same)} | {like:.2f}")  # fmt: skip
 
 
 def _c_available() -> bool:

@@ -141,6 +141,11 @@ def _quantizer_probes() -> torch.Tensor:
         probes.append((f * 2.0**exponent).astype(np.float32))
     probes.append(np.array([0.0, 1.0, 1e-45, 2.0**-16, 2.0**-15.75, 2.0**-16.5], dtype=np.float32))
     probes.append(np.random.default_rng(0).random(1 << 14, dtype=np.float32) ** 8)
+    # the edges of the AVX2 quantizer's 16 mantissa intervals [1 + j / 16, 1 + (j + 1) / 16) and their
+    # neighbours, and the mantissas all ones and all zeros, at exponents where the codes differ
+    edges = np.array([1 + j / 16 for j in range(16)] + [2 - 2.0**-23], dtype=np.float32)
+    edges = np.concatenate([edges, np.nextafter(edges, up), np.nextafter(edges, down)])
+    probes += [edges * np.float32(2.0**exponent) for exponent in (0, -1, -7, -16, -17, -31, -32)]
     values = torch.from_numpy(np.concatenate(probes).astype(np.float32))
     values = values[(values <= 1.0)]
     return values
@@ -162,6 +167,28 @@ def test_the_c_quantizer_gives_the_rules_codes_at_ties_thresholds_and_ends(monke
     hyper = torch.tensor([1e-3, 0.0, 0.0, 1e-8, 0.0], dtype=torch.float64)
     rule, c = _both(weight, grad, moments, extra, hyper)
     assert rule[1].unique().numel() == 255  # every exp_avg code
+    for name, a, b in zip(["weight", "m_codes", "m_scales", "v_codes", "v_scales"], rule, c, strict=True):
+        assert _same_bits(a, b), (name, (a != b).sum().item())
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["avx2", "portable"])
+def test_the_c_update_gives_the_rules_bits_for_non_finite_moments(native, monkeypatch):
+    # A NaN or an infinite gradient entry (the driver skips such updates; the C update alone does not):
+    # a block whose new largest magnitude is NaN (the rule's scale NaN, not above 0: every n is 0), one
+    # whose largest is infinite (inf / inf: the default NaN), and -inf, for both builds.
+    monkeypatch.setenv("SONAR_KERNELS_COMPILE", "1")
+    if not native:
+        monkeypatch.setattr(cpu_update, "FLAGS", tuple(f for f in cpu_update.FLAGS if f != "-march=native"))
+    monkeypatch.setattr(cpu_update, "_library", None)
+    monkeypatch.setattr(cpu_update, "_failed", False)
+    weight, grad, moments, extra = _problem("none", torch.float32, torch.float32, 8)
+    flat = grad.view(-1)
+    flat[32 * 3 + 5] = float("nan")
+    flat[32 * 4 + 7], flat[32 * 4 + 9] = float("inf"), 1.0
+    flat[32 * 5 + 1] = -float("inf")
+    flat[32 * 6 : 32 * 7] = float("nan")
+    rule, c = _both(weight, grad, moments, extra, torch.tensor(HYPER, dtype=torch.float64))
+    assert rule[2].view(-1)[3:7].isnan().any() and rule[2].view(-1)[3:7].isinf().any()  # the scales
     for name, a, b in zip(["weight", "m_codes", "m_scales", "v_codes", "v_scales"], rule, c, strict=True):
         assert _same_bits(a, b), (name, (a != b).sum().item())
 
@@ -293,3 +320,38 @@ def test_a_build_without_avx2_gives_the_same_bits(monkeypatch):
         rule, c = _both(weight, grad, moments, extra, torch.tensor(HYPER, dtype=torch.float64))
         for a, b in zip(rule, c, strict=True):
             assert _same_bits(a, b)
+
+
+@pytest.mark.parametrize(
+    "entries, skipped",
+    [
+        pytest.param([1.0, -3.0], False, id="usual"),
+        pytest.param([2.0**63, -(2.0**63)], False, id="at-the-limit"),  # norm above it: the pass decides
+        pytest.param([2.0**62] * 5, False, id="norm-beyond-entries-within"),
+        pytest.param([2.0**63 * (1 + 2.0**-7)], True, id="beyond-the-limit"),  # bf16 holds it
+        pytest.param([float("inf")], True, id="inf"),
+        pytest.param([float("nan")], True, id="nan"),
+        pytest.param([1e30, float("nan")], True, id="nan-beside-huge"),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_skip_read_from_the_norm_is_the_max_pass_decision(entries, skipped, dtype, monkeypatch):
+    # ops/common.py's skip_decided: the driver's skip from the gradient's norm where the norm decides it,
+    # else the pass over the gradient; the same decision as that pass in every case, and no pass when the
+    # norm is below the limit.
+    from sonar_kernels.ops import common
+    from sonar_kernels.rules.adamw import grad_limit
+
+    limit = grad_limit(torch.float32)
+    grad = 1e-3 * torch.randn(4096, generator=torch.Generator().manual_seed(9))
+    grad[100 : 100 + len(entries)] = torch.tensor(entries)
+    grad = grad.to(dtype)
+    passes = []
+    real = common.inf_norm
+    monkeypatch.setattr(common, "inf_norm", lambda x: passes.append(1) or real(x))
+    norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+    decided = common.skip_decided(grad, norm, limit)
+    assert decided.dtype == torch.bool and decided.shape == ()
+    assert bool(decided) == skipped == bool(~(real(grad) <= limit))
+    assert len(passes) == (0 if bool(norm < limit) else 1)
+    assert bool(norm < limit) == (max(abs(e) for e in entries) < 2.0**62)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch.optim.adamw import adamw as torch_adamw
 
-from sonar_kernels.ops.common import inf_norm, whole
+from sonar_kernels.ops.common import inf_norm, skip_decided, whole
 from sonar_kernels.rules.adamw import grad_limit
 from sonar_kernels.rules.clipping import clip_gradient, clip_gradient_
 from sonar_kernels.rules.update import remainder_merge, remainder_split_
@@ -129,8 +129,9 @@ def torch_adamw_(
             dtype when ``grad`` holds its values widened, as for an fp32 master).
     """
     with torch.no_grad():
-        found = whole(~(inf_norm(grad) <= grad_limit(exp_avg_sq.dtype)))
-        norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
+        norm = whole(torch.linalg.vector_norm(grad, dtype=torch.float32))
+        found = skip_decided(grad, norm, grad_limit(exp_avg_sq.dtype))  # the CPU: from the norm
+        norm_sq = norm.square()
         count = None
         if clip is not None:
             grad, count = clip_gradient(grad, exp_avg_sq, clip, clip_dtype)

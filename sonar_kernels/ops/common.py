@@ -102,6 +102,20 @@ def inf_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(high, -low).abs().float()  # abs: -0.0 for all-zero x
 
 
+def skip_decided(grad: torch.Tensor, norm: torch.Tensor, limit: float) -> torch.Tensor:
+    """The update's skip, ``~(whole(inf_norm(grad)) <= limit)`` (0-dim bool), read from ``norm`` where that
+    decides it: ``norm`` is ``grad``'s fp32 2-norm made whole (``torch.linalg.vector_norm``, over the mesh
+    for a DTensor), a rounded sum of squares, and a rounded sum of non-negative terms never falls below its
+    largest term (each rounded addition is monotone), nor its square root below the largest magnitude: a
+    norm below ``limit`` (a power of two, so an entry beyond it has a square at or above ``limit ** 2``)
+    that is not NaN means every entry is finite and within ``limit``, and no pass over ``grad`` is needed.
+    Read on the host, so on the CPU only (free there; a norm of ``limit`` or more, inf or NaN, and any
+    other device, take the pass over ``grad``). The same on every rank of a mesh (``norm`` is)."""
+    if norm.device.type == "cpu" and bool(norm < limit):
+        return torch.zeros((), dtype=torch.bool)
+    return ~(whole(inf_norm(grad)) <= limit)
+
+
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A reduction's result as a plain tensor: a DTensor's (a sharded or replicated parameter's) is made
     whole over its mesh (the collective its placement needs); any other tensor is returned as it is."""

@@ -15,6 +15,12 @@
  * sqrtf is correctly rounded (IEEE 754), and fp32(sqrt in fp64) equals it: double rounding is innocuous
  * for the square root when the wider format has at least 2p + 2 bits (53 >= 2 * 24 + 2; Figueroa, "When
  * is double rounding innocuous?", SIGNUM 1995), which is why the rule's fp64 square root is one here.
+ *
+ * With AVX2 (x86-64 with -march=native where the CPU has it) the dequantizer, the arithmetic and the
+ * quantizer are written with intrinsics, the same operations in the same order as the portable loops
+ * (tests/test_cpu_update.py builds both). Where the time goes (docs/distributed.md, "FSDP2"): the fp64
+ * steps' nine conversions between fp32 and fp64 an element, the quantizer's integer steps and its two
+ * divisions, the loads and stores; the divider is not the bound.
  */
 #include <math.h>
 #include <stdint.h>
@@ -144,23 +150,103 @@ static inline void dequantize(const int8_t *m_codes, const uint8_t *v_codes, flo
 #define H6 0x1.c205c6p+0f
 #define H7 0x1.eac0c8p+0f
 
+/* The largest magnitude of a block as the largest bit pattern: a magnitude's bits order as its value (an
+ * integer maximum vectorizes, a float one does not), and a NaN's lie above every number's (amax's NaN). */
+static inline float largest_magnitude(const float *x) {
+    uint32_t largest = 0;
+    for (int i = 0; i < BLOCK; i++)
+        largest = (f2u(x[i]) & 0x7FFFFFFFu) > largest ? (f2u(x[i]) & 0x7FFFFFFFu) : largest;
+    return u2f(largest);
+}
+
+#ifdef __AVX2__
+/* count = 1 + #{r in 0..7: f >= H_r} from the mantissa's top 4 bits j: at most one H_r lies in each of the
+ * 16 intervals [1 + j / 16, 1 + (j + 1) / 16), so count = base[j] + (mantissa >= thr[j]), thr[j] that
+ * H_r's mantissa (0x800000, above every mantissa, where there is none) and base[j] one more than the number
+ * of H_r below the interval: packed as thr | base << 24, 16 entries in two registers. */
+#define PACK(base, thr) (int)((uint32_t)(base) << 24 | (uint32_t)(thr))
+#define NONE 0x800000u
+static inline __m256i quantize_indices(__m256 n, __m256i offset, const __m256i low, const __m256i high) {
+    __m256i bits = _mm256_castps_si256(n);
+    __m256i e8 = _mm256_slli_epi32(_mm256_srai_epi32(bits, 23), 3); /* 8 * exponent field, arithmetic */
+    __m256i mantissa = _mm256_and_si256(bits, _mm256_set1_epi32(0x7FFFFF));
+    __m256i j = _mm256_srli_epi32(mantissa, 19);
+    __m256 upper = _mm256_castsi256_ps(_mm256_slli_epi32(j, 28)); /* j's bit 3 as the sign: which register */
+    __m256i entry = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(_mm256_permutevar8x32_epi32(low, j)),
+                                                         _mm256_castsi256_ps(_mm256_permutevar8x32_epi32(high, j)),
+                                                         upper));
+    __m256i below = _mm256_cmpgt_epi32(_mm256_and_si256(entry, _mm256_set1_epi32(0xFFFFFF)), mantissa);
+    __m256i count = _mm256_add_epi32(_mm256_srli_epi32(entry, 24), below); /* below: -1 where thr > mantissa */
+    return _mm256_add_epi32(_mm256_add_epi32(offset, e8), count);
+}
+
+/* The block's largest magnitude (largest_magnitude's) in every lane. */
+static inline __m256 largest_magnitude_avx2(const float *x) {
+    const __m256i magnitude = _mm256_set1_epi32(0x7FFFFFFF);
+    __m256i a = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)x), magnitude);
+    __m256i b = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 8)), magnitude);
+    __m256i c = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 16)), magnitude);
+    __m256i d = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + 24)), magnitude);
+    __m256i largest = _mm256_max_epu32(_mm256_max_epu32(a, b), _mm256_max_epu32(c, d));
+    largest = _mm256_max_epu32(largest, _mm256_permute2x128_si256(largest, largest, 1));
+    largest = _mm256_max_epu32(largest, _mm256_shuffle_epi32(largest, _MM_SHUFFLE(1, 0, 3, 2)));
+    return _mm256_castsi256_ps(_mm256_max_epu32(largest, _mm256_shuffle_epi32(largest, _MM_SHUFFLE(2, 3, 0, 1))));
+}
+
+/* quantize() of exp_avg (m, signed codes) and exp_avg_sq (v) side by side, 8 lanes of each at a time. */
+static inline void quantize_both(const float *m, const float *v, int8_t *m_out, uint8_t *v_out, float *m_scale,
+                                 float *v_scale) {
+    const __m256i low = _mm256_setr_epi32(PACK(1, 0x05CAE2), PACK(2, NONE), PACK(2, 0x11E6DA), PACK(3, 0x1F1B64),
+                                          PACK(4, NONE), PACK(4, 0x2D81E6), PACK(5, NONE), PACK(5, 0x3D360F));
+    const __m256i high = _mm256_setr_epi32(PACK(6, NONE), PACK(6, 0x4E5614), PACK(7, NONE), PACK(7, NONE),
+                                           PACK(7, 0x6102E3), PACK(8, NONE), PACK(8, 0x756064), PACK(9, NONE));
+    const __m256i m_offset = _mm256_set1_epi32(127 - 8 * 127), v_offset = _mm256_set1_epi32(255 - 8 * 127);
+    const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi32(1);
+    const __m256 sign_bit = _mm256_set1_ps(-0.0f), code_one = _mm256_set1_ps(entry(-126));
+    /* scale > 0 (false for a NaN scale too: every n is then 0, as the rule's), the divisor 1 elsewhere */
+    const __m256 m_largest = largest_magnitude_avx2(m), v_largest = largest_magnitude_avx2(v);
+    const __m256 m_keep = _mm256_cmp_ps(m_largest, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 v_keep = _mm256_cmp_ps(v_largest, _mm256_setzero_ps(), _CMP_GT_OQ);
+    const __m256 m_divisor = _mm256_blendv_ps(_mm256_set1_ps(1.0f), m_largest, m_keep);
+    const __m256 v_divisor = _mm256_blendv_ps(_mm256_set1_ps(1.0f), v_largest, v_keep);
+    __m256i m_index[4], v_index[4];
+    for (int k = 0; k < 4; k++) {
+        __m256 ms = _mm256_loadu_ps(m + 8 * k), vs = _mm256_loadu_ps(v + 8 * k);
+        __m256 m_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, ms), m_divisor), m_keep);
+        __m256 v_n = _mm256_and_ps(_mm256_div_ps(_mm256_andnot_ps(sign_bit, vs), v_divisor), v_keep);
+        __m256i i = quantize_indices(m_n, m_offset, low, high);
+        /* below code 1: 1 from 2 ** -16 up, else the comparison of n with T[1] - n. From 2 ** -16 up that
+         * comparison holds too (T[1] = 2 ** -16 * E_2 < 2 n: T[1] - n, exact or negative, is below n), so it
+         * alone decides; an index of 1 or more is above it, so the larger of the two. */
+        __m256i tiny = _mm256_castps_si256(_mm256_cmp_ps(m_n, _mm256_sub_ps(code_one, m_n), _CMP_GT_OQ));
+        i = _mm256_max_epi32(i, _mm256_and_si256(tiny, one));
+        i = _mm256_min_epi32(i, _mm256_set1_epi32(127));
+        __m256i negative = _mm256_castps_si256(_mm256_cmp_ps(ms, _mm256_setzero_ps(), _CMP_LT_OQ));
+        m_index[k] = _mm256_sub_epi32(_mm256_xor_si256(i, negative), negative);
+        i = quantize_indices(v_n, v_offset, low, high);
+        v_index[k] = _mm256_min_epi32(_mm256_max_epi32(i, zero), _mm256_set1_epi32(255));
+    }
+    /* 32 indices to 32 bytes: the packs interleave 128-bit lanes, the permutation restores the order. */
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(m_index[0], m_index[1]),
+                                       _mm256_packs_epi32(m_index[2], m_index[3]));
+    _mm256_storeu_si256((__m256i *)m_out, _mm256_permutevar8x32_epi32(bytes, order));
+    bytes = _mm256_packus_epi16(_mm256_packs_epi32(v_index[0], v_index[1]),
+                                _mm256_packs_epi32(v_index[2], v_index[3]));
+    _mm256_storeu_si256((__m256i *)v_out, _mm256_permutevar8x32_epi32(bytes, order));
+    *m_scale = _mm256_cvtss_f32(m_largest);
+    *v_scale = _mm256_cvtss_f32(v_largest);
+}
+#else
 static inline void quantize(const float *x, const int signed_codes, int8_t *m_out, uint8_t *v_out,
                             float *scale_out) {
-    float mag[BLOCK];
-    /* The largest magnitude as the largest bit pattern: a magnitude's bits order as its value (an integer
-     * maximum vectorizes, a float one does not), and a NaN's lie above every number's (amax's NaN). */
-    uint32_t largest = 0;
-    for (int i = 0; i < BLOCK; i++) {
-        mag[i] = fabsf(x[i]);
-        largest = f2u(mag[i]) > largest ? f2u(mag[i]) : largest;
-    }
-    float scale = u2f(largest);
-    int nonzero = scale > 0.0f;
-    float divisor = nonzero ? scale : 1.0f;
+    const float scale = largest_magnitude(x);
+    const int nonzero = scale > 0.0f; /* false for a NaN scale too: every n is then 0, as the rule's */
+    const float divisor = nonzero ? scale : 1.0f;
     const int32_t top = signed_codes ? 127 : 255;
     const float code_one = entry(-126); /* exp_avg's T[1] */
     for (int i = 0; i < BLOCK; i++) {
-        float quotient = mag[i] / divisor; /* branch-free code vectorizes: every lane computes, then selects */
+        float quotient = fabsf(x[i]) / divisor; /* branch-free code vectorizes: every lane computes, then selects */
         float n = nonzero ? quotient : 0.0f;
         uint32_t bits = f2u(n);
         int32_t exponent = ((int32_t)bits >> 23) - 127; /* arithmetic, as torch's int32 shift */
@@ -180,6 +266,116 @@ static inline void quantize(const float *x, const int signed_codes, int8_t *m_ou
     *scale_out = scale;
 }
 
+static inline void quantize_both(const float *m, const float *v, int8_t *m_out, uint8_t *v_out, float *m_scale,
+                                 float *v_scale) {
+    quantize(m, 1, m_out, 0, m_scale);
+    quantize(v, 0, 0, v_out, v_scale);
+}
+#endif
+
+/* The update's constants: hyper [5] fp64 (lr, beta1, beta2, eps, weight_decay), scalars [2] fp32
+ * (step_size, bc2_sqrt). */
+struct adamw {
+    double decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+    float step_size, bc2_sqrt;
+    int decays; /* weight_decay != 0: the weight decays (else it is kept as it is, -0.0 and NaN included) */
+};
+
+static inline struct adamw adamw_of(const double *hyper, const float *scalars) {
+    struct adamw a = {hyper[0] * hyper[4], hyper[1], 1.0 - hyper[1], hyper[2], 1.0 - hyper[2], hyper[3],
+                      scalars[0], scalars[1], hyper[4] != 0.0};
+    return a;
+}
+
+#ifdef __AVX2__
+/* 4 elements of a bf16 tensor as fp32 bits; of the weight as fp32 (weight_kind as update() takes it); of
+ * the gradient. */
+static inline __m128i load_bf16(const void *bf16, int64_t at) {
+    return _mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64((const __m128i *)((const uint16_t *)bf16 + at))), 16);
+}
+
+static inline __m128 load_weight(const void *weight, const int weight_kind, const int16_t *remainder, int64_t at) {
+    if (weight_kind == 0)
+        return _mm_loadu_ps((const float *)weight + at);
+    __m128i high = load_bf16(weight, at);
+    if (weight_kind != 2)
+        return _mm_castsi128_ps(high);
+    /* rules/master_weights.py's merge: high where adding the remainder changes the sign */
+    __m128i bits = _mm_add_epi32(high, _mm_cvtepi16_epi32(_mm_loadl_epi64((const __m128i *)(remainder + at))));
+    __m128i flipped = _mm_srai_epi32(_mm_xor_si128(bits, high), 31);
+    return _mm_castsi128_ps(_mm_blendv_epi8(bits, high, flipped));
+}
+
+static inline __m128 load_grad(const void *grad, const int grad_bf16, int64_t at) {
+    if (!grad_bf16)
+        return _mm_loadu_ps((const float *)grad + at);
+    return _mm_castsi128_ps(load_bf16(grad, at));
+}
+#endif
+
+/* AdamW on one block in the "fp64" arithmetic (the file's first comment), from the weight and gradient as
+ * fp32 and the dequantized moments: the new weight (before its rounding to the weight's kind) and moments.
+ * With AVX2 the fp64 steps run 4 lanes at a time from 128-bit halves loaded straight into the conversion
+ * (no lane extraction), the fp32 steps 8 at a time; the operations and their order are the portable
+ * loop's. */
+static inline __attribute__((always_inline)) void adamw_block(
+    const void *weight, const int weight_kind, const int16_t *remainder, const void *grad, const int grad_bf16,
+    int64_t base, const float *m_old, const float *v_old, const struct adamw *a, float *p, float *m, float *v) {
+#ifdef __AVX2__
+    const __m256d decay = _mm256_set1_pd(a->decay), beta1 = _mm256_set1_pd(a->beta1),
+                  one_minus_beta1 = _mm256_set1_pd(a->one_minus_beta1), beta2 = _mm256_set1_pd(a->beta2),
+                  one_minus_beta2 = _mm256_set1_pd(a->one_minus_beta2), eps = _mm256_set1_pd(a->eps);
+    const __m256 step_size = _mm256_set1_ps(a->step_size), bc2_sqrt = _mm256_set1_ps(a->bc2_sqrt);
+    for (int j = 0; j < BLOCK; j += 8) {
+        __m128 w_half[2], m_half[2], v_half[2];
+        for (int h = 0; h < 2; h++) {
+            const int at = j + 4 * h;
+            __m128 w32 = load_weight(weight, weight_kind, remainder, base + at);
+            __m256d w64 = _mm256_cvtps_pd(w32), g64 = _mm256_cvtps_pd(load_grad(grad, grad_bf16, base + at));
+            w_half[h] = a->decays ? _mm256_cvtpd_ps(_mm256_sub_pd(w64, _mm256_mul_pd(decay, w64))) : w32;
+            m_half[h] = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(beta1, _mm256_cvtps_pd(_mm_loadu_ps(m_old + at))),
+                                                      _mm256_mul_pd(one_minus_beta1, g64)));
+            v_half[h] = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_mul_pd(beta2, _mm256_cvtps_pd(_mm_loadu_ps(v_old + at))),
+                                                      _mm256_mul_pd(_mm256_mul_pd(one_minus_beta2, g64), g64)));
+        }
+        __m256 w = _mm256_set_m128(w_half[1], w_half[0]), m_new = _mm256_set_m128(m_half[1], m_half[0]);
+        __m256 v_new = _mm256_set_m128(v_half[1], v_half[0]);
+        __m256 quotient = _mm256_div_ps(_mm256_sqrt_ps(v_new), bc2_sqrt);
+        __m128 denom_low = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(quotient)), eps));
+        __m128 denom_high = _mm256_cvtpd_ps(_mm256_add_pd(_mm256_cvtps_pd(_mm256_extractf128_ps(quotient, 1)), eps));
+        __m256 denom = _mm256_set_m128(denom_high, denom_low);
+        _mm256_storeu_ps(p + j, _mm256_sub_ps(w, _mm256_div_ps(_mm256_mul_ps(step_size, m_new), denom)));
+        _mm256_storeu_ps(m + j, m_new);
+        _mm256_storeu_ps(v + j, v_new);
+    }
+#else
+    for (int i = 0; i < BLOCK; i++) {
+        float w;
+        if (weight_kind == 0) {
+            w = ((const float *)weight)[base + i];
+        } else {
+            int32_t high = (int32_t)((uint32_t)((const uint16_t *)weight)[base + i] << 16);
+            w = u2f((uint32_t)high);
+            if (weight_kind == 2) { /* rules/master_weights.py's merge */
+                int32_t bits = (int32_t)((uint32_t)high + (uint32_t)(int32_t)remainder[base + i]);
+                w = u2f((uint32_t)(((bits < 0) != (high < 0)) ? high : bits));
+            }
+        }
+        float g = grad_bf16 ? u2f((uint32_t)((const uint16_t *)grad)[base + i] << 16) : ((const float *)grad)[base + i];
+        double w64 = w;
+        float decayed = (float)(w64 - a->decay * w64);
+        w = a->decays ? decayed : w;
+        double g64 = g;
+        float m_new = (float)(a->beta1 * (double)m_old[i] + a->one_minus_beta1 * g64);
+        float v_new = (float)(a->beta2 * (double)v_old[i] + a->one_minus_beta2 * g64 * g64);
+        float denom = (float)((double)(sqrtf(v_new) / a->bc2_sqrt) + a->eps);
+        p[i] = w - (a->step_size * m_new) / denom;
+        m[i] = m_new;
+        v[i] = v_new;
+    }
+#endif
+}
+
 /* The update of blocks [first_block, last_block). weight_kind: 0 fp32, 1 bf16 (rounded to nearest even),
  * 2 bf16 with an int16 remainder (the fp32 master split), 3 bf16 rounded stochastically (seed, step,
  * first_index: the stream counter of element 0 of the call's tensors). grad_bf16: the gradient is bf16,
@@ -188,9 +384,7 @@ static inline __attribute__((always_inline)) void update(
     int64_t first_block, int64_t last_block, void *weight, const int weight_kind, const void *grad,
     const int grad_bf16, int8_t *m_codes, float *m_scales, uint8_t *v_codes, float *v_scales, int16_t *remainder,
     const int64_t *seed, const float *step, int64_t first_index, const double *hyper, const float *scalars) {
-    const double lr = hyper[0], beta1 = hyper[1], beta2 = hyper[2], eps = hyper[3], weight_decay = hyper[4];
-    const double decay = lr * weight_decay, one_minus_beta1 = 1.0 - beta1, one_minus_beta2 = 1.0 - beta2;
-    const float step_size = scalars[0], bc2_sqrt = scalars[1];
+    const struct adamw rule = adamw_of(hyper, scalars);
     uint32_t stream = 0;
     if (weight_kind == 3)
         stream = hash32(hash32((uint32_t)*seed) ^ (uint32_t)(int64_t)*step);
@@ -199,32 +393,7 @@ static inline __attribute__((always_inline)) void update(
         float p[BLOCK], m[BLOCK], v[BLOCK];
         float m_old[BLOCK], v_old[BLOCK];
         dequantize(m_codes + base, v_codes + base, m_scales[b], v_scales[b], m_old, v_old);
-        for (int i = 0; i < BLOCK; i++) {
-            float w;
-            if (weight_kind == 0) {
-                w = ((const float *)weight)[base + i];
-            } else {
-                int32_t high = (int32_t)((uint32_t)((const uint16_t *)weight)[base + i] << 16);
-                w = u2f((uint32_t)high);
-                if (weight_kind == 2) { /* rules/master_weights.py's merge */
-                    int32_t bits = (int32_t)((uint32_t)high + (uint32_t)(int32_t)remainder[base + i]);
-                    w = u2f((uint32_t)(((bits < 0) != (high < 0)) ? high : bits));
-                }
-            }
-            float g = grad_bf16 ? u2f((uint32_t)((const uint16_t *)grad)[base + i] << 16)
-                                : ((const float *)grad)[base + i];
-            float mq = m_old[i], vq = v_old[i];
-            double w64 = w;
-            float decayed = (float)(w64 - decay * w64);
-            w = weight_decay != 0.0 ? decayed : w;
-            double g64 = g;
-            float m_new = (float)(beta1 * (double)mq + one_minus_beta1 * g64);
-            float v_new = (float)(beta2 * (double)vq + one_minus_beta2 * g64 * g64);
-            float denom = (float)((double)(sqrtf(v_new) / bc2_sqrt) + eps);
-            p[i] = w - (step_size * m_new) / denom;
-            m[i] = m_new;
-            v[i] = v_new;
-        }
+        adamw_block(weight, weight_kind, remainder, grad, grad_bf16, base, m_old, v_old, &rule, p, m, v);
         for (int i = 0; i < BLOCK; i++) {
             if (weight_kind == 0) {
                 ((float *)weight)[base + i] = p[i];
@@ -237,8 +406,7 @@ static inline __attribute__((always_inline)) void update(
                 ((uint16_t *)weight)[base + i] = stochastic(p[i], index, stream);
             }
         }
-        quantize(m, 1, m_codes + base, 0, m_scales + b);
-        quantize(v, 0, 0, v_codes + base, v_scales + b);
+        quantize_both(m, v, m_codes + base, v_codes + base, m_scales + b, v_scales + b);
     }
 }
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from sonar_kernels.ops.adamw import chunked_update_skipped
-from sonar_kernels.ops.common import inf_norm, whole
+from sonar_kernels.ops.common import skip_decided, whole
 from sonar_kernels.ops.cpu_update import adamw_8bit_cpu_, adamw_stochastic_cpu_
 from sonar_kernels.ops.expert_gradient import ExpertGradient
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
@@ -133,8 +133,9 @@ def _update_(
             raise ValueError("a sharded (DTensor) weight's update takes its whole gradient as a DTensor")
         with torch.no_grad():
             grad = gradient.to(dtype)
-            decided = ~(whole(inf_norm(grad)) <= grad_limit(torch.float32))
-            norm_sq = whole(torch.linalg.vector_norm(grad, dtype=torch.float32)).square()
+            norm = whole(torch.linalg.vector_norm(grad, dtype=torch.float32))
+            decided = skip_decided(grad, norm, grad_limit(torch.float32))  # the CPU: from the norm
+            norm_sq = norm.square()
             local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
             base = shard_index_base(weight) if seed is not None else 0  # the shard's stream counters
             held = local[2:]
@@ -275,12 +276,13 @@ def chunked_fp64_update_(
         if len(chunks) == 1:  # whole: decided on the device
             whole_grad = gradient.full() if isinstance(gradient, ExpertGradient) else gradient
             grad = total_of(whole_grad, 0, weight.shape[0])
-            if found is None:
-                found = ~(inf_norm(grad) <= limit)
+            norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+            if found is None:  # on the CPU from the norm where it decides (one pass fewer)
+                found = skip_decided(grad, norm, limit)
             step.add_((~found).float())
             scalars = adamw_scalars(step, hyper)
             apply(0, weight.shape[0], grad, scalars, found)  # a skipped update's gradient zeroed by ``apply``
-            norm_sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+            norm_sq = norm.square()
             grad_norm_sq.copy_(torch.where(found, float("inf"), norm_sq))
             skipped.add_(found.long())
             return
