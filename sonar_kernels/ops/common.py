@@ -8,6 +8,7 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from torch._subclasses.fake_tensor import is_fake
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
 from sonar_kernels.specs import RoutingMetadata, gate_up_view, is_separate
@@ -109,9 +110,10 @@ def skip_decided(grad: torch.Tensor, norm: torch.Tensor, limit: float) -> torch.
     largest term (each rounded addition is monotone), nor its square root below the largest magnitude: a
     norm below ``limit`` (a power of two, so an entry beyond it has a square at or above ``limit ** 2``)
     that is not NaN means every entry is finite and within ``limit``, and no pass over ``grad`` is needed.
-    Read on the host, so on the CPU only (free there; a norm of ``limit`` or more, inf or NaN, and any
-    other device, take the pass over ``grad``). The same on every rank of a mesh (``norm`` is)."""
-    if norm.device.type == "cpu" and bool(norm < limit):
+    Read on the host, so on the CPU only (free there; a norm of ``limit`` or more, inf or NaN, any other
+    device, and a fake tensor, which has no value to read (a memory trace: the pass a GPU takes), take the
+    pass over ``grad``). The same on every rank of a mesh (``norm`` is)."""
+    if norm.device.type == "cpu" and not is_fake(norm) and bool(norm < limit):
         return torch.zeros((), dtype=torch.bool)
     return ~(whole(inf_norm(grad)) <= limit)
 
