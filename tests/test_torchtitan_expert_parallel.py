@@ -37,11 +37,11 @@ EXPERT = "layers.0.moe.routed_experts.inner_experts.w1_EFD"
 CPU_AUTOCAST = "ignore:In CPU autocast, but the target dtype is not supported"
 
 
-def _launch(tmp_path: Path, processes: int) -> None:
+def _launch(tmp_path: Path, processes: int, kinds: str = "sonar,torch,resume") -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes), "--master-port",
          str(ranks.free_port()), str(ROOT / "tests" / "titan_expert_parallel_ranks.py"), str(tmp_path),
-         "sonar,torch,resume"],
+         kinds],
         cwd=ROOT, capture_output=True, text=True, timeout=240,
         env=os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
@@ -115,3 +115,24 @@ def test_torchtitan_ep_fsdp_equals_torch_adamw_matches_single_process_and_resume
             assert "complete before FSDP2" in message and "partial sum" not in message
         else:
             assert "partial sum" in message and "reduce-scatter over 'efsdp'" in message
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.filterwarnings(CPU_AUTOCAST)
+def test_torchtitan_hsdp_beside_ep_is_refused_naming_the_replicate_dimension(tmp_path):
+    # data_parallel_replicate_degree 2, dp_shard 2, ep 2 on 4 ranks: torchtitan puts the experts on
+    # ("dp_replicate", "efsdp", "ep"), Replicate() over dp_replicate; whether FSDP2 all-reduced their
+    # gradient is not known to the update: refused at the first step, nothing changed, the dimension named.
+    _launch(tmp_path, 4, "hsdp")
+    for r in range(4):
+        saved = torch.load(tmp_path / f"hsdp-{r}.pt")
+        assert saved["changed"] == []
+        kind, message = saved["refusal"]
+        assert kind == "RuntimeError"
+        for part in (
+            "replicated over the mesh dimension(s) 'dp_replicate' (2)",
+            "HSDP",
+            "torchtitan's data_parallel_replicate_degree=1",
+            "nothing was changed",
+        ):
+            assert part in message, (part, message)

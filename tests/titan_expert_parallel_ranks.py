@@ -8,8 +8,9 @@ mesh) and sharded by its ``apply_fsdp_to_decoder`` (the dense parameters over "f
 One run per entry of KINDS: "sonar", 3 steps with SonarAdamW through torchtitan's optimizer container
 (``sonar_adamw``: torchtitan's default AdamW hyperparameters), the dense parameters clipped by torchtitan's
 ``clip_grad_norm_``; "torch", the same with torchtitan's stock container of torch.optim.AdamW(fused=True)
-(``default_adamw(fused=True)``: what SonarAdamW's default flags run) and the same clipping; "resume", SonarAdamW's step 0, a DCP checkpoint, then steps 1 and 2 on a fresh model and
-optimizer loaded from it. Each saves this rank's view of the full parameters (and the warnings it saw) as
+(``default_adamw(fused=True)``: what SonarAdamW's default flags run) and the same clipping; "resume",
+SonarAdamW's step 0, a DCP checkpoint, then steps 1 and 2 on a fresh model and optimizer loaded from it;
+"hsdp", with data_parallel_replicate_degree 2 as well (HSDP), SonarAdamW's first step, which is refused. Each saves this rank's view of the full parameters (and the warnings it saw) as
 "KIND-RANK.pt" in OUT. Rank r's batch of step s is seeded 10 * s + r; each rank's loss is its summed
 cross-entropy over the global token count (torchtitan's convention: FSDP's gradient division is off).
 
@@ -21,7 +22,7 @@ torchtitan.tools.utils.device_type is "cuda" on a machine without an accelerator
 reduce-scatter with ``ReduceOp.PREMUL_SUM`` that gloo refuses: ``set_force_sum_reduction_for_comms(True)``
 makes it the plain sum it means (docs/distributed.md, "From the stacks users run").
 
-Run by torchrun from tests/test_torchtitan_expert_parallel.py:
+Run by torchrun from tests/test_torchtitan_expert_parallel.py (KINDS "sonar,torch" when left out):
 ``python -m torch.distributed.run --nproc-per-node WORLD tests/titan_expert_parallel_ranks.py OUT KINDS``.
 """
 
@@ -55,8 +56,9 @@ def batch(step: int, rank: int) -> torch.Tensor:
 
 class Block(nn.Module):
     """A transformer block of torchtitan's MoE layer alone (``moe_enabled`` and ``moe``: what
-    apply_fsdp_to_decoder reads); attention is left out (torchtitan's language models take flex or varlen
-    attention only, and neither is what this exercises)."""
+    apply_fsdp_to_decoder reads); attention is left out: torchtitan's language models take flex or varlen
+    attention only, and torch's FlexAttention has no backward on the CPU ("FlexAttention does not support
+    backward on CPU")."""
 
     moe_enabled = True
 
@@ -116,8 +118,10 @@ def loss_of(model: nn.Module, ids: torch.Tensor, global_tokens: int) -> torch.Te
     return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten(), reduction="sum") / global_tokens
 
 
-def parallelized() -> Decoder:
-    """The Decoder through torchtitan's EP (Module.parallelize) and FSDP (apply_fsdp_to_decoder)."""
+def parallelized(dp_replicate: int = 1) -> Decoder:
+    """The Decoder through torchtitan's EP (Module.parallelize) and FSDP (apply_fsdp_to_decoder) on the
+    meshes its parallelize_qwen3 picks (with ``dp_replicate`` 2: HSDP, the dense parameters on
+    ("dp_replicate", "fsdp"), the experts on ("dp_replicate", "efsdp"))."""
     import torchtitan.distributed.parallel_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import ParallelDims
@@ -128,8 +132,8 @@ def parallelized() -> Decoder:
     torchtitan.distributed.parallel_dims.device_type = "cpu"
     world = dist.get_world_size()
     dims = ParallelDims(
-        dp_replicate=1,
-        dp_shard=world,
+        dp_replicate=dp_replicate,
+        dp_shard=world // dp_replicate,
         cp=1,
         tp=1,
         pp=1,
@@ -141,19 +145,34 @@ def parallelized() -> Decoder:
     model = Decoder(ep=True)
     for block in model.layers.values():
         block.moe.parallelize(dims)
+    replicate = ["dp_replicate"] if dp_replicate > 1 else []
     apply_fsdp_to_decoder(
         model,
-        dims.get_mesh(["fsdp"]),
+        dims.get_mesh([*replicate, "fsdp"]),
         param_dtype=torch.float32,
         reduce_dtype=torch.float32,
         pp_enabled=False,
         ep_degree=EP,
-        edp_mesh=dims.get_optional_mesh(["efsdp"]),
+        edp_mesh=dims.get_optional_mesh([*replicate, "efsdp"]),
     )
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def hsdp(out: str) -> None:
+    """HSDP beside EP (dp_replicate 2): SonarAdamW's first step is refused; "hsdp-RANK.pt" holds the
+    refusal's type and text and the names of the parameters that changed."""
+    model = parallelized(dp_replicate=2)
+    before = full_parameters(model)
+    try:
+        train(model, optimizers_of(model, "sonar"), range(1))
+        refusal = None
+    except (RuntimeError, ValueError) as error:
+        refusal = (type(error).__name__, str(error))
+    changed = [name for name, p in full_parameters(model).items() if not torch.equal(p, before[name])]
+    torch.save({"refusal": refusal, "changed": changed}, Path(out) / f"hsdp-{dist.get_rank()}.pt")
 
 
 def dense_parameters(model: nn.Module) -> list[torch.Tensor]:
@@ -236,8 +255,8 @@ def main(out: str, kinds: str = "sonar,torch") -> None:
     dist.init_process_group("gloo")
     try:
         for kind in kinds.split(","):
-            if kind == "resume":
-                resume(out)
+            if kind in ("resume", "hsdp"):
+                {"resume": resume, "hsdp": hsdp}[kind](out)
                 continue
             model = parallelized()
             with warnings.catch_warnings(record=True) as caught:
