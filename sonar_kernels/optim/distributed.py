@@ -171,7 +171,8 @@ def partial_gradient_message(owner: str, local: list, note: str = "") -> str:
             "data_parallel_replicate_degree, fully_shard over a 2-D mesh): nothing here tells whether the gradient "
             "that reaches .grad was reduced over those replicas, and an update from a partial one would let the "
             f"replicas diverge{note}. Fix: shard the experts on every mesh dimension of more than one rank (FSDP2 "
-            "over all the ranks: dp_replicate_size=1), or keep them whole on plain tensors with "
+            "over all the ranks: DistributedConfig(dp_replicate_size=1), torchtitan's "
+            "data_parallel_replicate_degree=1), or keep them whole on plain tensors with "
             "data_parallel_group= (docs/distributed.md)."
         )
     return (
