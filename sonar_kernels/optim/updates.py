@@ -214,46 +214,26 @@ class InBackwardUpdates:
         grad = self.micro_batches.pending(p)
         group = self.groups.group(p)
         foreach, fused = torch_adamw_flags(group, [p])
-        state = self._optimizer().state[p]
         hyper = self.groups.tensor(p)
         clipping = {"clip": hyper if clips(hyper) else None, "clipped": self.clipped[p]}
-        tensors = UpdateState.of_optimizer(state, self.grad_norm_sq[p], self.skipped[p], self.clipped[p])
+        tensors = UpdateState.of_optimizer(
+            self._optimizer().state[p], self.grad_norm_sq[p], self.skipped[p], self.clipped[p]
+        )
         kind = tensors.kind
-        if kind.moments == "8bit":  # 8-bit moments: the scheme's update (skipped the same way)
-            adamw_8bit_(
-                p,
-                grad,
-                None,
-                tensors.tensors(),
-                self.groups.tensor(p),
-                grad_dtype=grad.dtype,
-                chunk_bytes=None,
-            )
-            self.micro_batches.consumed(p)
-            self.updated[p] = True
-            self._record_version(p)
-            return
-        if (
-            kind.master == "stochastic"
-        ):  # bf16 weights rounded stochastically: AdamW in fp32, then the rounding
-            stochastic_adamw_(
-                p,
-                grad,
-                None,
-                tensors.tensors(),
-                self.groups.tensor(p),
-                grad_dtype=grad.dtype,
-                chunk_bytes=None,
-            )
+        if kind.moments == "8bit" or kind.master == "stochastic":
+            # 8-bit moments (the scheme's update, skipped the same way) or bf16 weights rounded stochastically
+            # (AdamW in fp32, then the rounding): the rules in the "fp64" arithmetic.
+            update = adamw_8bit_ if kind.moments == "8bit" else stochastic_adamw_
+            update(p, grad, None, tensors.tensors(), hyper, grad_dtype=grad.dtype, chunk_bytes=None)
         elif kind.master == "remainder":  # bf16 master weights: torch's AdamW on the merged fp32 master
             remainder_adamw_(
-                p, state["remainder"], grad, state["exp_avg"], state["exp_avg_sq"], state["step"],
+                p, tensors.remainder, grad, tensors.exp_avg, tensors.exp_avg_sq, tensors.step,
                 torch_hyperparameters(group), self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused,
                 **clipping,
             )  # fmt: skip
         else:
             ops.torch_adamw_(
-                p, grad, state["exp_avg"], state["exp_avg_sq"], state["step"], torch_hyperparameters(group),
+                p, grad, tensors.exp_avg, tensors.exp_avg_sq, tensors.step, torch_hyperparameters(group),
                 self.grad_norm_sq[p], self.skipped[p], foreach=foreach, fused=fused, **clipping,
             )  # fmt: skip
         self.micro_batches.consumed(p)
