@@ -281,10 +281,10 @@ def _concerns(optimizer, module: torch.nn.Module | None, tensors: tuple) -> bool
     """Whether ``optimizer`` holds or updates one of ``tensors`` (in its groups, or as the tensors it
     updates in the backward), or was built from a model that holds ``module``."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    held.update(id(p) for p in optimizer._managed)
+    held.update(id(p) for p in optimizer.managed.tensors)
     if any(t is not None and id(t) in held for t in tensors):
         return True
-    source = getattr(optimizer, "_dense_source", None)
+    source = optimizer.managed.dense_source
     model = source[0]() if source is not None else None
     return model is not None and module is not None and any(m is module for m in model.modules())
 

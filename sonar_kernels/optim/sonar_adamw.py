@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 from sonar_kernels import specs
 from sonar_kernels.optim import dense as dense_step
-from sonar_kernels.optim import distributed, group_sync, lagged_clipping, ownership, saved_state
+from sonar_kernels.optim import distributed, lagged_clipping, ownership, saved_state
 from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
@@ -131,7 +131,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             :meth:`sync_param_groups`); expert tensors replaced in ``param_groups`` by tensors that are not
             experts (DeepSpeed ZeRO's flat partitions) are refused there too (RuntimeError), naming
             DeepSpeed; so are dense parameters of the model that FSDP2 sharded after this optimizer was
-            built (RuntimeError; optim/group_sync.py). TypeError: an expert tensor of an unsupported dtype.
+            built (RuntimeError; optim/managed.py). TypeError: an expert tensor of an unsupported dtype.
     """
 
     # Experts modules hand over the expert tensors it holds as dense ones (InBackwardAdamW.claim).
@@ -237,7 +237,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         )  # fmt: skip
         if ignored_by_ddp is not None:
             distributed.exclude_from_ddp(*ignored_by_ddp)
-            group_sync.remember_source(self, ignored_by_ddp[0])  # FSDP2 sharding it later is refused
+            self.managed.remember_source(ignored_by_ddp[0])  # FSDP2 sharding it later is refused
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
@@ -251,11 +251,6 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.expert_clip_coef = lagged_clipping.next_coef(self.max_grad_norm, norm, coef)
         self.lagged_coef_set = True
         self._record.groups.set_clip_coef(self.expert_clip_coef)
-
-    def _refuse_pending(self) -> None:
-        """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``
-        (optim/group_sync.py, :func:`refuse_pending`)."""
-        group_sync.refuse_pending(self)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
@@ -272,41 +267,36 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         experts = [p for p in tensors if is_expert_tensor(p)]
         # The options the group will have: its own, else the constructor's (torch fills them in below).
         check_group_options(type(self).__name__, {**self.defaults, **param_group}, bool(experts))
-        ready, pending = self._split_pending(experts)
-        self._check_managed(ready)
-        self._check_managed(pending, complete=False)
+        ready, pending = self.managed.split_pending(experts)
+        self.managed.check(ready)
+        self.managed.check(pending, complete=False)
         super().add_param_group(param_group)
-        self._manage(ready)
-        self._pending.extend(pending)
+        self.managed.add(ready, pending)
         ownership.check_forward(*(specs.expert_module_of(p) for p in experts))
         # An experts module that finds one of these tensors at its forward hands it over (ownership.py).
         for p in tensors:
             specs.set_holder(p, self)
-        self._synced_params = [group["params"] for group in self.param_groups]
-
-    def _split_pending(self, experts: list) -> tuple[list, list]:
-        """(ready, pending) of ``experts`` (optim/group_sync.py, :func:`split_pending`)."""
-        return group_sync.split_pending(self, experts)
+        self.managed.mark_synced()
 
     def sync_param_groups(self) -> None:
         """Follow entries of ``param_groups`` replaced since this optimizer last saw them (a new ``params``
         list in a group, or a group added), as accelerate's ``prepare`` does under FSDP2: it puts the
         shards (DTensors) of the model the optimizer was built on in the originals' places. The expert
         tensors among the new entries are updated in the backward from then on, those that left are
-        forgotten (optim/group_sync.py, :func:`follow`). Called at each experts module's forward
+        forgotten (:meth:`ManagedTensors.follow`, optim/managed.py). Called at each experts module's forward
         (ownership.py) and at ``step()``; nothing is done when the groups are the lists it saw last.
 
         Raises:
             RuntimeError: an expert tensor that left the groups was updated or accumulated already, or expert
                 tensors were replaced by tensors that are not experts (DeepSpeed ZeRO's flat partitions).
-            ValueError, TypeError: a new expert tensor the update cannot take (:meth:`_check_managed`).
+            ValueError, TypeError: a new expert tensor the update cannot take (:meth:`ManagedTensors.check`).
         """
-        group_sync.follow(self)
+        self.managed.follow()
 
     def is_pending(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is an expert tensor this optimizer holds and has not decided yet
-        (:meth:`_split_pending`)."""
-        return any(p is q for q in self._pending)
+        (:meth:`ManagedTensors.split_pending`)."""
+        return self.managed.is_pending(p)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -330,7 +320,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         """After a step in which expert tensors replaced by new objects were adopted: warn (once per
         optimizer) when dense parameters that require grad got no gradient, the sign that they were replaced
         too and are no longer trained (the optimizer holds the old objects, as torch.optim.AdamW would)."""
-        self._replaced_since_step = False
+        self.managed.replaced_since_step = False
         stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
         if stale and not getattr(self, "_warned_replaced_dense", False):
             self._warned_replaced_dense = True
@@ -339,7 +329,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
         return [
-            p for p in group["params"] if p not in self._managed and (p.grad is not None or not with_grad)
+            p
+            for p in group["params"]
+            if p not in self.managed.tensors and (p.grad is not None or not with_grad)
         ]
 
     def dense_parameters(self) -> list[torch.Tensor]:
@@ -349,7 +341,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             p
             for group in self.param_groups
             for p in group["params"]
-            if p not in self._managed and not self.is_pending(p)
+            if p not in self.managed.tensors and not self.is_pending(p)
         ]
 
     def state_dict(self) -> dict:
@@ -408,11 +400,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         """
         if not torch.compiler.is_compiling():
             self.sync_param_groups()
-            self._refuse_pending()
+            self.managed.refuse_pending()
         loss = self._run_closure_and_end_step(closure)
-        if self._replaced_since_step and not torch.compiler.is_compiling():
+        if self.managed.replaced_since_step and not torch.compiler.is_compiling():
             self._warn_replaced_dense()
-        if not self._managed and not self._warned_no_experts and not torch.compiler.is_compiling():
+        if not self.managed.tensors and not self._warned_no_experts and not torch.compiler.is_compiling():
             self._warned_no_experts = True
             warnings.warn(
                 f"{type(self).__name__} updates no expert tensor in the backward: none of its parameters belongs "
