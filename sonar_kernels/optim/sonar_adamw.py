@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from sonar_kernels import specs
 from sonar_kernels.optim import dense as dense_step
 from sonar_kernels.optim import distributed, lagged_clipping, ownership, saved_state
-from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
+from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
 
@@ -193,35 +193,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         )  # fmt: skip
         if isinstance(params, nn.Module):
             model = params
-            # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
-            # transformers experts modules running the "sonar" implementation are found by their config.
-            other = set()
-            for module in model.modules():
-                if (tensors := specs.expert_tensors_of(module)) is not None:
-                    mark_expert_tensors(*tensors)
-                elif specs.is_experts_module(module):
-                    other.add(getattr(getattr(module, "config", None), "_experts_implementation", None))
-            if other:
-                warnings.warn(
-                    f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
-                    '"sonar": their tensors are trained as dense parameters (clipped and updated in step()) '
-                    'unless the model is switched (model.set_experts_implementation("sonar")) before its next '
-                    "forward, which hands them to this optimizer.",
-                    stacklevel=2,
-                )
-            ownership.check_forward(*(m for m in model.modules() if specs.expert_tensors_of(m) is not None))
-            experts = [p for p in model.parameters() if is_expert_tensor(p)]
-            if not experts and _selects_sonar(model):
-                # The config asks for "sonar", but no experts module dispatches through transformers'
-                # ExpertsInterface (e.g. JetMoe in transformers 5.24): nothing runs the kernels.
-                batched = [name for name, p in model.named_parameters() if p.dim() == 3]
-                warnings.warn(
-                    'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
-                    "dispatches through transformers' ExpertsInterface, so no expert tensor is updated in the "
-                    f"backward and every parameter is trained as a dense one; batched (3-D) weights: {batched[:4]}"
-                    f"{' ...' if len(batched) > 4 else ''}. The sonar kernels do not run in this model.",
-                    stacklevel=2,
-                )
+            experts = ownership.scan_model(model)
             if experts:
                 # Before any state exists: a DDP reducer that holds the experts is refused here; a DDP that
                 # wraps the module later leaves them alone (no zero .grad of its own on them): its ignore
@@ -414,63 +386,13 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 stacklevel=ownership.user_stacklevel(),
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
-        dense_step.follow_conversions(self.state, dense)
-        # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
-        # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
-        grad_scale = getattr(self, "grad_scale", None)
-        caller_found_inf = getattr(self, "found_inf", None)
-        if grad_scale is not None and self.max_grad_norm is not None and dense:
-            dense_step.unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
-            grad_scale = None
-        norm = None
-        if self.max_grad_norm is not None:
-            if self.clip_norm_includes_experts or self.expert_clipping == "lagged":
-                dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
-                expert_norm = self.expert_grad_norm().to(dense_norm.device)
-                norm = torch.sqrt(dense_norm.square() + expert_norm.square())
-                if dense:
-                    torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
-                self.last_dense_grad_norm, self.last_grad_norm = dense_norm, norm
-                if self.expert_clipping == "lagged":
-                    self._set_lagged_coef(norm)
-            else:
-                norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
-                self.last_dense_grad_norm = norm
-        if not dense:
-            return loss
-        found = dense_step.found_inf(dense, norm, grad_scale).to(self.dense_skipped_steps.device)
-        # torch.optim.AdamW's own step without the hooks Optimizer wraps it in (they already ran around this
-        # step()); its own wrapper, which sets the grad mode for differentiable, stays.
-        adamw_step = torch.optim.AdamW.step
-        if getattr(adamw_step, "hooked", False):
-            adamw_step = adamw_step.__wrapped__
-        # Each group's flags for torch's AdamW: its own, or by default torch's fused AdamW where torch has it
-        # (torch_adamw_flags); the group keeps showing its own (None: chosen at each step, as torch chooses).
+        # Each group's dense parameters with a gradient, and its flags for torch's AdamW: its own, or by default
+        # torch's fused AdamW where torch has it (torch_adamw_flags; the group keeps showing its own).
         stepped = [self._dense_of(group) for group in self.param_groups]
         flags = [
             torch_adamw_flags(group, params) for group, params in zip(self.param_groups, stepped, strict=True)
         ]
-        if all(fused for params, (_, fused) in zip(stepped, flags, strict=True) if params):
-            # torch's fused AdamW skips every parameter (step included) when found_inf is 1: the caller's
-            # value, or 1 when this optimizer found a non-finite gradient. torch's step calls its AdamW for
-            # every group, also one with nothing to step (expert tensors only), where only the fused one
-            # takes found_inf (it returns at once): that one for them.
-            flags = [flag if params else (False, True) for params, flag in zip(stepped, flags, strict=True)]
-            combined = found.float()
-            if caller_found_inf is not None:
-                combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
-            with (
-                dense_step.attributes(self, found_inf=combined, grad_scale=grad_scale),
-                dense_step.step_flags(self.param_groups, flags),
-            ):
-                adamw_step(self)
-            skipped = (combined == 1).to(found.device)
-        else:
-            if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
-                with dense_step.step_flags(self.param_groups, flags):
-                    adamw_step(self)
-            skipped = found
-        self.dense_skipped_steps += skipped.long()
+        dense_step.step(self, dense, stepped, flags, self._set_lagged_coef)
         return loss
 
 
@@ -481,12 +403,4 @@ def _replaced_dense_message(count: int) -> str:
         "in the step that followed: if they were replaced too, this optimizer still holds the old objects and "
         "no longer trains them (torch.optim.AdamW's rule). Build the optimizer after such a load and load its "
         "state_dict(), or load with copies (assign=False) (docs/usage.md, Ownership)."
-    )
-
-
-def _selects_sonar(model: nn.Module) -> bool:
-    """Whether a config of ``model`` (or of a submodule) selects experts_implementation "sonar"."""
-    return any(
-        getattr(getattr(m, "config", None), "_experts_implementation", None) == specs.IMPLEMENTATION
-        for m in model.modules()
     )
