@@ -28,54 +28,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     torch.optim.AdamW to them. Expert gradients never exist as a whole, so no global norm clips them (the
     paper clips the dense parameters only); ``expert_clipping`` clips them inside their update.
 
-    Which torch AdamW runs: with the default flags (foreach=None, fused=None) torch's fused AdamW
-    (``torch.optim.AdamW(fused=True)``'s kernel), for the dense parameters and for the expert tensors that
-    torch's AdamW updates, wherever torch has one for their device and dtype (the CPU and CUDA; the rule:
-    ``sonar_kernels.optim.param_groups.torch_adamw_flags``): one pass over each tensor, no temporaries,
-    non-finite gradients skipped on the device, and on the CPU several times faster than the for-loop
-    AdamW torch picks there by default. The result is then bitwise torch.optim.AdamW(fused=True)'s, with
-    dense-only clipping. Flags set explicitly (foreach=True or False, fused=False or True) keep torch's
-    meaning and give torch.optim.AdamW's bits with those flags; with capturable or differentiable, torch
-    chooses as torch.optim.AdamW does. The choice is made at each step from the parameters as they are
-    then (parameters built on the meta device and made real by ``to_empty()`` get the fused kernel), and
-    the groups keep showing the flags as given (None), as torch.optim.AdamW's do: a ``state_dict()`` then
-    says None, which torch.optim.AdamW reads as its own default when it loads it (torch takes the flags
-    from the checkpoint); set ``fused=True`` in its groups after loading to continue bit for bit. Under
-    ``torch.compile(optimizer.step)`` dynamo traces the groups as capturable, so the compiled step runs
-    torch's capturable path, as a compiled torch.optim.AdamW with the same flags does; fused=True keeps
-    the fused kernel there.
-
-    The parameter groups and their order are the user's, as given (no hidden group), so the state
-    indices of ``state_dict()`` are torch.optim.AdamW's, and a torch.optim.AdamW state_dict of the same
-    model loads (and the reverse). LR schedulers drive both kinds of parameters: the backward reads the
-    expert tensors' group when it runs. Expert tensors' state is created here (``step`` a 0-dim float32
-    tensor on the parameter's device); the dense parameters' state is torch's, created at their first
-    step. An expert tensor that gets no gradient in a step is not updated in that step (with
-    ``zero_grad(set_to_none=False)`` torch.optim.AdamW would still decay it with a zero gradient). Each expert tensor is updated once between two ``step()`` calls, at the last of its
-    ``accumulation_steps`` backward passes; see ExpertAdamW for the other rules (one live graph, no loss
-    scaling).
-
-    Non-finite gradients never reach the parameters or the optimizer state. An expert tensor's update
-    is skipped when its gradient has an entry that is NaN, infinite or beyond ``ops.grad_limit``
-    (decided on the device before the update; counted by ``expert_skipped_updates()``). The dense update
-    of ``step()`` is skipped as a whole (all dense parameters, their moments and steps unchanged) when a
-    dense gradient, after clipping, has such an entry or the clipping norm is not finite (with
-    ``clip_norm_includes_experts`` that norm is inf as soon as one expert update was skipped: the dense
-    gradients are then scaled to 0 or NaN by the clipping and the dense step is skipped, while the other
-    expert tensors were updated in the backward); counted in
-    ``dense_skipped_steps`` (a 0-dim int64 tensor). Where torch's fused AdamW runs (fused=True, or the
-    default flags) it skips it on the device (its ``found_inf`` input, as torch.amp.GradScaler uses it);
-    torch's foreach and single-tensor AdamW have no such input, so ``step()`` reads the decision on the
-    host there (one sync per step on a GPU).
-
-    Loss scaling of dense-only models: where torch's fused AdamW runs, ``step()`` takes the
-    ``grad_scale`` and ``found_inf`` attributes that ``torch.amp.GradScaler.step`` (or the caller) sets, as
-    torch's fused AdamW does (``_step_supports_amp_scaling`` tells GradScaler so): the step is skipped
-    when the caller's ``found_inf`` is 1 or this optimizer finds a non-finite gradient (measured on the
-    unscaled gradient), the attributes are left as they were, and a skipped step counts in
-    ``dense_skipped_steps``. With ``max_grad_norm`` the gradients are unscaled
-    first, as ``GradScaler.unscale_`` does, so that the clipping sees the true norm. The backward of a
-    scaled loss through expert tensors stays refused (see ExpertAdamW).
+    Which torch AdamW runs, the parameter groups and the state, non-finite gradients and GradScaler:
+    docs/usage.md, "SonarAdamW", "Which AdamW runs where" and "Non-finite gradients".
 
     Args:
         params: an nn.Module (its parameters, in order) or parameters / parameter groups.
