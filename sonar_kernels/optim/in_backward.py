@@ -263,7 +263,7 @@ class InBackwardAdamW(ExpertTelemetry):
         managed = self.managed.tensors.__contains__
         pairs = check_loadable(type(self).__name__, state_dict, self.param_groups, managed)
         super().load_state_dict(state_dict)
-        # torch's load_state_dict builds new group dicts: new hyperparameter tensors below (_attach).
+        # torch's load_state_dict builds new group dicts: new hyperparameter tensors below (managed.attach).
         self._record.groups.forget()
         for param_id, p in pairs:
             if managed(p):
