@@ -306,9 +306,9 @@ def _after_step_rank(rank, world_size, out):
 
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("ep",))
     model, optimizer = _build("torch", mesh, world_size)
-    assert optimizer._dense_source is not None
+    assert optimizer.managed.dense_source is not None
     _step(model, optimizer, 0, rank, world_size, "sonar")
-    assert optimizer._dense_source is None
+    assert optimizer.managed.dense_source is None
 
 
 def test_the_sharding_check_ends_with_the_first_step(tmp_path):

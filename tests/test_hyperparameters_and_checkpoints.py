@@ -320,7 +320,7 @@ def test_an_undecided_expert_tensor_saves_the_state_its_update_starts_from(optio
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         optimizer, undecided = saved()
-        assert len(optimizer._pending) == 2
+        assert len(optimizer.managed.pending) == 2
     finally:
         dist.destroy_process_group()
     assert undecided["state"].keys() == single["state"].keys()

@@ -82,6 +82,29 @@ def test_hooks_and_updates_are_removed_when_the_optimizer_is_collected():
 
 
 @pytest.mark.parametrize("optimizer_class", ["SonarAdamW", "ExpertAdamW"])
+def test_a_dropped_optimizer_is_released_by_reference_counting_alone(optimizer_class):
+    # No reference cycle through the optimizer's ownership tables (optim/managed.py holds it weakly): with
+    # the cyclic collector off, dropping the newest owner removes its hooks and updates at once and the
+    # older owner takes the experts back.
+    model = Tiny()
+    older = sonar_kernels.SonarAdamW(model, **HYPER)
+    kind = getattr(sonar_kernels, optimizer_class)
+    newer = kind(model if optimizer_class == "SonarAdamW" else list(model.experts.parameters()), **HYPER)
+    assert all(sonar_kernels.optim.expert_optimizer(p) is newer for p in _experts(model))
+    gc.collect()
+    gc.disable()
+    try:
+        del newer
+        assert all(
+            sonar_kernels.optim.expert_optimizer(p) is older and _hooks(p) == 1 for p in _experts(model)
+        )
+        del older
+        assert all(_hooks(p) == 0 and specs.update_of(p) is None for p in _experts(model))
+    finally:
+        gc.enable()
+
+
+@pytest.mark.parametrize("optimizer_class", ["SonarAdamW", "ExpertAdamW"])
 def test_a_newer_owner_collected_gives_the_experts_back_to_the_older_one(optimizer_class):
     # An optimizer built over the experts and dropped (a throwaway, a failed set-up) must not leave them
     # without an owner: the older optimizer trains on as if the newer one had never been built (equal

@@ -450,7 +450,7 @@ def test_expert_tensors_that_leave_param_groups_after_an_update_are_refused():
         model(x)
     # Nothing changed: the old tensors keep their state and their update.
     assert all(torch.equal(optimizer.state[p][k], v) for p in experts for k, v in state[id(p)].items())
-    assert all(p in optimizer._managed for p in experts)
+    assert all(p in optimizer.managed.tensors for p in experts)
 
 
 @pytest.mark.parametrize(

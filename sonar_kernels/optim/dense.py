@@ -1,6 +1,7 @@
-"""torch's AdamW on SonarAdamW's dense parameters in ``step()``: the state torch creates, the state after a
-conversion of the model, GradScaler's unscaling and the skip decision of a non-finite gradient, and the
-flags and attributes the step sets around torch's own AdamW (optim/sonar_adamw.py)."""
+"""torch's AdamW on SonarAdamW's dense parameters in ``step()`` (:func:`step`): the state torch creates, the
+state after a conversion of the model, GradScaler's unscaling, the clipping, the skip decision of a
+non-finite gradient, and the flags and attributes the step sets around torch's own AdamW
+(optim/sonar_adamw.py; docs/usage.md, "SonarAdamW")."""
 
 from __future__ import annotations
 
@@ -11,7 +12,15 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from sonar_kernels import ops
 
-__all__ = ["attributes", "follow_conversions", "found_inf", "initial_dense_state", "step_flags", "unscale"]
+__all__ = [
+    "attributes",
+    "follow_conversions",
+    "found_inf",
+    "initial_dense_state",
+    "step",
+    "step_flags",
+    "unscale",
+]
 
 
 @torch.compiler.disable  # per-tensor bookkeeping, eager also under torch.compile(optimizer.step)
@@ -122,3 +131,68 @@ def found_inf(
     if norm is not None:
         found |= ~torch.isfinite(ops.whole(norm)).to(device)
     return found
+
+
+def step(
+    optimizer, dense: list[torch.Tensor], stepped: list[list[torch.Tensor]], flags: list, set_lagged_coef
+) -> None:
+    """SonarAdamW.step's dense half, after the expert tensors' step ended: ``dense`` (the dense parameters
+    with a gradient) clipped by ``optimizer.max_grad_norm`` (with ``clip_norm_includes_experts`` or
+    ``expert_clipping="lagged"``, by the norm over the dense and the expert gradients, which
+    ``set_lagged_coef(norm)`` gets for "lagged"), then torch.optim.AdamW's own step on them, skipped as a
+    whole when a gradient or the norm is not finite (counted in ``optimizer.dense_skipped_steps``).
+    ``stepped``: each group's dense parameters with a gradient; ``flags``: each group's (foreach, fused)
+    for torch's AdamW (``torch_adamw_flags``; the groups keep showing their own, None: chosen at each step,
+    as torch chooses). GradScaler's ``grad_scale`` and ``found_inf`` attributes are honoured where torch's
+    fused AdamW runs (docs/usage.md, "SonarAdamW")."""
+    follow_conversions(optimizer.state, dense)
+    # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
+    # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
+    grad_scale = getattr(optimizer, "grad_scale", None)
+    caller_found_inf = getattr(optimizer, "found_inf", None)
+    if grad_scale is not None and optimizer.max_grad_norm is not None and dense:
+        unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
+        grad_scale = None
+    norm = None
+    if optimizer.max_grad_norm is not None:
+        if optimizer.clip_norm_includes_experts or optimizer.expert_clipping == "lagged":
+            dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
+            expert_norm = optimizer.expert_grad_norm().to(dense_norm.device)
+            norm = torch.sqrt(dense_norm.square() + expert_norm.square())
+            if dense:
+                torch.nn.utils.clip_grads_with_norm_(dense, optimizer.max_grad_norm, norm)
+            optimizer.last_dense_grad_norm, optimizer.last_grad_norm = dense_norm, norm
+            if optimizer.expert_clipping == "lagged":
+                set_lagged_coef(norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(dense, optimizer.max_grad_norm)
+            optimizer.last_dense_grad_norm = norm
+    if not dense:
+        return
+    found = found_inf(dense, norm, grad_scale).to(optimizer.dense_skipped_steps.device)
+    # torch.optim.AdamW's own step without the hooks Optimizer wraps it in (they already ran around this
+    # step()); its own wrapper, which sets the grad mode for differentiable, stays.
+    adamw_step = torch.optim.AdamW.step
+    if getattr(adamw_step, "hooked", False):
+        adamw_step = adamw_step.__wrapped__
+    if all(fused for params, (_, fused) in zip(stepped, flags, strict=True) if params):
+        # torch's fused AdamW skips every parameter (step included) when found_inf is 1: the caller's
+        # value, or 1 when this optimizer found a non-finite gradient. torch's step calls its AdamW for
+        # every group, also one with nothing to step (expert tensors only), where only the fused one
+        # takes found_inf (it returns at once): that one for them.
+        flags = [flag if params else (False, True) for params, flag in zip(stepped, flags, strict=True)]
+        combined = found.float()
+        if caller_found_inf is not None:
+            combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
+        with (
+            attributes(optimizer, found_inf=combined, grad_scale=grad_scale),
+            step_flags(optimizer.param_groups, flags),
+        ):
+            adamw_step(optimizer)
+        skipped = (combined == 1).to(found.device)
+    else:
+        if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
+            with step_flags(optimizer.param_groups, flags):
+                adamw_step(optimizer)
+        skipped = found
+    optimizer.dense_skipped_steps += skipped.long()

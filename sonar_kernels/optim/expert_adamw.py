@@ -167,7 +167,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
         # param_groups): the backward reads the group when it runs, step() checks it (InBackwardAdamW).
         param_group = {**param_group, "params": params}
         check_group_options(type(self).__name__, param_group, bool(params))
-        self._check_managed(params)
+        self.managed.check(params)
         check_hyperparameters(
             param_group.get("lr", self.defaults["lr"]),
             param_group.get("betas", self.defaults["betas"]),
@@ -175,7 +175,7 @@ class ExpertAdamW(InBackwardAdamW, torch.optim.Optimizer):
             param_group.get("weight_decay", self.defaults["weight_decay"]),
         )
         super().add_param_group(param_group)
-        self._manage(params)
+        self.managed.manage(params)
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -17,9 +17,11 @@ it (an older one lets it go), and both are removed when their optimizer is garba
 
 The parts, by concern (each module's public names are its seam; none reads another's underscore names):
 
-- here: ownership (:meth:`InBackwardAdamW._manage`, :meth:`~InBackwardAdamW.claim`, conversions, a tensor
-  replaced by a new object, an older owner letting go and taking back), and torch.optim.Optimizer's
-  ``zero_grad``, ``state_dict``, ``load_state_dict``;
+- here: construction, the step protocol, and torch.optim.Optimizer's ``zero_grad``, ``state_dict``,
+  ``load_state_dict``;
+- optim/managed.py: ownership (:class:`ManagedTensors`, the optimizer's ``managed``: the tensors it
+  updates in the backward, conversions, a tensor replaced by a new object, an older owner letting go and
+  taking back, ``param_groups`` entries replaced after it was built);
 - optim/update_handle.py: the update handle attached to each tensor (what the autograd layer calls);
 - optim/telemetry.py: ``expert_grad_norm`` and ``expert_skipped_updates``;
 - optim/updates.py: what this step's updates did, the checks before each, the ``.grad`` path, the step's end;
@@ -37,46 +39,36 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
 from sonar_kernels.optim import distributed, loss_scaling
 from sonar_kernels.optim.expert_state import (
     EIGHT_BIT,
-    check_converted,
     check_loadable,
     check_master_weights,
-    expert_state,
     load_expert_state,
     load_fp32_masters,
     with_cpu_steps,
 )
-from sonar_kernels.optim.grad_hooks import accumulated_grad_hook
-from sonar_kernels.optim.param_groups import check_expert_clipping, check_group_options, torch_adamw_flags
+from sonar_kernels.optim.managed import ManagedTensors
+from sonar_kernels.optim.param_groups import check_expert_clipping
 from sonar_kernels.optim.telemetry import ExpertTelemetry
-from sonar_kernels.optim.update_handle import OwnedUpdate, release_entries, signature
+from sonar_kernels.optim.update_handle import expert_optimizer, release_entries
 from sonar_kernels.optim.updates import InBackwardUpdates
-from sonar_kernels.rules.master_weights import STOCHASTIC, shard_index_base, tensor_seed
-from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors, update_of
-from sonar_kernels.update_state import UpdateState
+from sonar_kernels.specs import is_expert_tensor, mark_expert_tensors
 
 __all__ = ["InBackwardAdamW", "expert_optimizer", "is_expert_tensor", "mark_expert_tensors"]
-
-
-def expert_optimizer(param: torch.Tensor):
-    """The live optimizer that updates ``param`` in the backward (the one whose update it carries), or None."""
-    update = update_of(param)
-    return update.optimizer if isinstance(update, OwnedUpdate) else None
 
 
 class InBackwardAdamW(ExpertTelemetry):
     """Mixin for a torch.optim.Optimizer whose managed tensors are updated in the backward pass.
 
     The host-class protocol (the underscore names its subclasses use, and only they): the host calls
-    :meth:`_init_in_backward` before ``Optimizer.__init__``, :meth:`_check_managed` and :meth:`_manage` for
+    :meth:`_init_in_backward` before ``Optimizer.__init__``, ``managed.check`` and ``managed.manage`` for
     the tensors to update in the backward (state created there, torch.optim.AdamW's layout), and
-    :meth:`_run_closure_and_end_step` in its ``step()``; ``_managed`` holds the tensors it updates in the
-    backward (``p in self._managed``).
+    :meth:`_run_closure_and_end_step` in its ``step()``. ``managed`` (:class:`ManagedTensors`,
+    optim/managed.py) owns the tables: ``p in self.managed.tensors`` for the tensors it updates in the
+    backward.
     """
 
     # -- Construction and the tables ---------------------------------------------------------------------
@@ -109,8 +101,6 @@ class InBackwardAdamW(ExpertTelemetry):
         if not specs.is_integer(rounding_seed):
             raise TypeError(f"rounding_seed must be an int, got {type(rounding_seed).__name__}")
         self.rounding_seed = int(rounding_seed)
-        # Managed tensor -> the seed of its stochastic rounding's stream (by the order it was given).
-        self._seeds = {}
         if self.master_weights is not None and moments_dtype is None:
             moments_dtype = torch.float32  # AdamW on the fp32 master: fp32 moments, as torch.optim.AdamW's
         self.accumulation_steps = accumulation_steps
@@ -124,75 +114,11 @@ class InBackwardAdamW(ExpertTelemetry):
         # What this step's updates did, and the update path (optim/updates.py); raises ValueError for an
         # accumulation_steps that is not an int >= 1.
         self._record = InBackwardUpdates(self, accumulation_steps, grad_dtype)
-        # The per-tensor tables below are keyed by the tensors themselves (identity, as torch.optim's
-        # ``state``), never by weak references: torch.utils.swap_tensors refuses a tensor that has one.
-        # Managed tensors; their post-accumulate-grad hooks.
-        self._managed = {}
-        self._hooked = {}
-        # Expert tensors held but not managed yet: with several ranks, neither sharded nor covered by the
-        # data-parallel group when they were given (SonarAdamW.add_param_group). Decided at their module's
-        # first forward (managed if complete by then, else refused) or when param_groups are replaced.
-        self._pending: list = []
-        # Managed tensor -> the update attached to it.
-        self._updates = {}
-        # [tensor, update, hook handle] of each managed tensor: removed when this optimizer is
-        # garbage-collected (the finalizer holds the list, not the optimizer).
-        self._entries: list = []
-        # Managed tensor -> weak reference to the optimizer that owned it before this one (it takes the
-        # tensor back when this one is garbage-collected).
-        self._previous = {}
-        # Whether an expert tensor was replaced and adopted since the last step() (adopt_replacement).
-        self._replaced_since_step = False
-        weakref.finalize(self, release_entries, self._entries, self._previous)
+        # The tensors it updates in the backward and their life cycle (optim/managed.py).
+        self.managed = ManagedTensors(self, self._record)
+        weakref.finalize(self, release_entries, self.managed.entries, self.managed.previous)
 
-    # -- Ownership: which tensors this optimizer updates, and their update handles -----------------------
-
-    def _check_managed(self, params, complete: bool = True) -> None:
-        """Refuse (TypeError, ValueError) tensors the update cannot take; with ``complete``, also those
-        whose gradient would be partial (:meth:`_check_complete`)."""
-        name = type(self).__name__
-        for p in params:
-            if not isinstance(p, torch.Tensor):
-                raise TypeError(f"{name} params must be tensors, got {type(p).__name__}")
-            if p.dtype not in ops.SUPPORTED_DTYPES:
-                raise TypeError(f"{name}: expert tensors must be float32, bfloat16 or float16, got {p.dtype}")
-            if not ops.is_dense(p):
-                raise ValueError(f"{name}: expert tensors must be dense tensors, got strides {p.stride()}")
-            if self.master_weights == STOCHASTIC and isinstance(p, DTensor):
-                shard_index_base(p)  # a shard along the first dimension only: ValueError otherwise
-            if self.master_weights is not None and p.dtype != torch.bfloat16:
-                raise TypeError(
-                    f'{name}: master_weights="{self.master_weights}" keeps bf16 expert tensors; got one of '
-                    f"{p.dtype} (shape {tuple(p.shape)}): its master is itself"
-                )
-        if complete:
-            self._check_complete(params)
-
-    def _check_complete(self, params, error=ValueError) -> None:
-        """Refuse (``error``) expert tensors whose in-backward update would use a partial gradient: more
-        than one rank, and neither sharded nor data-parallel (optim/distributed.py)."""
-        distributed.check_complete(type(self).__name__, params, self.data_parallel_group, error)
-
-    def _manage(self, params) -> None:
-        """Create the state of ``params`` (already in param_groups), attach their updates (an earlier
-        optimizer that owned one lets it go) and register their hooks."""
-        for p in params:
-            if p in self._managed:
-                continue
-            previous = expert_optimizer(p)
-            if previous is not None and previous is not self:
-                previous._let_go(p)
-                self._previous[p] = weakref.ref(previous)
-            self._seeds.setdefault(p, tensor_seed(self.rounding_seed, len(self._seeds)))
-            self.state[p] = expert_state(
-                p, self.state.get(p, {}), self.moments_dtype, master=self.master_weights, seed=self._seeds[p]
-            )
-            self._managed[p] = True
-            self._record.add(p)
-            self._attach(p)
-        if self._pending:
-            self._pending = [q for q in self._pending if q not in self._managed]
-        self._register_hooks()
+    # -- Ownership: which tensors this optimizer updates (optim/managed.py) --------------------------------
 
     def claim(self, p: torch.Tensor) -> None:
         """``p`` is an expert tensor that its experts module is about to run (called at each eager forward
@@ -205,28 +131,9 @@ class InBackwardAdamW(ExpertTelemetry):
             RuntimeError: ``p`` was converted, or has a gradient of a dense backward, between a backward
                 and ``step()``.
             ValueError, TypeError: ``p``'s parameter group sets an option the update does not implement,
-                or ``p`` is not a tensor the update takes (see :meth:`_check_managed`).
+                or ``p`` is not a tensor the update takes (see :meth:`ManagedTensors.check`).
         """
-        if p in self._managed:
-            update = self._updates.get(p)
-            if update is not None and specs.update_of(p) is update and update.signature == signature(p):
-                return
-            self._rebuild(p)
-            return
-        if specs.update_of(p) is not None or not getattr(self, "adopts_expert_tensors", False):
-            return
-        if not any(q is p for group in self.param_groups for q in group["params"]):
-            return  # a copy of a tensor it holds (a deep-copied model)
-        name = type(self).__name__
-        if p.grad is not None:
-            raise RuntimeError(
-                f"{name}: the expert tensor of shape {tuple(p.shape)} has a gradient from a backward in which it "
-                'was trained as a dense parameter (before its experts module ran "sonar"); call step() or '
-                'zero_grad() before the first forward of the "sonar" experts'
-            )
-        check_group_options(name, self._record.groups.group(p), True)
-        self._check_managed([p])
-        self._manage([p])
+        self.managed.claim(p)
 
     def adopt_replacement(self, old: torch.Tensor, new: torch.Tensor) -> bool:
         """``new`` replaced ``old``, a tensor this optimizer updates in the backward, in its experts module
@@ -238,7 +145,7 @@ class InBackwardAdamW(ExpertTelemetry):
         let go (no update, no hook, no entry of this optimizer keeps it). The state is kept as it is when
         ``new`` has ``old``'s dtype, device and strides (the run equals one without the replacement, bit
         for bit, when ``new`` holds ``old``'s values), else converted as for a conversion of the tensor
-        (:meth:`_rebuild`). torch.optim.AdamW keeps training the old objects instead (PyTorch's advice:
+        (:meth:`ManagedTensors.rebuild`). torch.optim.AdamW keeps training the old objects instead (PyTorch's advice:
         build the optimizer after such a load); the dense parameters of SonarAdamW follow torch's rule.
 
         Returns:
@@ -247,140 +154,16 @@ class InBackwardAdamW(ExpertTelemetry):
         Raises:
             RuntimeError: the replacement came between a backward and ``step()`` (``old`` was updated or
                 holds micro-batches of this step), or ``new`` has a gradient; raised before any change.
-            TypeError, ValueError: ``new`` is not a tensor the update takes (:meth:`_check_managed`).
+            TypeError, ValueError: ``new`` is not a tensor the update takes (:meth:`ManagedTensors.check`).
         """
-        if old not in self._managed or tuple(new.shape) != tuple(old.shape):
-            return False
-        where = [
-            (group, i)
-            for group in self.param_groups
-            for i, q in enumerate(group["params"])
-            if q is old or q is new
-        ]
-        if len(where) != 1 or where[0][0]["params"][where[0][1]] is not old:
-            return False
-        name = type(self).__name__
-        record = self._record
-        if old in record.updated or old in record.micro_batches.counts or old.grad is not None:
-            raise RuntimeError(
-                f"{name}: the expert tensor of shape {tuple(old.shape)} was replaced by a new tensor (e.g. "
-                "load_state_dict(assign=True)) between a backward that updated or accumulated it and step(); "
-                "replace the model's parameters after step() (nothing was changed)"
-            )
-        if new.grad is not None:
-            raise RuntimeError(
-                f"{name}: the expert tensor of shape {tuple(new.shape)} that replaced one this optimizer updates "
-                "has a gradient already; call zero_grad() before its experts module's forward (nothing was changed)"
-            )
-        self._check_managed([new])
-        # Nothing has changed so far.
-        group, index = where[0]
-        update = self._updates.get(old)
-        before = update.signature[0] if update is not None else old.dtype
-        same = (old.dtype, old.device, old.stride()) == (new.dtype, new.device, new.stride())
-        state = self.state.pop(old)
-        previous = self._previous.pop(old, None)
-        seed = self._seeds.pop(old, None)
-        self._let_go(old)
-        specs.attach_update(old, None)
-        group["params"][index] = new
-        if previous is not None:
-            self._previous[new] = previous
-        if seed is not None:
-            self._seeds[new] = seed
-        record.move(old, new)
-        specs.set_holder(new, self)
-        self._managed[new] = True
-        self.state[new] = state if same else expert_state(
-            new, state, self.moments_dtype, follows=before, master=self.master_weights,
-            seed=self._seeds.get(new, 0),
-        )  # fmt: skip
-        record.add(new)
-        self._attach(new)
-        self._register_hooks()
-        self._replaced_since_step = True
-        return True
-
-    def _rebuild(self, p: torch.Tensor) -> None:
-        """The update of managed ``p`` after a conversion of ``p`` (``module.to(...)``: its dtype or device
-        changed, in place or by torch.utils.swap_tensors, which also drops the attached update): the state
-        moves to ``p``'s device, the moments that had the parameter's dtype take its new one, and a state
-        that no update has advanced yet starts anew (what building the optimizer after the conversion
-        gives)."""
-        name = type(self).__name__
-        if p in self._record.updated or p in self._record.micro_batches.counts or p.grad is not None:
-            raise RuntimeError(
-                f"{name}: the expert tensor of shape {tuple(p.shape)} was converted (dtype or device) between a "
-                "backward and step(); convert the model before its forward or after step()"
-            )
-        check_converted(name, p, self.master_weights)  # before any change of the state
-        state = self.state[p]
-        update = self._updates.get(p)
-        fresh = float(state["step"]) == 0.0  # reads the device: a conversion is rare
-        before = update.signature[0] if update is not None else p.dtype
-        self.state[p] = expert_state(
-            p, {} if fresh else state, self.moments_dtype, follows=before, master=self.master_weights,
-            seed=self._seeds.get(p, 0),
-        )  # fmt: skip
-        self._record.add(p)
-        self._attach(p)
-
-    def _attach(self, p: torch.Tensor) -> None:
-        """(Re)build the update of ``p`` from its current state tensors and attach it."""
-        state = self.state[p]
-        record = self._record
-        foreach, fused = torch_adamw_flags(record.groups.group(p), [p])
-        tensors = UpdateState.of_optimizer(
-            state, record.grad_norm_sq[p], record.skipped[p], record.clipped[p]
-        )
-        update = OwnedUpdate(
-            self, record, p, **tensors._asdict(), hyper=record.groups.tensor(p),
-            grad_dtype=self.grad_dtype or p.dtype, fused=self.fused_epilogue, foreach=foreach, torch_fused=fused,
-            accumulation_steps=self.accumulation_steps, reduce_first=record.reduces_first(p),
-        )  # fmt: skip
-        old = self._updates.get(p)
-        self._updates[p] = update
-        self._record.tensors_by_id[id(p)] = p
-        specs.attach_update(p, update)
-        for entry in self._entries:
-            if entry[1] is old and entry[0] is p:
-                entry[1] = update
-                break
-        else:
-            self._entries.append([p, update, None])
-
-    def _let_go(self, p: torch.Tensor) -> None:
-        """A newer optimizer owns ``p`` now: remove this one's hook; ``p`` is no longer updated here in the
-        backward (its state is kept)."""
-        handle = self._hooked.pop(p, None)
-        if handle is not None:
-            handle.remove()
-        self._managed.pop(p, None)
-        self._updates.pop(p, None)
-        self._entries[:] = [entry for entry in self._entries if entry[0] is not p]
-
-    def _take_back(self, p: torch.Tensor) -> None:
-        """The newer optimizer that took ``p`` was garbage-collected: own it again, with the state kept."""
-        if p in self.state and any(q is p for group in self.param_groups for q in group["params"]):
-            self._managed[p] = True
-            self._attach(p)
-            self._register_hooks()
-
-    def _register_hooks(self) -> None:
-        """The update of gradients that reach a managed tensor's ``.grad``. A hook needs requires_grad:
-        tensors frozen now get theirs at the next step()."""
-        for entry in self._entries:
-            p = entry[0]
-            if p.requires_grad and p not in self._hooked:
-                hook = accumulated_grad_hook(self, self._record, "on_grad_accumulated")
-                entry[2] = self._hooked[p] = p.register_post_accumulate_grad_hook(hook)
+        return self.managed.adopt_replacement(old, new)
 
     # -- Telemetry -----------------------------------------------------------------------------------------
 
     @property
     def expert_tensors(self) -> list[torch.Tensor]:
         """The tensors this optimizer updates in the backward (it owns them), in param_groups order."""
-        return [p for group in self.param_groups for p in group["params"] if p in self._managed]
+        return [p for group in self.param_groups for p in group["params"] if p in self.managed.tensors]
 
     # -- The step, and torch.optim.Optimizer's methods -----------------------------------------------------
 
@@ -392,7 +175,7 @@ class InBackwardAdamW(ExpertTelemetry):
 
         Eager also under ``torch.compile(optimizer.step)`` (torch's compiled-optimizer recipe): per-tensor
         bookkeeping and hooks, no tensor math to compile (a closure runs eagerly there)."""
-        self._record.check_before_step(self._managed)
+        self._record.check_before_step(self.managed.tensors)
         try:
             if closure is None:
                 return None
@@ -400,9 +183,9 @@ class InBackwardAdamW(ExpertTelemetry):
                 return closure()
         finally:
             try:
-                self._record.end_step(list(self._managed))
+                self._record.end_step(list(self.managed.tensors))
             finally:
-                self._register_hooks()  # tensors unfrozen since get their hook
+                self.managed.register_hooks()  # tensors unfrozen since get their hook
 
     def __deepcopy__(self, memo):
         raise TypeError(
@@ -428,7 +211,7 @@ class InBackwardAdamW(ExpertTelemetry):
         as a CPU tensor (a copy; the live one stays on the device), as torch.optim.AdamW keeps it outside
         its fused and capturable modes: loaded into a non-fused torch.optim.AdamW it then does not read a
         device scalar on the host at every step. Reading it syncs with the device (checkpoint time)."""
-        return with_cpu_steps(super().state_dict(), self.param_groups, self._managed.__contains__)
+        return with_cpu_steps(super().state_dict(), self.param_groups, self.managed.tensors.__contains__)
 
     def load_fp32_masters(self, masters) -> None:
         """Give bf16 expert tensors of ``master_weights`` their fp32 masters, e.g. the weights of an fp32
@@ -449,11 +232,11 @@ class InBackwardAdamW(ExpertTelemetry):
             RuntimeError: called after a backward that updated expert tensors and before ``step()``.
         """
         name = type(self).__name__
-        if any(p in self._managed for p in self._record.updated):
+        if any(p in self.managed.tensors for p in self._record.updated):
             raise RuntimeError(
                 f"{name}.load_fp32_masters after a backward that updated expert tensors and before step()"
             )
-        load_fp32_masters(name, self.state, self._managed.__contains__, self.master_weights, masters)
+        load_fp32_masters(name, self.state, self.managed.tensors.__contains__, self.master_weights, masters)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As torch.optim.Optimizer.load_state_dict (a torch.optim.AdamW state_dict loads too), except for
@@ -470,24 +253,23 @@ class InBackwardAdamW(ExpertTelemetry):
             RuntimeError: called after a backward that updated expert tensors and before ``step()``, unless
                 each of them was restored since (replaced or written: a rollback, which then ends the step).
         """
-        rolled_back = self._record.rolled_back(self._managed)
-        if not rolled_back and any(p in self._managed for p in self._record.updated):
+        rolled_back = self._record.rolled_back(self.managed.tensors)
+        if not rolled_back and any(p in self.managed.tensors for p in self._record.updated):
             raise RuntimeError(
                 f"{type(self).__name__}: load_state_dict() after a backward that updated expert tensors and before "
                 "step(): the weights already hold this step's update, and the loaded moments and step would not "
                 "match them; call step() (or load before the forward, or restore the weights first: a rollback)"
             )
-        managed = self._managed.__contains__
+        managed = self.managed.tensors.__contains__
         pairs = check_loadable(type(self).__name__, state_dict, self.param_groups, managed)
         super().load_state_dict(state_dict)
-        # torch's load_state_dict builds new group dicts: new hyperparameter tensors below (_attach).
+        # torch's load_state_dict builds new group dicts: new hyperparameter tensors below (managed.attach).
         self._record.groups.forget()
         for param_id, p in pairs:
             if managed(p):
                 saved = state_dict["state"].get(param_id, {})
-                load_expert_state(
-                    p, self.state[p], saved, self.moments_dtype, self.master_weights, self._seeds.get(p, 0)
-                )
-                self._attach(p)  # the update reads the new state tensors
+                seed = self.managed.seeds.get(p, 0)
+                load_expert_state(p, self.state[p], saved, self.moments_dtype, self.master_weights, seed)
+                self.managed.attach(p)  # the update reads the new state tensors
         if rolled_back:
             self._record.end_rolled_back_step()

@@ -50,6 +50,7 @@ __all__ = [
     "mark_fsdp_expert_tensors",
     "owner_of",
     "register_adopter",
+    "scan_model",
     "sharded_experts_message",
     "user_stacklevel",
     "warn_unowned_experts",
@@ -209,6 +210,51 @@ def _efsdp_ep_reason(names: tuple[str, ...], shape: tuple[int, ...]) -> str:
 _CHECKED = "_sonar_checked_experts"
 
 
+def scan_model(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The expert tensors of ``model``, which SonarAdamW is built from (in ``model.parameters()`` order):
+    the experts modules' tensors marked (:func:`sonar_kernels.specs.mark_expert_tensors`), their forwards
+    checked (:func:`check_forward`), and a warning (to SonarAdamW's caller) when experts run another
+    implementation than "sonar" or the config selects "sonar" but no module dispatches to it."""
+    # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
+    # transformers experts modules running the "sonar" implementation are found by their config.
+    other = set()
+    for module in model.modules():
+        if (tensors := specs.expert_tensors_of(module)) is not None:
+            specs.mark_expert_tensors(*tensors)
+        elif specs.is_experts_module(module):
+            other.add(getattr(getattr(module, "config", None), "_experts_implementation", None))
+    if other:
+        warnings.warn(
+            f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
+            '"sonar": their tensors are trained as dense parameters (clipped and updated in step()) '
+            'unless the model is switched (model.set_experts_implementation("sonar")) before its next '
+            "forward, which hands them to this optimizer.",
+            stacklevel=3,
+        )
+    check_forward(*(m for m in model.modules() if specs.expert_tensors_of(m) is not None))
+    experts = [p for p in model.parameters() if specs.is_expert_tensor(p)]
+    if not experts and _selects_sonar(model):
+        # The config asks for "sonar", but no experts module dispatches through transformers'
+        # ExpertsInterface (e.g. JetMoe in transformers 5.24): nothing runs the kernels.
+        batched = [name for name, p in model.named_parameters() if p.dim() == 3]
+        warnings.warn(
+            'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
+            "dispatches through transformers' ExpertsInterface, so no expert tensor is updated in the "
+            f"backward and every parameter is trained as a dense one; batched (3-D) weights: {batched[:4]}"
+            f"{' ...' if len(batched) > 4 else ''}. The sonar kernels do not run in this model.",
+            stacklevel=3,
+        )
+    return experts
+
+
+def _selects_sonar(model: torch.nn.Module) -> bool:
+    """Whether a config of ``model`` (or of a submodule) selects experts_implementation "sonar"."""
+    return any(
+        getattr(getattr(m, "config", None), "_experts_implementation", None) == specs.IMPLEMENTATION
+        for m in model.modules()
+    )
+
+
 def owner_of(t: torch.Tensor):
     """The live in-backward optimizer that owns ``t`` (its update), holds it (its tag), or whose
     post-accumulate-grad hook it carries (a swap dropped the tensor's attributes); None otherwise."""
@@ -281,10 +327,10 @@ def _concerns(optimizer, module: torch.nn.Module | None, tensors: tuple) -> bool
     """Whether ``optimizer`` holds or updates one of ``tensors`` (in its groups, or as the tensors it
     updates in the backward), or was built from a model that holds ``module``."""
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
-    held.update(id(p) for p in optimizer._managed)
+    held.update(id(p) for p in optimizer.managed.tensors)
     if any(t is not None and id(t) in held for t in tensors):
         return True
-    source = getattr(optimizer, "_dense_source", None)
+    source = optimizer.managed.dense_source
     model = source[0]() if source is not None else None
     return model is not None and module is not None and any(m is module for m in model.modules())
 

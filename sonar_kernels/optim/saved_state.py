@@ -7,7 +7,7 @@ restores from it (docs/usage.md, "Checkpoints and resume"):
 - with ``expert_clipping="lagged"`` the coefficient the next step's expert updates use
   (optim/lagged_clipping.py).
 
-The functions work on the optimizer's own tables (the InBackwardAdamW protocol), as optim/group_sync.py's.
+The functions work on the optimizer's public tables (its ``managed``, optim/managed.py) and options.
 """
 
 from __future__ import annotations
@@ -29,19 +29,20 @@ def complete(optimizer, saved: dict) -> dict:
     owned = [(p, group) for group in optimizer.param_groups for p in group["params"]]
     pending = 0
     for param_id, (p, group) in zip(ids, owned, strict=True):
-        if param_id in saved["state"] or not p.requires_grad or p in optimizer._managed:
+        if param_id in saved["state"] or not p.requires_grad or p in optimizer.managed.tensors:
             continue
         if optimizer.is_pending(p):
-            # The seed _manage would give it when the pending tensors are decided in param_groups order.
-            seed = tensor_seed(optimizer.rounding_seed, len(optimizer._seeds) + pending)
+            # The seed managed.manage would give it when the pending tensors are decided in param_groups order.
+            seed = tensor_seed(optimizer.rounding_seed, len(optimizer.managed.seeds) + pending)
             pending += 1
             saved["state"][param_id] = _saved_initial_expert_state(optimizer, p, seed)
         else:
-            fused = torch_adamw_flags(group, optimizer._dense_of(group, with_grad=False))[1]
+            dense_params = [q for q in group["params"] if q not in optimizer.managed.tensors]
+            fused = torch_adamw_flags(group, dense_params)[1]
             saved["state"][param_id] = dense.initial_dense_state(p, {**group, "fused": fused})
     if optimizer.expert_clipping == "lagged":
         coef = optimizer.expert_clip_coef if optimizer.lagged_coef_set else None
-        experts = lambda p: p in optimizer._managed or optimizer.is_pending(p)  # noqa: E731
+        experts = lambda p: p in optimizer.managed.tensors or optimizer.is_pending(p)  # noqa: E731
         saved = lagged_clipping.save_coef(saved, [p for p, _ in owned], experts, coef)
     return saved
 
@@ -64,4 +65,4 @@ def restore(optimizer, state_dict: dict, load) -> None:
     if coef is not None and optimizer.expert_clipping == "lagged":
         device = optimizer.expert_clip_coef.device
         optimizer.expert_clip_coef, optimizer.lagged_coef_set = coef.to(device), True
-        optimizer._record.groups.set_clip_coef(optimizer.expert_clip_coef)
+        optimizer.managed.record.groups.set_clip_coef(optimizer.expert_clip_coef)

@@ -11,8 +11,8 @@ from torch.distributed.tensor import DTensor
 
 from sonar_kernels import specs
 from sonar_kernels.optim import dense as dense_step
-from sonar_kernels.optim import distributed, group_sync, lagged_clipping, ownership, saved_state
-from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor, mark_expert_tensors
+from sonar_kernels.optim import distributed, lagged_clipping, ownership, saved_state
+from sonar_kernels.optim.in_backward import InBackwardAdamW, is_expert_tensor
 from sonar_kernels.optim.param_groups import check_group_options, torch_adamw_flags
 
 
@@ -28,54 +28,8 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     torch.optim.AdamW to them. Expert gradients never exist as a whole, so no global norm clips them (the
     paper clips the dense parameters only); ``expert_clipping`` clips them inside their update.
 
-    Which torch AdamW runs: with the default flags (foreach=None, fused=None) torch's fused AdamW
-    (``torch.optim.AdamW(fused=True)``'s kernel), for the dense parameters and for the expert tensors that
-    torch's AdamW updates, wherever torch has one for their device and dtype (the CPU and CUDA; the rule:
-    ``sonar_kernels.optim.param_groups.torch_adamw_flags``): one pass over each tensor, no temporaries,
-    non-finite gradients skipped on the device, and on the CPU several times faster than the for-loop
-    AdamW torch picks there by default. The result is then bitwise torch.optim.AdamW(fused=True)'s, with
-    dense-only clipping. Flags set explicitly (foreach=True or False, fused=False or True) keep torch's
-    meaning and give torch.optim.AdamW's bits with those flags; with capturable or differentiable, torch
-    chooses as torch.optim.AdamW does. The choice is made at each step from the parameters as they are
-    then (parameters built on the meta device and made real by ``to_empty()`` get the fused kernel), and
-    the groups keep showing the flags as given (None), as torch.optim.AdamW's do: a ``state_dict()`` then
-    says None, which torch.optim.AdamW reads as its own default when it loads it (torch takes the flags
-    from the checkpoint); set ``fused=True`` in its groups after loading to continue bit for bit. Under
-    ``torch.compile(optimizer.step)`` dynamo traces the groups as capturable, so the compiled step runs
-    torch's capturable path, as a compiled torch.optim.AdamW with the same flags does; fused=True keeps
-    the fused kernel there.
-
-    The parameter groups and their order are the user's, as given (no hidden group), so the state
-    indices of ``state_dict()`` are torch.optim.AdamW's, and a torch.optim.AdamW state_dict of the same
-    model loads (and the reverse). LR schedulers drive both kinds of parameters: the backward reads the
-    expert tensors' group when it runs. Expert tensors' state is created here (``step`` a 0-dim float32
-    tensor on the parameter's device); the dense parameters' state is torch's, created at their first
-    step. An expert tensor that gets no gradient in a step is not updated in that step (with
-    ``zero_grad(set_to_none=False)`` torch.optim.AdamW would still decay it with a zero gradient). Each expert tensor is updated once between two ``step()`` calls, at the last of its
-    ``accumulation_steps`` backward passes; see ExpertAdamW for the other rules (one live graph, no loss
-    scaling).
-
-    Non-finite gradients never reach the parameters or the optimizer state. An expert tensor's update
-    is skipped when its gradient has an entry that is NaN, infinite or beyond ``ops.grad_limit``
-    (decided on the device before the update; counted by ``expert_skipped_updates()``). The dense update
-    of ``step()`` is skipped as a whole (all dense parameters, their moments and steps unchanged) when a
-    dense gradient, after clipping, has such an entry or the clipping norm is not finite (with
-    ``clip_norm_includes_experts`` that norm is inf as soon as one expert update was skipped: the dense
-    gradients are then scaled to 0 or NaN by the clipping and the dense step is skipped, while the other
-    expert tensors were updated in the backward); counted in
-    ``dense_skipped_steps`` (a 0-dim int64 tensor). Where torch's fused AdamW runs (fused=True, or the
-    default flags) it skips it on the device (its ``found_inf`` input, as torch.amp.GradScaler uses it);
-    torch's foreach and single-tensor AdamW have no such input, so ``step()`` reads the decision on the
-    host there (one sync per step on a GPU).
-
-    Loss scaling of dense-only models: where torch's fused AdamW runs, ``step()`` takes the
-    ``grad_scale`` and ``found_inf`` attributes that ``torch.amp.GradScaler.step`` (or the caller) sets, as
-    torch's fused AdamW does (``_step_supports_amp_scaling`` tells GradScaler so): the step is skipped
-    when the caller's ``found_inf`` is 1 or this optimizer finds a non-finite gradient (measured on the
-    unscaled gradient), the attributes are left as they were, and a skipped step counts in
-    ``dense_skipped_steps``. With ``max_grad_norm`` the gradients are unscaled
-    first, as ``GradScaler.unscale_`` does, so that the clipping sees the true norm. The backward of a
-    scaled loss through expert tensors stays refused (see ExpertAdamW).
+    Which torch AdamW runs, the parameter groups and the state, non-finite gradients and GradScaler:
+    docs/usage.md, "SonarAdamW", "Which AdamW runs where" and "Non-finite gradients".
 
     Args:
         params: an nn.Module (its parameters, in order) or parameters / parameter groups.
@@ -131,7 +85,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             :meth:`sync_param_groups`); expert tensors replaced in ``param_groups`` by tensors that are not
             experts (DeepSpeed ZeRO's flat partitions) are refused there too (RuntimeError), naming
             DeepSpeed; so are dense parameters of the model that FSDP2 sharded after this optimizer was
-            built (RuntimeError; optim/group_sync.py). TypeError: an expert tensor of an unsupported dtype.
+            built (RuntimeError; optim/managed.py). TypeError: an expert tensor of an unsupported dtype.
     """
 
     # Experts modules hand over the expert tensors it holds as dense ones (InBackwardAdamW.claim).
@@ -193,35 +147,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         )  # fmt: skip
         if isinstance(params, nn.Module):
             model = params
-            # Modules that hold expert weights say which (SonarExperts.expert_tensors), copies included;
-            # transformers experts modules running the "sonar" implementation are found by their config.
-            other = set()
-            for module in model.modules():
-                if (tensors := specs.expert_tensors_of(module)) is not None:
-                    mark_expert_tensors(*tensors)
-                elif specs.is_experts_module(module):
-                    other.add(getattr(getattr(module, "config", None), "_experts_implementation", None))
-            if other:
-                warnings.warn(
-                    f"SonarAdamW: the model's experts run experts_implementation {sorted(map(str, other))}, not "
-                    '"sonar": their tensors are trained as dense parameters (clipped and updated in step()) '
-                    'unless the model is switched (model.set_experts_implementation("sonar")) before its next '
-                    "forward, which hands them to this optimizer.",
-                    stacklevel=2,
-                )
-            ownership.check_forward(*(m for m in model.modules() if specs.expert_tensors_of(m) is not None))
-            experts = [p for p in model.parameters() if is_expert_tensor(p)]
-            if not experts and _selects_sonar(model):
-                # The config asks for "sonar", but no experts module dispatches through transformers'
-                # ExpertsInterface (e.g. JetMoe in transformers 5.24): nothing runs the kernels.
-                batched = [name for name, p in model.named_parameters() if p.dim() == 3]
-                warnings.warn(
-                    'SonarAdamW: the model\'s config selects experts_implementation "sonar", but none of its modules '
-                    "dispatches through transformers' ExpertsInterface, so no expert tensor is updated in the "
-                    f"backward and every parameter is trained as a dense one; batched (3-D) weights: {batched[:4]}"
-                    f"{' ...' if len(batched) > 4 else ''}. The sonar kernels do not run in this model.",
-                    stacklevel=2,
-                )
+            experts = ownership.scan_model(model)
             if experts:
                 # Before any state exists: a DDP reducer that holds the experts is refused here; a DDP that
                 # wraps the module later leaves them alone (no zero .grad of its own on them): its ignore
@@ -237,7 +163,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         )  # fmt: skip
         if ignored_by_ddp is not None:
             distributed.exclude_from_ddp(*ignored_by_ddp)
-            group_sync.remember_source(self, ignored_by_ddp[0])  # FSDP2 sharding it later is refused
+            self.managed.remember_source(ignored_by_ddp[0])  # FSDP2 sharding it later is refused
         dense = self.dense_parameters()
         device = dense[0].device if dense else torch.device("cpu")
         self.dense_skipped_steps = torch.zeros((), dtype=torch.int64, device=device)
@@ -251,11 +177,6 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         self.expert_clip_coef = lagged_clipping.next_coef(self.max_grad_norm, norm, coef)
         self.lagged_coef_set = True
         self._record.groups.set_clip_coef(self.expert_clip_coef)
-
-    def _refuse_pending(self) -> None:
-        """RuntimeError, before anything changes, when expert tensors held undecided reach ``step()``
-        (optim/group_sync.py, :func:`refuse_pending`)."""
-        group_sync.refuse_pending(self)
 
     def add_param_group(self, param_group: dict) -> None:
         """As torch.optim.AdamW.add_param_group; the group's expert tensors are also set up for the
@@ -272,41 +193,36 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         experts = [p for p in tensors if is_expert_tensor(p)]
         # The options the group will have: its own, else the constructor's (torch fills them in below).
         check_group_options(type(self).__name__, {**self.defaults, **param_group}, bool(experts))
-        ready, pending = self._split_pending(experts)
-        self._check_managed(ready)
-        self._check_managed(pending, complete=False)
+        ready, pending = self.managed.split_pending(experts)
+        self.managed.check(ready)
+        self.managed.check(pending, complete=False)
         super().add_param_group(param_group)
-        self._manage(ready)
-        self._pending.extend(pending)
+        self.managed.add(ready, pending)
         ownership.check_forward(*(specs.expert_module_of(p) for p in experts))
         # An experts module that finds one of these tensors at its forward hands it over (ownership.py).
         for p in tensors:
             specs.set_holder(p, self)
-        self._synced_params = [group["params"] for group in self.param_groups]
-
-    def _split_pending(self, experts: list) -> tuple[list, list]:
-        """(ready, pending) of ``experts`` (optim/group_sync.py, :func:`split_pending`)."""
-        return group_sync.split_pending(self, experts)
+        self.managed.mark_synced()
 
     def sync_param_groups(self) -> None:
         """Follow entries of ``param_groups`` replaced since this optimizer last saw them (a new ``params``
         list in a group, or a group added), as accelerate's ``prepare`` does under FSDP2: it puts the
         shards (DTensors) of the model the optimizer was built on in the originals' places. The expert
         tensors among the new entries are updated in the backward from then on, those that left are
-        forgotten (optim/group_sync.py, :func:`follow`). Called at each experts module's forward
+        forgotten (:meth:`ManagedTensors.follow`, optim/managed.py). Called at each experts module's forward
         (ownership.py) and at ``step()``; nothing is done when the groups are the lists it saw last.
 
         Raises:
             RuntimeError: an expert tensor that left the groups was updated or accumulated already, or expert
                 tensors were replaced by tensors that are not experts (DeepSpeed ZeRO's flat partitions).
-            ValueError, TypeError: a new expert tensor the update cannot take (:meth:`_check_managed`).
+            ValueError, TypeError: a new expert tensor the update cannot take (:meth:`ManagedTensors.check`).
         """
-        group_sync.follow(self)
+        self.managed.follow()
 
     def is_pending(self, p: torch.Tensor) -> bool:
         """Whether ``p`` is an expert tensor this optimizer holds and has not decided yet
-        (:meth:`_split_pending`)."""
-        return any(p is q for q in self._pending)
+        (:meth:`ManagedTensors.split_pending`)."""
+        return self.managed.is_pending(p)
 
     @property
     def _step_supports_amp_scaling(self) -> bool:
@@ -330,7 +246,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         """After a step in which expert tensors replaced by new objects were adopted: warn (once per
         optimizer) when dense parameters that require grad got no gradient, the sign that they were replaced
         too and are no longer trained (the optimizer holds the old objects, as torch.optim.AdamW would)."""
-        self._replaced_since_step = False
+        self.managed.replaced_since_step = False
         stale = [p for p in self.dense_parameters() if p.requires_grad and p.grad is None]
         if stale and not getattr(self, "_warned_replaced_dense", False):
             self._warned_replaced_dense = True
@@ -339,7 +255,9 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
     def _dense_of(self, group: dict, with_grad: bool = True) -> list[torch.Tensor]:
         """The dense parameters of ``group`` (with a gradient when ``with_grad``)."""
         return [
-            p for p in group["params"] if p not in self._managed and (p.grad is not None or not with_grad)
+            p
+            for p in group["params"]
+            if p not in self.managed.tensors and (p.grad is not None or not with_grad)
         ]
 
     def dense_parameters(self) -> list[torch.Tensor]:
@@ -349,7 +267,7 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
             p
             for group in self.param_groups
             for p in group["params"]
-            if p not in self._managed and not self.is_pending(p)
+            if p not in self.managed.tensors and not self.is_pending(p)
         ]
 
     def state_dict(self) -> dict:
@@ -408,11 +326,11 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
         """
         if not torch.compiler.is_compiling():
             self.sync_param_groups()
-            self._refuse_pending()
+            self.managed.refuse_pending()
         loss = self._run_closure_and_end_step(closure)
-        if self._replaced_since_step and not torch.compiler.is_compiling():
+        if self.managed.replaced_since_step and not torch.compiler.is_compiling():
             self._warn_replaced_dense()
-        if not self._managed and not self._warned_no_experts and not torch.compiler.is_compiling():
+        if not self.managed.tensors and not self._warned_no_experts and not torch.compiler.is_compiling():
             self._warned_no_experts = True
             warnings.warn(
                 f"{type(self).__name__} updates no expert tensor in the backward: none of its parameters belongs "
@@ -422,63 +340,13 @@ class SonarAdamW(InBackwardAdamW, torch.optim.AdamW):
                 stacklevel=ownership.user_stacklevel(),
             )
         dense = [p for p in self.dense_parameters() if p.grad is not None]
-        dense_step.follow_conversions(self.state, dense)
-        # Set by torch.amp.GradScaler.step for a fused optimizer (its _step_supports_amp_scaling contract):
-        # the dense gradients are still multiplied by grad_scale, found_inf is 1 when they overflowed.
-        grad_scale = getattr(self, "grad_scale", None)
-        caller_found_inf = getattr(self, "found_inf", None)
-        if grad_scale is not None and self.max_grad_norm is not None and dense:
-            dense_step.unscale([p.grad for p in dense], grad_scale)  # clipping needs the true gradients
-            grad_scale = None
-        norm = None
-        if self.max_grad_norm is not None:
-            if self.clip_norm_includes_experts or self.expert_clipping == "lagged":
-                dense_norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
-                expert_norm = self.expert_grad_norm().to(dense_norm.device)
-                norm = torch.sqrt(dense_norm.square() + expert_norm.square())
-                if dense:
-                    torch.nn.utils.clip_grads_with_norm_(dense, self.max_grad_norm, norm)
-                self.last_dense_grad_norm, self.last_grad_norm = dense_norm, norm
-                if self.expert_clipping == "lagged":
-                    self._set_lagged_coef(norm)
-            else:
-                norm = torch.nn.utils.clip_grad_norm_(dense, self.max_grad_norm)
-                self.last_dense_grad_norm = norm
-        if not dense:
-            return loss
-        found = dense_step.found_inf(dense, norm, grad_scale).to(self.dense_skipped_steps.device)
-        # torch.optim.AdamW's own step without the hooks Optimizer wraps it in (they already ran around this
-        # step()); its own wrapper, which sets the grad mode for differentiable, stays.
-        adamw_step = torch.optim.AdamW.step
-        if getattr(adamw_step, "hooked", False):
-            adamw_step = adamw_step.__wrapped__
-        # Each group's flags for torch's AdamW: its own, or by default torch's fused AdamW where torch has it
-        # (torch_adamw_flags); the group keeps showing its own (None: chosen at each step, as torch chooses).
+        # Each group's dense parameters with a gradient, and its flags for torch's AdamW: its own, or by default
+        # torch's fused AdamW where torch has it (torch_adamw_flags; the group keeps showing its own).
         stepped = [self._dense_of(group) for group in self.param_groups]
         flags = [
             torch_adamw_flags(group, params) for group, params in zip(self.param_groups, stepped, strict=True)
         ]
-        if all(fused for params, (_, fused) in zip(stepped, flags, strict=True) if params):
-            # torch's fused AdamW skips every parameter (step included) when found_inf is 1: the caller's
-            # value, or 1 when this optimizer found a non-finite gradient. torch's step calls its AdamW for
-            # every group, also one with nothing to step (expert tensors only), where only the fused one
-            # takes found_inf (it returns at once): that one for them.
-            flags = [flag if params else (False, True) for params, flag in zip(stepped, flags, strict=True)]
-            combined = found.float()
-            if caller_found_inf is not None:
-                combined = torch.where(found.to(caller_found_inf.device), 1.0, caller_found_inf)
-            with (
-                dense_step.attributes(self, found_inf=combined, grad_scale=grad_scale),
-                dense_step.step_flags(self.param_groups, flags),
-            ):
-                adamw_step(self)
-            skipped = (combined == 1).to(found.device)
-        else:
-            if not bool(found):  # torch's other AdamW paths take no found_inf: a host sync
-                with dense_step.step_flags(self.param_groups, flags):
-                    adamw_step(self)
-            skipped = found
-        self.dense_skipped_steps += skipped.long()
+        dense_step.step(self, dense, stepped, flags, self._set_lagged_coef)
         return loss
 
 
@@ -489,12 +357,4 @@ def _replaced_dense_message(count: int) -> str:
         "in the step that followed: if they were replaced too, this optimizer still holds the old objects and "
         "no longer trains them (torch.optim.AdamW's rule). Build the optimizer after such a load and load its "
         "state_dict(), or load with copies (assign=False) (docs/usage.md, Ownership)."
-    )
-
-
-def _selects_sonar(model: nn.Module) -> bool:
-    """Whether a config of ``model`` (or of a submodule) selects experts_implementation "sonar"."""
-    return any(
-        getattr(getattr(m, "config", None), "_experts_implementation", None) == specs.IMPLEMENTATION
-        for m in model.modules()
     )

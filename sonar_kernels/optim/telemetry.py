@@ -13,7 +13,7 @@ __all__ = ["ExpertTelemetry"]
 class ExpertTelemetry:
     """Mixin of :class:`sonar_kernels.optim.in_backward.InBackwardAdamW`. The host-class protocol: ``_record``
     (its :class:`~sonar_kernels.optim.updates.InBackwardUpdates`: ``grad_norm_sq`` and ``skipped`` per
-    tensor), ``_managed`` (the tensors it updates in the backward) and ``expert_tensors`` (those in
+    tensor), ``managed.tensors`` (the tensors it updates in the backward) and ``expert_tensors`` (those in
     param_groups order)."""
 
     def expert_grad_norm(self, params=None) -> torch.Tensor:
@@ -84,7 +84,7 @@ class ExpertTelemetry:
         chosen = None if params is None else list(params)
         if chosen is not None:
             for p in chosen:
-                if p not in self._managed:
+                if p not in self.managed.tensors:
                     raise ValueError(
                         f"a tensor of shape {tuple(p.shape)} is not an expert tensor of this optimizer"
                     )

@@ -15,7 +15,7 @@ from sonar_kernels.optim.param_groups import torch_hyperparameters
 from sonar_kernels.optim.updates import InBackwardUpdates
 from sonar_kernels.specs import update_of
 
-__all__ = ["OwnedUpdate", "release_entries", "signature"]
+__all__ = ["OwnedUpdate", "expert_optimizer", "release_entries", "signature"]
 
 
 class OwnedUpdate(specs.ExpertUpdate):
@@ -145,6 +145,12 @@ class OwnedUpdate(specs.ExpertUpdate):
         return record.held.arrived_in_this_backward(param)
 
 
+def expert_optimizer(param: torch.Tensor):
+    """The live optimizer that updates ``param`` in the backward (the one whose update it carries), or None."""
+    update = update_of(param)
+    return update.optimizer if isinstance(update, OwnedUpdate) else None
+
+
 def signature(t: torch.Tensor) -> tuple:
     """(dtype, device, shape) of ``t``: what a module conversion (``module.to(...)``) changes."""
     return (t.dtype, t.device, tuple(t.shape))
@@ -162,5 +168,5 @@ def release_entries(entries: list, previous: dict) -> None:
             before = previous.get(param)
             before = before() if before is not None else None
             if before is not None:
-                before._take_back(param)
+                before.managed.take_back(param)
     entries.clear()
