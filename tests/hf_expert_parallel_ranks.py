@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from dcp_resume import load_checkpoint
 from transformers.distributed import DistributedConfig
 
 import sonar_kernels
@@ -74,7 +75,7 @@ def resume(checkpoint: str, out: str, fsdp_size: str) -> None:
     fresh model (its weights moved off the checkpoint's) and optimizer loaded from it (set_state_dict) for
     steps 1 and 2: saved as "resume-RANK.pt", to equal the run without a break bit for bit."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = load(checkpoint, fsdp_size)
     optimizer = sonar_kernels.SonarAdamW(model, lr=1e-2)
@@ -87,18 +88,7 @@ def resume(checkpoint: str, out: str, fsdp_size: str) -> None:
         for p in resumed.parameters():
             p.add_(1.0)
     optimizer = sonar_kernels.SonarAdamW(resumed, lr=1e-2)
-    # The dense moments DCP loads into: a step with zero gradients and lr 0 (tests/test_ep_fsdp2.py).
-    for p in optimizer.dense_parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.param_groups[0]["lr"], lr = 0.0, optimizer.param_groups[0]["lr"]
-    assert len(optimizer.param_groups) == 1
-    optimizer.step()
-    optimizer.param_groups[0]["lr"] = lr
-    optimizer.zero_grad()
-    model_state, optim_state = get_state_dict(resumed, optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=Path(out) / "dcp")
-    set_state_dict(resumed, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    load_checkpoint(resumed, optimizer, Path(out) / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sonar_kernels.optim.ShardedExpertsWarning)
         train(resumed, optimizer, range(1, 3))

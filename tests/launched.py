@@ -49,3 +49,15 @@ def assert_bitwise_and_trained(sonar: Path, standard: Path, expert: str, count: 
 
     initial = dict(tiny_olmoe().named_parameters())
     assert not torch.equal(initial[expert].detach(), a[expert])
+
+
+def assert_refused_unchanged(folder: Path, name: str, ranks: int, kind: str, parts) -> None:
+    """Every rank of a run saved ``{name}-{rank}.pt`` with no parameter changed and the refusal it caught,
+    of type ``kind``, whose message holds each of ``parts``."""
+    for rank in range(ranks):
+        saved = torch.load(folder / f"{name}-{rank}.pt")
+        assert saved["changed"] == [], (rank, saved["changed"])
+        refused, message = saved["refusal"]
+        assert refused == kind, (rank, refused, message)
+        for part in parts:
+            assert part in message, (part, message)

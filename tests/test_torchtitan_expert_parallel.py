@@ -17,6 +17,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
+import launched
 import ranks
 import torch
 from numerics import rel_err
@@ -124,15 +125,15 @@ def test_torchtitan_hsdp_beside_ep_is_refused_naming_the_replicate_dimension(tmp
     # ("dp_replicate", "efsdp", "ep"), Replicate() over dp_replicate; whether FSDP2 all-reduced their
     # gradient is not known to the update: refused at the first step, nothing changed, the dimension named.
     _launch(tmp_path, 4, "hsdp")
-    for r in range(4):
-        saved = torch.load(tmp_path / f"hsdp-{r}.pt")
-        assert saved["changed"] == []
-        kind, message = saved["refusal"]
-        assert kind == "RuntimeError"
-        for part in (
+    launched.assert_refused_unchanged(
+        tmp_path,
+        "hsdp",
+        4,
+        "RuntimeError",
+        (
             "replicated over the mesh dimension(s) 'dp_replicate' (2)",
             "HSDP",
             "torchtitan's data_parallel_replicate_degree=1",
             "nothing was changed",
-        ):
-            assert part in message, (part, message)
+        ),
+    )

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launched
 import pytest
 import ranks
 import torch
@@ -140,17 +141,17 @@ def test_transformers_expert_parallel_with_hsdp_is_refused_naming_the_replicate_
     # "dp_replicate"; whether FSDP2 all-reduced their gradient is not known to the update: refused at the
     # first step, nothing changed, the dimension named.
     _launch(tmp_path, 4, "hsdp", fsdp_size=2)
-    for r in range(4):
-        saved = torch.load(tmp_path / f"hsdp-{r}.pt")
-        assert saved["changed"] == []
-        kind, message = saved["refusal"]
-        assert kind == "RuntimeError"
-        for part in (
+    launched.assert_refused_unchanged(
+        tmp_path,
+        "hsdp",
+        4,
+        "RuntimeError",
+        (
             "replicated over the mesh dimension(s) 'dp_replicate' (2)",
             "HSDP",
             "dp_replicate_size=1",
-        ):
-            assert part in message, (part, message)
+        ),
+    )
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dcp_resume import load_checkpoint
 from torch import nn
 from torchtitan.config import OverrideConfig
 from torchtitan.config.override import apply_overrides
@@ -219,7 +220,7 @@ def resume(out: str) -> None:
     """Step 0 with SonarAdamW, a DCP checkpoint of the model and optimizer (torch's get_state_dict), then a
     fresh model (its weights moved off) and optimizer loaded from it for steps 1 and 2: "resume-RANK.pt"."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model = parallelized()
     optimizers = optimizers_of(model, "sonar")
@@ -234,17 +235,7 @@ def resume(out: str) -> None:
             p.add_(1.0)
     optimizers = optimizers_of(resumed, "sonar")
     (optimizer,) = optimizers.optimizers
-    # The dense moments DCP loads into: a step with zero gradients and lr 0 (tests/test_ep_fsdp2.py).
-    for p in optimizer.dense_parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.param_groups[0]["lr"] = 0.0
-    optimizer.step()
-    optimizer.param_groups[0]["lr"] = LR
-    optimizer.zero_grad()
-    model_state, optim_state = get_state_dict(resumed, optimizer)
-    loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=Path(out) / "dcp")
-    set_state_dict(resumed, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    load_checkpoint(resumed, optimizer, Path(out) / "dcp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", sonar_kernels.optim.ShardedExpertsWarning)
         train(resumed, optimizers, range(1, STEPS))
