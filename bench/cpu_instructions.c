@@ -1,4 +1,4 @@
-/* The instructions that bound the CPU's C update (sonar_kernels/ops/cpu_update.c), timed on this machine:
+/* The instructions that bound the CPU's C update (sonar_kernels/ops/torch_backend/cpu_update.c), timed on this machine:
  * nanoseconds per instruction and per lane of 8 independent chains (throughput, not latency), CPU time of
  * this thread. docs/distributed.md ("FSDP2") quotes them.
  *

@@ -258,12 +258,13 @@ def _swap_tensors(t1, t2):
 def dry_run(target: GPUTarget = SM90A, arithmetic: str | None = None, fake: bool = True):
     """Within the block, the benchmark's code runs as described in the module docstring; yields the
     :class:`Launches` it records. ``arithmetic``: the in-backward AdamW arithmetic of the GPU's torch
-    ("fp32" or "fp64", ``sonar_kernels.ops.adamw.torch_fused_adamw_arithmetic`` there); None keeps the CPU's.
+    ("fp32" or "fp64", ``sonar_kernels.ops.arithmetic.torch_fused_adamw_arithmetic`` there); None keeps the CPU's.
     ``fake`` False: real CPU tensors instead of fake ones (every allocation real; the kernels still not run,
     what they write left uninitialised; torch's matrix products not computed, their outputs zeros:
     :class:`_UncomputedProducts`), the check of a fake trace against real allocations."""
     from sonar_kernels.autograd import formula
-    from sonar_kernels.ops import validation, wgrad_update
+    from sonar_kernels.ops import validation
+    from sonar_kernels.ops.triton_backend import wgrad_update
 
     launches = Launches(target)
 

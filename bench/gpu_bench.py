@@ -463,13 +463,13 @@ def gemms(plan: Plan, device, model: str) -> dict:
 
 
 def wgrad_choices(plan: Plan, device, model: str) -> dict:
-    """The tuner's own measurements (ops/configs.py ``timings``) of each expert tensor's wgrad with its
+    """The tuner's own measurements (ops/triton_backend/configs.py ``timings``) of each expert tensor's wgrad with its
     update, as the first step of a layer takes them with tuning on: the fused and the split path at every
     wgrad tile candidate (the state kinds with fixed tiles: the path only), each timed as it ships on
-    scratch copies of the first chunk's experts (ops/wgrad_update.py), and the option kept. Beside each
+    scratch copies of the first chunk's experts (ops/triton_backend/wgrad_update.py), and the option kept. Beside each
     time, the floor of that chunk's update bytes at the copy bandwidth measured here (fused: W, exp_avg,
     exp_avg_sq read and written; split: the gradient written and read besides)."""
-    from sonar_kernels.ops import wgrad_update
+    from sonar_kernels.ops.triton_backend import wgrad_update
 
     shape = plan.shape(model, plan.tokens[0])
     copy = bandwidth(plan, device)

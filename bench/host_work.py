@@ -78,7 +78,7 @@ def _counted(run, counter: collections.Counter, mode: _Ops):
 
 
 def _module_of(filename: str) -> str:
-    """``sonar_kernels/ops/wgrad.py`` -> ``ops.wgrad``."""
+    """``sonar_kernels/ops/triton_backend/wgrad.py`` -> ``ops.triton_backend.wgrad``."""
     return filename.rsplit(PACKAGE, 1)[1].removesuffix(".py").replace(os.sep, ".")
 
 

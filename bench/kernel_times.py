@@ -40,10 +40,10 @@ NAMES = {
     "expert_mlp_bwd_dhpre_kernel": "dgrad G",
     "expert_mlp_bwd_dweights_kernel": "routing-weight grad",
     # The bias-corrected step size of one update (one program; both weights' launches share the label).
-    # Before each update its skip, step and scalars; after it the telemetry (ops/update_steps.py).
+    # Before each update its skip, step and scalars; after it the telemetry (ops/triton_backend/update_steps.py).
     "update_begin_kernel": "update begin",
     "update_end_kernel": "update end",
-    # The bound that spares the check pass (ops/update_bound.py): the layer's magnitudes, then every update's
+    # The bound that spares the check pass (ops/triton_backend/update_bound.py): the layer's magnitudes, then every update's
     # flag in one launch (an update with a gradient to add launches its own).
     "bound_magnitudes_kernel": "update bound",
     "bound_table_kernel": "update flags",
@@ -101,7 +101,7 @@ def traffic(
         "dgrad G": {"dO": x, "W2": w2, "Hpre": hpre, "routing weights": routing, "dHpre": hpre, "A": a},
         "dgrad dX": {"dHpre": hpre, "W1": w1, "dX rows": rows},
         "combine dX": {"dX rows": rows, "dX": x},
-        # The largest |X|, |dO| and routing weight (the check pass's bound, ops/update_bound.py).
+        # The largest |X|, |dO| and routing weight (the check pass's bound, ops/triton_backend/update_bound.py).
         "update bound": {"X": x, "dO": x, "routing weights": routing},
     }
     wgrads = {

@@ -107,7 +107,7 @@ EP_ARMS = ("standard bf16", "paper", "sonar", "sonar 8-bit")
 
 
 # Arms not traced under FSDP2: their update of a sharded expert tensor (the .grad path's 8-bit moments and
-# stochastic rounding, sonar_kernels/ops/fp64_update.py's adamw_8bit_ and stochastic_adamw_
+# stochastic rounding, sonar_kernels/ops/torch_backend/fp64_update.py's adamw_8bit_ and stochastic_adamw_
 # stochastic_adamw_) runs as torch ops over slices of UPDATE_ELEMENTS (16384) elements, some 40 ops a
 # slice: a Qwen3-30B-A3B expert shard is ~6000 slices, hours of fake dispatch per step (and as many kernel
 # launches on a GPU, the speed issue 48 owns). The memory model predicts them.

@@ -1,9 +1,9 @@
 """FSDP2 shards with 8-bit moments, a remainder or stochastic rounding (issue 61, item 3): for each kind, the
 update launches per tensor per step on the GPU path, counted by the dry run (``bench/dry_run.py``: fake tensors
 at a Qwen3-30B-A3B shard's shape, each Triton launch recorded as sm_90a's JIT compiles it), and the CPU time
-of the sharded update (the C update, ``ops/cpu_update.py``, where a C compiler exists; else the compiled
+of the sharded update (the C update, ``ops/torch_backend/cpu_update.py``, where a C compiler exists; else the compiled
 rule) against the exact update on an fp32 shard of the same shape: torch's fused AdamW alone, and
-as the library runs it for a shard with exact moments (``ops/adamw.py``'s ``torch_adamw_``: the same skip check
+as the library runs it for a shard with exact moments (``ops/torch_backend/adamw.py``'s ``torch_adamw_``: the same skip check
 and norm, then the fused AdamW; the fair ratio; also on a shard of the kind's own weight and gradient dtype),
 median and p10-p90 of interleaved repeats.
 
@@ -24,8 +24,8 @@ import time
 
 import torch
 
-from sonar_kernels.ops import shard_update
-from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS, adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.torch_backend.fp64_update import UPDATE_ELEMENTS, adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.triton_backend import shard_update
 from sonar_kernels.rules.moments_8bit import quantize, scales_shape, tables
 
 # The tables are made once per device and kept (rules/moments_8bit.py): made here, for real, before a dry
@@ -51,10 +51,10 @@ def _state_8bit(weight, extra=()):
 
 def dry_run_launches(kind: str, shape) -> tuple[int, int, int]:
     """(Triton launches, torch ops over the shard's elements, torch ops on 0-dim scalars) of one shard's
-    update on the GPU path (``ops/shard_update.py``) at ``shape``, under ``bench/dry_run.py``'s dry run:
+    update on the GPU path (``ops/triton_backend/shard_update.py``) at ``shape``, under ``bench/dry_run.py``'s dry run:
     fake tensors (no memory, no time), each Triton launch recorded as sm_90a's JIT would compile it, each
     torch op seen by a dispatch mode. The caller's skip check and norm over the whole gradient (two
-    reductions and their collectives, ``ops/fp64_update.py``) are not in it."""
+    reductions and their collectives, ``ops/torch_backend/fp64_update.py``) are not in it."""
     from dry_run import dry_run
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -141,16 +141,16 @@ def _problem(kind: str, shape):
 def cpu_times(kind: str, shape, repeats: int, clock=time.perf_counter) -> tuple[list[float], ...]:
     """Seconds of each repeat, interleaved so that all see the same load, on a tensor of ``shape``, of: the
     update of ``kind`` (a whole shard's gradient, as FSDP2's shard update runs it on the CPU: the skip
-    check, the norm, then the rule; ``ops/fp64_update.py``); torch's fused AdamW alone (fp32 weight,
+    check, the norm, then the rule; ``ops/torch_backend/fp64_update.py``); torch's fused AdamW alone (fp32 weight,
     gradient and moments); and the exact update as the library runs it for a shard with exact moments
-    (``ops/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
+    (``ops/torch_backend/adamw.py``'s ``torch_adamw_``, what SonarAdamW calls for an FSDP2 expert shard without 8-bit
     moments: the same skip check and norm over the whole gradient, then torch's fused AdamW with the skip
     as its ``found_inf``), the fair baseline; and that exact update on a shard of the kind's weight and gradient
     dtype (bf16 but for "8bit"; the moments in that dtype, the library's default), timed apart only for a bf16
     kind (for "8bit" it is the fp32 one). ``clock``: ``time.perf_counter`` (wall), or
     ``time.process_time`` (the process's CPU time over its threads: what other processes' load leaves
     alone on a shared machine, though not the cache they share)."""
-    from sonar_kernels.ops.adamw import torch_adamw_
+    from sonar_kernels.ops.torch_backend.adamw import torch_adamw_
 
     update, state, weight, grad = _problem(kind, shape)
     exact_weight, exact_grad = torch.randn(shape), 1e-2 * torch.randn(shape)
@@ -213,7 +213,7 @@ def main() -> None:
           "elements for a Qwen3-30B-A3B gate_up_proj shard at FSDP2 x 8, about 40 ops each")  # fmt: skip
     numel = torch.Size(args.shape).numel()
     print(f"CPU: {torch.get_num_threads()} threads, shard {tuple(args.shape)} ({numel} elements), {args.repeats} "
-          f"repeats, {args.clock} clock, load average {os.getloadavg()[0]:.2f}; C update (ops/cpu_update.py): "
+          f"repeats, {args.clock} clock, load average {os.getloadavg()[0]:.2f}; C update (ops/torch_backend/cpu_update.py): "
           f"{'built' if _c_available() else 'not available (the compiled rule runs)'}")  # fmt: skip
     qwen = (128 // 8, 1536, 2048)
     print(
@@ -238,7 +238,7 @@ def main() -> None:
 
 def _c_available() -> bool:
     try:
-        from sonar_kernels.ops import cpu_update
+        from sonar_kernels.ops.torch_backend import cpu_update
     except ImportError:  # a checkout before the C update
         return False
     return cpu_update.available()

@@ -131,7 +131,7 @@ class ExpertUpdate:
             (expert clipping, when ``hyper`` has its [7] form; docs/design.md, "Expert clipping").
         grad_dtype: the fp32 wgrad is rounded to this dtype before the AdamW math.
         fused: Triton backend: AdamW in the wgrad epilogue (True), the split path (False, same bits), or
-            the faster of the two, tuned on CUDA (None; ``ops/wgrad_update.py``).
+            the faster of the two, tuned on CUDA (None; ``ops/triton_backend/wgrad_update.py``).
         foreach, torch_fused: torch.optim.AdamW's flags for the updates that torch's AdamW applies (the
             torch backend, and gradients that reach ``.grad``).
         accumulation_steps: micro-batches per optimizer step.

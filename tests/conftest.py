@@ -77,10 +77,10 @@ def one_rank_mesh():
 @pytest.fixture
 def wgrad_tiles_of_the_8bit_update():
     """Every wgrad launch on the tiles of the 8-bit update's (and bf16 master weights') fused epilogue
-    (ops.configs.WGRAD_8BIT), for tests whose reference feeds a plain gradient to the scheme's torch ops:
+    (ops.triton_backend.configs.WGRAD_8BIT), for tests whose reference feeds a plain gradient to the scheme's torch ops:
     "the same gradient" needs the same tiles, since two tile shapes may sum a GEMM in different orders
     (numpy's matmul under the interpreter does on some CPUs, as a GPU's MMA may)."""
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     configs.pin("wgrad", configs.WGRAD_8BIT)
     try:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The report compiles every kernel at about 200 configurations: minutes on 2 cores with a cold Triton
 # cache, more than the suite's per-test limit.
 pytestmark = pytest.mark.timeout(2400)
-# The tuning candidates (ops/configs.py) are built for this dtype pair here, bf16 activations with fp32
+# The tuning candidates (ops/triton_backend/configs.py) are built for this dtype pair here, bf16 activations with fp32
 # master weights (the pair with the most registers per tile); make kernel-report builds every 16-bit pair.
 CANDIDATE_DTYPES = ("bf16/fp32",)
 # Shared memory per block the architectures allow (bytes): sm_90 227 KB, sm_80 163 KB.
@@ -114,7 +114,7 @@ def test_every_kernel_and_configuration_builds(report):
         (s.kernel.fn.__name__, s.variant) for s in shipped
     ]
     # Every candidate configuration of every family was built, on its architecture.
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     built = {(r["kernel"], r["target"], tuple(sorted(r["config"].items()))) for r in report}
     kernels = {"up": "expert_mlp_fwd_up_kernel", "grouped_mm": "expert_mlp_grouped_mm_kernel",
@@ -204,7 +204,7 @@ def wgrad_adamw(tmp_path_factory):
 
 
 def test_wgrad_update_on_sm90a_occupancy_pipeline_and_epilogue(wgrad_adamw):
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     candidates = configs.CANDIDATES["wgrad"][("16bit", 9)]
     rows = {}
@@ -287,7 +287,7 @@ def wgrad_own(tmp_path_factory):
 
 
 def test_the_rebuilt_8bit_epilogue_on_sm90a(wgrad_own):
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     rows = {}
     for r in wgrad_own:
@@ -323,7 +323,7 @@ def gemm_variants(tmp_path_factory):
 
 
 def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_variants):
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     kernel_report = _kernel_report()
     family = {"up": "up", "down": "grouped_mm", "dX": "grouped_mm", "dHpre": "dhpre", "dHpre-plain": "dhpre"}
@@ -373,10 +373,10 @@ def test_forward_and_dgrad_gemms_on_sm90a_occupancy_pipeline_and_epilogue(gemm_v
         assert len(deep) >= 2, kind
         for config in deep:
             assert rows[config, kind]["ctas_per_sm"] >= 2, (config, kind, rows[config, kind]["registers"])
-    # The TMA grouped GEMM (ops/tma.py): at the default's tile as many CTAs per SM as today's (5), at
+    # The TMA grouped GEMM (ops/triton_backend/tma.py): at the default's tile as many CTAs per SM as today's (5), at
     # 128x128x64 2 (90 registers where the pointer kernel's dX has 164 and 1 CTA per SM), and the persistent
-    # candidates at least ops.tma.PERSISTENT_CTAS_PER_SM, the programs per SM its grid launches.
-    from sonar_kernels.ops import tma
+    # candidates at least ops.triton_backend.tma.PERSISTENT_CTAS_PER_SM, the programs per SM its grid launches.
+    from sonar_kernels.ops.triton_backend import tma
 
     for kind in ("down", "dX"):
         for config in configs.TMA_CANDIDATES:

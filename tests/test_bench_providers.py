@@ -209,7 +209,7 @@ def test_kernel_timing_labels_each_launch_by_what_it_computes():
 
         return _labels(run, w1, w2)
 
-    # After dHpre: the update bound's magnitudes pass and every update's flag (ops/update_bound.py).
+    # After dHpre: the update bound's magnitudes pass and every update's flag (ops/triton_backend/update_bound.py).
     backward_middle = ["update bound", "update flags", "routing-weight grad", "dgrad dX", "combine dX"]
     # Both fused; only W1 fused (W2's gradient plain); both on the split path. The layer's core (dHpre,
     # the routing-weight gradient, dX) runs first, then each weight's wgrad job; an updated weight's wgrad

@@ -1,4 +1,4 @@
-"""The grouped GEMMs' tile configurations (sonar_kernels/ops/configs.py): every tuning candidate against the
+"""The grouped GEMMs' tile configurations (sonar_kernels/ops/triton_backend/configs.py): every tuning candidate against the
 float64 reference under the interpreter, routing tiles for any BLOCK_M, the tuner's choice changing no
 result, and a tuning pass of the fused wgrad applying the update once."""
 
@@ -10,9 +10,9 @@ from numerics import assert_close
 import sonar_kernels
 from sonar_kernels import ops, reference
 from sonar_kernels.kernels.update_bound import COLUMNS, TABLE
-from sonar_kernels.ops import configs
-from sonar_kernels.ops.backward import moe_mlp_bwd_core
 from sonar_kernels.ops.common import tile_offsets_for
+from sonar_kernels.ops.triton_backend import configs
+from sonar_kernels.ops.triton_backend.backward import moe_mlp_bwd_core
 from sonar_kernels.specs import mark_expert_tensors
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}

@@ -1,8 +1,8 @@
-"""The CPU's C update (sonar_kernels/ops/cpu_update.py) gives the bits of the rule op by op
+"""The CPU's C update (sonar_kernels/ops/torch_backend/cpu_update.py) gives the bits of the rule op by op
 (sonar_kernels/rules/update.py's adamw_update_), with 8-bit moments for every master kind and gradient dtype
 and with exact moments and stochastic rounding, on random inputs
 with the edge values the rule treats apart (signed zeros, subnormals, huge values, blocks of zeros, every
-code of both tables) and on the quantizer's ties and thresholds; the driver (ops/fp64_update.py) takes it;
+code of both tables) and on the quantizer's ties and thresholds; the driver (ops/torch_backend/fp64_update.py) takes it;
 a build that fails warns once and leaves the rule; a build without AVX2 (the portable selects) agrees."""
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from sonar_kernels.ops import cpu_update
-from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.torch_backend import cpu_update
+from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.rules import master_weights as mw
 from sonar_kernels.rules import moments_8bit as q8
 from sonar_kernels.rules.adamw import adamw_scalars
@@ -194,7 +194,7 @@ def test_the_c_update_gives_the_rules_bits_for_non_finite_moments(native, monkey
 
 
 def test_the_driver_takes_the_c_stochastic_update_with_the_rules_bits(monkeypatch):
-    # exact moments with stochastic rounding through ops/fp64_update.py's stochastic_adamw_ (32 K elements)
+    # exact moments with stochastic rounding through ops/torch_backend/fp64_update.py's stochastic_adamw_ (32 K elements)
     monkeypatch.setattr(cpu_update, "MIN_BLOCKS_PER_THREAD", 16)
     assert cpu_update.available(), "the test machine has a C compiler"
     calls, results = [], []
@@ -220,7 +220,7 @@ def test_the_driver_takes_the_c_stochastic_update_with_the_rules_bits(monkeypatc
 
 
 def test_the_driver_takes_the_c_update_with_the_rules_bits(monkeypatch):
-    # A tensor as large as the compiled rule takes (ops/fp64_update.py), split among 2 threads: the driver
+    # A tensor as large as the compiled rule takes (ops/torch_backend/fp64_update.py), split among 2 threads: the driver
     # runs the C update (counted), and its result is the rule's op by op (SONAR_KERNELS_COMPILE=0).
     monkeypatch.setattr(cpu_update, "MIN_BLOCKS_PER_THREAD", 16)
     calls = []
@@ -248,7 +248,7 @@ def test_the_driver_takes_the_c_update_with_the_rules_bits(monkeypatch):
 
 
 def _counters():
-    """step, grad_norm_sq, skipped, clipped (ops/fp64_update.py's state list at 2 to 5)."""
+    """step, grad_norm_sq, skipped, clipped (ops/torch_backend/fp64_update.py's state list at 2 to 5)."""
     return [
         torch.tensor(4.0),
         torch.zeros(()),

@@ -457,7 +457,7 @@ def test_a_failure_before_the_updates_changes_nothing_and_the_graph_can_run_agai
 
     # dX fails: the updates wait for the weights' whole gradients (after dX), so none ran.
     with monkeypatch.context() as patch:
-        patch.setattr(ops.backward, "_dx", out_of_memory)
+        patch.setattr(ops.triton_backend.backward, "_dx", out_of_memory)
         with pytest.raises(torch.OutOfMemoryError):
             out.backward(grad_out, retain_graph=True)
     assert all(float(optimizer.state[w]["step"]) == 0 for w in (w1, w2))
@@ -477,7 +477,7 @@ def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch
     x, index, weights, grad_out = _batch(0, torch.float32, device)
     x.requires_grad_()
     out = sonar_kernels.moe_mlp(x, index, weights, w1, w2, backend="triton")
-    original = ops.wgrad._wgrad
+    original = ops.triton_backend.wgrad._wgrad
 
     def fail_second(*args, **kwargs):
         if kwargs["name"] == "down_proj" and args[7] is not None:  # W2's update
@@ -487,7 +487,7 @@ def test_a_failure_after_the_first_update_leaves_it_recorded(device, monkeypatch
     # gate_up_proj is updated first, then down_proj's launch fails: W1's update stands and is recorded,
     # W2 is untouched.
     with monkeypatch.context() as patch:
-        patch.setattr(ops.wgrad, "_wgrad", fail_second)
+        patch.setattr(ops.triton_backend.wgrad, "_wgrad", fail_second)
         with pytest.raises(torch.OutOfMemoryError):
             out.backward(grad_out, retain_graph=True)
     assert float(optimizer.state[w1]["step"]) == 1 and float(optimizer.state[w2]["step"]) == 0
@@ -601,7 +601,7 @@ def _torch_2_13_cuda_fused_adamw(p, g, m, v, step, hyper):
 def test_torch_2_13_cuda_arithmetic_is_bit_exact(dtype, device, monkeypatch):
     # On CUDA the update follows the arithmetic of the installed torch's fused AdamW; check the "fp32"
     # variant (torch 2.13's) here against an independent evaluation of its formula, and fused == split.
-    monkeypatch.setattr(ops.wgrad_update, "adamw_arithmetic", lambda device: "fp32")
+    monkeypatch.setattr(ops.triton_backend.wgrad_update, "adamw_arithmetic", lambda device: "fp32")
     results = {}
     for fused in (True, False):
         w1, w2 = _weights(dtype, device)

@@ -144,7 +144,7 @@ def _expected_step(backend, kind, clipping, optimizer, params, batch, coef):
 @pytest.mark.parametrize("backend", ["torch", "torch-chunked", "triton"])
 def test_each_step_equals_torch_adamw_fed_the_clipped_gradient(backend, kind, clipping, device, monkeypatch):
     if backend == "torch-chunked":  # one expert per chunk, clipped in place in slices that do not divide it
-        from sonar_kernels.ops import torch_backend
+        from sonar_kernels.ops.torch_backend import mlp as torch_backend
         from sonar_kernels.rules import clipping as clipping_ops
 
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 4)
@@ -331,7 +331,7 @@ def test_the_torch_backends_chunks_and_slices_give_the_same_bits(kind, monkeypat
     # per chunk and slices that do not divide a chunk give the bits of the whole tensor's update ("spike";
     # "lagged" reads the global norm, whose chunked sum rounds differently: the reference test covers it).
     clipping = "spike"
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
     from sonar_kernels.rules import clipping as clipping_ops
 
     whole, whole_opt, whole_counts, _ = _train("torch", kind, clipping, "cpu")

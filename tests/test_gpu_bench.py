@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from sonar_kernels.ops import configs as sonar_configs
+from sonar_kernels.ops.triton_backend import configs as sonar_configs
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "bench" / "gpu_bench.py"

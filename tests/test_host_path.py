@@ -23,10 +23,10 @@ import providers  # noqa: E402
 # section, counted by its dry run at the real shapes with the GPU's "fp32" AdamW arithmetic (the same at every
 # shape and token count). Before issue 58 the sonar providers took 16 launches and 132 torch ops (sonar), 137
 # (remainder), 136 (spike); 14 launches and 161 (8-bit), 166 (stochastic); the update's skip, step, scalars
-# and telemetry then took two launches (sonar_kernels/ops/update_steps.py), 18 launches and 120 torch ops
+# and telemetry then took two launches (sonar_kernels/ops/triton_backend/update_steps.py), 18 launches and 120 torch ops
 # (sonar; 4 more since the telemetry of every expert tensor is reset at the step's first update). The
 # overflow bound of each update (some 25 torch ops) now takes two launches per layer step, a magnitudes pass
-# and the table of every update's flag (sonar_kernels/ops/update_bound.py): 20 launches and 68 torch ops
+# and the table of every update's flag (sonar_kernels/ops/triton_backend/update_bound.py): 20 launches and 68 torch ops
 # (sonar); and the hyperparameters are checked when they change, not at every update (728 -> 706 Python
 # calls); an update's state as one type and the backward's own hooks (issue 62): 706 -> 666.
 CEILINGS = {
@@ -104,7 +104,7 @@ def test_counting_a_step_on_the_interpreter_leaves_its_bits_and_finds_its_launch
         assert torch.equal(a, b)
     assert collections.Counter(host["launches_by_kernel"]) == SONAR_LAUNCHES
     assert host["torch_ops"] <= CEILINGS["sonar"][1], host["torch_ops_by_name"]
-    assert host["python_calls"] > 0 and "ops.update_steps" in host["python_calls_by_module"]
+    assert host["python_calls"] > 0 and "ops.triton_backend.update_steps" in host["python_calls_by_module"]
 
 
 def test_issue_time_flags_a_hold_shorter_than_the_issue():

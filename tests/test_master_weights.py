@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from sonar_kernels.kernels import master_weights as kernels
-from sonar_kernels.ops import adamw as ops_adamw
+from sonar_kernels.ops.torch_backend import adamw as ops_adamw
 from sonar_kernels.rules import master_weights as mw
 
 

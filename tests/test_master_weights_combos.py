@@ -138,7 +138,7 @@ def _assert_equal_to_rule(params, optimizer, rule, moments):
 @pytest.mark.parametrize(("mode", "moments"), COMBOS)
 def test_the_torch_backend_follows_the_documented_rule_bitwise(mode, moments, chunk_experts, monkeypatch):
     # Whole, or one expert's gradient per chunk, over 6 steps.
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     if chunk_experts is not None:
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 2)

@@ -169,8 +169,8 @@ def _sharded_skip_rank(rank, world_size, out, mode):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-    from sonar_kernels.ops import adamw as ops_adamw
-    from sonar_kernels.ops import fp64_update
+    from sonar_kernels.ops.torch_backend import adamw as ops_adamw
+    from sonar_kernels.ops.torch_backend import fp64_update
 
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(5)

@@ -34,7 +34,7 @@ def test_the_master_follows_torch_adamw_on_fp32_masters_bitwise_over_20_steps(ch
     # The torch backend's in-backward update, whole or one expert per chunk (torch's fused AdamW by
     # chunks, each chunk's master merged and split again); the reference: torch.optim.AdamW(fused=True)
     # on fp32 masters, whose bf16 copies (the documented rounding) a separate forward reads.
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     if chunk_experts is not None:  # a chunk of one expert's gradient
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 2)
@@ -224,7 +224,7 @@ def _stochastic_reference(backend: str, steps: int, seed: int = 7, device: str =
 @pytest.mark.parametrize("chunk_experts", [None, 1])
 def test_stochastic_rounding_on_the_torch_backend_is_the_documented_rule_bitwise(chunk_experts, monkeypatch):
     # Whole, or one expert's chunk at a time, over 6 steps.
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     if chunk_experts is not None:
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 64 * 96 * 2)

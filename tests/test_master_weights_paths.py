@@ -180,7 +180,7 @@ def test_accumulated_micro_batches_follow_the_rule_on_their_summed_gradient_torc
     # 2 micro-batches per step, 3 steps: the first micro-batch's gradient waits in .grad (bf16), the
     # second's update adds it (whole, or by chunks of one expert); the rule takes the bf16 sum autograd
     # forms from the same two backwards (it differs from an fp32 sum of the two in half the entries).
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     if chunk_experts is not None:
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 1)  # one expert per chunk
@@ -240,7 +240,7 @@ def test_every_layout_follows_the_rule_bitwise_on_the_torch_backend(
     # Each layout's tensors (3 for a separate one: 3 seeds) updated in place over 2 steps, whole or one
     # expert per chunk; 8-bit moments' blocks along each stored tensor's last dimension (the torch backend
     # takes the transposed layouts too).
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     if chunk_experts is not None:
         monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", 1)

@@ -48,7 +48,7 @@ def test_one_rank_the_paper_method_and_standard_training_match_memtracker():
 @pytest.mark.filterwarnings("ignore")
 def test_one_rank_8bit_moments_match_memtracker():
     # The paper's method on the torch backend with 8-bit moments: the state's codes and scales, and the
-    # update by chunks of experts, 16 K elements per call op by op (ops/fp64_update.py; MemTracker sees the rule op by op), at the backward's peak.
+    # update by chunks of experts, 16 K elements per call op by op (ops/torch_backend/fp64_update.py; MemTracker sees the rule op by op), at the backward's peak.
     case = mm.Case("tiny-olmoe", "paper", mm.Layout(), "float32", layers=2, moments="8bit")
     report = _check(case, [mm.measure(case)])
     measured = report["ranks"][0]["measured"]["breakdown"]

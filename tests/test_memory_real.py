@@ -57,7 +57,7 @@ def test_the_fake_trace_equals_the_real_allocations_within_one_percent():
 def test_the_split_paths_scratch_is_the_models_where_the_update_sets_the_peak():
     # Experts large against the rest of the step (2 layers of H 1024, I 4096, 16 experts, 64 tokens): the
     # in-backward update's moment is the peak, so the paper's whole W1 gradient (256 MiB in bf16), the
-    # split path's chunk (64 MiB: 4 experts, sonar_kernels.ops.wgrad_update.split_chunk) and the fused
+    # split path's chunk (64 MiB: 4 experts, sonar_kernels.ops.triton_backend.wgrad_update.split_chunk) and the fused
     # update (none) part the arms. The fake trace against the memory model.
     from sonar_kernels.train import Preset
 

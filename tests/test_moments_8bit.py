@@ -16,7 +16,7 @@ from cases import Case
 
 from sonar_kernels import ops
 from sonar_kernels.kernels.moments_8bit import quantize_tile
-from sonar_kernels.ops import moments_8bit as ops_8bit
+from sonar_kernels.ops.triton_backend import moments_8bit as ops_8bit
 from sonar_kernels.rules import adamw as rules_adamw
 from sonar_kernels.rules import moments_8bit as q8
 
@@ -384,9 +384,9 @@ def test_a_transposed_layout_and_a_bias_are_refused_before_any_update(device):
     state = _state(w2t.shape, 3, device)
     update = _update(w2t, state, torch.zeros((), device=device), hyper, True)
     with pytest.raises(ValueError, match="contiguous along the wgrad's columns"):
-        ops.wgrad.check_wgrad("down_proj", w2t, update, None, "concatenated_transposed")
+        ops.triton_backend.wgrad.check_wgrad("down_proj", w2t, update, None, "concatenated_transposed")
     bias = torch.zeros(2, 32, device=device)
     bias_update = _update(bias, _state(bias.shape, 4, device), torch.zeros((), device=device), hyper, True)
     with pytest.raises(ValueError, match="a bias keeps exact moments"):
-        ops.wgrad.check_wgrad("down_proj_bias", bias, bias_update, None)
+        ops.triton_backend.wgrad.check_wgrad("down_proj_bias", bias, bias_update, None)
     assert float(update.step) == 0.0

@@ -173,7 +173,7 @@ def _sharded_skip_rank(rank, world_size, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    from sonar_kernels.ops import fp64_update
+    from sonar_kernels.ops.torch_backend import fp64_update
     from sonar_kernels.rules import moments_8bit as q8
 
     mesh = init_device_mesh("cpu", (world_size,))

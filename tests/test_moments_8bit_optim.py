@@ -192,7 +192,7 @@ def test_a_non_finite_gradient_skips_the_update_as_a_whole(backend, device):
 def test_the_torch_backends_chunks_give_the_same_bits_and_skip_as_a_whole(chunk_experts, monkeypatch):
     # Chunks of one expert (W1's is 64 x 96 fp32), or whole tensors: the same update; and a non-finite
     # gradient in the last expert's rows skips the whole tensor, decided before the first chunk is written.
-    from sonar_kernels.ops import torch_backend
+    from sonar_kernels.ops.torch_backend import mlp as torch_backend
 
     monkeypatch.setattr(torch_backend, "WGRAD_CHUNK_BYTES", None if chunk_experts is None else 64 * 96 * 4)
     params, optimizer = _train("torch", "cpu")

@@ -1,6 +1,6 @@
 """Non-finite and overflowing gradients: the update is skipped, counted, and nothing becomes NaN or Inf.
 
-The decision for an expert tensor is made before its update's launch (ops.wgrad); the expected
+The decision for an expert tensor is made before its update's launch (ops.triton_backend.wgrad); the expected
 outcome here comes from the plain gradient the same kernels write without an optimizer, or from torch.
 """
 
@@ -148,14 +148,16 @@ def test_precheck_that_fires_on_a_finite_gradient_changes_no_bit(device, monkeyp
     g1, g2 = _plain_grads(w1, w2, batch)
     assert max(float(g1.abs().max()), float(g2.abs().max())) <= 128
     fired = []
-    original = ops.wgrad.overflow_flag  # the update's flag (ops/update_bound.py)
+    original = (
+        ops.triton_backend.wgrad.overflow_flag
+    )  # the update's flag (ops/triton_backend/update_bound.py)
 
     def spy(*args):
         flag = original(*args)
         fired.append(float(flag))
         return flag
 
-    monkeypatch.setattr(ops.wgrad, "overflow_flag", spy)
+    monkeypatch.setattr(ops.triton_backend.wgrad, "overflow_flag", spy)
     a1, a2 = (torch.nn.Parameter(p.detach().clone()) for p in (w1, w2))
     fused = _one_update(a1, a2, batch)
     assert fired == [1.0, 1.0]
@@ -184,7 +186,7 @@ def _filled(gradient, value: float):
     """The torch backend's gradient of an expert tensor, every entry of it replaced by ``value`` (whole or
     chunk by chunk, as the update asks for it)."""
 
-    class Filled(ops.expert_gradient.ExpertGradient):
+    class Filled(ops.torch_backend.expert_gradient.ExpertGradient):
         def compute(self, first, last, out):
             return super().compute(first, last, out).fill_(value)
 
@@ -215,7 +217,7 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
     x, y = _sonar_batch(1)
     if where == "experts":
         # A NaN gradient of down_proj only (the torch backend's wgrad): the other updates still run.
-        original = ops.torch_backend.expert_gradient
+        original = ops.torch_backend.mlp.expert_gradient
 
         def nan_down_proj_grad(name, *args, **kwargs):
             # The update computes a NaN gradient in place of the wgrad's.
@@ -223,7 +225,7 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
             return _filled(gradient, NAN) if name == "down_proj" else gradient
 
         with monkeypatch.context() as patch:
-            patch.setattr(ops.torch_backend, "expert_gradient", nan_down_proj_grad)
+            patch.setattr(ops.torch_backend.mlp, "expert_gradient", nan_down_proj_grad)
             torch.nn.functional.mse_loss(model(x), y).backward()
     else:
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -278,14 +280,14 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
         model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    original = ops.torch_backend.expert_gradient
+    original = ops.torch_backend.mlp.expert_gradient
 
     def inf_gate_up_proj_grad(name, *args, **kwargs):
         # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
         gradient = original(name, *args, **kwargs)
         return _filled(gradient, float("inf")) if name == "gate_up_proj" else gradient
 
-    monkeypatch.setattr(ops.torch_backend, "expert_gradient", inf_gate_up_proj_grad)
+    monkeypatch.setattr(ops.torch_backend.mlp, "expert_gradient", inf_gate_up_proj_grad)
     x, y = _sonar_batch(0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     monkeypatch.undo()
@@ -300,9 +302,11 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
 def test_precheck_does_not_fire_on_ordinary_gradients(dtype, device, monkeypatch):
     # The check pass would double the wgrad's cost: on ordinary data the bound must rule it out.
     fired = []
-    original = ops.wgrad.overflow_flag  # the update's flag (ops/update_bound.py)
+    original = (
+        ops.triton_backend.wgrad.overflow_flag
+    )  # the update's flag (ops/triton_backend/update_bound.py)
     monkeypatch.setattr(
-        ops.wgrad,
+        ops.triton_backend.wgrad,
         "overflow_flag",
         lambda *args: fired.append(float(original(*args))) or original(*args),
     )
@@ -353,16 +357,16 @@ def test_a_failed_backward_leaves_no_unwritten_accumulation_buffer(where, device
         def failing(*args):
             raise RuntimeError("dX failed")
 
-        monkeypatch.setattr(ops.backward, "_dx", failing)
+        monkeypatch.setattr(ops.triton_backend.backward, "_dx", failing)
     else:  # after dW2's launch, before dW1's
-        original = ops.wgrad.expert_wgrad
+        original = ops.triton_backend.wgrad.expert_wgrad
 
         def failing(name, *args, **kwargs):
             if name == "gate_up_proj":
                 raise RuntimeError("dW1 failed")
             return original(name, *args, **kwargs)
 
-        monkeypatch.setattr(ops.wgrad, "expert_wgrad", failing)
+        monkeypatch.setattr(ops.triton_backend.wgrad, "expert_wgrad", failing)
     x, index, weights, grad_out = _batch(0, torch.bfloat16, device)
     x.requires_grad_()  # so that dX is computed
     with pytest.raises(RuntimeError, match=f"{where} failed"):

@@ -55,7 +55,9 @@ def test_the_wheel_builds_installs_into_a_clean_venv_and_imports(tmp_path):
     # command line before torch loads (importing anything under sonar_kernels imports torch).
     assert top == {"sonar_kernels", "sonar_kernels_cli"}, top
     assert "sonar_kernels/kernels/__init__.py" in names
-    assert "sonar_kernels/ops/cpu_update.c" in names  # compiled at first use (ops/cpu_update.py)
+    assert (
+        "sonar_kernels/ops/torch_backend/cpu_update.c" in names
+    )  # compiled at first use (ops/torch_backend/cpu_update.py)
     requires = metadata.get_all("Requires-Dist")
     from packaging.requirements import Requirement
 

@@ -1,15 +1,15 @@
-"""The Triton update of an FSDP2 shard (``ops/shard_update.py``: one launch per tensor per step) with 8-bit
+"""The Triton update of an FSDP2 shard (``ops/triton_backend/shard_update.py``: one launch per tensor per step) with 8-bit
 moments, a bf16 remainder or stochastic rounding: shards updated one at a time (FSDP2's Shard(0), each with
 its offset in the whole tensor) equal the whole tensor's update bit for bit, and that equals the torch rules
-(``ops/fp64_update.py``), under the Triton interpreter on the CPU."""
+(``ops/torch_backend/fp64_update.py``), under the Triton interpreter on the CPU."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
-from sonar_kernels.ops.shard_update import shard_update_triton_
+from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.triton_backend.shard_update import shard_update_triton_
 from sonar_kernels.rules.moments_8bit import scales_shape
 
 E, R, C = 4, 6, 64  # 4 experts of [6, 64]: shards of 2 experts (2 ranks) and of 1 (4 ranks)
@@ -17,7 +17,7 @@ HYPER = torch.tensor([3e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
 
 
 def _state(kind, weight):
-    """The update's tensor list (ops/fp64_update.py's order) with moments of one earlier step's size."""
+    """The update's tensor list (ops/torch_backend/fp64_update.py's order) with moments of one earlier step's size."""
     g = torch.Generator().manual_seed(7)
     counters = [
         torch.tensor(1.0),

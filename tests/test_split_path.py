@@ -1,4 +1,4 @@
-"""The Triton backend's split path with a bounded scratch (sonar_kernels/ops/wgrad_update.py): the wgrad of a
+"""The Triton backend's split path with a bounded scratch (sonar_kernels/ops/triton_backend/wgrad_update.py): the wgrad of a
 chunk of experts into scratch, then the standalone AdamW kernel, chunk after chunk. With chunks forced down
 to one or two experts it must give the fused epilogue's bits for every state kind (exact moments, fp32
 master weights, 8-bit moments, a bf16 weight with its remainder or stochastic rounding, the spike rule,
@@ -11,7 +11,7 @@ import torch
 from cases import Case
 
 import sonar_kernels
-from sonar_kernels.ops import configs, wgrad_update
+from sonar_kernels.ops.triton_backend import configs, wgrad_update
 
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
 # 5 experts (chunks of 2: 2, 2, 1), one without tokens; W1 [5, 64, 32] and W2 [5, 32, 32] (whole 8-bit blocks).

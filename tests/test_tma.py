@@ -1,4 +1,4 @@
-"""The grouped GEMMs through TMA descriptors (sonar_kernels/ops/tma.py, kernels/expert_mlp_tma.py): the same
+"""The grouped GEMMs through TMA descriptors (sonar_kernels/ops/triton_backend/tma.py, kernels/expert_mlp_tma.py): the same
 bits as the pointer kernel at the same tile, and the float64 reference, for the down projection, dX and the
 up-projection in every layout each is offered for, at shapes with K and N tails and experts without rows;
 and not offered where the strides or the device do not allow it."""
@@ -9,10 +9,10 @@ from cases import Case
 from numerics import assert_close
 
 from sonar_kernels import reference
-from sonar_kernels.ops import configs, tma
-from sonar_kernels.ops.backward import _dx
 from sonar_kernels.ops.common import gate_up_operand, triton_interpreting
-from sonar_kernels.ops.forward import moe_mlp_fwd, routing_metadata
+from sonar_kernels.ops.triton_backend import configs, tma
+from sonar_kernels.ops.triton_backend.backward import _dx
+from sonar_kernels.ops.triton_backend.forward import moe_mlp_fwd, routing_metadata
 from sonar_kernels.specs import down_view
 
 # H 72 and I 40: N and K tails at every tile (multiples of 8, so bf16 rows stay 16-byte aligned); experts
@@ -34,7 +34,7 @@ def fresh_choices():
 
 @pytest.fixture
 def launches(monkeypatch):
-    """The results of ops.tma.launch_grouped_mm (True: the TMA kernel ran) in call order."""
+    """The results of ops.triton_backend.tma.launch_grouped_mm (True: the TMA kernel ran) in call order."""
     seen = []
     launch = tma.launch_grouped_mm
 
@@ -210,7 +210,7 @@ def test_the_tuner_times_the_tma_candidates_where_offered_and_keeps_a_correct_on
 
 @pytest.fixture
 def up_descriptors(monkeypatch):
-    """Whether each ops.tma.up_descriptor call gave a descriptor (True: the TMA up-projection ran)."""
+    """Whether each ops.triton_backend.tma.up_descriptor call gave a descriptor (True: the TMA up-projection ran)."""
     seen = []
     describe = tma.up_descriptor
 

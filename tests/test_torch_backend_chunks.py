@@ -1,5 +1,5 @@
-"""The torch backend's in-backward update by chunks of experts (ops/expert_gradient.py ``ExpertGradient``,
-ops/adamw.py ``torch_adamw_chunked_``): bit for bit the update of the whole tensor whatever the chunks,
+"""The torch backend's in-backward update by chunks of experts (ops/torch_backend/expert_gradient.py ``ExpertGradient``,
+ops/torch_backend/adamw.py ``torch_adamw_chunked_``): bit for bit the update of the whole tensor whatever the chunks,
 bit for bit torch.optim.AdamW(fused=True) with dense-only clipping, the skip rule for the tensor as a
 whole, and at most one chunk of expert gradient alive (torch's MemTracker)."""
 
@@ -12,7 +12,8 @@ from torch.distributed._tools.mem_tracker import MemTracker, _MemRefType
 
 import sonar_kernels
 from sonar_kernels import ops
-from sonar_kernels.ops import expert_gradient, torch_backend
+from sonar_kernels.ops.torch_backend import expert_gradient
+from sonar_kernels.ops.torch_backend import mlp as torch_backend
 from sonar_kernels.optim import UnownedExpertsWarning
 
 # 12 experts; one expert's W1 gradient is 2 * 16 * 32 = 1024 elements, its W2's 512: multiples of the
@@ -175,8 +176,10 @@ def test_a_bad_entry_in_the_last_chunk_skips_the_whole_tensor(bad, monkeypatch):
     optimizer.step()
     before = _state(params, optimizer)
     updates = []
-    adamw = ops.adamw._adamw
-    monkeypatch.setattr(ops.adamw, "_adamw", lambda *args: updates.append(args[0].shape) or adamw(*args))
+    adamw = ops.torch_backend.adamw._adamw
+    monkeypatch.setattr(
+        ops.torch_backend.adamw, "_adamw", lambda *args: updates.append(args[0].shape) or adamw(*args)
+    )
     x, index, weights, grad_out = _routed_to_the_last_expert(bad)
     sonar_kernels.moe_mlp(x, index, weights, *params, backend="torch").backward(grad_out)
     optimizer.step()
@@ -191,9 +194,11 @@ def test_the_check_pass_changes_no_bit_of_an_update_it_lets_through(monkeypatch)
     # applied exactly as without the check.
     expected, expected_optimizer, _ = _train("concatenated", W1_EXPERT_BYTES, monkeypatch)
     checks = []
-    bound = ops.adamw.overflow_possible
+    bound = ops.torch_backend.adamw.overflow_possible
     monkeypatch.setattr(
-        ops.adamw, "overflow_possible", lambda *args: checks.append(1) or torch.ones_like(bound(*args))
+        ops.torch_backend.adamw,
+        "overflow_possible",
+        lambda *args: checks.append(1) or torch.ones_like(bound(*args)),
     )
     params, optimizer, ranges = _train("concatenated", W1_EXPERT_BYTES, monkeypatch)
     assert len(checks) == 4  # two tensors, two steps

@@ -189,7 +189,7 @@ def test_the_paper_arm_runs_its_backward_with_the_whole_gradient_as_the_split_pa
     # split_scratch(fraction=1) (Arm.split_fraction), which the Triton split path reads; the other arms,
     # and everything after the backward, at the library's bound (a chunk of experts).
     from sonar_kernels.integrations import transformers as hf
-    from sonar_kernels.ops import wgrad_update
+    from sonar_kernels.ops.triton_backend import wgrad_update
 
     hf.register()
     args = train.parse_args(["--backend", "torch", "--quiet", "--no-checkpointing"])

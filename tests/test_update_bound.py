@@ -1,6 +1,6 @@
-"""The overflow bound of an update's gradient on the Triton backend (sonar_kernels/ops/update_bound.py): the
+"""The overflow bound of an update's gradient on the Triton backend (sonar_kernels/ops/triton_backend/update_bound.py): the
 layer's magnitudes pass against torch's max |x| of each operand, and each update's flag against the torch
-expression it replaces (sonar_kernels/ops/adamw.py, overflow_possible) on the same operands: random, huge,
+expression it replaces (sonar_kernels/ops/arithmetic.py, overflow_possible) on the same operands: random, huge,
 NaN, inf, an expert without rows, all-zero and empty inputs, every expert tensor's operand set, with and
 without the gradient of earlier micro-batches. The flag decides only whether the exact check pass runs;
 tests/test_nonfinite.py shows the skipped updates themselves."""
@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from sonar_kernels.kernels.update_bound import COLUMNS, TABLE
-from sonar_kernels.ops import update_bound
-from sonar_kernels.ops.adamw import overflow_possible
-from sonar_kernels.ops.update_bound import (
+from sonar_kernels.ops.arithmetic import overflow_possible
+from sonar_kernels.ops.triton_backend import update_bound
+from sonar_kernels.ops.triton_backend.update_bound import (
     ENTRY_LIMITS,
     OPERAND_LIMITS,
     layer_magnitudes,
@@ -58,7 +58,7 @@ def _operands(T, H, top_k, E, scale, dtype, generator, poison=None, counts=None)
 
 
 def _torch_flag(name, operands, grad_in, entry_limit, operand_limit):
-    """overflow_possible on the operands' magnitudes as ops/wgrad.py computed them before the kernels."""
+    """overflow_possible on the operands' magnitudes as ops/triton_backend/wgrad.py computed them before the kernels."""
     x, grad_out, weights, absmax, offsets = operands
     most_rows = (offsets[1:] - offsets[:-1]).amax().float()
     largest_a, largest_dhpre = absmax.amax(0) if absmax.numel() else torch.zeros(2)

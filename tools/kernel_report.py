@@ -62,8 +62,8 @@ from sonar_kernels.kernels import (
     update_bound,
     update_steps,
 )
-from sonar_kernels.ops import update_bound as ops_update_bound
-from sonar_kernels.ops import update_steps as ops_update_steps
+from sonar_kernels.ops.triton_backend import update_bound as ops_update_bound
+from sonar_kernels.ops.triton_backend import update_steps as ops_update_steps
 from sonar_kernels.specs import ACTIVATIONS
 
 # Integers that are never multiples of 16, even at aligned shapes: top_k (1 to 8 in the models) and the row
@@ -75,7 +75,7 @@ PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 CUOBJDUMP = PTXAS.parent / "cuobjdump"
 TL_DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
 # The wgrad kernel's 8-bit moments' pointers where its moments are exact (never read; typed as the JIT
-# types the placeholder tensor ops.wgrad passes).
+# types the placeholder tensor ops.triton_backend.wgrad passes).
 # The pointers a launch passes where the kernel does not read them (the hyperparameters' tensor): the 8-bit
 # moments' scales and tables, and bf16 master weights' remainder and stochastic rounding's key.
 NO_8BIT_POINTERS = {
@@ -92,7 +92,7 @@ DTYPE_PAIRS = (("fp32", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("bf16", "f
 # the gradient and its norm), the plain gradient (the store without the norm: paper-inbwd's) and the check
 # pass. Some differ from the JIT's key only where the code does not look, and give the same cubin: the check
 # pass and the split path's store are built with ARITHMETIC "fp64" (the GPU run passes "fp32"), the plain
-# gradient with the unread pointers' types of the other specs (ops.wgrad passes int32 offsets).
+# gradient with the unread pointers' types of the other specs (ops.triton_backend.wgrad passes int32 offsets).
 # The fused update with 8-bit moments and with bf16 master weights (a remainder, stochastic rounding; fp32
 # moments, AdamW's fp64 arithmetic: the 8-bit update's, and torch 2.11's) at their own tiles
 # (configs.OWN_CANDIDATES) are its last three kinds.
@@ -139,7 +139,7 @@ def _source(spec: Spec, aligned: bool) -> ASTSource:
     constexprs = dict(spec.constexprs)
     constexprs.update({name: 1 for name in spec.unit_strides})
     # Expert clipping is off unless a spec turns it on; its count pointer is then the hyperparameters'
-    # placeholder, as ops.wgrad passes it.
+    # placeholder, as ops.triton_backend.wgrad passes it.
     pointers = dict(spec.pointers)
     if any(param.name == "CLIP" for param in fn.params):
         constexprs.setdefault("CLIP", False)
@@ -221,11 +221,11 @@ CANDIDATE_DTYPES_ENV = "SONAR_KERNEL_REPORT_CANDIDATE_DTYPES"
 
 
 def _candidate_specs() -> list[Spec]:
-    """Every tuning candidate of ops/configs.py beyond the default (which the specs above build), at its
+    """Every tuning candidate of ops/triton_backend/configs.py beyond the default (which the specs above build), at its
     architecture, aligned, for the kernels' main variants and each 16-bit dtype pair (the wgrad's fused
     update in both AdamW arithmetics: fp64 has the most registers, fp32 is the one a tuned update runs in on
     the GPU; its split path's store, gradient and norm, which the tuner times against it)."""
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     variants = {
         "up": (expert_mlp_fwd.expert_mlp_fwd_up_kernel, ["silu"]),
@@ -287,7 +287,7 @@ def _own_candidate_specs() -> list[Spec]:
     (configs.OWN_CANDIDATES) beyond the default, at its architecture, aligned, for the variants a bf16 GPU
     run compiles (the rows of the wgrad table's kinds 8bit, remainder and stochastic; the split path's store
     runs at the exact update's candidates, which :func:`_candidate_specs` builds)."""
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     fused = [s for s in _wgrad_8bit_specs() if s.wgrad_table]
     out = []
@@ -314,12 +314,12 @@ def _own_candidate_specs() -> list[Spec]:
 
 def _tma_specs() -> list[Spec]:
     """The grouped GEMMs through TMA descriptors (kernels/expert_mlp_tma.py) at each TMA candidate of
-    ops/configs.py (sm_90a, aligned), for each 16-bit dtype pair of the candidates: the down projection (W2
+    ops/triton_backend/configs.py (sm_90a, aligned), for each 16-bit dtype pair of the candidates: the down projection (W2
     [E, H, I], unit stride along K) and dX (W1's halves, unit stride along N), with bf16 weights also the
     transposed layouts (the other unit stride); the up-projection (W1 through a descriptor, SwiGLU); the
     rows of the forward and dgrad table for bf16."""
     from sonar_kernels.kernels.expert_mlp_tma import expert_mlp_grouped_mm_tma_kernel
-    from sonar_kernels.ops import configs
+    from sonar_kernels.ops.triton_backend import configs
 
     out = []
     chosen = os.environ.get(CANDIDATE_DTYPES_ENV, ",".join(CANDIDATE_DTYPES))
@@ -392,7 +392,7 @@ def _precision(act_dtype: str) -> dict:
 
 
 def _forward_specs() -> list[Spec]:
-    """ops.forward.moe_mlp_fwd, and the dX of ops.backward (the grouped GEMM with W1's strides swapped, the unweighted combine)."""
+    """ops.triton_backend.forward.moe_mlp_fwd, and the dX of ops.triton_backend.backward (the grouped GEMM with W1's strides swapped, the unweighted combine)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_fwd.FWD_GEMM_CONFIG)
     for act_dtype, w_dtype in DTYPE_PAIRS:
@@ -497,7 +497,7 @@ def _forward_specs() -> list[Spec]:
                     config=combine,
                 )
             )  # fmt: skip
-        # dX = sum_j of the dX rows: no weights (ops.backward passes the rows again, with strides 0).
+        # dX = sum_j of the dX rows: no weights (ops.triton_backend.backward passes the rows again, with strides 0).
         out.append(
             Spec(
                 expert_mlp_fwd.expert_mlp_combine_kernel,
@@ -513,7 +513,7 @@ def _forward_specs() -> list[Spec]:
 
 
 def _backward_specs() -> list[Spec]:
-    """ops.backward.moe_mlp_bwd_core and ops.wgrad.expert_wgrad. Routing weights are given the activation dtype (any is accepted;
+    """ops.triton_backend.backward.moe_mlp_bwd_core and ops.triton_backend.wgrad.expert_wgrad. Routing weights are given the activation dtype (any is accepted;
     the pointer dtype only changes one load)."""
     out = []
     blocks, options = _gemm_launch(expert_mlp_bwd.DHPRE_CONFIG)
@@ -597,7 +597,7 @@ def _backward_specs() -> list[Spec]:
                            "HAS_GRAD_IN": has_grad_in, "HAS_NORM": has_norm, "ARITHMETIC": arithmetic,
                            "MOMENTS_8BIT": False, "REMAINDER": False, "STOCHASTIC": False,
                            "GRAD_DTYPE": TL_DTYPES[w_dtype], "DOT_DTYPE": TL_DTYPES[act_dtype]},
-                        # ops.backward compiles the AdamW launch without automatic fma contraction.
+                        # ops.triton_backend.backward compiles the AdamW launch without automatic fma contraction.
                         options | ({"enable_fp_fusion": False} if epilogue == "adamw" else {}),
                         unit_strides=("stride_pm", "stride_qn", "stride_n"),
                         is_gemm=True,
@@ -628,7 +628,7 @@ def _backward_specs() -> list[Spec]:
     # dW2's H), or between W1's halves (interleaved).
     layouts = [("dW2", "transposed", "stride_m"), ("dW1", "transposed", "stride_m"),
                ("dW1", "interleaved transposed", "stride_half")]  # fmt: skip
-    # The biases' fused update (ops.wgrad): the wgrad with a stride-0 column of ones for Q (N = 1, a
+    # The biases' fused update (ops.triton_backend.wgrad): the wgrad with a stride-0 column of ones for Q (N = 1, a
     # constexpr as the JIT specialises it; db2: P gathered by token, db1: dHpre), the bias seen as [E, M, 1].
     layouts += [("db2", "bias", "stride_m"), ("db1", "bias", "stride_m")]
     for role, layout, unit in layouts:
@@ -699,7 +699,7 @@ def _wgrad_pointers(act_dtype: str, w_dtype: str, exp_avg: str, exp_avg_sq: str)
 
 
 def _wgrad_8bit_specs() -> list[Spec]:
-    """The fused update with 8-bit moments (ops.wgrad with an AdamWUpdate of codes and scales): int8 and
+    """The fused update with 8-bit moments (ops.triton_backend.wgrad with an AdamWUpdate of codes and scales): int8 and
     uint8 codes, fp32 scales, slices of one 32-column block (EPILOGUE_SPLIT = BLOCK_N / 32)."""
     blocks, options = _gemm_launch(expert_wgrad.WGRAD_8BIT_CONFIG)
     out = []
@@ -733,7 +733,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
                 )
             )  # fmt: skip
     # The split path of the 8-bit update and of bf16 master weights: the gradient written (its norm summed)
-    # on the fused epilogue's tiles, which it must equal bit for bit (ops.wgrad); the moments' pointers are
+    # on the fused epilogue's tiles, which it must equal bit for bit (ops.triton_backend.wgrad); the moments' pointers are
     # passed though not read (int8 and uint8 codes, or fp32 / bf16 moments).
     for (act_dtype, w_dtype, m_avg, m_sq), role in itertools.product(
         (("fp32", "fp32", "i8", "u8"), ("bf16", "bf16", "i8", "u8"), ("bf16", "fp32", "i8", "u8"),
@@ -792,7 +792,7 @@ def _wgrad_8bit_specs() -> list[Spec]:
 
 
 def _adamw_specs() -> list[Spec]:
-    """The split path's standalone AdamW (ops.backward with a non-fused update): gradient in the weight dtype,
+    """The split path's standalone AdamW (ops.triton_backend.backward with a non-fused update): gradient in the weight dtype,
     moments in the weight dtype or fp32."""
     ac = adamw.ADAMW_CONFIG
     out = []
@@ -830,7 +830,7 @@ def _adamw_specs() -> list[Spec]:
                 config={"BLOCK": ac["BLOCK"]},
             )
         )  # fmt: skip
-    # The split path with 8-bit moments (ops/moments_8bit.py, the launcher), with the binary-search and the
+    # The split path with 8-bit moments (ops/triton_backend/moments_8bit.py, the launcher), with the binary-search and the
     # closed-form quantizer (the latter the tuner's candidate beside it).
     c8 = moments_8bit.ADAMW_8BIT_CONFIG
     for (w_dtype, master), closed in itertools.product(
@@ -852,7 +852,7 @@ def _adamw_specs() -> list[Spec]:
                 config={"BLOCK_R": c8["BLOCK_R"], "BLOCK_C": c8["BLOCK_C"]},
             )
         )  # fmt: skip
-    # The small steps around each update (ops/update_steps.py): before it the skip, the step and (but for
+    # The small steps around each update (ops/triton_backend/update_steps.py): before it the skip, the step and (but for
     # 8-bit moments and stochastic rounding) the scalars; after it the telemetry.
     begin = {"flags_ptr": "fp32", "step_ptr": "fp32", "hyper_ptr": "fp64", "powers_ptr": "fp32", "skip_ptr": "fp32",
              "scalars_ptr": "fp32"}  # fmt: skip
@@ -877,7 +877,7 @@ def _adamw_specs() -> list[Spec]:
             {"num_warps": 1},
         )
     )  # fmt: skip
-    # The overflow bound before each update's check pass (ops/update_bound.py): the layer's magnitudes pass
+    # The overflow bound before each update's check pass (ops/triton_backend/update_bound.py): the layer's magnitudes pass
     # over X, dO and the routing weights (each activation dtype; the weights fp32 or the activation's), its
     # table of flags, and the flag of an update with the gradient of earlier micro-batches (every operand set).
     for act_dtype, w_dtype in (("bf16", "fp32"), ("bf16", "bf16"), ("fp16", "fp16"), ("fp32", "fp32")):
@@ -1152,8 +1152,8 @@ def compile_all(
 
 def _print_wgrad_table(rows: list[dict]) -> None:
     """The section "wgrad variants on sm_90a": one line per configuration, role and kind (the default
-    configuration first, then the sm_90 candidates in ops/configs.py's order)."""
-    from sonar_kernels.ops import configs
+    configuration first, then the sm_90 candidates in ops/triton_backend/configs.py's order)."""
+    from sonar_kernels.ops.triton_backend import configs
 
     order = [
         c.blocks() | c.launch() | c.epilogue()
@@ -1203,8 +1203,8 @@ def _print_wgrad_table(rows: list[dict]) -> None:
 
 def _print_gemm_table(rows: list[dict]) -> None:
     """The section "forward and dgrad variants on sm_90a": one line per kernel kind and configuration (the
-    default configuration first, then the family's sm_90 candidates in ops/configs.py's order)."""
-    from sonar_kernels.ops import configs
+    default configuration first, then the family's sm_90 candidates in ops/triton_backend/configs.py's order)."""
+    from sonar_kernels.ops.triton_backend import configs
 
     family = {"up": "up", "down": "grouped_mm", "dX": "grouped_mm", "dHpre": "dhpre", "dHpre-plain": "dhpre"}
 

@@ -26,8 +26,8 @@ parallel with the dense layers on FSDP2"; checked against bench/memory_real.py's
 
 How: an analytic account of what is alive at each candidate moment of the step (the end of the forward,
 the loss's backward, the expert backward of every layer, FSDP2's reduce-scatters, the embedding's backward,
-the optimizer step), derived from the code that runs (transformers' modeling files, ``sonar_kernels/ops/torch_backend.py``,
-``sonar_kernels/ops/backward.py``, ``sonar_kernels/ops/wgrad.py``, ``sonar_kernels/autograd/formula.py``,
+the optimizer step), derived from the code that runs (transformers' modeling files, ``sonar_kernels/ops/torch_backend/mlp.py``,
+``sonar_kernels/ops/triton_backend/backward.py``, ``sonar_kernels/ops/triton_backend/wgrad.py``, ``sonar_kernels/autograd/formula.py``,
 ``sonar_kernels/optim/distributed.py``, torch's AdamW, DDP and FSDP2, and autograd's rules: which tensors
 each op saves for its backward); the peak is the largest moment. No coefficient is fitted to measurements; one term was found
 by measuring and is marked so (FSDP2: down_proj's gradient output alive during the experts'

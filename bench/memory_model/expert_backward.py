@@ -1,6 +1,6 @@
 """The expert backward's terms: the gradients, temporaries and AdamW temporaries alive during one layer's
-expert backward, op by op, as ``sonar_kernels/ops/torch_backend.py`` (torch backend),
-``sonar_kernels/ops/backward.py`` and ``sonar_kernels/ops/wgrad.py`` (Triton) and
+expert backward, op by op, as ``sonar_kernels/ops/torch_backend/mlp.py`` (torch backend),
+``sonar_kernels/ops/triton_backend/backward.py`` and ``sonar_kernels/ops/triton_backend/wgrad.py`` (Triton) and
 ``sonar_kernels/autograd/formula.py`` (the jobs' order) run them."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def adamw_temporaries(adamw: str, sizes: list[int]) -> int:
 
 
 def remainder_update_temporaries(elements: int) -> int:
-    """Bytes ``sonar_kernels/ops/adamw.py``'s ``remainder_adamw_`` holds at its peak on a tensor of
+    """Bytes ``sonar_kernels/ops/torch_backend/adamw.py``'s ``remainder_adamw_`` holds at its peak on a tensor of
     ``elements`` bf16 weights with an int16 remainder, not chunked (SonarAdamW's update of an FSDP2 shard
     from its reduced gradient, ``optim/updates.py`` ``apply_grad``): ``split`` of the merged fp32 master (4
     bytes per element), with the master's bits as int64, their rounded high half, that half shifted back
@@ -77,17 +77,17 @@ UPDATE_8BIT_BYTES_PER_ELEMENT = 66
 
 
 def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: str = "exact") -> None:
-    """The torch backend's expert backward, SwiGLU (ops/torch_backend.py ``moe_mlp_bwd_core``, then each
+    """The torch backend's expert backward, SwiGLU (ops/torch_backend/mlp.py ``moe_mlp_bwd_core``, then each
     weight's job, ``expert_gradient``), then the deferred updates of an in-backward ``mode`` ("grad": the
     jobs return both weight gradients; "deferred": W1's then W2's wgrad and torch AdamW run in the weights'
     AccumulateGrad pre-hooks, autograd/formula.py, by chunks of experts with torch's fused AdamW,
-    ops/adamw.py ``torch_adamw_chunked_``). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a``
+    ops/torch_backend/adamw.py ``torch_adamw_chunked_``). ``n``: sizes in bytes: S rows, T tokens, H, I, ``a``
     (activation bytes), w1 and w2 (the local weight tensors), E (the local experts), ``routing_grad``
     (whether the routing weights get a gradient: not under expert parallelism, where they are ones).
-    ``moments`` "8bit": the update is chunked whatever ``adamw`` (ops/fp64_update.py ``adamw_8bit_``), each
+    ``moments`` "8bit": the update is chunked whatever ``adamw`` (ops/torch_backend/fp64_update.py ``adamw_8bit_``), each
     chunk updated :data:`UPDATE_ELEMENTS` at a time."""
-    from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS
-    from sonar_kernels.ops.torch_backend import ROW_BLOCK_BYTES, WGRAD_CHUNK_BYTES
+    from sonar_kernels.ops.torch_backend.fp64_update import UPDATE_ELEMENTS
+    from sonar_kernels.ops.torch_backend.mlp import ROW_BLOCK_BYTES, WGRAD_CHUNK_BYTES
 
     S, T, k, H, I, a, w1, w2, E = (n[key] for key in ("S", "T", "k", "H", "I", "a", "w1", "w2", "E"))
     wide = a != FP32  # 16-bit activations: .float() copies
@@ -173,7 +173,7 @@ def torch_expert_backward(tape: Tape, n: dict, mode: str, adamw: str, moments: s
 def split_scratch_bytes(shape: tuple[int, ...], param_bytes: int, whole: bool = False) -> int:
     """Bytes of the Triton split path's gradient buffer for an expert tensor of local ``shape`` [E, ...]
     whose gradient has the parameters' dtype (``param_bytes``; SonarAdamW's default ``grad_dtype``): one
-    chunk of whole experts, ``sonar_kernels.ops.wgrad_update.split_chunk`` (at most 1/8 of the tensor's
+    chunk of whole experts, ``sonar_kernels.ops.triton_backend.wgrad_update.split_chunk`` (at most 1/8 of the tensor's
     gradient bytes or 64 MiB, whichever is larger), allocated once per update; ``whole``: under
     ``split_scratch(fraction=1)``, the paper's method, the whole gradient."""
     import contextlib
@@ -181,7 +181,7 @@ def split_scratch_bytes(shape: tuple[int, ...], param_bytes: int, whole: bool = 
 
     import torch
 
-    from sonar_kernels.ops.wgrad_update import split_chunk, split_scratch
+    from sonar_kernels.ops.triton_backend.wgrad_update import split_chunk, split_scratch
 
     dtype = {2: torch.bfloat16, 4: torch.float32}[param_bytes]
     weight = torch.empty(shape, dtype=dtype, device="meta")
@@ -191,7 +191,7 @@ def split_scratch_bytes(shape: tuple[int, ...], param_bytes: int, whole: bool = 
 
 
 def weight_of_row(tape: Tape, S: int, a: int) -> None:
-    """dW2's launch's rows' routing weights (ops/wgrad_launch.py ``weight_of_row``): [S] fp32, kept for the
+    """dW2's launch's rows' routing weights (ops/triton_backend/wgrad_launch.py ``weight_of_row``): [S] fp32, kept for the
     launch (freed with it, by the caller), made from the rows' slots clamped (int32) then as int64, the
     weights gathered (``a`` bytes) and cast to fp32 (no copy when ``a`` is fp32)."""
     tape.moment(slots=S * (INT32 + INT64))
@@ -200,8 +200,8 @@ def weight_of_row(tape: Tape, S: int, a: int) -> None:
 
 
 def triton_expert_backward(tape: Tape, n: dict, mode: str) -> None:
-    """The Triton backend's expert backward (ops/backward.py ``moe_mlp_bwd_core``, then each weight's job,
-    ops/wgrad.py ``expert_wgrad``): dHpre [S, 2I], A [S, I] and the routing-weight partial sums
+    """The Triton backend's expert backward (ops/triton_backend/backward.py ``moe_mlp_bwd_core``, then each weight's job,
+    ops/triton_backend/wgrad.py ``expert_wgrad``): dHpre [S, 2I], A [S, I] and the routing-weight partial sums
     [cdiv(I, 64), S] fp32 from the dHpre kernel; d top_k_weights; dX's rows [S, H] and dX [T, H]; then dW2
     (mode "grad"; A released after it; its rows' routing weights as fp32 during its launch) and dW1 (mode
     "grad"). ``mode`` "fused": the updates deferred and fused into the wgrad launches (no gradient tensor);

@@ -139,7 +139,7 @@ class Setup:
         fused_epilogue: sonar's ``SonarAdamW(fused_epilogue=...)`` on the Triton backend: True, the update
             in the wgrad epilogue (no gradient tensor); False, the split path: each expert tensor's
             gradient written by chunks of experts into a buffer of at most 1/8 of its bytes or 64 MiB
-            (``sonar_kernels.ops.wgrad_update.split_chunk``), updated from it, released after the
+            (``sonar_kernels.ops.triton_backend.wgrad_update.split_chunk``), updated from it, released after the
             tensor's update; None (SonarAdamW's default: the tuner picks either per layer shape on CUDA),
             bounded by the split path's peak, modelled as False. The paper's method is the split path with
             the whole gradient (``split_scratch(fraction=1)``, sonar-train's ``paper`` arm); it ignores this.

@@ -372,7 +372,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
     (T * top_k rows a layer), and their backward is :func:`predict`'s under expert parallelism (the Triton
     or torch expert backward: the gradients kept in ``.grad`` by standard training, the update fused or
     split in the backward otherwise), inside the FSDP2 terms of the layer around it."""
-    from sonar_kernels.ops.fp64_update import UPDATE_ELEMENTS
+    from sonar_kernels.ops.torch_backend.fp64_update import UPDATE_ELEMENTS
 
     d, p, T, L, lay = s.dims, s.param_bytes, s.tokens, s.dims.num_layers, s.layout
     a = s.compute_bytes or p
@@ -527,7 +527,7 @@ def _predict_fsdp(s: Setup, tensors) -> Prediction:
             # post-accumulate-grad hook, which foreach_reduce calls (_fsdp_collectives.py) with the
             # reduce-scatter's input and output alive, in the post-backward that still sees the node's
             # down_proj output; gate_up_proj's shard first, the larger. Its temporaries: torch's AdamW's; with
-            # 8-bit moments the slices of ops/fp64_update.py's update; with a remainder (exact moments) the
+            # 8-bit moments the slices of ops/torch_backend/fp64_update.py's update; with a remainder (exact moments) the
             # shard's fp32 master and split's int64 bits (updates.py ``apply_grad``).
             update = adamw_temporaries(s.adamw, [w1_shard])
             if s.moments == "8bit":

@@ -50,7 +50,7 @@ def moe_mlp(
             (``sonar_kernels.clamped_swiglu(alpha, limit)``, or "clamped_swiglu" for alpha 1.702 and
             limit 7.0).
         backend: "triton" (CUDA tensors, or CPU tensors under TRITON_INTERPRET=1), "torch" (the same
-            math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend.py``), or "auto" (triton on
+            math on torch's grouped GEMM, ``sonar_kernels/ops/torch_backend/mlp.py``), or "auto" (triton on
             CUDA, torch otherwise).
         transposed: both weights stored transposed (transformers' ``is_transposed``: gpt-oss, Aria).
         interleaved: gate and up rows alternate (transformers' ``is_concatenated=False``, torchtitan's

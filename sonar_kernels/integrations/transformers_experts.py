@@ -14,7 +14,7 @@ from torch import nn
 from sonar_kernels.autograd.moe_mlp import moe_mlp
 from sonar_kernels.nn.expert_parallel import expert_parallel_moe_mlp, resolve_ep_group
 from sonar_kernels.nn.fsdp_guard import check_not_fsdp_managed
-from sonar_kernels.ops.glu import glu
+from sonar_kernels.ops.torch_backend.glu import glu
 from sonar_kernels.ops.validation import check_moe_mlp_args
 from sonar_kernels.optim.ownership import claim_expert_tensors
 from sonar_kernels.specs import (

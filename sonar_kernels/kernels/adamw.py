@@ -24,7 +24,7 @@ fused_adam_utils.cuh that torch 2.13 ships): the hyperparameters rounded to fp32
     p = p - (step_size * m) / (sqrtf(v) / bc2_sqrt + eps)
 
 where powf(beta, step) is torch's own: ``torch.pow`` of the fp32 betas and the step tensor, computed by the
-launcher on the device (ops/wgrad.py) and read here (``powers_ptr``). torch's kernel calls CUDA's powf,
+launcher on the device (ops/triton_backend/wgrad.py) and read here (``powers_ptr``). torch's kernel calls CUDA's powf,
 which is not correctly rounded, and libdevice's powf as Triton compiles it rounds differently: on an H200 it
 differed from torch's in the last bit at 49 % of the steps 1 to 100000 for beta = 0.999 (an fp64 pow
 rounded to fp32 at 6 %), and one bit of 1 - 0.999 ** step moves every weight of the tensor

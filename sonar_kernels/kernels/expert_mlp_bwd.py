@@ -21,7 +21,7 @@ from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to, 
 from sonar_kernels.kernels.expert_mlp_fwd import clamp_gate_up, gelu_tanh_inner, glu_fwd
 
 # dHpre is a grouped GEMM over row tiles, like the forward. These are the default configurations (the only
-# ones for fp32); the 16-bit tuning candidates are in sonar_kernels/ops/configs.py.
+# ones for fp32); the 16-bit tuning candidates are in sonar_kernels/ops/triton_backend/configs.py.
 # EPILOGUE_SPLIT > 1: the rebuilt epilogue, in column slices (``_dhpre_slice``; docs/design.md, "dHpre in
 # column slices"), a tuning candidate beside today's whole-tile epilogue.
 DHPRE_CONFIG = {

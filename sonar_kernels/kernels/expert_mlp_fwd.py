@@ -16,7 +16,7 @@ import triton.language as tl
 from sonar_kernels.kernels.common import expert_tile, grouped_mm_acc, round_to
 
 # The default configuration of both grouped GEMMs (the only one for fp32; the 16-bit tuning candidates
-# are in sonar_kernels/ops/configs.py); the routing metadata's row tile TILE_M is its BLOCK_M (a launch with
+# are in sonar_kernels/ops/triton_backend/configs.py); the routing metadata's row tile TILE_M is its BLOCK_M (a launch with
 # another BLOCK_M computes its own tile offsets, ops.common.tile_offsets_for). The up-projection's dot is
 # 2 * BLOCK_N wide (gate and up columns together). Chosen by `make kernel-report`: no register spills on
 # sm_90a or sm_80 for fp32 (FMA, no tf32), bf16 and fp16, at aligned and unaligned shapes.

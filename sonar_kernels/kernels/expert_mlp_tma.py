@@ -11,7 +11,7 @@ output rows that are masked at the store. Same tiles, same K order, same roundin
 pointer kernel, so the interpreter gives the same bits (tests/test_configs.py).
 
 The descriptors are built on the host (``triton.tools.tensor_descriptor.TensorDescriptor``, no device
-allocation) by :func:`sonar_kernels.ops.tma.grouped_mm_descriptors`, which offers the kernel only where the
+allocation) by :func:`sonar_kernels.ops.triton_backend.tma.grouped_mm_descriptors`, which offers the kernel only where the
 layout allows it (16-byte aligned base and strides, a unit stride along K or N of the weight).
 
 With ``PERSISTENT`` the grid is a fixed number of programs (the SM count) that walk the tiles, row tile
@@ -98,7 +98,7 @@ def expert_mlp_grouped_mm_tma_kernel(
     Grid: (row tiles * cdiv(H, BLOCK_N),) as the pointer kernel; with PERSISTENT (SM count,), each program
     taking tiles pid, pid + programs, ... below tile_offsets[E] * cdiv(H, BLOCK_N).
     Preconditions: tile_offsets for row tiles of BLOCK_M rows (ops.common.tile_offsets_for); descriptors
-    from ops.tma.grouped_mm_descriptors.
+    from ops.triton_backend.tma.grouped_mm_descriptors.
     """
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(H, BLOCK_N)
@@ -187,7 +187,7 @@ def expert_mlp_fwd_up_tma_kernel(
 
     Mapping: M -> rows r, N -> I (gate and up columns n, one dot of width HALVES * BLOCK_N), K -> H.
     Grid: (row tiles * cdiv(I, BLOCK_N),).
-    Preconditions: W1's unit stride along H (ops.tma.up_descriptor); tile_offsets for row tiles of BLOCK_M
+    Preconditions: W1's unit stride along H (ops.triton_backend.tma.up_descriptor); tile_offsets for row tiles of BLOCK_M
     rows (ops.common.tile_offsets_for).
     """
     pid = tl.program_id(0)

@@ -1,7 +1,7 @@
 """The wgrad kernel of one expert tensor, with the AdamW update fused into its epilogue: each program owns
 one tile of one expert's weight gradient, reduces over all of that expert's rows, and stores the gradient,
 checks it, or applies AdamW to the tile of the weight and its moments (exact moments: ``kernels/adamw.py``;
-8-bit moments: ``kernels/moments_8bit.py``). Launched by ``ops/wgrad.py`` (docs/design.md, "Backward and
+8-bit moments: ``kernels/moments_8bit.py``). Launched by ``ops/triton_backend/wgrad.py`` (docs/design.md, "Backward and
 the fused update", steps 4 and 5).
 """
 
@@ -120,7 +120,7 @@ def expert_mlp_bwd_dw_kernel(
     # pointers
     p_ptr,  # left operand rows: grad_out [T, H] (P_FROM_TOKENS) or grad_hpre [S, 2I]; activation dtype
     q_ptr,  # right operand rows: A [S, I] or hidden_states [T, H] (Q_FROM_TOKENS); activation dtype
-    weight_of_row_ptr,  # [S] fp32, read when P_FROM_TOKENS: each row's routing weight (ops/wgrad_launch.py)
+    weight_of_row_ptr,  # [S] fp32, read when P_FROM_TOKENS: each row's routing weight (ops/triton_backend/wgrad_launch.py)
     token_of_row_ptr,  # [S] int32, read when P_FROM_TOKENS or Q_FROM_TOKENS
     expert_offsets_ptr,  # [E + 1] int32, read
     dw_ptr,  # [E, M, N] GRAD_DTYPE, written by "store" (may be grad_in_ptr: each entry is read first)

@@ -4,7 +4,7 @@ updated tensor's gradient (:func:`bound_magnitudes_kernel`), then one single-pro
 pass's partial maxima and computes the 0.0 / 1.0 flag of every expert tensor at every pair of limits an
 update can meet (:func:`bound_table_kernel`); an update with the gradient of earlier micro-batches (or other
 limits) takes its own single-program launch (:func:`bound_flag_kernel`). They replace some twenty torch ops
-per update (``ops/update_bound.py``); the flag is the one the torch expression gives (``ops/adamw.py``,
+per update (``ops/triton_backend/update_bound.py``); the flag is the one the torch expression gives (``ops/arithmetic.py``,
 ``overflow_possible``), or 1.0 where that expression meets a NaN.
 
 The layer's buffer (fp32): first the table, one flag per (entry limit, operand limit, expert tensor) every
@@ -17,7 +17,7 @@ import triton.language as tl
 # The columns of the magnitudes (one row per program of the pass): largest |A|, largest |dHpre| (from the
 # dHpre kernel's per-program maxima), largest |top_k_weights|, |dO|, |X|, the most rows of an expert.
 COLUMNS = 6
-# The table: ENTRY_LIMITS x OPERAND_LIMITS x EXPERT TENSORS (``ops/update_bound.py``; the tensors in
+# The table: ENTRY_LIMITS x OPERAND_LIMITS x EXPERT TENSORS (``ops/triton_backend/update_bound.py``; the tensors in
 # ``specs.EXPERT_TENSORS``' order: gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias), one
 # fp32 flag every FLAG_STRIDE elements.
 NUM_ENTRY_LIMITS = 3
@@ -153,7 +153,7 @@ def _pick(column, c: tl.constexpr):
 @triton.jit
 def _flag(n, p, q, grad_in_max, entry_limit, operand_limit):
     """1.0 unless (total * 1.03 <= entry_limit) and (p * 1.01 <= operand_limit), total = n * p * q * (1 + n *
-    2**-23) + grad_in_max: ``ops/adamw.py``'s ``overflow_possible`` in fp32, in torch's order."""
+    2**-23) + grad_in_max: ``ops/arithmetic.py``'s ``overflow_possible`` in fp32, in torch's order."""
     total = n * p * q * (tl.full([], 1.0, tl.float32) + n * tl.full([], 1.1920928955078125e-07, tl.float32))
     total = total + grad_in_max
     safe = (total * tl.full([], 1.03, tl.float32) <= entry_limit) & (
@@ -182,10 +182,10 @@ def bound_table_kernel(
     magnitudes_ptr,  # [TABLE + num_rows * COLUMNS] fp32, read past the table, the table written
     # sizes
     num_rows,
-    entry_limit_0: tl.float32,  # ops/update_bound.py's ENTRY_LIMITS (fp32 holds each exactly)
+    entry_limit_0: tl.float32,  # ops/triton_backend/update_bound.py's ENTRY_LIMITS (fp32 holds each exactly)
     entry_limit_1: tl.float32,
     entry_limit_2: tl.float32,
-    operand_limit_0: tl.float32,  # ops/update_bound.py's OPERAND_LIMITS (the same)
+    operand_limit_0: tl.float32,  # ops/triton_backend/update_bound.py's OPERAND_LIMITS (the same)
     operand_limit_1: tl.float32,
     operand_limit_2: tl.float32,
     # meta-parameters
@@ -230,7 +230,7 @@ def bound_flag_kernel(
     BLOCK_ROWS: tl.constexpr,
 ):
     """flag = not((total * 1.03 <= entry_limit) and (p * 1.01 <= operand_limit)), total = n * p * q * (1 + n *
-    2**-23) (+ max |grad_in|), in fp32 in torch's order (``ops/adamw.py``, ``overflow_possible``): n the most
+    2**-23) (+ max |grad_in|), in fp32 in torch's order (``ops/arithmetic.py``, ``overflow_possible``): n the most
     rows of an expert, p = max |w| * max |dO| (P_FROM_TOKENS) or max |dHpre|, q the column Q_COLUMN's largest
     (0: |A|, 4: |X|; -1: 1, a bias). The magnitudes count a NaN as inf, which gives 1.0 as the NaN would.
 

@@ -17,12 +17,13 @@ import torch
 from torch import Tensor
 
 from sonar_kernels import specs
-from sonar_kernels.ops import backward as triton_bwd
-from sonar_kernels.ops import forward as triton_fwd
-from sonar_kernels.ops import torch_backend
-from sonar_kernels.ops import wgrad as triton_wgrad
-from sonar_kernels.ops.torch_update import check_master_state, torch_update
-from sonar_kernels.ops.update_bound import magnitudes_numel
+from sonar_kernels.ops.torch_backend import mlp as torch_backend
+from sonar_kernels.ops.torch_backend.update import torch_update
+from sonar_kernels.ops.triton_backend import backward as triton_bwd
+from sonar_kernels.ops.triton_backend import forward as triton_fwd
+from sonar_kernels.ops.triton_backend import wgrad as triton_wgrad
+from sonar_kernels.ops.triton_backend.update_bound import magnitudes_numel
+from sonar_kernels.ops.validation import check_master_state
 from sonar_kernels.rules.clipping import clips
 from sonar_kernels.specs import RoutingMetadata
 from sonar_kernels.update_state import UpdateState
@@ -150,7 +151,7 @@ def moe_mlp_bwd(
     """What the layer's backward computes once, before the expert tensors' gradients
     (:func:`expert_wgrad`, :func:`expert_wgrad_`): (grad hidden_states [T, H], grad top_k_weights
     [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes [n] float32 that bound an updated tensor's
-    gradient on the Triton backend, ``ops/update_bound.py``), each an empty tensor where ``needs`` (in
+    gradient on the Triton backend, ``ops/triton_backend/update_bound.py``), each an empty tensor where ``needs`` (in
     :data:`CORE_NEEDS` order) says no (the magnitudes are always empty on the torch backend). ``meta``: the five tensors of
     :class:`RoutingMetadata`. Reads W2 (dHpre, A and the routing-weight gradient, with G = dO[token] @
     W2[e]) and W1 (dX); writes no input."""
@@ -313,8 +314,8 @@ def check_expert_wgrad(
     layout="concatenated",
 ):
     """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
-    (the Triton backend's checks, ``ops.wgrad.check_wgrad``; the torch backend's of bf16 master weights'
-    state, ``ops.torch_update.check_master_state``); the autograd layer checks every expert tensor's plan
+    (the Triton backend's checks, ``ops.triton_backend.wgrad.check_wgrad``; the torch backend's of bf16 master weights'
+    state, ``ops.validation.check_master_state``); the autograd layer checks every expert tensor's plan
     before the first one runs."""
     if mode == "update":
         check_master_state(name, weight, state)
@@ -370,7 +371,7 @@ def expert_adamw_(
     squared norm and the skip counter; ``state`` in ``UpdateState.tensors``' order), from ``grad``
     plus ``grad_in`` (earlier micro-batches, or None) summed in grad_in's dtype, as autograd sums them in
     ``.grad``. Skipped as a whole for a non-finite or too large gradient (see
-    :func:`sonar_kernels.ops.adamw.torch_adamw_`). The hyperparameters are read from ``hyper``
+    :func:`sonar_kernels.ops.torch_backend.adamw.torch_adamw_`). The hyperparameters are read from ``hyper``
     ([5] float64, :data:`sonar_kernels.specs.HYPERPARAMETERS`) on the host (a sync on a GPU; the Triton
     backend reads them in its kernels)."""
     torch_update(weight, state, hyper, grad_in, foreach, fused, grad)

@@ -19,7 +19,7 @@ from sonar_kernels.specs import (
     layout_name,
     parse_activation,
 )
-from sonar_kernels.update_state import kind_of
+from sonar_kernels.update_state import UpdateState, kind_of
 
 
 def check_layout(transposed, interleaved, gated=True, separate=False) -> str:
@@ -412,3 +412,33 @@ def check_hyperparameters(lr, betas, eps, weight_decay, where: str = "") -> None
         value = as_float(value, key)
         if not (0.0 <= value < float("inf")):
             raise ValueError(f"{key}{where} must be a finite float >= 0, got {value}")
+
+
+def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
+    """Raise before anything is written when an update's ``state`` list cannot apply to ``weight``: 8-bit
+    moments' scales that are not fp32; with bf16 master weights (a tensor after the moments' fields), a last
+    tensor that is neither an int16 remainder of the weight's shape nor a 0-dim int64 seed, on the weight's
+    device, or a weight that is not bf16.
+
+    Raises:
+        TypeError: the weight's dtype.
+        ValueError: the rest.
+    """
+    decoded = UpdateState.of(state, name)
+    if decoded.kind.moments == "8bit" and any(
+        t.dtype != torch.float32 for t in (decoded.exp_avg_scales, decoded.exp_avg_sq_scales)
+    ):
+        raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
+    extra = decoded.remainder if decoded.remainder is not None else decoded.seed
+    if extra is None:
+        return
+    if decoded.remainder is not None and extra.shape != weight.shape:
+        raise ValueError(
+            f"{name}: the remainder has shape {tuple(extra.shape)}, the weight {tuple(weight.shape)}"
+        )
+    if extra.device != weight.device:
+        raise ValueError(f"{name}: the remainder or seed is on {extra.device}, the weight on {weight.device}")
+    if weight.dtype != torch.bfloat16:
+        raise TypeError(
+            f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"
+        )

@@ -15,7 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
-from sonar_kernels.ops.adamw import has_torch_fused_adamw
+from sonar_kernels.ops.arithmetic import has_torch_fused_adamw
 from sonar_kernels.ops.validation import as_float
 
 __all__ = [

@@ -2,7 +2,7 @@
 
 The Triton tile that computes the same thing operation for operation is ``_adamw_math`` in
 ``sonar_kernels/kernels/adamw.py`` (its ``ARITHMETIC == "fp64"`` form); with exact moments and no master
-weights the torch backend runs torch's own AdamW instead (``sonar_kernels/ops/adamw.py``).
+weights the torch backend runs torch's own AdamW instead (``sonar_kernels/ops/torch_backend/adamw.py``).
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ CLIP_SLICE = 1 << 16
 def clip_gradient_(grad: torch.Tensor, exp_avg_sq: torch.Tensor, hyper: torch.Tensor) -> torch.Tensor:
     """:func:`clip_gradient` in place on ``grad`` (its own dtype is the gradient dtype), a slice of
     :data:`CLIP_SLICE` elements at a time, so that the scratch stays small whatever the tensor's size (the
-    torch backend's chunked update: ``ops/adamw.py``, ``torch_adamw_chunked_``). Returns the count. The same
+    torch backend's chunked update: ``ops/torch_backend/adamw.py``, ``torch_adamw_chunked_``). Returns the count. The same
     bits as :func:`clip_gradient`: the same operations on each element. ``grad`` and ``exp_avg_sq``
     contiguous of one shape, else the out-of-place form is copied back."""
     if not (grad.is_contiguous() and exp_avg_sq.is_contiguous() and grad.shape == exp_avg_sq.shape):

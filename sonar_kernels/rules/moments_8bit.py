@@ -8,7 +8,7 @@ bias-corrected scalars of its ``adamw_scalars``), and requantizes. Every step is
 operation with one rounding, written in the same order here and in the Triton epilogue, so given the same
 gradient both give the same codes, scales and weights (the kernels: ``sonar_kernels/kernels/moments_8bit.py``,
 the fused epilogue through :class:`sonar_kernels.ops.AdamWUpdate`'s ``exp_avg_scales``; the torch backend's
-driver: ``sonar_kernels/ops/fp64_update.py``).
+driver: ``sonar_kernels/ops/torch_backend/fp64_update.py``).
 
 The scheme:
 
@@ -47,7 +47,7 @@ __all__ = [
     "tables",
 ]
 
-# Elements per block: a divisor of every epilogue column slice of ops/configs.py's wgrad tiles, so that a
+# Elements per block: a divisor of every epilogue column slice of ops/triton_backend/configs.py's wgrad tiles, so that a
 # block never crosses a tile, an expert or a shard (docs/design.md, "8-bit moments").
 BLOCK = 32
 KINDS = ("exp_avg", "exp_avg_sq")

@@ -7,10 +7,10 @@ clipping (``rules/clipping.py``). :func:`adamw_update_` reads the master and the
 AdamW (``rules/adamw.py``) and writes them back, in that order; the Triton tiles that compute the same
 (``sonar_kernels/kernels/adamw.py``'s ``adamw_tile``, ``kernels/moments_8bit.py``'s ``adamw_8bit_tile``,
 with ``kernels/master_weights.py``'s ``load_weight`` and ``store_weight``) follow the same order. Exact
-moments without a master kind are not here: torch's own AdamW updates them (``ops/adamw.py``).
+moments without a master kind are not here: torch's own AdamW updates them (``ops/torch_backend/adamw.py``).
 
 :data:`adamw_update` is :func:`adamw_update_` compiled on the CPU (``rules/compiled.py``): the torch backend's
-update. The driver that feeds it a slice at a time is ``sonar_kernels/ops/fp64_update.py``.
+update. The driver that feeds it a slice at a time is ``sonar_kernels/ops/torch_backend/fp64_update.py``.
 """
 
 from __future__ import annotations
@@ -190,6 +190,6 @@ def _split_(master: torch.Tensor, weight: torch.Tensor, remainder: torch.Tensor)
 
 
 # The 16-bit remainder with exact moments: torch's own AdamW runs on the merged fp32 master
-# (ops/adamw.py), the merge and the split around it are these, one pass each when compiled.
+# (ops/torch_backend/adamw.py), the merge and the split around it are these, one pass each when compiled.
 remainder_merge = CompiledRule(merge, lambda weight, remainder: (weight.dim(),))
 remainder_split_ = CompiledRule(_split_, lambda master, weight, remainder: (master.dim(),))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from sonar_kernels.ops.wgrad_update import split_scratch
+from sonar_kernels.ops.triton_backend.wgrad_update import split_scratch
 from sonar_kernels.optim.param_groups import torch_adamw_flags
 from sonar_kernels.train import distributed
 from sonar_kernels.train.clipping import (
@@ -222,7 +222,7 @@ class Arm:
     # the memory pass): the elements the spike rule replaced (int64), or the lagged coefficient that the
     # next step's expert gradients are multiplied by (fp32).
     clipping: list | None = None
-    # The split path's scratch over this arm's backward (``sonar_kernels.ops.wgrad_update.split_scratch``'s
+    # The split path's scratch over this arm's backward (``sonar_kernels.ops.triton_backend.wgrad_update.split_scratch``'s
     # fraction of an expert tensor's gradient; set around the backward only): 1 for the paper arm, the
     # whole gradient as the paper's method writes it; None: the library's bound (a chunk of experts).
     split_fraction: int | None = None

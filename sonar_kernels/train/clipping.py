@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import torch
 
-from sonar_kernels.ops import has_torch_fused_adamw, torch_backend
-from sonar_kernels.ops.expert_gradient import expert_chunks
+from sonar_kernels.ops import has_torch_fused_adamw
+from sonar_kernels.ops.torch_backend import mlp as torch_backend
+from sonar_kernels.ops.torch_backend.expert_gradient import expert_chunks
 from sonar_kernels.train.stats import nats
 
 # sonar-spike: SPAM's spike rule inside the in-backward update; sonar-lagged: the experts scaled by the
@@ -152,7 +153,7 @@ def lagged_global_norm(dense: list[torch.Tensor], experts: list[torch.Tensor], f
 
 def expert_norm_sq(grad: torch.Tensor, fused: bool) -> torch.Tensor:
     """The squared L2 norm of an expert tensor's gradient (experts along dim 0) as the torch backend's
-    in-backward update records it (ops/adamw.py, ``torch_adamw_chunked_``): on the CPU under torch's fused
+    in-backward update records it (ops/torch_backend/adamw.py, ``torch_adamw_chunked_``): on the CPU under torch's fused
     AdamW (``fused``) the experts in chunks of at most ``torch_backend.WGRAD_CHUNK_BYTES`` of gradient
     (``ops/expert_gradient.expert_chunks``, the geometry of ``ExpertGradient.chunks``),
     each chunk's dot product with itself (fp32 and contiguous; else its fp32 ``vector_norm`` squared)

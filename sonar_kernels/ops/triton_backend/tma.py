@@ -6,7 +6,7 @@ the base and every stride but the last must be 16-byte aligned, the last stride 
 whose weight has no unit stride along the GEMM's K or N (interleaved transposed W1 in dX: its unit stride
 is between the gate and the up half), a separate layout whose up tensor lies before its gate tensor or an
 unaligned number of bytes after it, or operands at unaligned addresses get no descriptor, and the TMA
-candidates of ops/configs.py are then not offered (a pinned or already tuned TMA configuration runs the
+candidates of ops/triton_backend/configs.py are then not offered (a pinned or already tuned TMA configuration runs the
 pointer kernel at the same tile).
 
 The descriptors are host objects (``triton.tools.tensor_descriptor.TensorDescriptor``): the kernel gets
@@ -127,7 +127,7 @@ def usable(a: torch.Tensor, weight: torch.Tensor, weight_strides: tuple, halves:
 def launch_grouped_mm(
     cfg, a, weight, weight_strides, halves, bias, bias_strides, meta, y, E, H, I, precision, interpret
 ) -> bool:
-    """Launch ``expert_mlp_grouped_mm_tma_kernel`` at tile ``cfg`` (a TMA :class:`ops.configs.Config`) for
+    """Launch ``expert_mlp_grouped_mm_tma_kernel`` at tile ``cfg`` (a TMA :class:`ops.triton_backend.configs.Config`) for
     y[r] = sum over halves of a[r, half] @ W[e(r), half]^T (+ bias[e(r)]); False, launching nothing,
     where the device or the operands' layout does not allow TMA (the caller then runs the pointer kernel
     at the same tile). Arguments as :func:`grouped_mm_descriptors`; ``bias`` [E, H] or None, ``bias_strides``

@@ -1,6 +1,6 @@
 """The torch backend's expert weight gradient (dW[e] = sum_r P[r]^T Q[r] over expert e's rows), computed
 whole or a range of experts at a time: the CPU counterpart of the Triton wgrad launch, which the torch
-backend's in-backward update consumes chunk by chunk (``sonar_kernels.ops.adamw.torch_adamw_chunked_``;
+backend's in-backward update consumes chunk by chunk (``sonar_kernels.ops.torch_backend.adamw.torch_adamw_chunked_``;
 docs/design.md, "Which AdamW runs where") and the plain backward whole. ``Gathered`` operands (rows of a
 token tensor gathered per chunk) keep the [S, H] operands from existing."""
 
@@ -12,7 +12,7 @@ import math
 import torch
 
 from sonar_kernels.ops.common import inf_norm
-from sonar_kernels.ops.grouped_gemm import grouped_wgrad
+from sonar_kernels.ops.torch_backend.grouped_gemm import grouped_wgrad
 
 # Chunk boundaries fall on multiples of this many elements of the weight: torch's fused CPU AdamW splits
 # its work at 64-byte cache lines and runs a scalar loop on what is left of a call, whose arithmetic
@@ -69,7 +69,7 @@ def _rows_of(operand, start: int, end: int, buffers: dict) -> torch.Tensor:
 class ExpertGradient:
     """The gradient of one expert tensor, computed for a range of experts on request: the torch
     backend's counterpart of the Triton wgrad launch, which the in-backward update consumes chunk by
-    chunk (:func:`sonar_kernels.ops.adamw.torch_adamw_chunked_`) and the plain backward whole.
+    chunk (:func:`sonar_kernels.ops.torch_backend.adamw.torch_adamw_chunked_`) and the plain backward whole.
 
     Each expert's gradient is one ``torch.mm`` per part over its rows (dW[e] = sum_r P[r]^T Q[r]),
     computed in the operands' dtype and stored in the weight's dtype and layout; the same GEMMs whatever
@@ -152,7 +152,7 @@ class ExpertGradient:
 
     def bound(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(largest |P|, largest |Q|, most rows of an expert): what
-        :func:`sonar_kernels.ops.adamw.overflow_possible` bounds the gradient's entries by."""
+        :func:`sonar_kernels.ops.arithmetic.overflow_possible` bounds the gradient's entries by."""
         bounds = self._row_bounds()
         most_rows = max((b - a for a, b in itertools.pairwise(bounds)), default=0)
 

@@ -1,6 +1,6 @@
 """One wgrad launch of ``kernels/expert_wgrad.py`` over a range of experts: the operands of one expert tensor's
 gradient bound once (:class:`WgradLaunch`), launched with an epilogue ("store", "check", "adamw"), a tile
-configuration and the state it reads and writes. ``ops/wgrad.py`` (the gradient) and ``ops/wgrad_update.py``
+configuration and the state it reads and writes. ``ops/triton_backend/wgrad.py`` (the gradient) and ``ops/triton_backend/wgrad_update.py``
 (the AdamW update, fused or split, and its tuning) launch through it.
 """
 
@@ -14,7 +14,7 @@ import triton
 
 from sonar_kernels.kernels.expert_wgrad import expert_mlp_bwd_dw_kernel
 from sonar_kernels.ops.common import TL_DTYPES, input_precision
-from sonar_kernels.ops.configs import Config
+from sonar_kernels.ops.triton_backend.configs import Config
 
 
 def weight_of_row(top_k_weights: torch.Tensor, meta) -> torch.Tensor:
@@ -29,7 +29,7 @@ def weight_of_row(top_k_weights: torch.Tensor, meta) -> torch.Tensor:
 
 class WgradLaunch(NamedTuple):
     """The operands of one expert tensor's wgrad, dW[e] = sum over rows r of expert e of P[r]^T Q[r]
-    (``ops/wgrad.py``, :func:`sonar_kernels.ops.wgrad.expert_wgrad` says what P and Q are).
+    (``ops/triton_backend/wgrad.py``, :func:`sonar_kernels.ops.triton_backend.wgrad.expert_wgrad` says what P and Q are).
 
     Attributes:
         p, q: the GEMM operands; ``p_from_tokens`` / ``q_from_tokens``: their rows are gathered by token

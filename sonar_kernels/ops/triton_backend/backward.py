@@ -1,6 +1,6 @@
 """Triton launchers of the backward's core, what a layer computes once (docs/design.md, "Backward and the
 fused update"): dHpre with A and the routing-weight partial sums, the routing-weight gradient, dX. Each
-expert tensor's gradient is a job of its own (``ops/wgrad.py``: the wgrad, with the AdamW update in its
+expert tensor's gradient is a job of its own (``ops/triton_backend/wgrad.py``: the wgrad, with the AdamW update in its
 epilogue or its split path); :func:`moe_mlp_bwd` runs the core and then every job of a layer. No host
 sync on any path here."""
 
@@ -19,7 +19,7 @@ from sonar_kernels.kernels.expert_mlp_fwd import (
     expert_mlp_combine_kernel,
     expert_mlp_grouped_mm_kernel,
 )
-from sonar_kernels.ops import common, configs, tma
+from sonar_kernels.ops import common
 from sonar_kernels.ops.bias import down_bias_weight_term
 from sonar_kernels.ops.common import (
     gate_up_operand,
@@ -29,8 +29,9 @@ from sonar_kernels.ops.common import (
     tile_offsets_for,
     triton_interpreting,
 )
-from sonar_kernels.ops.update_bound import layer_magnitudes
-from sonar_kernels.ops.wgrad import AdamWUpdate, GradAccumulator, check_wgrad, expert_wgrad
+from sonar_kernels.ops.triton_backend import configs, tma
+from sonar_kernels.ops.triton_backend.update_bound import layer_magnitudes
+from sonar_kernels.ops.triton_backend.wgrad import AdamWUpdate, GradAccumulator, check_wgrad, expert_wgrad
 from sonar_kernels.specs import RoutingMetadata, down_view, parse_activation
 
 
@@ -151,7 +152,7 @@ def moe_mlp_bwd_core(
 ):  # fmt: skip
     """What the backward computes once per layer, before the expert tensors' wgrads: (dX [T, H], d
     top_k_weights [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes that bound the updated tensors'
-    gradients and the flags they give ([n] float32, ``ops/update_bound.py``'s ``layer_magnitudes``)), each
+    gradients and the flags they give ([n] float32, ``ops/triton_backend/update_bound.py``'s ``layer_magnitudes``)), each
     None where ``needs`` (the same five) says no.
 
     Launch order: dHpre with A, the routing-weight partial sums and the largest |A| and |dHpre| (reads W2),
@@ -227,10 +228,10 @@ def _launch_core(
         )  # fmt: skip
         return dw_partial, absmax
 
-    # The tile configuration: tuned per layer shape on a GPU (ops/configs.py), never per token count.
+    # The tile configuration: tuned per layer shape on a GPU (ops/triton_backend/configs.py), never per token count.
     key = (E, H, I, layout, str(w2.dtype), kind, need_w, need_a, need_grad_hpre)
     dw_partial, absmax = dhpre(configs.choose("dhpre", key, dtype, device, dhpre if run_dhpre else None))
-    # The magnitudes that bound the updated tensors' gradients and their flags (ops/update_bound.py).
+    # The magnitudes that bound the updated tensors' gradients and their flags (ops/triton_backend/update_bound.py).
     largest = None
     if need_magnitudes:
         largest = layer_magnitudes(hidden_states, grad_out, top_k_weights, absmax, meta.expert_offsets)
@@ -267,14 +268,14 @@ def _launch_core(
 def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
     """dX[t] = sum_j dHpre[row(t, j)] @ W1[e]: the forward's grouped GEMM over W1's two halves (``w1`` as
     :func:`sonar_kernels.ops.common.gate_up_operand` gives it, each half read as [H, I]), then its
-    combine without weights. ``key``: the layer's tuning key (ops/configs.py)."""
+    combine without weights. ``key``: the layer's tuning key (ops/triton_backend/configs.py)."""
     T, H = grad_x.shape
     S = T * top_k
     E, halves, I = w1.base.shape[0], w1.halves, w1.I
     stride_e, stride_half, stride_i, stride_h = w1.strides
     dx_rows = common.empty((S, H), dtype, grad_x.device)
 
-    # W1[e, half] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/tma.py).
+    # W1[e, half] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/triton_backend/tma.py).
     w1_strides = (stride_e, stride_half, stride_i, stride_h)
 
     def rows(cfg):

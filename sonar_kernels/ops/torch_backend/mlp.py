@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from sonar_kernels.kernels.expert_mlp_fwd import TILE_M
 from sonar_kernels.ops.bias import ONES_COLUMNS, down_bias_weight_term
-from sonar_kernels.ops.expert_gradient import ExpertGradient, Gathered
-from sonar_kernels.ops.glu import glu, glu_bwd
-from sonar_kernels.ops.grouped_gemm import grouped_mm, grouped_wgrad
+from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient, Gathered
+from sonar_kernels.ops.torch_backend.glu import glu, glu_bwd
+from sonar_kernels.ops.torch_backend.grouped_gemm import grouped_mm, grouped_wgrad
 from sonar_kernels.specs import (
     RoutingMetadata,
     down_view,

@@ -7,7 +7,7 @@ that give the same bits at the same tile configuration:
   standalone AdamW kernel on those experts, chunk after chunk.
 
 Which one runs, and at which tile configuration, is ``AdamWUpdate.fused`` (True, False) or, when it is None,
-the tuner's choice (``ops/configs.py``): on CUDA each option is timed as it ships, on scratch copies of the
+the tuner's choice (``ops/triton_backend/configs.py``): on CUDA each option is timed as it ships, on scratch copies of the
 first chunk's experts (the weight and its state), once per layer shape, dtype, state kind and clipping.
 No host sync on the update's path (the tuning pass syncs once per key).
 """
@@ -22,10 +22,11 @@ import triton
 
 from sonar_kernels import specs
 from sonar_kernels.kernels.adamw import ADAMW_CONFIG, ADAMW_MASTER_CONFIG, adamw_kernel
-from sonar_kernels.ops import common, configs, moments_8bit
-from sonar_kernels.ops.adamw import adamw_arithmetic
+from sonar_kernels.ops import common
+from sonar_kernels.ops.arithmetic import adamw_arithmetic
 from sonar_kernels.ops.common import is_dense, like
-from sonar_kernels.ops.update_steps import begin_update, end_update
+from sonar_kernels.ops.triton_backend import configs, moments_8bit
+from sonar_kernels.ops.triton_backend.update_steps import begin_update, end_update
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.moments_8bit import tables as moments_8bit_tables
 from sonar_kernels.update_state import StateKind
@@ -105,10 +106,10 @@ class _State(NamedTuple):
 
 def apply_update(launch, weight, update, bound, key) -> None:
     """Apply ``update`` (an :class:`sonar_kernels.ops.AdamWUpdate`) to ``weight`` from the wgrad that
-    ``launch`` (:class:`sonar_kernels.ops.wgrad_launch.WgradLaunch`) computes: skip decided on the device
+    ``launch`` (:class:`sonar_kernels.ops.triton_backend.wgrad_launch.WgradLaunch`) computes: skip decided on the device
     (a gradient entry non-finite or beyond :func:`grad_limit`, see ``AdamWUpdate``), step advanced unless
     skipped, then the fused or the split path; telemetry (norm, skips, clipped entries) written. ``bound``: a callable of (grad_in, entry limit, operand limit) that returns the
-    0-dim fp32 flag of ``ops/update_bound.py`` (1.0: the gradient may exceed the limits), the cheap test
+    0-dim fp32 flag of ``ops/triton_backend/update_bound.py`` (1.0: the gradient may exceed the limits), the cheap test
     that spares the check pass; ``key``: the wgrad's tuning key (shape, dtypes, operands).
 
     Raises:
@@ -141,7 +142,7 @@ def apply_update(launch, weight, update, bound, key) -> None:
     entry_limit = min(limit, torch.finfo(update.grad_dtype).max)
     maybe = bound(update.grad_in, entry_limit, torch.finfo(launch.dtype).max)
     job.check(cfg, launch.meta.expert_offsets, state, maybe, partial)
-    # The skip (the largest flag), the step and the scalars in one launch (ops/update_steps.py). torch's
+    # The skip (the largest flag), the step and the scalars in one launch (ops/triton_backend/update_steps.py). torch's
     # AdamW increments the step before it computes the bias corrections; a skipped update leaves it (as
     # torch's fused AdamW does with found_inf).
     skip, scalars = begin_update(
@@ -278,7 +279,7 @@ class _Update(NamedTuple):
     def scalars(self) -> torch.Tensor:
         """step_size and sqrt(bc2) of this step ([2] fp32, after the step's increment) for 8-bit moments and
         stochastic rounding: the torch ops that the torch backend's update reads too (the other updates' come
-        from ``ops/update_steps.py``'s begin launch)."""
+        from ``ops/triton_backend/update_steps.py``'s begin launch)."""
         return adamw_scalars(self.update.step, self.update.hyper)
 
     def apply(self, choice, state, offsets, scalars, skip, rng, base, partial):

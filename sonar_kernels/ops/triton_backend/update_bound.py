@@ -4,8 +4,8 @@ update"). Two launches per layer step, in the backward's core (:func:`layer_magn
 operands' magnitudes, then the table of every expert tensor's flag at every pair of limits an update meets;
 an update then reads its flag from the table (:func:`overflow_flag`: a view, no launch), or, with the gradient
 of earlier micro-batches, computes it in one launch of its own. What used to be some twenty torch ops per
-update. No host sync; the flag is the torch expression's (``ops/adamw.py``,
-:func:`sonar_kernels.ops.adamw.overflow_possible`)."""
+update. No host sync; the flag is the torch expression's (``ops/arithmetic.py``,
+:func:`sonar_kernels.ops.arithmetic.overflow_possible`)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ MAX_PROGRAMS = 512
 _Q_COLUMN = {"down_proj": 0, "gate_up_proj": 4, "up_proj": 4, "gate_up_proj_bias": -1, "down_proj_bias": -1}
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The limits of the table: an update's entry limit is min(grad_limit of its exp_avg_sq's dtype (fp32 for
-# 8-bit moments), the largest of its gradient dtype) (ops/wgrad_update.py), its operand limit the largest of
+# 8-bit moments), the largest of its gradient dtype) (ops/triton_backend/wgrad_update.py), its operand limit the largest of
 # the GEMM operands' dtype; every dtype the launchers accept gives one of these (2**63, 65504, 2**7).
 ENTRY_LIMITS = tuple(
     sorted({min(grad_limit(m), torch.finfo(g).max) for m in _DTYPES for g in _DTYPES}, reverse=True)
@@ -107,7 +107,7 @@ def overflow_flag(
     """The 0-dim fp32 flag of the expert tensor ``name``'s update: 0.0 when no entry of its wgrad, rounded
     (and summed with ``grad_in``), can exceed ``entry_limit`` in magnitude and no GEMM operand can exceed
     ``operand_limit`` when rounded to the GEMM dtype, else 1.0 (so also for a NaN or inf anywhere): the
-    decision of :func:`sonar_kernels.ops.adamw.overflow_possible` on the same magnitudes. A view of the
+    decision of :func:`sonar_kernels.ops.arithmetic.overflow_possible` on the same magnitudes. A view of the
     table (no launch), or with ``grad_in`` (gradient accumulation) or limits outside the table one launch
     (and torch's max |grad_in|).
 

@@ -15,7 +15,7 @@ device, never by the token count, so a training run tunes once per layer shape:
   (one host sync per key, then none). A candidate that fails to launch (resources) is skipped.
   The forward, dHpre and dX kernels have no side effects beyond their outputs, which the winner's launch
   writes last. Every candidate is timed as it ships: the plain wgrad's store into a scratch gradient; a
-  wgrad with its AdamW update (``ops/wgrad_update.py``) as an :class:`UpdateChoice`, the fused path and the
+  wgrad with its AdamW update (``ops/triton_backend/wgrad_update.py``) as an :class:`UpdateChoice`, the fused path and the
   split path at every candidate tile, each applied to scratch copies of the first chunk's experts (the
   weight and its state), never to the real ones; the winner then runs the update once. :func:`timings`
   keeps what was measured.
@@ -55,7 +55,7 @@ class Config(NamedTuple):
     # also the closed-form quantizer, in the fused epilogue and in the split path's standalone update
     EPILOGUE_PREFETCH: bool = False
     # grouped_mm: both operands through TMA descriptors, up: W1 (kernels/expert_mlp_tma.py; offered where the
-    # layout allows it, ops/tma.py); grouped_mm's PERSISTENT: a grid of a few programs per SM walking the tiles
+    # layout allows it, ops/triton_backend/tma.py); grouped_mm's PERSISTENT: a grid of a few programs per SM walking the tiles
     TMA: bool = False
     PERSISTENT: bool = False
 
@@ -73,7 +73,7 @@ class Config(NamedTuple):
 
 
 class UpdateChoice(NamedTuple):
-    """How a wgrad with an AdamW update runs (ops/wgrad.py): ``path`` "fused" (AdamW in the wgrad's epilogue,
+    """How a wgrad with an AdamW update runs (ops/triton_backend/wgrad.py): ``path`` "fused" (AdamW in the wgrad's epilogue,
     no gradient tensor) or "split" (the wgrad into a bounded scratch, a chunk of experts at a time, then the
     standalone AdamW kernel: the same bits at the same tile), and the wgrad's tile ``config``."""
 
@@ -107,7 +107,7 @@ _DEFAULTS = {
     "wgrad": _config(WGRAD_CONFIG),
 }
 # The grouped GEMM with both operands through TMA descriptors (kernels/expert_mlp_tma.py), offered on sm_90
-# and later where the layout allows it (ops/tma.py): the default's tile (the same bits as the pointer
+# and later where the layout allows it (ops/triton_backend/tma.py): the default's tile (the same bits as the pointer
 # kernel under the interpreter; 42 registers, 24 KB, 5 CTAs per SM on sm_90a), 128x128 and 128x64 tiles
 # (90 and 58 registers, 96 KB: 2 CTAs per SM), and 128x128 on a persistent grid of 2 programs per SM
 # (make kernel-report). A 4th stage of 128x128 (128 KB) would leave 1 CTA per SM.
@@ -118,7 +118,7 @@ TMA_CANDIDATES = (
     Config(128, 128, 64, 8, 3, TMA=True, PERSISTENT=True),
 )
 # The up-projection with W1 through a TMA descriptor (kernels/expert_mlp_tma.py; the gathered X by
-# pointers), offered where W1's unit stride is along H (ops/tma.py): the default's tile (the same bits as
+# pointers), offered where W1's unit stride is along H (ops/triton_backend/tma.py): the default's tile (the same bits as
 # the pointer kernel under the interpreter; 64 registers, 36 KB, 4 CTAs per SM on sm_90a) and 128x64x32 at 4
 # stages (100 registers, 64 KB, 2 CTAs per SM; make kernel-report).
 UP_TMA_CANDIDATES = (Config(64, 64, 32, 8, 3, TMA=True), Config(128, 64, 32, 8, 4, TMA=True))
@@ -194,7 +194,7 @@ CANDIDATES: dict[str, dict[tuple[str, int | None], tuple[Config, ...]]] = {
 # The fused update's tiles with 8-bit moments or bf16 master weights (own_candidates), the default first:
 # 64x64x32, and on sm_90 the same with the rebuilt epilogue (the next slice's state loaded ahead; for 8-bit
 # moments the closed-form quantizer: make kernel-report, 340 instead of 411 epilogue instructions per
-# element). Their split path's wgrad is the plain store, at every wgrad candidate (ops/wgrad_update.py).
+# element). Their split path's wgrad is the plain store, at every wgrad candidate (ops/triton_backend/wgrad_update.py).
 OWN_CANDIDATES: dict[int, tuple[Config, ...]] = {
     9: (WGRAD_8BIT, WGRAD_8BIT._replace(EPILOGUE_PREFETCH=True)),
     8: (WGRAD_8BIT,),
@@ -223,7 +223,7 @@ def candidates(
     """The candidate configurations of ``family`` for GEMM operands of ``dtype`` on ``device`` (CPU: the
     interpreter, which takes the sm_90 list); an architecture without a list of its own takes sm_80's
     (sm_90's for 10 and later). The TMA candidates only with ``tma`` (the launch's operands have TMA
-    descriptors: :func:`sonar_kernels.ops.tma.grouped_mm_descriptors`, which also checks the device).
+    descriptors: :func:`sonar_kernels.ops.triton_backend.tma.grouped_mm_descriptors`, which also checks the device).
 
     Raises:
         ValueError: an unknown family.
@@ -292,7 +292,9 @@ def pin(family: str | None = None, config: Config | None = None) -> None:
         _pinned.pop(family, None)
         return
     if not isinstance(config, Config):
-        raise ValueError(f"config must be a sonar_kernels.ops.configs.Config, got {type(config).__name__}")
+        raise ValueError(
+            f"config must be a sonar_kernels.ops.triton_backend.configs.Config, got {type(config).__name__}"
+        )
     _pinned[family] = config
 
 

@@ -1,7 +1,7 @@
 /* AdamW with 8-bit moments on the CPU, one pass over memory: the rule of sonar_kernels/rules/update.py
  * (adamw_update_ with 8-bit moments: dequantize, AdamW in the "fp64" arithmetic of rules/adamw.py,
  * requantize with rules/moments_8bit.py's closed form; the master kinds of rules/master_weights.py) written
- * once more in C, operation for operation, for sonar_kernels/ops/cpu_update.py, which compiles it with the
+ * once more in C, operation for operation, for sonar_kernels/ops/torch_backend/cpu_update.py, which compiles it with the
  * machine's C compiler (no contraction into fused multiply-adds, no unsafe math) and checks it against the
  * rule (tests/test_cpu_update.py: bit for bit).
  *

@@ -3,17 +3,17 @@ stochastic rounding (exact moments). The rule of one element is ``sonar_kernels/
 ``adamw_update``; this module decides the skip, counts the step, computes the gradient by chunks of experts
 and feeds the rule a slice at a time (:data:`UPDATE_ELEMENTS`, :data:`COMPILED_UPDATE_ELEMENTS`); on the CPU,
 8-bit moments and stochastic rounding without expert clipping take the rule's C translation instead, a
-chunk in one call (``ops/cpu_update.py``).
+chunk in one call (``ops/torch_backend/cpu_update.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sonar_kernels.ops.adamw import chunked_update_skipped
 from sonar_kernels.ops.common import skip_decided, whole
-from sonar_kernels.ops.cpu_update import adamw_8bit_cpu_, adamw_stochastic_cpu_
-from sonar_kernels.ops.expert_gradient import ExpertGradient
+from sonar_kernels.ops.torch_backend.adamw import chunked_update_skipped
+from sonar_kernels.ops.torch_backend.cpu_update import adamw_8bit_cpu_, adamw_stochastic_cpu_
+from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
 from sonar_kernels.rules.master_weights import element_index, shard_index_base
 from sonar_kernels.rules.moments_8bit import BLOCK, tables
@@ -57,7 +57,7 @@ def adamw_8bit_(
     each part's gradient clipped against its dequantized exp_avg_sq first, ``rules/clipping.py``; the count
     in ``clipped``).
 
-    ``gradient``: the gradient as a tensor, or an ``ExpertGradient`` (``ops/expert_gradient.py``) that
+    ``gradient``: the gradient as a tensor, or an ``ExpertGradient`` (``ops/torch_backend/expert_gradient.py``) that
     computes it by chunks of experts of at most ``chunk_bytes`` (None: whole), each chunk updated before the
     next is computed (blocks lie along the last dimension, chunks along the first: a chunk holds whole
     blocks). The gradient is rounded to ``grad_dtype`` (None: the weight's), plus ``grad_in`` (earlier
@@ -139,8 +139,8 @@ def _update_(
             local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
             base = shard_index_base(weight) if seed is not None else 0  # the shard's stream counters
             held = local[2:]
-            if local[0].is_cuda:  # one Triton launch per tensor per step (ops/shard_update.py)
-                from sonar_kernels.ops.shard_update import shard_update_triton_
+            if local[0].is_cuda:  # one Triton launch per tensor per step (ops/triton_backend/shard_update.py)
+                from sonar_kernels.ops.triton_backend.shard_update import shard_update_triton_
 
                 h = UpdateState.of(held)
                 shard_update_triton_(

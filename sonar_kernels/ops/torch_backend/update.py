@@ -1,50 +1,21 @@
 """The torch backend's in-backward update of one expert tensor, the body of the ``sonar_kernels::`` ops that
 apply it (``ops/library.py``): torch's AdamW on exact moments (by chunks of experts with its fused AdamW),
-or the rules in the "fp64" arithmetic (8-bit moments, stochastic rounding: ``ops/fp64_update.py``).
+or the rules in the "fp64" arithmetic (8-bit moments, stochastic rounding: ``ops/torch_backend/fp64_update.py``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sonar_kernels.ops import torch_backend
-from sonar_kernels.ops.adamw import remainder_adamw_, torch_adamw_, torch_adamw_chunked_
-from sonar_kernels.ops.expert_gradient import ExpertGradient
-from sonar_kernels.ops.fp64_update import adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.torch_backend import mlp as torch_backend
+from sonar_kernels.ops.torch_backend.adamw import remainder_adamw_, torch_adamw_, torch_adamw_chunked_
+from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient
+from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
+from sonar_kernels.ops.validation import check_master_state
 from sonar_kernels.rules.clipping import clips
 from sonar_kernels.update_state import STATE_FIELDS, UpdateState
 
-__all__ = ["check_master_state", "torch_update"]
-
-
-def check_master_state(name: str, weight: torch.Tensor, state: list) -> None:
-    """Raise before anything is written when an update's ``state`` list cannot apply to ``weight``: 8-bit
-    moments' scales that are not fp32; with bf16 master weights (a tensor after the moments' fields), a last
-    tensor that is neither an int16 remainder of the weight's shape nor a 0-dim int64 seed, on the weight's
-    device, or a weight that is not bf16.
-
-    Raises:
-        TypeError: the weight's dtype.
-        ValueError: the rest.
-    """
-    decoded = UpdateState.of(state, name)
-    if decoded.kind.moments == "8bit" and any(
-        t.dtype != torch.float32 for t in (decoded.exp_avg_scales, decoded.exp_avg_sq_scales)
-    ):
-        raise ValueError(f"{name}: the state's last two tensors must be the 8-bit moments' fp32 scales")
-    extra = decoded.remainder if decoded.remainder is not None else decoded.seed
-    if extra is None:
-        return
-    if decoded.remainder is not None and extra.shape != weight.shape:
-        raise ValueError(
-            f"{name}: the remainder has shape {tuple(extra.shape)}, the weight {tuple(weight.shape)}"
-        )
-    if extra.device != weight.device:
-        raise ValueError(f"{name}: the remainder or seed is on {extra.device}, the weight on {weight.device}")
-    if weight.dtype != torch.bfloat16:
-        raise TypeError(
-            f"{name}: a remainder or a stochastic rounding is for a bf16 weight, got {weight.dtype}"
-        )
+__all__ = ["torch_update"]
 
 
 def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype=None, clip=None) -> None:

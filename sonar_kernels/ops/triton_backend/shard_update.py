@@ -1,7 +1,7 @@
 """The update of one FSDP2 shard (its local tensors) with 8-bit moments, a bf16 remainder or stochastic
 rounding, on the Triton backend: one launch of the split path's standalone update kernel per tensor per step
 (``kernels/moments_8bit.py``'s ``adamw_8bit_kernel``; ``kernels/adamw.py``'s ``adamw_kernel`` for exact
-moments with stochastic rounding), instead of the torch rules over slices of ``ops/fp64_update.py``'s
+moments with stochastic rounding), instead of the torch rules over slices of ``ops/torch_backend/fp64_update.py``'s
 ``UPDATE_ELEMENTS`` (about 40 ops a slice). The arithmetic is the rules' (``rules/update.py``) bit for bit;
 each element's stream counter is its offset in the whole tensor (``index_base``), so a shard computes what
 one process computes there (docs/distributed.md, "FSDP2").
@@ -13,8 +13,8 @@ import torch
 import triton
 
 from sonar_kernels.kernels.adamw import ADAMW_MASTER_CONFIG, adamw_kernel
-from sonar_kernels.ops import moments_8bit
 from sonar_kernels.ops.common import on_device, triton_interpreting
+from sonar_kernels.ops.triton_backend import moments_8bit
 from sonar_kernels.rules.adamw import adamw_scalars
 from sonar_kernels.rules.moments_8bit import scales_shape
 
@@ -36,7 +36,7 @@ def shard_update_triton_(
     """AdamW on a shard in place, one Triton launch: ``weight`` (local, contiguous), its ``grad`` (the shard
     of the whole gradient, rounded to the gradient dtype), ``moments`` (exp_avg codes, scales, exp_avg_sq
     codes, scales) with 8-bit moments, else (exp_avg, exp_avg_sq) with a ``seed``; ``state``:
-    ``ops/fp64_update.py``'s list (step, grad_norm_sq, skipped, clipped at 2 to 5); ``decided``: the 0-dim
+    ``ops/torch_backend/fp64_update.py``'s list (step, grad_norm_sq, skipped, clipped at 2 to 5); ``decided``: the 0-dim
     bool skip decided over the whole gradient (nothing changes where it is set but ``skipped``).
     ``grad_norm_sq`` is the caller's (a norm over the whole tensor).
 

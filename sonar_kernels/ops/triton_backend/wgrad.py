@@ -12,13 +12,13 @@ from typing import NamedTuple
 
 import torch
 
-from sonar_kernels.ops import configs
 from sonar_kernels.ops.bias import ones_rows
 from sonar_kernels.ops.common import like, on_device, triton_interpreting
-from sonar_kernels.ops.update_bound import overflow_flag
+from sonar_kernels.ops.triton_backend import configs
+from sonar_kernels.ops.triton_backend.update_bound import overflow_flag
+from sonar_kernels.ops.triton_backend.wgrad_launch import WgradLaunch, weight_of_row
+from sonar_kernels.ops.triton_backend.wgrad_update import apply_update
 from sonar_kernels.ops.validation import check_buffer, check_update
-from sonar_kernels.ops.wgrad_launch import WgradLaunch, weight_of_row
-from sonar_kernels.ops.wgrad_update import apply_update
 from sonar_kernels.specs import down_view, gate_up_bias_view, gate_up_view
 from sonar_kernels.update_state import StateKind, kind_of
 
@@ -38,9 +38,9 @@ class AdamWUpdate(NamedTuple):
         fused: True: AdamW in the wgrad epilogue, no gradient tensor (the least memory). False: the split
             path, the same wgrad kernel writing the gradient of a chunk of experts into a scratch buffer
             (at most 1/8 of the tensor's gradient or 64 MiB, whichever is larger:
-            ``ops.wgrad_update.split_chunk``), then the standalone AdamW kernel, chunk after chunk (the same
+            ``ops.triton_backend.wgrad_update.split_chunk``), then the standalone AdamW kernel, chunk after chunk (the same
             bits at the same tiles). None: the faster of the two, timed per layer shape, dtype, state
-            kind and clipping on CUDA (``ops/configs.py``; the fused path elsewhere).
+            kind and clipping on CUDA (``ops/triton_backend/configs.py``; the fused path elsewhere).
         grad_in: the gradient of earlier micro-batches (gradient accumulation), in ``grad_dtype`` with
             the weight's strides; the update uses round(grad_in + round(wgrad)), as autograd would sum
             them in ``.grad``. None: this backward's gradient alone.
@@ -63,7 +63,7 @@ class AdamWUpdate(NamedTuple):
     unchanged) when any entry of the gradient it would use, rounded to ``grad_dtype`` and summed with
     ``grad_in``, is NaN, infinite, or larger in magnitude than :func:`grad_limit` of exp_avg_sq's dtype
     (so that g * g, and exp_avg_sq, stay finite). The decision is made on the device before the update's
-    launch, with no host sync (``ops/wgrad_update.py``).
+    launch, with no host sync (``ops/triton_backend/wgrad_update.py``).
     """
 
     exp_avg: torch.Tensor
@@ -185,7 +185,7 @@ def expert_wgrad(
     and its bias; rows gathered by token, scaled by the routing weight) or dHpre [S, 2I] (the gate/up
     projection and its bias; a separate layout's gate or up half [S, I]); ``q`` A [S, I] (the down
     projection), X [T, H] (the gate/up projection; rows gathered by token) or None (a bias: a column of
-    ones). ``largest``: the core's magnitudes (``ops/update_bound.py``), needed by an update (its check pass's
+    ones). ``largest``: the core's magnitudes (``ops/triton_backend/update_bound.py``), needed by an update (its check pass's
     bound). ``checked``: the caller ran :func:`check_wgrad` already."""
     if not checked:
         check_wgrad(name, weight, update, accumulator, layout)
@@ -202,7 +202,7 @@ def expert_wgrad(
 
             def bound(grad_in, entry_limit, operand_limit):
                 """The update's 0-dim flag, computed when it needs it: 1.0 when the gradient (with
-                ``grad_in``) may exceed the limits (``ops/update_bound.py``), from the layer's magnitudes."""
+                ``grad_in``) may exceed the limits (``ops/triton_backend/update_bound.py``), from the layer's magnitudes."""
                 return overflow_flag(largest, name, grad_in, entry_limit, operand_limit)
 
         return _wgrad(
@@ -229,7 +229,7 @@ def _wgrad(
 ):  # fmt: skip
     """One launch for the wgrad of all experts of ``weight``; returns dW (the weight's shape and, when it
     is dense, strides), or None when ``update`` was applied (fused in the epilogue, or the split path:
-    ``ops/wgrad_update.py``), or when the gradient was added to ``accumulator``.
+    ``ops/triton_backend/wgrad_update.py``), or when the gradient was added to ``accumulator``.
 
     ``view`` maps a tensor of the weight's shape and strides (the weight, its moments, gradients and
     buffers) to what the kernel indexes: [E, M, N], or W1's [E, 2, M / 2, N] halves
@@ -240,7 +240,7 @@ def _wgrad(
     launch = WgradLaunch(
         p, p_from_tokens, q, q_from_tokens, rows_weight, meta, M, N, dtype, view or (lambda t: t), interpret
     )
-    # The tuning key: the layer shape, dtypes and operands, never the token count (ops/configs.py).
+    # The tuning key: the layer shape, dtypes and operands, never the token count (ops/triton_backend/configs.py).
     grad_dtype = update.grad_dtype if update is not None else weight.dtype
     key = (weight.shape[0], M, N, name, str(weight.dtype), str(grad_dtype), p_from_tokens, q_from_tokens)
     if update is not None:

@@ -18,7 +18,7 @@ from sonar_kernels.kernels.routing import (
     routing_scan_kernel,
     routing_scatter_kernel,
 )
-from sonar_kernels.ops import common, configs, tma
+from sonar_kernels.ops import common
 from sonar_kernels.ops.common import (
     gate_up_operand,
     input_precision,
@@ -27,6 +27,7 @@ from sonar_kernels.ops.common import (
     tile_offsets_for,
     triton_interpreting,
 )
+from sonar_kernels.ops.triton_backend import configs, tma
 from sonar_kernels.specs import RoutingMetadata, down_view, gate_up_bias_view, parse_activation
 
 
@@ -142,7 +143,7 @@ def _launch_fwd(
     # Without a bias the kernels get the weight's pointer and strides, never read.
     b1 = w1.base[:, :, :, 0] if gate_up_proj_bias is None else gate_up_bias_view(gate_up_proj_bias, layout)
     b2 = w2[:, :, 0] if down_proj_bias is None else down_proj_bias
-    # The tile configuration of each GEMM: tuned per layer shape on a GPU (ops/configs.py), never per
+    # The tile configuration of each GEMM: tuned per layer shape on a GPU (ops/triton_backend/configs.py), never per
     # token count; the routing tile offsets for the BLOCK_M it uses.
     key = (E, H, I, layout, str(w2.dtype), kind, gate_up_proj_bias is not None, down_proj_bias is not None)
 
@@ -176,7 +177,7 @@ def _launch_fwd(
 
     y = common.empty((S, H), dtype, device)
 
-    # W2[e] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/tma.py).
+    # W2[e] seen as [K = I, N = H]: (expert, half, k, n) strides for the TMA candidates (ops/triton_backend/tma.py).
     w2_strides = (w2.stride(0), 0, w2.stride(2), w2.stride(1))
     bias2 = (down_proj_bias, (b2.stride(0), b2.stride(1))) if down_proj_bias is not None else (None, (0, 0))
 
