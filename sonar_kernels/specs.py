@@ -96,6 +96,26 @@ class RoutingMetadata(NamedTuple):
     slot_of_row: torch.Tensor
 
 
+class BackwardCore(NamedTuple):
+    """What a layer's backward computes once, before its expert tensors' gradients
+    (``sonar_kernels::moe_mlp_bwd``, either backend), each None where it was not asked for.
+
+    Attributes:
+        grad_hidden_states: [T, H], the input's gradient (dX).
+        grad_top_k_weights: [T, top_k], the routing weights' gradient.
+        grad_hpre: [S, 2I] (gated; [S, I] otherwise), dHpre: the gate/up projection's wgrad operand.
+        a: [S, I], the activations A recomputed from Hpre: the down projection's wgrad operand.
+        magnitudes: [n] float32, the bounds of the updated tensors' gradients (the Triton backend only,
+            ``ops/triton_backend/update_bound.py``).
+    """
+
+    grad_hidden_states: torch.Tensor | None
+    grad_top_k_weights: torch.Tensor | None
+    grad_hpre: torch.Tensor | None
+    a: torch.Tensor | None
+    magnitudes: torch.Tensor | None
+
+
 # transformers' experts_implementation name of this library.
 IMPLEMENTATION = "sonar"
 # The attributes that carry ownership on an expert tensor (see "Ownership" in docs/usage.md).

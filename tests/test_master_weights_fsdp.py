@@ -169,8 +169,8 @@ def _sharded_skip_rank(rank, world_size, out, mode):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+    from sonar_kernels.ops import grad_update
     from sonar_kernels.ops.torch_backend import adamw as ops_adamw
-    from sonar_kernels.ops.torch_backend import fp64_update
 
     mesh = init_device_mesh("cpu", (world_size,))
     generator = torch.Generator().manual_seed(5)
@@ -192,7 +192,7 @@ def _sharded_skip_rank(rank, world_size, out, mode):
         )
         assert torch.equal(remainder.to_local(), kept)
     else:
-        fp64_update.stochastic_adamw_(
+        grad_update.stochastic_adamw_(
             weight, grad, None, [m, v, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), torch.tensor(9)],
             torch.tensor(hyper, dtype=torch.float64), grad_dtype=None, chunk_bytes=None,
         )  # fmt: skip

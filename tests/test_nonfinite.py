@@ -217,7 +217,7 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
     x, y = _sonar_batch(1)
     if where == "experts":
         # A NaN gradient of down_proj only (the torch backend's wgrad): the other updates still run.
-        original = ops.torch_backend.mlp.expert_gradient
+        original = ops.torch_backend.wgrad.expert_gradient
 
         def nan_down_proj_grad(name, *args, **kwargs):
             # The update computes a NaN gradient in place of the wgrad's.
@@ -225,7 +225,7 @@ def test_sonar_adamw_skips_non_finite_updates_on_the_torch_backend(where, flags,
             return _filled(gradient, NAN) if name == "down_proj" else gradient
 
         with monkeypatch.context() as patch:
-            patch.setattr(ops.torch_backend.mlp, "expert_gradient", nan_down_proj_grad)
+            patch.setattr(ops.torch_backend.wgrad, "expert_gradient", nan_down_proj_grad)
             torch.nn.functional.mse_loss(model(x), y).backward()
     else:
         torch.nn.functional.mse_loss(model(x), y).backward()
@@ -280,14 +280,14 @@ def test_clipping_by_the_true_global_norm_skips_the_dense_update_when_an_expert_
         model, **SONAR_HYPER, max_grad_norm=0.5, clip_norm_includes_experts=True
     )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    original = ops.torch_backend.mlp.expert_gradient
+    original = ops.torch_backend.wgrad.expert_gradient
 
     def inf_gate_up_proj_grad(name, *args, **kwargs):
         # An infinite gradient of gate_up_proj (the torch backend's wgrad), given to its update.
         gradient = original(name, *args, **kwargs)
         return _filled(gradient, float("inf")) if name == "gate_up_proj" else gradient
 
-    monkeypatch.setattr(ops.torch_backend.mlp, "expert_gradient", inf_gate_up_proj_grad)
+    monkeypatch.setattr(ops.torch_backend.wgrad, "expert_gradient", inf_gate_up_proj_grad)
     x, y = _sonar_batch(0)
     torch.nn.functional.mse_loss(model(x), y).backward()
     monkeypatch.undo()

@@ -1,12 +1,14 @@
 """Host launchers and the ``sonar_kernels::`` custom ops, in two backend rooms over shared helpers.
 
-- ``library``: the custom ops, each running the backend a layer names;
+- ``library``: the custom ops, each running the backend a layer names (its room's functions of the same
+  names); ``grad_update``: the update of a gradient that reached ``.grad`` with 8-bit moments or
+  stochastic rounding, FSDP2 shards included;
 - ``triton_backend/``: the Triton launchers and their tile configurations (``forward``, ``backward``: the
   forward and the backward's core; ``wgrad`` with ``wgrad_launch`` and ``wgrad_update``: one expert
   tensor's wgrad with the fused AdamW epilogue or its split path; ``configs``, ``tma``; ``update_bound``,
   ``update_steps``; ``moments_8bit`` and ``shard_update``: the standalone update kernels' launchers);
 - ``torch_backend/``: the expert MLP on torch's GEMMs (``mlp``, with ``grouped_gemm``, ``glu`` and
-  ``expert_gradient``: the wgrad whole or by chunks of experts) and the updates outside the wgrad
+  ``expert_gradient`` and ``wgrad``: the wgrad whole or by chunks of experts) and the updates outside the wgrad
   epilogue (``update``: the torch backend's in-backward update; ``adamw``: torch's AdamW on one tensor;
   ``fp64_update`` with ``cpu_update``: 8-bit moments and stochastic rounding in the "fp64" arithmetic);
 - shared by both rooms, which import nothing of each other (an import-linter contract): ``validation``

@@ -5,7 +5,8 @@ AdamW update, or added to a buffer); and the standalone AdamW update of one expe
 fake (meta) implementation beside it, so torch.compile traces them as single ops with static shapes;
 the forward's autograd formula is registered by ``sonar_kernels.autograd``.
 
-Both backends run behind the same ops ("triton": the Triton launchers; "torch": ``torch_backend``).
+Both backends run behind the same ops, each a module with the same functions (:data:`BACKEND_MODULES`:
+``ops/triton_backend``, the Triton launchers; ``ops/torch_backend``, torch's GEMMs).
 An update's mutable tensors travel as one list in the order of ``update_state.UpdateState.tensors`` (an
 empty list means "no update"); its hyperparameter tensor, which the update only reads and which every tensor of a
 parameter group shares, travels apart, so that an update does not bump its version counter.
@@ -17,16 +18,14 @@ import torch
 from torch import Tensor
 
 from sonar_kernels import specs
-from sonar_kernels.ops.torch_backend import mlp as torch_backend
+from sonar_kernels.ops import torch_backend, triton_backend
 from sonar_kernels.ops.torch_backend.update import torch_update
-from sonar_kernels.ops.triton_backend import backward as triton_bwd
-from sonar_kernels.ops.triton_backend import forward as triton_fwd
-from sonar_kernels.ops.triton_backend import wgrad as triton_wgrad
-from sonar_kernels.ops.triton_backend.update_bound import magnitudes_numel
 from sonar_kernels.ops.validation import check_master_state
-from sonar_kernels.rules.clipping import clips
 from sonar_kernels.specs import RoutingMetadata
-from sonar_kernels.update_state import UpdateState
+
+# The backends by name (specs.BACKENDS), each a module with the same functions: moe_mlp_fwd,
+# moe_mlp_bwd_core, check_expert_wgrad, run_expert_wgrad, core_rows and magnitudes_numel.
+BACKEND_MODULES = {"triton": triton_backend, "torch": torch_backend}
 
 # What the backward does with a weight's gradient: return it, apply the update (the state is given),
 # or add it to an accumulation buffer.
@@ -99,8 +98,7 @@ def run_moe_mlp_fwd(
     gate_up_proj_bias=None, down_proj_bias=None, up_proj=None,
 ):  # fmt: skip
     """The body of :func:`moe_mlp_fwd`: the launchers of ``backend``."""
-    fwd = triton_fwd.moe_mlp_fwd if backend == "triton" else torch_backend.moe_mlp_fwd
-    out, hpre, meta = fwd(
+    out, hpre, meta = BACKEND_MODULES[backend].moe_mlp_fwd(
         hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, activation, layout, gate_up_proj_bias,
         down_proj_bias, up_proj,
     )  # fmt: skip
@@ -167,20 +165,13 @@ def run_moe_mlp_bwd(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, up_proj, down_proj_bias, hpre, meta, needs,
     activation, backend, layout, hpre_writable=False,
 ):  # fmt: skip
-    """The body of :func:`moe_mlp_bwd`, None for each output not needed; ``hpre_writable`` (eager mode,
+    """The body of :func:`moe_mlp_bwd`: a :class:`~sonar_kernels.specs.BackwardCore`, None for each output not needed; ``hpre_writable`` (eager mode,
     the torch backend): dHpre may be written over ``hpre``, which the caller will not read again (the
-    graph is freed after this backward; ``torch_backend.moe_mlp_bwd_core``)."""
-    meta = RoutingMetadata(*meta)
-    if backend == "triton":
-        return triton_bwd.moe_mlp_bwd_core(
-            grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs),
-            layout, down_proj_bias, up_proj,
-        )  # fmt: skip
-    grads = torch_backend.moe_mlp_bwd_core(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs[:4]),
-        layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
+    graph is freed after this backward; ``torch_backend.mlp.moe_mlp_bwd_core``)."""
+    return BACKEND_MODULES[backend].moe_mlp_bwd_core(
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, RoutingMetadata(*meta), activation,
+        needs, layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
     )  # fmt: skip
-    return (*grads, None)
 
 
 @moe_mlp_bwd.register_fake
@@ -189,14 +180,16 @@ def _moe_mlp_bwd_fake(
     activation, backend, layout,
 ):  # fmt: skip
     need_x, need_w, need_dhpre, need_a, need_magnitudes = needs
-    rows = max(hpre.shape[0], 1) if backend == "triton" else hpre.shape[0]  # the Triton buffers: >= 1 row
+    room = BACKEND_MODULES[backend]
+    rows = room.core_rows(hpre.shape[0])
+    magnitudes = room.magnitudes_numel(hidden_states.shape[0])  # None: the backend has none
     I = specs.down_view(down_proj, layout).shape[2]
     shapes = (
         (need_x, hidden_states.shape, hidden_states.dtype),
         (need_w, top_k_weights.shape, top_k_weights.dtype),
         (need_dhpre, (rows, hpre.shape[1]), hpre.dtype),
         (need_a, (rows, I), hpre.dtype),
-        (need_magnitudes and backend == "triton", (magnitudes_numel(hidden_states.shape[0]),), torch.float32),
+        (need_magnitudes and magnitudes is not None, (magnitudes,), torch.float32),
     )
     return tuple(
         hidden_states.new_empty(shape, dtype=dtype) if need else hidden_states.new_empty(0)
@@ -218,7 +211,7 @@ def expert_wgrad(
     """The gradient of the expert tensor ``name`` (``weight``; one of
     :data:`sonar_kernels.specs.EXPERT_TENSORS`), the weight's shape and dtype, from the operands of
     :func:`moe_mlp_bwd` (``p``: dO, or dHpre or its gate or up half; ``q``: A, X, or None for a bias; see
-    ``torch_backend.expert_gradient``). Mutates nothing, so another saved use of the weight (a penalty
+    ``torch_backend.wgrad.expert_gradient``). Mutates nothing, so another saved use of the weight (a penalty
     computed before the MLP) still runs after this backward."""
     return run_expert_grad(name, weight, p, q, top_k_weights, meta, backend, layout)
 
@@ -287,19 +280,6 @@ def _expert_wgrad_fake_(name, weight, p, q, top_k_weights, meta, *plan):
     return None
 
 
-def _triton_plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue):
-    """(the ``ops.AdamWUpdate`` or None, the ``ops.GradAccumulator`` or None) of a Triton wgrad."""
-    if mode == "update":
-        update = triton_wgrad.AdamWUpdate(
-            **UpdateState.of(state)._asdict(), hyper=hyper, fused=fused_epilogue, grad_in=buffer,
-            grad_dtype=weight.dtype if grad_dtype is None else grad_dtype,
-        )  # fmt: skip
-        return update, None
-    if mode == "accumulate":
-        return None, triton_wgrad.GradAccumulator(buffer, buffer_add)
-    return None, None
-
-
 def check_expert_wgrad(
     name,
     weight,
@@ -314,16 +294,14 @@ def check_expert_wgrad(
     layout="concatenated",
 ):
     """Raise TypeError or ValueError when the plan of :func:`expert_wgrad_` cannot apply to ``weight``
-    (the Triton backend's checks, ``ops.triton_backend.wgrad.check_wgrad``; the torch backend's of bf16 master weights'
-    state, ``ops.validation.check_master_state``); the autograd layer checks every expert tensor's plan
-    before the first one runs."""
+    (an update's state, ``ops.validation.check_master_state``; then the backend's checks, the Triton
+    backend's in ``ops.triton_backend.wgrad.check_wgrad``); the autograd layer checks every expert tensor's
+    plan before the first one runs."""
     if mode == "update":
         check_master_state(name, weight, state)
-    if backend == "triton":
-        update, accumulator = _triton_plan(
-            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue
-        )
-        triton_wgrad.check_wgrad(name, weight, update, accumulator, layout)
+    BACKEND_MODULES[backend].check_expert_wgrad(
+        name, weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue, layout
+    )
 
 
 def run_expert_wgrad(
@@ -337,24 +315,11 @@ def run_expert_wgrad(
     tensor lr and betas). Returns once the update is applied or the buffer written (the caller records it
     then, before any later launch). Mutated tensors' version counters are the caller's to bump here (the op
     bumps them)."""
-    meta = RoutingMetadata(*meta)
-    if backend == "triton":
-        update, accumulator = _triton_plan(
-            weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue
-        )
-        return triton_wgrad.expert_wgrad(
-            name, weight, p, q, top_k_weights, meta, layout, magnitudes, update, accumulator
-        )
-    gradient = torch_backend.expert_gradient(name, weight, p, q, top_k_weights, meta, layout)
-    if mode == "grad":
-        return gradient.full()
-    if mode != "update":
-        raise ValueError(f"{name}: mode {mode!r} is not supported by the torch backend (grad or update)")
-    torch_update(
-        weight, state, hyper if value is None else value, buffer, foreach, torch_fused, gradient,
-        grad_dtype=grad_dtype, clip=hyper if clips(hyper) else None,
+    return BACKEND_MODULES[backend].run_expert_wgrad(
+        name, weight, p, q, top_k_weights, RoutingMetadata(*meta), mode=mode, state=state, hyper=hyper,
+        layout=layout, magnitudes=magnitudes, buffer=buffer, buffer_add=buffer_add, grad_dtype=grad_dtype,
+        fused_epilogue=fused_epilogue, foreach=foreach, torch_fused=torch_fused, value=value,
     )  # fmt: skip
-    return None
 
 
 @torch.library.custom_op("sonar_kernels::expert_adamw_", mutates_args=("weight", "state"))

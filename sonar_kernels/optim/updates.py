@@ -18,8 +18,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from sonar_kernels import ops, specs
+from sonar_kernels.ops.grad_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.ops.torch_backend.adamw import remainder_adamw_
-from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.optim import distributed, loss_scaling, ownership
 from sonar_kernels.optim.accumulation import MicroBatches
 from sonar_kernels.optim.expert_state import moment_tensors

@@ -13,6 +13,7 @@ import torch
 
 from sonar_kernels.ops.common import inf_norm
 from sonar_kernels.ops.torch_backend.grouped_gemm import grouped_wgrad
+from sonar_kernels.specs import RoutingMetadata
 
 # Chunk boundaries fall on multiples of this many elements of the weight: torch's fused CPU AdamW splits
 # its work at 64-byte cache lines and runs a scalar loop on what is left of a call, whose arithmetic
@@ -188,3 +189,14 @@ def expert_chunks(
     step = CHUNK_ALIGN // math.gcd(per_expert, CHUNK_ALIGN)  # experts per aligned boundary
     size = -(-size // step) * step
     return [(first, min(first + size, E)) for first in range(0, E, size)]
+
+
+def valid_rows(meta: RoutingMetadata, S: int) -> torch.Tensor:
+    """[S, 1] bool: rows that belong to an expert (before ``expert_offsets[E]``)."""
+    return (torch.arange(S, device=meta.expert_offsets.device) < meta.expert_offsets[-1])[:, None]
+
+
+def row_weights(top_k_weights, meta) -> torch.Tensor:
+    """[S] float32: each row's routing weight (0 past expert_offsets[E], the dropped slots)."""
+    valid = valid_rows(meta, top_k_weights.numel())
+    return torch.where(valid[:, 0], top_k_weights.reshape(-1)[meta.slot_of_row.long()].float(), 0.0)

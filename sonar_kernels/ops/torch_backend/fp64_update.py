@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from sonar_kernels.ops.common import skip_decided, whole
+from sonar_kernels.ops.common import skip_decided
 from sonar_kernels.ops.torch_backend.adamw import chunked_update_skipped
 from sonar_kernels.ops.torch_backend.cpu_update import adamw_8bit_cpu_, adamw_stochastic_cpu_
 from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient
 from sonar_kernels.rules.adamw import adamw_scalars, grad_limit
-from sonar_kernels.rules.master_weights import element_index, shard_index_base
+from sonar_kernels.rules.master_weights import element_index
 from sonar_kernels.rules.moments_8bit import BLOCK, tables
 from sonar_kernels.rules.update import adamw_update
 from sonar_kernels.update_state import UpdateState
@@ -67,10 +67,7 @@ def adamw_8bit_(
     (a bound from the GEMM operands, else a check pass) when chunked (the CPU: read on the host, which costs
     nothing), on the device without a host read otherwise.
 
-    A DTensor ``weight`` (FSDP2's shard; its gradient a DTensor of the same placements, its codes and scales
-    DTensors sharded like it, along a dimension other than the last): each rank updates its own shard, every
-    element and block as one process would on the whole tensor; the skip and ``grad_norm_sq`` are decided
-    over the whole gradient (a collective over the mesh).
+    A DTensor ``weight`` (FSDP2's shard) is refused: ``ops/grad_update.py`` updates it.
 
     Args:
         found: the skip decided by the caller (a 0-dim bool on the weight's device) in place of the
@@ -105,7 +102,7 @@ def stochastic_adamw_(
     the same gradient, the same bits as the Triton epilogue and split path. ``state``: exp_avg,
     exp_avg_sq, step, grad_norm_sq, skipped, clipped, seed (``update_state.UpdateState``'s order); ``hyper``: the [5] fp64 hyperparameters ([7]: expert clipping first,
     ``rules/clipping.py``). ``gradient``, ``grad_in``, ``grad_dtype``, ``chunk_bytes``, the skip, a DTensor
-    weight, ``found`` and ``index_base`` as :func:`adamw_8bit_` takes them; any layout of the weight (each
+    weight (refused), ``found`` and ``index_base`` as :func:`adamw_8bit_` takes them; any layout of the weight (each
     element's counter is its offset in the storage)."""
     s = UpdateState.of(state)
     _update_(
@@ -128,34 +125,11 @@ def _update_(
     step, grad_norm_sq, skipped, clipped = s.step, s.grad_norm_sq, s.skipped, s.clipped
     eight_bit = s.kind.moments == "8bit"
     dtype = grad_dtype or weight.dtype
-    if _is_dtensor(weight):  # FSDP2's shard: the skip and the norm over the whole gradient, then the shard
-        if not _is_dtensor(gradient) or grad_in is not None:
-            raise ValueError("a sharded (DTensor) weight's update takes its whole gradient as a DTensor")
-        with torch.no_grad():
-            grad = gradient.to(dtype)
-            norm = whole(torch.linalg.vector_norm(grad, dtype=torch.float32))
-            decided = skip_decided(grad, norm, grad_limit(torch.float32))  # the CPU: from the norm
-            norm_sq = norm.square()
-            local = [t.to_local() if _is_dtensor(t) else t for t in (weight, grad, *state)]
-            base = shard_index_base(weight) if seed is not None else 0  # the shard's stream counters
-            held = local[2:]
-            if local[0].is_cuda:  # one Triton launch per tensor per step (ops/triton_backend/shard_update.py)
-                from sonar_kernels.ops.triton_backend.shard_update import shard_update_triton_
-
-                h = UpdateState.of(held)
-                shard_update_triton_(
-                    local[0], local[1], (h.exp_avg, h.exp_avg_scales, h.exp_avg_sq, h.exp_avg_sq_scales) if eight_bit
-                    else (h.exp_avg, h.exp_avg_sq), held, hyper, decided=decided, remainder=h.remainder, seed=h.seed,
-                    index_base=base,
-                )  # fmt: skip
-            else:  # the CPU: the compiled rules (docs/design.md, "The update rules")
-                update = adamw_8bit_ if eight_bit else stochastic_adamw_
-                update(
-                    local[0], local[1], None, held, hyper, grad_dtype=dtype, chunk_bytes=None, found=decided,
-                    index_base=base,
-                )  # fmt: skip
-            grad_norm_sq.copy_(torch.where(decided, float("inf"), norm_sq))
-        return
+    if _is_dtensor(weight):
+        raise ValueError(
+            "a sharded (DTensor) weight's update runs through sonar_kernels.ops.grad_update (the skip and the "
+            "norm over the whole gradient, then the shard)"
+        )
     start_offset = weight.storage_offset()
     table = tables(weight.device)
     clipped.zero_()

@@ -32,7 +32,7 @@ from sonar_kernels.ops.common import (
 from sonar_kernels.ops.triton_backend import configs, tma
 from sonar_kernels.ops.triton_backend.update_bound import layer_magnitudes
 from sonar_kernels.ops.triton_backend.wgrad import AdamWUpdate, GradAccumulator, check_wgrad, expert_wgrad
-from sonar_kernels.specs import RoutingMetadata, down_view, parse_activation
+from sonar_kernels.specs import BackwardCore, RoutingMetadata, down_view, parse_activation
 
 
 def moe_mlp_bwd(
@@ -262,7 +262,7 @@ def _launch_core(
             grad_x.zero_()
         else:
             grad_x = _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key[:5])
-    return grad_x, grad_w, grad_hpre if need_dhpre else None, a, largest
+    return BackwardCore(grad_x, grad_w, grad_hpre if need_dhpre else None, a, largest)
 
 
 def _dx(grad_hpre, w1, meta, grad_x, top_k, dtype, interpret, key):
