@@ -30,27 +30,19 @@ def adamw_8bit_(weight, gradient, grad_in, state, hyper, *, grad_dtype, chunk_by
     Raises:
         ValueError: a DTensor weight whose gradient is not a DTensor, or with ``grad_in``.
     """
-    if _is_dtensor(weight):
-        _shard_update_(weight, gradient, grad_in, state, hyper, grad_dtype)
-    else:
-        fp64_update.adamw_8bit_(
-            weight, gradient, grad_in, state, hyper, grad_dtype=grad_dtype, chunk_bytes=chunk_bytes
-        )
+    _update_(fp64_update.adamw_8bit_, weight, gradient, grad_in, state, hyper, grad_dtype, chunk_bytes)
 
 
 def stochastic_adamw_(weight, gradient, grad_in, state, hyper, *, grad_dtype, chunk_bytes) -> None:
-    """``fp64_update.stochastic_adamw_`` (its arguments and state list), a DTensor ``weight`` as one shard of
-    the whole tensor (the module docstring).
+    """``fp64_update.stochastic_adamw_``, a DTensor ``weight`` as one shard (as :func:`adamw_8bit_`)."""
+    _update_(fp64_update.stochastic_adamw_, weight, gradient, grad_in, state, hyper, grad_dtype, chunk_bytes)
 
-    Raises:
-        ValueError: a DTensor weight whose gradient is not a DTensor, or with ``grad_in``.
-    """
+
+def _update_(rule, weight, gradient, grad_in, state, hyper, grad_dtype, chunk_bytes) -> None:
     if _is_dtensor(weight):
         _shard_update_(weight, gradient, grad_in, state, hyper, grad_dtype)
     else:
-        fp64_update.stochastic_adamw_(
-            weight, gradient, grad_in, state, hyper, grad_dtype=grad_dtype, chunk_bytes=chunk_bytes
-        )
+        rule(weight, gradient, grad_in, state, hyper, grad_dtype=grad_dtype, chunk_bytes=chunk_bytes)
 
 
 def _is_dtensor(t) -> bool:

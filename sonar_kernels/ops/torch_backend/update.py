@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from sonar_kernels.ops.torch_backend import mlp as torch_backend
+from sonar_kernels.ops.torch_backend import mlp
 from sonar_kernels.ops.torch_backend.adamw import remainder_adamw_, torch_adamw_, torch_adamw_chunked_
 from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient
 from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
@@ -21,7 +21,7 @@ __all__ = ["torch_update"]
 def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype=None, clip=None) -> None:
     """The body of ``sonar_kernels::expert_adamw_`` (``grad`` a tensor) and of the torch backend's in-backward update
     (``grad`` an ``expert_gradient.ExpertGradient``, applied by chunks of experts of at most
-    ``torch_backend.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`).
+    ``mlp.WGRAD_CHUNK_BYTES`` with torch's fused AdamW: :func:`torch_adamw_chunked_`).
     ``hyper``: the [5] float64 tensor, or the group's (lr, beta1, beta2, eps,
     weight_decay) as it holds them (see ``ops/library.py``'s ``run_expert_wgrad``). ``grad_dtype``: the gradient is rounded
     to it first (the update's grad_dtype, as the Triton epilogue rounds its accumulator); the sum with
@@ -32,26 +32,17 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype
     decoded = UpdateState.of(state)
     if clip is None and clips(hyper):
         clip = hyper
-    if decoded.kind.moments == "8bit":  # 8-bit moments: the scheme's arithmetic
+    if decoded.kind.moments == "8bit" or decoded.kind.master == "stochastic":
+        # 8-bit moments (the scheme's arithmetic) or stochastic rounding: the "fp64" arithmetic, the Triton
+        # kernels' bits
         if clip is not None:  # the group's values and the clipping entries, as the kernels read them
             hyper = clip
         elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
             hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
-        adamw_8bit_(
+        rule = adamw_8bit_ if decoded.kind.moments == "8bit" else stochastic_adamw_
+        rule(
             weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
-            chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
-        )  # fmt: skip
-        return
-    if (
-        decoded.kind.master == "stochastic"
-    ):  # stochastic rounding: the "fp64" arithmetic, the Triton kernels' bits
-        if clip is not None:
-            hyper = clip
-        elif isinstance(hyper, tuple):  # the group's values: the [5] float64 tensor the kernels read
-            hyper = torch.tensor([float(h) for h in hyper], dtype=torch.float64, device=weight.device)
-        stochastic_adamw_(
-            weight, grad, grad_in, state, hyper, grad_dtype=grad_dtype,
-            chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
+            chunk_bytes=mlp.WGRAD_CHUNK_BYTES if isinstance(grad, ExpertGradient) else None,
         )  # fmt: skip
         return
     remainder = decoded.remainder
@@ -61,7 +52,7 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(
             weight, grad, grad_in, exp_avg, exp_avg_sq, step, hyperparameters, grad_norm_sq, skipped,
-            grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=torch_backend.WGRAD_CHUNK_BYTES,
+            grad_dtype=grad_dtype, foreach=foreach, fused=fused, chunk_bytes=mlp.WGRAD_CHUNK_BYTES,
             remainder=remainder, **clipping,
         )  # fmt: skip
     else:
