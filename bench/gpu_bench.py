@@ -71,7 +71,7 @@ import model_steps  # noqa: E402
 import providers  # noqa: E402
 import triton  # noqa: E402
 
-from sonar_kernels.ops import configs  # noqa: E402
+from sonar_kernels.ops.triton_backend import configs  # noqa: E402
 
 SECTIONS = ("correctness", "layers", "gemms", "wgrad", "full-steps", "model")
 # The prepared command's sections; ``model`` (whole models at full depth, bench/model_steps.py) is a call of

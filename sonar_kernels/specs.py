@@ -96,6 +96,17 @@ class RoutingMetadata(NamedTuple):
     slot_of_row: torch.Tensor
 
 
+class Hyperparameters(NamedTuple):
+    """One parameter group's AdamW hyperparameters (:data:`HYPERPARAMETERS`' order), each a Python float or
+    a one-element tensor as the group holds them (torch's AdamW takes either)."""
+
+    lr: float | torch.Tensor
+    beta1: float | torch.Tensor
+    beta2: float | torch.Tensor
+    eps: float | torch.Tensor
+    weight_decay: float | torch.Tensor
+
+
 class BackwardCore(NamedTuple):
     """What a layer's backward computes once, before its expert tensors' gradients
     (``sonar_kernels::moe_mlp_bwd``, either backend), each None where it was not asked for.
@@ -232,7 +243,7 @@ class ExpertUpdate:
         """The gradient of earlier micro-batches (in ``grad_dtype``, the tensor's strides), or None."""
         return None
 
-    def hyperparameters(self) -> tuple | None:
+    def hyperparameters(self) -> Hyperparameters | None:
         """(lr, beta1, beta2, eps, weight_decay) as the owner's parameter group holds them (floats or
         one-element tensors), which torch's AdamW takes on the torch backend so that tensor values get its
         arithmetic for tensors; None: the values of ``hyper``."""

@@ -119,7 +119,9 @@ def test_a_tuning_pass_applies_the_fused_update_once(device):
 def test_pinning_is_checked():
     with pytest.raises(ValueError, match="family must be one of"):
         configs.pin("attention", configs.Config(64, 64, 32, 8, 3))
-    with pytest.raises(ValueError, match=r"config must be a sonar_kernels\.ops\.configs\.Config"):
+    with pytest.raises(
+        ValueError, match=r"config must be a sonar_kernels\.ops\.triton_backend\.configs\.Config"
+    ):
         configs.pin("up", (64, 64, 32, 8, 3))
     # fp32 keeps its one no-spill configuration; 16-bit dtypes have candidates, the default first.
     for family in configs.FAMILIES:

@@ -14,7 +14,7 @@ whose gradient ``torch.autograd.grad`` returns to its caller (no update then). T
 inputs of the forward op, so torch.compile sees them and the whole step compiles (``fullgraph=True``);
 the owner's host-side checks run in eager mode only.
 
-The public seams for ``autograd/moe_mlp.py``: :func:`forward_inputs`, :func:`apply`.
+The public seam for ``autograd/moe_mlp.py``: :func:`apply`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 
 from sonar_kernels import specs
 from sonar_kernels.ops import library
-from sonar_kernels.update_state import kind_of
+from sonar_kernels.update_state import UpdateState, kind_of
 
 # The forward op's inputs (library.moe_mlp_fwd): the expert tensors (specs.EXPERT_TENSORS order) are
 # inputs 3 to 7; then the options and, per expert tensor, its update's state, hyperparameters and gradient
@@ -205,7 +205,7 @@ def _backward(ctx, grad_out, *unused):
                 mode = "update"
                 # Raises, before any update of this backward, when the backward does not ask for the
                 # weight's gradient (torch.autograd.grad of other inputs).
-                library.check_update_requested(weights[i], state[2], name)
+                library.check_update_requested(weights[i], UpdateState.of(state).step, name)
                 if weights[i].requires_grad:  # tracing: refuse other producers at compile time
                     weights[i].register_hook(functools.partial(_refuse_other_producers, name))
             else:
@@ -248,17 +248,18 @@ def _backward(ctx, grad_out, *unused):
     core_needs = [
         needs[0], needs[2], wanted[0] or wanted[2] or wanted[3], wanted[1], triton and any(updates),
     ]  # fmt: skip
-    core = (
-        grad_out, hidden_states, top_k_weights, weights[0], down_proj, up_proj, weights[4], hpre, meta, core_needs,
-        ctx.activation, backend, layout,
+    core = dict(
+        grad_out=grad_out, hidden_states=hidden_states, top_k_weights=top_k_weights, gate_up_proj=weights[0],
+        down_proj=down_proj, up_proj=up_proj, down_proj_bias=weights[4], hpre=hpre, meta=meta, needs=core_needs,
+        activation=ctx.activation, backend=backend, layout=layout,
     )  # fmt: skip
     if direct:
         # hpre is read by no one after this backward unless the graph is kept (retain_graph=True): the torch
         # backend then writes dHpre over it.
         writable = not torch._C._autograd._get_current_graph_task_keep_graph()
-        grad_x, grad_w, grad_hpre, a, magnitudes = library.run_moe_mlp_bwd(*core, hpre_writable=writable)
+        grad_x, grad_w, grad_hpre, a, magnitudes = library.run_moe_mlp_bwd(**core, hpre_writable=writable)
     else:
-        outputs = library.moe_mlp_bwd(*core)
+        outputs = library.moe_mlp_bwd(**core)
         grad_x, grad_w, grad_hpre, a, magnitudes = (
             t if need else None for t, need in zip(outputs, core_needs, strict=True)
         )
@@ -296,17 +297,17 @@ def _backward(ctx, grad_out, *unused):
         if not wanted[i]:
             continue
         mode, state, hyper, buffer, add, grad_dtype = plans[i]
-        job = (name, weights[i], p, q, top_k_weights, meta)
+        job = dict(name=name, weight=weights[i], p=p, q=q, top_k_weights=top_k_weights, meta=meta)
         del p, q
         if mode == "grad":
             if direct:
-                grads[i] = library.run_expert_grad(*job, backend, layout)
+                grads[i] = library.run_expert_grad(**job, backend=backend, layout=layout)
             else:
-                grads[i] = library.expert_wgrad(*job, backend, layout)
+                grads[i] = library.expert_wgrad(**job, backend=backend, layout=layout)
             continue
         if direct:
             run = functools.partial(
-                library.run_expert_wgrad, *job, mode=mode, state=state, hyper=hyper, backend=backend, layout=layout,
+                library.run_expert_wgrad, **job, mode=mode, state=state, hyper=hyper, backend=backend, layout=layout,
                 magnitudes=magnitudes, buffer=buffer, buffer_add=add, grad_dtype=grad_dtype,
                 fused_epilogue=fused_epilogue, foreach=foreach, torch_fused=torch_fused, value=values[i],
             )  # fmt: skip
@@ -319,8 +320,9 @@ def _backward(ctx, grad_out, *unused):
             del run
         else:
             library.expert_wgrad_(
-                *job, magnitudes, mode, state, hyper, buffer, add, grad_dtype, fused_epilogue, foreach, torch_fused,
-                backend, layout,
+                **job, magnitudes=magnitudes, wgrad_mode=mode, state=state, hyper=hyper, buffer=buffer,
+                buffer_add=add, grad_dtype=grad_dtype, fused_epilogue=fused_epilogue, foreach=foreach,
+                torch_fused=torch_fused, backend=backend, layout=layout,
             )  # fmt: skip
         del job
     for accumulator, outer, owner, (mode, *_) in zip(
@@ -441,7 +443,8 @@ class EagerMoeMlp(torch.autograd.Function):
 def forward_inputs(hidden_states, top_k_index, top_k_weights, tensors, activation, backend, layout) -> tuple:
     """The forward op's inputs (``library.moe_mlp_fwd``) for checked arguments: ``tensors`` the expert
     tensors in :data:`sonar_kernels.specs.EXPERT_TENSORS` order (None where absent), each with the
-    in-backward update its owner attached (:func:`update_for`)."""
+    in-backward update its owner attached (:func:`update_for`). The op's and :class:`EagerMoeMlp`'s
+    argument list, which torch's autograd.Function takes positionally: it stays in this module."""
     updates = tuple(None if t is None else update_for(t) for t in tensors)
     given = [u for u in updates if u is not None]
     first = given[0] if given else None
@@ -465,9 +468,14 @@ def _fused_epilogue(updates) -> bool | None:
     return False if False in paths else True if True in paths or not paths else None
 
 
-def apply(inputs: tuple) -> torch.Tensor:
-    """The expert MLP's output [T, H] from the forward op's ``inputs`` (:func:`forward_inputs`), with its
-    autograd formula: :class:`EagerMoeMlp` in plain eager mode, else the op."""
+def apply(
+    hidden_states, top_k_index, top_k_weights, *, activation, backend, layout, gate_up_proj, down_proj,
+    up_proj=None, gate_up_proj_bias=None, down_proj_bias=None,
+) -> torch.Tensor:  # fmt: skip
+    """The expert MLP's output [T, H] for checked arguments (``autograd/moe_mlp.py``), with its autograd
+    formula: :class:`EagerMoeMlp` in plain eager mode, else the op, on :func:`forward_inputs`."""
+    tensors = (gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias)  # EXPERT_TENSORS' order
+    inputs = forward_inputs(hidden_states, top_k_index, top_k_weights, tensors, activation, backend, layout)
     outputs = EagerMoeMlp.apply(*inputs) if plain_eager(inputs) else library.moe_mlp_fwd(*inputs)
     out = outputs[0]
     if (

@@ -127,12 +127,11 @@ def moe_mlp(
         up_proj,
     )
     check_biases(gate_up_proj, down_proj, gate_up_proj_bias, down_proj_bias, layout)
-    # The expert tensors (the weights, a separate up tensor, the biases) in specs.EXPERT_TENSORS order.
-    tensors = (gate_up_proj, down_proj, up_proj, gate_up_proj_bias, down_proj_bias)
-    inputs = formula.forward_inputs(
-        hidden_states, top_k_index, top_k_weights, tensors, activation, backend, layout
-    )
-    return formula.apply(inputs)
+    return formula.apply(
+        hidden_states, top_k_index, top_k_weights, activation=activation, backend=backend, layout=layout,
+        gate_up_proj=gate_up_proj, down_proj=down_proj, up_proj=up_proj, gate_up_proj_bias=gate_up_proj_bias,
+        down_proj_bias=down_proj_bias,
+    )  # fmt: skip
 
 
 def grouped_mlp(

@@ -170,7 +170,7 @@ def run_moe_mlp_bwd(
     graph is freed after this backward; ``torch_backend.mlp.moe_mlp_bwd_core``)."""
     return BACKEND_MODULES[backend].moe_mlp_bwd_core(
         grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, RoutingMetadata(*meta), activation,
-        needs, layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
+        tuple(needs), layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
     )  # fmt: skip
 
 

@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 from sonar_kernels import ops, specs
 from sonar_kernels.ops.arithmetic import has_torch_fused_adamw
 from sonar_kernels.ops.validation import as_float
+from sonar_kernels.specs import Hyperparameters
 
 __all__ = [
     "EXPERT_CLIPPING",
@@ -114,10 +115,10 @@ def torch_adamw_flags(group: dict, tensors: list[torch.Tensor]) -> tuple[bool | 
     return None, None
 
 
-def hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
+def hyperparameters(group: dict) -> Hyperparameters:
     """(lr, beta1, beta2, eps, weight_decay) of ``group`` as Python floats, as torch.optim.AdamW reads them."""
     beta1, beta2 = group["betas"]
-    return (
+    return Hyperparameters(
         as_float(group["lr"], "lr"),
         as_float(beta1, "beta1"),
         as_float(beta2, "beta2"),
@@ -126,13 +127,13 @@ def hyperparameters(group: dict) -> tuple[float, float, float, float, float]:
     )
 
 
-def torch_hyperparameters(group: dict) -> tuple:
+def torch_hyperparameters(group: dict) -> Hyperparameters:
     """(lr, beta1, beta2, eps, weight_decay) of ``group`` as torch.optim.AdamW.step passes them to torch's
     AdamW: as the group holds them (Python floats or one-element tensors), so that torch's AdamW applied
     to a managed tensor (the torch backend, a gradient that reached ``.grad``) uses its arithmetic for
     tensor values, as standard training does."""
     beta1, beta2 = group["betas"]
-    return (group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
+    return Hyperparameters(group["lr"], beta1, beta2, group["eps"], group["weight_decay"])
 
 
 EXPERT_CLIPPING = ("none", "spike", "lagged")

@@ -41,7 +41,7 @@ def moe_mlp_bwd_core(
     """``mlp.moe_mlp_bwd_core`` on the first four of ``needs``, as a :class:`~sonar_kernels.specs.BackwardCore`
     without magnitudes."""
     grads = mlp.moe_mlp_bwd_core(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs[:4]),
+        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs[:4],
         layout=layout, down_proj_bias=down_proj_bias, up_proj=up_proj, hpre_writable=hpre_writable,
     )  # fmt: skip
     return BackwardCore(*grads, None)

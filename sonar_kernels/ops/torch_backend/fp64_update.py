@@ -178,10 +178,10 @@ def _update_(
             skip = None
         if compiled and eight_bit:  # 8-bit moments: the C update in one pass, where it applies
             chunk = weight[first:last]
-            held = [t[first:last] for t in (*moments, *([] if remainder is None else [remainder]))]
             if adamw_8bit_cpu_(
-                chunk, grad, tuple(held[:4]), scalars, hyper, remainder=held[4] if held[4:] else None, seed=seed,
-                step=step, first_index=chunk.storage_offset() - start_offset + index_base,
+                chunk, grad, tuple(t[first:last] for t in moments), scalars, hyper,
+                remainder=None if remainder is None else remainder[first:last], seed=seed, step=step,
+                first_index=chunk.storage_offset() - start_offset + index_base,
             ):  # fmt: skip
                 return
         if compiled and not eight_bit and seed is not None:  # exact moments, stochastic rounding: likewise

@@ -13,7 +13,8 @@ from sonar_kernels.ops.torch_backend.expert_gradient import ExpertGradient
 from sonar_kernels.ops.torch_backend.fp64_update import adamw_8bit_, stochastic_adamw_
 from sonar_kernels.ops.validation import check_master_state
 from sonar_kernels.rules.clipping import clips
-from sonar_kernels.update_state import STATE_FIELDS, UpdateState
+from sonar_kernels.specs import Hyperparameters
+from sonar_kernels.update_state import UpdateState
 
 __all__ = ["torch_update"]
 
@@ -46,8 +47,9 @@ def torch_update(weight, state, hyper, grad_in, foreach, fused, grad, grad_dtype
         )  # fmt: skip
         return
     remainder = decoded.remainder
-    exp_avg, exp_avg_sq, step, grad_norm_sq, skipped, clipped = decoded[: len(STATE_FIELDS)]
-    hyperparameters = hyper if isinstance(hyper, tuple) else tuple(hyper[:5].tolist())
+    exp_avg, exp_avg_sq, step = decoded.exp_avg, decoded.exp_avg_sq, decoded.step
+    grad_norm_sq, skipped, clipped = decoded.grad_norm_sq, decoded.skipped, decoded.clipped
+    hyperparameters = hyper if isinstance(hyper, tuple) else Hyperparameters(*hyper[:5].tolist())
     clipping = {"clip": clip, "clipped": clipped}
     if isinstance(grad, ExpertGradient):
         torch_adamw_chunked_(

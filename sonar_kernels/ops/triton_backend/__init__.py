@@ -8,7 +8,8 @@ implementations :func:`core_rows` and :func:`magnitudes_numel`.
 
 from __future__ import annotations
 
-from sonar_kernels.ops.triton_backend import backward, wgrad
+from sonar_kernels.ops.triton_backend import wgrad
+from sonar_kernels.ops.triton_backend.backward import moe_mlp_bwd_core
 from sonar_kernels.ops.triton_backend.forward import moe_mlp_fwd
 from sonar_kernels.ops.triton_backend.update_bound import magnitudes_numel
 from sonar_kernels.update_state import UpdateState
@@ -26,18 +27,6 @@ __all__ = [
 def core_rows(S: int) -> int:
     """The rows of dHpre and A for ``S`` routed rows: at least one (the Triton buffers)."""
     return max(S, 1)
-
-
-def moe_mlp_bwd_core(
-    grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs, *, layout,
-    down_proj_bias, up_proj, hpre_writable,
-):  # fmt: skip
-    """``backward.moe_mlp_bwd_core``: a :class:`~sonar_kernels.specs.BackwardCore`, None where ``needs``
-    says no; ``hpre_writable`` is the torch backend's (Hpre is never written here)."""
-    return backward.moe_mlp_bwd_core(
-        grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, tuple(needs),
-        layout, down_proj_bias, up_proj,
-    )  # fmt: skip
 
 
 def _plan(weight, mode, state, hyper, buffer, buffer_add, grad_dtype, fused_epilogue):

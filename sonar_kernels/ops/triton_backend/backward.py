@@ -148,7 +148,7 @@ def moe_mlp_bwd(
 
 def moe_mlp_bwd_core(
     grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
-    layout="concatenated", down_proj_bias=None, up_proj=None,
+    layout="concatenated", down_proj_bias=None, up_proj=None, hpre_writable=False,
 ):  # fmt: skip
     """What the backward computes once per layer, before the expert tensors' wgrads: (dX [T, H], d
     top_k_weights [T, top_k], dHpre [S, 2I], A [S, I], the magnitudes that bound the updated tensors'
@@ -158,7 +158,8 @@ def moe_mlp_bwd_core(
     Launch order: dHpre with A, the routing-weight partial sums and the largest |A| and |dHpre| (reads W2),
     the magnitudes pass and its flags, the routing-weight reduction, dX rows and their sum over top_k (reads
     W1: ``gate_up_proj`` and ``up_proj`` in ``layout``). dHpre and A have max(S, 1) rows (the rows past the
-    kept ones are never written or read). No host sync; no atomics."""
+    kept ones are never written or read). ``hpre_writable`` is the torch backend's (Hpre is never written
+    here). No host sync; no atomics."""
     with on_device(hidden_states.device):
         return _launch_core(
             grad_out, hidden_states, top_k_weights, gate_up_proj, down_proj, hpre, meta, activation, needs,
