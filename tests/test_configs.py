@@ -116,6 +116,13 @@ def test_a_tuning_pass_applies_the_fused_update_once(device):
         assert float(first[3]) == 1.0  # one AdamW step
 
 
+def test_the_tuner_keeps_its_public_name():
+    """``from sonar_kernels.ops import configs`` (configs.pin, configs.timings) names the Triton room's module."""
+    from sonar_kernels.ops import configs as public
+
+    assert public is configs and public.pin is configs.pin
+
+
 def test_pinning_is_checked():
     with pytest.raises(ValueError, match="family must be one of"):
         configs.pin("attention", configs.Config(64, 64, 32, 8, 3))

@@ -15,6 +15,9 @@
   (argument checks: ValueError / TypeError before any kernel runs), ``arithmetic`` (the arithmetic the
   update follows on each device), ``bias`` (the expert biases' share of the backward) and ``common``
   (buffers, the device context, layouts).
+
+``sonar_kernels.ops.configs`` is the Triton room's tile configurations and their tuner
+(``configs.pin``, ``configs.timings``), named here as before the rooms.
 """
 
 from sonar_kernels.ops import library
@@ -26,6 +29,7 @@ from sonar_kernels.ops.arithmetic import (
 )
 from sonar_kernels.ops.common import is_dense, triton_interpreting, whole
 from sonar_kernels.ops.torch_backend.adamw import torch_adamw_
+from sonar_kernels.ops.triton_backend import configs
 from sonar_kernels.ops.triton_backend.backward import moe_mlp_bwd
 from sonar_kernels.ops.triton_backend.forward import moe_mlp_fwd, routing_block_config, routing_metadata
 from sonar_kernels.ops.triton_backend.wgrad import AdamWUpdate, GradAccumulator
@@ -42,6 +46,7 @@ __all__ = [
     "adamw_arithmetic",
     "check_hyperparameters",
     "check_moe_mlp_args",
+    "configs",
     "grad_limit",
     "has_torch_fused_adamw",
     "is_dense",
