@@ -174,6 +174,7 @@ def _sharded_skip_rank(rank, world_size, out):
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from sonar_kernels.ops import grad_update
+    from sonar_kernels.ops.torch_backend import fp64_update
     from sonar_kernels.rules import moments_8bit as q8
 
     mesh = init_device_mesh("cpu", (world_size,))
@@ -192,6 +193,10 @@ def _sharded_skip_rank(rank, world_size, out):
     step, norm_sq, skipped = torch.tensor(3.0), torch.zeros(()), torch.zeros((), dtype=torch.int64)
     before = [t.full_tensor().clone() for t in (shard[0], *state)]
     hyper = torch.tensor([1e-2, 0.9, 0.95, 1e-8, 0.1], dtype=torch.float64)
+    # The torch backend's driver refuses a shard (its skip would not be the whole tensor's); nothing changes.
+    with pytest.raises(ValueError, match=r"runs through sonar_kernels\.ops\.grad_update"):
+        fp64_update.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
+                                hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
     grad_update.adamw_8bit_(shard[0], shard[1], None, [m_codes, v_codes, step, norm_sq, skipped, torch.zeros((), dtype=torch.int64), m_scales, v_scales],
                    hyper, grad_dtype=None, chunk_bytes=None)  # fmt: skip
     assert all(torch.equal(a, t.full_tensor()) for a, t in zip(before, (shard[0], *state), strict=True))
